@@ -1,0 +1,33 @@
+# Every target creates .venv when missing and installs what it needs first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint format bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check jaxhistory tests benchmarks examples
+	$(BIN)/ruff format --check jaxhistory tests benchmarks examples
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix jaxhistory tests benchmarks examples
+	$(BIN)/ruff format jaxhistory tests benchmarks examples
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_reducers.py --out benchmarks/results/reducers.md
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,370 @@
+"""Collective reducers: run inside ``jax.shard_map`` with a named mesh axis.
+
+Inside ``shard_map`` every leaf is the *local* value of one shard. Each reducer first
+reduces the leaf over its local elements, then combines the shards with ``lax``
+collectives over ``axis_name``. The per-leaf partial results are stacked so that a
+whole metrics pytree costs one collective per kind of reduction, not one per leaf.
+Results are the same on every device of the axis (``out_specs=P()`` is valid with
+``check_vma=True``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxhistory import _ops
+from jaxhistory._tree import Leaf, acc_dtype, flatten_metrics, path_name
+
+__all__ = [
+    "all_gather",
+    "collect_from_devices",
+    "reduce_custom_collective",
+    "reduce_max_collective",
+    "reduce_mean_collective",
+    "reduce_min_collective",
+    "reduce_std_collective",
+    "reduce_sum_collective",
+]
+
+AxisName = Hashable | tuple[Hashable, ...]
+
+
+def check_axis_name(axis_name: Any) -> AxisName:
+    """Validates ``axis_name``: a mesh axis name or a tuple of them."""
+    if isinstance(axis_name, list):
+        axis_name = tuple(axis_name)
+    if axis_name is None or axis_name == ():
+        raise ValueError(
+            "axis_name is required: the shard_map mesh axis (or tuple of axes) to "
+            "reduce over"
+        )
+    if isinstance(axis_name, tuple):
+        if not all(isinstance(a, str) for a in axis_name):
+            raise ValueError(f"axis_name {axis_name!r} must hold axis names (str)")
+    elif not isinstance(axis_name, str):
+        raise ValueError(f"axis_name must be a str or a tuple of str, got {axis_name!r}")
+    return axis_name
+
+
+def fused(
+    collective: Callable[[jax.Array, AxisName], jax.Array],
+    values: Sequence[jax.Array],
+    axis_name: AxisName,
+) -> list[jax.Array]:
+    """Applies ``collective`` to many scalars with one call per dtype.
+
+    The scalars are stacked by dtype, reduced over ``axis_name`` together and split
+    again, in their original order.
+    """
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for i, v in enumerate(values):
+        by_dtype.setdefault(jnp.dtype(v.dtype), []).append(i)
+    out: list[Any] = [None] * len(values)
+    for indices in by_dtype.values():
+        stacked = jnp.stack([values[i] for i in indices])
+        try:
+            reduced = collective(stacked, axis_name)
+        except NameError as err:
+            raise ValueError(
+                f"axis_name {axis_name!r} is not a bound mesh axis: call the "
+                "*_collective reducers inside jax.shard_map over a mesh with that "
+                f"axis ({err})"
+            ) from None
+        for j, i in enumerate(indices):
+            out[i] = reduced[j]
+    return out
+
+
+def _psum(x, axis_name):
+    return lax.psum(x, axis_name)
+
+
+def _pmax(x, axis_name):
+    return lax.pmax(x, axis_name)
+
+
+def _pmin(x, axis_name):
+    return lax.pmin(x, axis_name)
+
+
+def collective_reduce(
+    leaves: list[Leaf],
+    ops: list[_ops.ReduceOp],
+    axis_name: AxisName,
+    weights: list[Any] | None = None,
+    masks: list[Any] | None = None,
+) -> list[jax.Array]:
+    """Reduces each leaf with its op across ``axis_name`` with fused collectives.
+
+    Every "sum"-like partial (means, sums, the first pass of std) goes into one
+    ``psum``, maxima into one ``pmax``, minima into one ``pmin``, and the second pass
+    of std into one more ``psum``.
+    """
+    n = len(leaves)
+    weights = weights or [None] * n
+    masks = masks or [None] * n
+    sums: list[jax.Array] = []
+    maxs: list[jax.Array] = []
+    mins: list[jax.Array] = []
+    plan: list[tuple] = []
+    for leaf, op, w, m in zip(leaves, ops, weights, masks, strict=True):
+        if callable(op):
+            plan.append(("call", op))
+        elif op in ("mean", "std"):
+            total, count = _ops.local_mean_parts(leaf, _ops.weights_for(leaf, w, m))
+            plan.append((op, len(sums)))
+            sums += [total, count]
+        elif op == "sum":
+            plan.append(("sum", len(sums)))
+            sums.append(_ops.local_sum(leaf))
+        elif op == "max":
+            plan.append(("max", len(maxs)))
+            maxs.append(_ops.local_extreme(leaf, "max"))
+        else:
+            plan.append(("min", len(mins)))
+            mins.append(_ops.local_extreme(leaf, "min"))
+    sums = fused(_psum, sums, axis_name) if sums else []
+    maxs = fused(_pmax, maxs, axis_name) if maxs else []
+    mins = fused(_pmin, mins, axis_name) if mins else []
+
+    # Second pass of std: squared deviations from the global mean.
+    squares, square_of = [], {}
+    for i, (leaf, (kind, *rest)) in enumerate(zip(leaves, plan, strict=True)):
+        if kind == "std":
+            j = rest[0]
+            mean = sums[j] / sums[j + 1]
+            x = leaf.value.astype(acc_dtype(leaf.value.dtype))
+            square_of[i] = len(squares)
+            squares.append(jnp.sum(jnp.square(x - mean)))
+    squares = fused(_psum, squares, axis_name) if squares else []
+
+    results = []
+    for i, (leaf, (kind, *rest)) in enumerate(zip(leaves, plan, strict=True)):
+        if kind == "call":
+            results.append(_call(rest[0], leaf, axis_name))
+        elif kind == "mean":
+            results.append(sums[rest[0]] / sums[rest[0] + 1])
+        elif kind == "std":
+            results.append(jnp.sqrt(squares[square_of[i]] / sums[rest[0] + 1]))
+        elif kind == "sum":
+            results.append(sums[rest[0]])
+        elif kind == "max":
+            results.append(maxs[rest[0]])
+        else:
+            results.append(mins[rest[0]])
+    return results
+
+
+def _call(fn: Callable, leaf: Leaf, axis_name: AxisName) -> jax.Array:
+    result = _ops.check_scalar(leaf.name, fn(leaf.value, axis_name))
+    axes = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
+    varying = getattr(jax.typeof(result), "vma", frozenset())
+    if axes & set(varying):
+        raise ValueError(
+            f"the reduction of metric {leaf.name!r} returned a per-device value; a "
+            f"callable passed to reduce_custom_collective must reduce across "
+            f"{axis_name!r} itself (for example with lax.psum)"
+        )
+    return result
+
+
+def _reduce_all(
+    metrics: Any, op: str, axis_name: Any, weights: Any = None, mask: Any = None
+) -> Any:
+    axis_name = check_axis_name(axis_name)
+    leaves, treedef = flatten_metrics(metrics)
+    ws = _ops.per_leaf(weights, leaves, treedef, "weights")
+    ms = _ops.per_leaf(mask, leaves, treedef, "mask")
+    results = collective_reduce(leaves, [op] * len(leaves), axis_name, ws, ms)
+    return jax.tree_util.tree_unflatten(treedef, results)
+
+
+def reduce_mean_collective(
+    metrics: Any, axis_name: AxisName, *, weights: Any = None, mask: Any = None
+) -> Any:
+    """Mean of every leaf over all shards along ``axis_name`` (inside shard_map).
+
+    The global mean is ``psum(local sum) / psum(local count)``, so it is exact even
+    when masks leave different shards with different counts. ``weights`` and
+    ``mask`` work as in :func:`jaxhistory.reduce_mean`. All leaves share one ``psum``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxhistory as jh
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        >>> data = NamedSharding(mesh, P("data"))
+        >>> x = jax.device_put(jnp.arange(8.0 * jax.device_count()), data)
+        >>> f = jax.shard_map(lambda v: jh.reduce_mean_collective({"x": v}, "data"),
+        ...                   mesh=mesh, in_specs=P("data"), out_specs=P())
+        >>> float(jax.jit(f)(x)["x"]) == float(x.mean())
+        True
+    """
+    return _reduce_all(metrics, "mean", axis_name, weights, mask)
+
+
+def reduce_sum_collective(metrics: Any, axis_name: AxisName) -> Any:
+    """Sum of every leaf over all shards along ``axis_name`` (inside shard_map).
+
+    A value that is the same on every device (not varying over ``axis_name``) is
+    counted once per device, as ``lax.psum`` does.
+    """
+    return _reduce_all(metrics, "sum", axis_name)
+
+
+def reduce_max_collective(metrics: Any, axis_name: AxisName) -> Any:
+    """Maximum of every leaf over all shards along ``axis_name``; NaN propagates."""
+    return _reduce_all(metrics, "max", axis_name)
+
+
+def reduce_min_collective(metrics: Any, axis_name: AxisName) -> Any:
+    """Minimum of every leaf over all shards along ``axis_name``; NaN propagates."""
+    return _reduce_all(metrics, "min", axis_name)
+
+
+def reduce_std_collective(metrics: Any, axis_name: AxisName) -> Any:
+    """Population std of every leaf over all shards along ``axis_name``.
+
+    Two fused ``psum`` passes (global mean, then squared deviations from it) keep it
+    accurate in float32.
+    """
+    return _reduce_all(metrics, "std", axis_name)
+
+
+def reduce_custom_collective(
+    metrics: Any, reduce_fn: _ops.ReduceSpec, axis_name: AxisName
+) -> Any:
+    """Reduces each leaf with its own operation across ``axis_name``.
+
+    ``reduce_fn`` follows :func:`jaxhistory.reduce_custom`; a callable here is called
+    as ``fn(local_value, axis_name)`` and must return a scalar that is the same on
+    every device (reduce across the axis with ``lax.psum``/``pmax``/... yourself);
+    a per-device result raises ValueError.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax import lax
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxhistory as jh
+        >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        >>> data = NamedSharding(mesh, P("data"))
+        >>> x = jax.device_put(-jnp.arange(1.0 * jax.device_count()), data)
+        >>> absmax = lambda v, ax: lax.pmax(jnp.max(jnp.abs(v)), ax)
+        >>> f = jax.shard_map(
+        ...     lambda v: jh.reduce_custom_collective(
+        ...         {"x": v, "absmax": v}, {"x": "sum", "absmax": absmax}, "data"),
+        ...     mesh=mesh, in_specs=P("data"), out_specs=P())
+        >>> out = jax.jit(f)(x)
+        >>> float(out["absmax"]) == jax.device_count() - 1
+        True
+    """
+    axis_name = check_axis_name(axis_name)
+    leaves, treedef = flatten_metrics(metrics)
+    ops = _ops.resolve_ops(leaves, reduce_fn)
+    results = collective_reduce(leaves, ops, axis_name)
+    return jax.tree_util.tree_unflatten(treedef, results)
+
+
+def all_gather(metrics: Any, axis_name: AxisName) -> Any:
+    """Gathers every leaf from all shards along ``axis_name`` (inside shard_map).
+
+    Each leaf gains a leading axis of the axis size, ordered by shard index. Unlike a
+    bare ``lax.all_gather``, the result is typed as the same on every device, so it can
+    leave ``shard_map`` through ``out_specs=P()`` with ``check_vma=True``: each shard
+    writes its value into its own slot of a zero array and one ``psum`` per dtype
+    fills in the rest. Split the result per device on the host with
+    :func:`collect_from_devices`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.sharding import NamedSharding, PartitionSpec as P
+        >>> import jaxhistory as jh
+        >>> n = jax.device_count()
+        >>> mesh = jax.make_mesh((n,), ("data",))
+        >>> x = jax.device_put(jnp.arange(1.0 * n), NamedSharding(mesh, P("data")))
+        >>> f = jax.shard_map(lambda v: jh.all_gather({"x": v[0]}, "data"),
+        ...                   mesh=mesh, in_specs=P("data"), out_specs=P())
+        >>> jax.jit(f)(x)["x"].shape == (n,)
+        True
+    """
+    axis_name = check_axis_name(axis_name)
+    leaves, treedef = flatten_metrics(metrics)
+    try:
+        size = lax.axis_size(axis_name)
+        index = lax.axis_index(axis_name)
+    except NameError as err:
+        raise ValueError(
+            f"axis_name {axis_name!r} is not a bound mesh axis: call all_gather "
+            f"inside jax.shard_map over a mesh with that axis ({err})"
+        ) from None
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        by_dtype.setdefault(jnp.dtype(leaf.value.dtype), []).append(i)
+    out: list[Any] = [None] * len(leaves)
+    for dtype, indices in by_dtype.items():
+        flat = [leaves[i].value.reshape(-1) for i in indices]
+        local = jnp.concatenate(flat)
+        slots = jnp.zeros((size, local.size), dtype).at[index].set(local)
+        gathered = lax.psum(slots, axis_name)
+        offset = 0
+        for i, v in zip(indices, flat, strict=True):
+            shape = (size, *leaves[i].value.shape)
+            out[i] = gathered[:, offset : offset + v.size].reshape(shape)
+            offset += v.size
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def collect_from_devices(metrics: Any) -> Any:
+    """Splits per-device values along the leading axis, on the host.
+
+    Args:
+        metrics: a pytree whose leaves have one entry per device along axis 0, such as
+            the output of :func:`all_gather` or a per-shard array from
+            :func:`jaxhistory.per_shard`. The whole tree crosses to the host in one
+            transfer. Arrays spread over several processes are gathered with
+            ``multihost_utils.process_allgather``, which is collective: every process
+            must call this function then.
+
+    Returns:
+        The same structure with each leaf replaced by a list of NumPy values, one per
+        device.
+
+    Raises:
+        TypeError: a leaf is not numeric.
+        ValueError: a leaf is a scalar or the leaves disagree on the device count.
+
+    Example:
+        >>> import numpy as np
+        >>> import jaxhistory as jh
+        >>> jh.collect_from_devices({"loss": np.array([0.5, 0.25])})
+        {'loss': [np.float64(0.5), np.float64(0.25)]}
+    """
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(metrics)
+    names = [path_name(path) or "<root>" for path, _ in pairs]
+    values = [v for _, v in pairs]
+    if any(isinstance(v, jax.Array) and not v.is_fully_addressable for v in values):
+        from jax.experimental import multihost_utils
+
+        values = multihost_utils.process_allgather(values, tiled=True)
+    host = [np.asarray(v) for v in jax.device_get(values)]
+    counts = set()
+    for name, value in zip(names, host, strict=True):
+        if value.dtype.kind not in "biuf":
+            raise TypeError(f"metric {name!r} is not numeric (dtype {value.dtype})")
+        if value.ndim == 0:
+            raise ValueError(
+                f"metric {name!r} is a scalar; collect_from_devices needs a leading "
+                "device axis"
+            )
+        counts.add(value.shape[0])
+    if len(counts) > 1:
+        raise ValueError(
+            f"metrics disagree on the number of devices along axis 0: {sorted(counts)}"
+        )
+    return jax.tree_util.tree_unflatten(treedef, [list(v) for v in host])

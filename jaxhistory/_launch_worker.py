@@ -1,0 +1,57 @@
+"""Entry point of one process started by :func:`jaxhistory.launch_local`.
+
+Run as ``python -m jaxhistory._launch_worker SPEC`` where SPEC is a pickle written by
+the launcher. The process initialises JAX's multi-controller runtime, calls the
+target and pickles its return value (or the exception) for the launcher.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import sys
+import traceback
+
+
+def _resolve(target: str):
+    module_name, _, qualname = target.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def main(spec_path: str) -> int:
+    with open(spec_path, "rb") as f:
+        spec = pickle.load(f)
+    os.environ["JAX_NUM_CPU_DEVICES"] = str(spec["devices_per_process"])
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", spec["devices_per_process"])
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{spec['port']}",
+        num_processes=spec["num_processes"],
+        process_id=spec["process_id"],
+        initialization_timeout=int(spec["timeout"]),
+    )
+    try:
+        fn = _resolve(spec["target"])
+        result = ("ok", fn(*spec["args"], **spec["kwargs"]))
+    except BaseException as err:  # reported to the launcher, then re-raised
+        traceback.print_exc()
+        result = ("error", f"{type(err).__name__}: {err}")
+    try:
+        payload = pickle.dumps(result)
+    except Exception as err:
+        result = ("error", f"the return value does not pickle: {err}")
+        payload = pickle.dumps(result)
+    with open(spec["result_path"], "wb") as f:
+        f.write(payload)
+    jax.distributed.shutdown()
+    return 0 if result[0] == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,121 @@
+"""Metric pytrees: leaf names, numeric validation and accumulation dtypes.
+
+Every reducer in jaxhistory treats a metrics pytree the same way:
+
+* each leaf is named by its ``/``-joined path (``{"train": {"loss": x}}`` gives
+  ``"train/loss"``; list items are named by their index);
+* each leaf is converted with :func:`jax.numpy.asarray`, so Python numbers, NumPy
+  arrays, 0-d arrays and JAX arrays all follow one rule: *a leaf is an array and is
+  reduced over all of its elements*. A Python number or 0-d array is a one-element
+  array;
+* booleans count as integers 0/1; strings, objects and complex numbers are rejected
+  with a :class:`TypeError` that names the leaf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Leaf", "acc_dtype", "flatten_metrics", "path_name"]
+
+
+def _key_name(key: Any) -> str:
+    if isinstance(key, jax.tree_util.DictKey):
+        return str(key.key)
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return key.name
+    if isinstance(key, jax.tree_util.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def path_name(path: Sequence[Any]) -> str:
+    """Returns the ``/``-joined name of a pytree key path (``""`` for a bare leaf)."""
+    return "/".join(_key_name(k) for k in path)
+
+
+class Leaf:
+    """One metric leaf: its name and its value as a numeric JAX array."""
+
+    __slots__ = ("name", "value")
+
+    def __init__(self, name: str, value: jax.Array):
+        self.name = name
+        self.value = value
+
+
+def _as_numeric(name: str, value: Any) -> jax.Array:
+    shown = name or "<root>"
+    if isinstance(value, str | bytes):
+        raise TypeError(
+            f"metric {shown!r} is a {type(value).__name__} ({value!r:.40}); "
+            "metrics must be numbers or numeric arrays"
+        )
+    try:
+        arr = jnp.asarray(value)
+    except TypeError as err:
+        raise TypeError(
+            f"metric {shown!r} is not numeric: {type(value).__name__} cannot become "
+            f"a JAX array ({err})"
+        ) from None
+    dtype = arr.dtype
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+        raise TypeError(
+            f"metric {shown!r} is complex ({dtype}); reduce its real part, imaginary "
+            "part or magnitude instead"
+        )
+    if dtype == jnp.bool_:
+        return arr.astype(jnp.int32)
+    if not (
+        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    ):
+        raise TypeError(f"metric {shown!r} has non-numeric dtype {dtype}")
+    return arr
+
+
+def flatten_metrics(
+    metrics: Any,
+) -> tuple[list[Leaf], jax.tree_util.PyTreeDef]:
+    """Flattens ``metrics`` into named, validated numeric leaves.
+
+    Raises:
+        TypeError: a leaf is not numeric; the message names its path.
+        ValueError: two leaves share a name (``{"a/b": x, "a": {"b": y}}``).
+    """
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(metrics)
+    leaves = []
+    seen: set[str] = set()
+    for path, value in pairs:
+        name = path_name(path)
+        if name in seen:
+            raise ValueError(f"two metrics are both named {name!r}")
+        seen.add(name)
+        leaves.append(Leaf(name, _as_numeric(name, value)))
+    return leaves, treedef
+
+
+def acc_dtype(dtype: Any) -> np.dtype:
+    """Returns the dtype statistics of ``dtype`` values accumulate in.
+
+    Floating types narrower than 32 bits (bfloat16, float16, float8) accumulate in
+    float32, float64 stays float64 (when x64 is enabled), and integers use JAX's
+    default float type.
+    """
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.promote_types(dtype, jnp.float32)
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))
+
+
+def map_leaves(
+    fn: Callable[[Leaf], Any], leaves: list[Leaf], treedef: Any
+) -> Any:
+    """Rebuilds the pytree with ``fn(leaf)`` in place of every leaf."""
+    return jax.tree_util.tree_unflatten(treedef, [fn(leaf) for leaf in leaves])

@@ -1,0 +1,202 @@
+"""Launch N local JAX processes that form one multi-controller job.
+
+This is how to run (and test) multi-host code on one machine: each process calls
+``jax.distributed.initialize`` with a coordinator on 127.0.0.1, owns a few simulated
+CPU devices, and together they see one global mesh.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LaunchError", "free_port", "launch_local"]
+
+_LOG_TAIL_LINES = 60
+
+
+class LaunchError(RuntimeError):
+    """A launched process failed or the job ran past its timeout.
+
+    ``logs`` maps each process id to its combined stdout/stderr.
+    """
+
+    def __init__(self, message: str, logs: dict[int, str]):
+        super().__init__(message)
+        self.logs = logs
+
+
+def free_port() -> int:
+    """Returns a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _target_name(target: str | Callable) -> str:
+    if isinstance(target, str):
+        if ":" not in target:
+            raise ValueError(f"target {target!r} must look like 'package.module:function'")
+        return target
+    module = getattr(target, "__module__", None)
+    qualname = getattr(target, "__qualname__", "")
+    if not module or "<locals>" in qualname or "<lambda>" in qualname:
+        raise ValueError(
+            f"target {target!r} must be a module-level function so that the launched "
+            "processes can import it; nested functions and lambdas cannot be"
+        )
+    if module == "__main__":
+        main = sys.modules["__main__"]
+        path = getattr(main, "__file__", None)
+        if not path:
+            raise ValueError("a target defined in an interactive __main__ cannot be imported")
+        module = Path(path).stem
+    return f"{module}:{qualname}"
+
+
+def _tail(text: str) -> str:
+    lines = text.splitlines()
+    return "\n".join(lines[-_LOG_TAIL_LINES:])
+
+
+def _kill(procs: Sequence[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()
+
+
+def launch_local(
+    target: str | Callable,
+    num_processes: int = 2,
+    devices_per_process: int = 2,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Runs ``target`` in ``num_processes`` local JAX processes and returns their results.
+
+    Each process gets ``devices_per_process`` CPU devices, joins the job through
+    ``jax.distributed.initialize("127.0.0.1:<free port>", num_processes, process_id)``
+    before anything else touches JAX, calls ``target(*args, **kwargs)``, and sends
+    back its (picklable) return value. The launcher sees its own ``sys.path``, so a
+    target defined in a test module or script works as long as it is module-level.
+
+    Args:
+        target: a module-level function or a ``"package.module:function"`` string.
+        num_processes: how many processes (one "host" each).
+        devices_per_process: simulated CPU devices in each process.
+        args, kwargs: passed to ``target`` in every process; they must pickle.
+        timeout: seconds for the whole job. Past it every process is killed: a
+            process that skips a collective would otherwise hang the others forever.
+        env: extra environment variables for the processes.
+
+    Returns:
+        The return values, indexed by process id.
+
+    Raises:
+        LaunchError: a process exited with an error, raised, or the job timed out.
+            The message holds the tail of every process's log.
+
+    Example:
+        >>> import jaxhistory as jh
+        >>> jh.launch_local("jax:process_count", num_processes=2)  # doctest: +SKIP
+        [2, 2]
+    """
+    if num_processes < 1 or devices_per_process < 1:
+        raise ValueError("num_processes and devices_per_process must be at least 1")
+    name = _target_name(target)
+    port = free_port()
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    child_env["JAX_PLATFORMS"] = "cpu"
+    child_env.pop("XLA_FLAGS", None)
+
+    with tempfile.TemporaryDirectory(prefix="jaxhistory-launch-") as tmp:
+        tmpdir = Path(tmp)
+        procs, logs = [], []
+        for pid in range(num_processes):
+            spec = {
+                "target": name,
+                "args": tuple(args),
+                "kwargs": dict(kwargs or {}),
+                "port": port,
+                "num_processes": num_processes,
+                "process_id": pid,
+                "devices_per_process": devices_per_process,
+                "timeout": max(1, int(timeout)),
+                "result_path": str(tmpdir / f"result-{pid}.pkl"),
+            }
+            spec_path = tmpdir / f"spec-{pid}.pkl"
+            spec_path.write_bytes(pickle.dumps(spec))
+            log = open(tmpdir / f"log-{pid}.txt", "w+b")  # noqa: SIM115
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "jaxhistory._launch_worker", str(spec_path)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=child_env,
+                    start_new_session=True,
+                )
+            )
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        try:
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                # One failed rank means the others will wait forever on it.
+                if any(p.poll() not in (None, 0) for p in procs):
+                    time.sleep(2.0)  # let the others print what they were doing
+                    break
+                time.sleep(0.05)
+        finally:
+            _kill(procs)
+        texts = {}
+        for pid, log in enumerate(logs):
+            log.seek(0)
+            texts[pid] = log.read().decode(errors="replace")
+            log.close()
+        results, failures = [], []
+        for pid, p in enumerate(procs):
+            path = tmpdir / f"result-{pid}.pkl"
+            status, value = "missing", None
+            if path.exists():
+                status, value = pickle.loads(path.read_bytes())
+            if status == "ok" and p.returncode == 0:
+                results.append(value)
+            else:
+                why = value if status == "error" else f"exit code {p.returncode}"
+                failures.append(f"process {pid}: {why}")
+    if timed_out or failures:
+        head = (
+            f"job timed out after {timeout:g}s"
+            if timed_out
+            else "launched processes failed"
+        )
+        detail = "\n".join(failures)
+        shown = "\n".join(
+            f"----- process {pid} log (last {_LOG_TAIL_LINES} lines) -----\n{_tail(t)}"
+            for pid, t in texts.items()
+        )
+        raise LaunchError(f"{head} ({name})\n{detail}\n{shown}", texts)
+    return results
