@@ -124,11 +124,13 @@ def collective_reduce(
             plan.append(("sum", len(sums)))
             sums.append(_ops.local_sum(leaf))
         elif op == "max":
-            plan.append(("max", len(maxs)))
-            maxs.append(_ops.local_extreme(leaf, "max"))
+            parts = _ops.local_extreme_parts(leaf, "max")
+            plan.append(("max", len(maxs), len(parts)))
+            maxs += parts
         else:
-            plan.append(("min", len(mins)))
-            mins.append(_ops.local_extreme(leaf, "min"))
+            parts = _ops.local_extreme_parts(leaf, "min")
+            plan.append(("min", len(mins), len(parts)))
+            mins += parts
     sums = fused(_psum, sums, axis_name) if sums else []
     maxs = fused(_pmax, maxs, axis_name) if maxs else []
     mins = fused(_pmin, mins, axis_name) if mins else []
@@ -154,10 +156,10 @@ def collective_reduce(
             results.append(jnp.sqrt(squares[square_of[i]] / sums[rest[0] + 1]))
         elif kind == "sum":
             results.append(sums[rest[0]])
-        elif kind == "max":
-            results.append(maxs[rest[0]])
         else:
-            results.append(mins[rest[0]])
+            found = maxs if kind == "max" else mins
+            j, k = rest
+            results.append(_ops.finish_extreme(found[j : j + k]))
     return results
 
 

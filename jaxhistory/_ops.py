@@ -140,13 +140,52 @@ def local_sum(leaf: Leaf) -> jax.Array:
     return jnp.sum(x)
 
 
-def local_extreme(leaf: Leaf, op: str) -> jax.Array:
-    """Max or min of ``leaf``; floats come back in their accumulation dtype."""
+def _extreme_input(leaf: Leaf, op: str) -> tuple[jax.Array, jax.Array | None]:
+    """Returns (values with NaN replaced by the op's identity, NaN flags or None).
+
+    Cross-device max/min all-reduces do not propagate NaN (the CPU and GPU runtimes
+    compare with an ordinary ``<``), so NaN is carried as a separate flag that is
+    reduced with the same op and put back at the end.
+    """
     require_elements(leaf, op)
     x = leaf.value
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        x = x.astype(acc_dtype(x.dtype))
-    return jnp.max(x) if op == "max" else jnp.min(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x, None
+    x = x.astype(acc_dtype(x.dtype))
+    isnan = jnp.isnan(x)
+    fill = -jnp.inf if op == "max" else jnp.inf
+    flag = isnan.astype(x.dtype)
+    return jnp.where(isnan, fill, x), flag if op == "max" else -flag
+
+
+def _with_nan(value: jax.Array, flag: jax.Array) -> jax.Array:
+    return jnp.where(flag != 0, jnp.nan, value)
+
+
+def global_extreme(leaf: Leaf, op: str) -> jax.Array:
+    """Max or min of ``leaf`` over all elements (SPMD), NaN propagating.
+
+    The values and their NaN flags are stacked and reduced together, so a sharded
+    leaf costs one all-reduce.
+    """
+    red = jnp.max if op == "max" else jnp.min
+    clean, flag = _extreme_input(leaf, op)
+    if flag is None:
+        return red(clean)
+    both = red(jnp.stack([clean, flag]), axis=tuple(range(1, clean.ndim + 1)))
+    return _with_nan(both[0], both[1])
+
+
+def local_extreme_parts(leaf: Leaf, op: str) -> list[jax.Array]:
+    """Local [extreme] or [extreme, NaN flag] of a shard, for a fused pmax/pmin."""
+    red = jnp.max if op == "max" else jnp.min
+    clean, flag = _extreme_input(leaf, op)
+    return [red(clean)] if flag is None else [red(clean), red(flag)]
+
+
+def finish_extreme(parts: list[jax.Array]) -> jax.Array:
+    """Combines the reduced output of :func:`local_extreme_parts`."""
+    return parts[0] if len(parts) == 1 else _with_nan(parts[0], parts[1])
 
 
 def check_scalar(name: str, result: Any) -> jax.Array:

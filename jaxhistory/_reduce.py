@@ -42,7 +42,7 @@ def _apply(op: _ops.ReduceOp, leaf: Leaf, weights: Any = None, mask: Any = None)
     if op == "sum":
         return _ops.local_sum(leaf)
     if op in ("max", "min"):
-        return _ops.local_extreme(leaf, op)
+        return _ops.global_extreme(leaf, op)
     return _std(leaf)
 
 

@@ -48,8 +48,21 @@ def _shift(mx: jax.Array, mn: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(c), c, jnp.zeros_like(c))
 
 
+def _clean(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns (x, -x) with NaN as -inf, for one max-reduction, and the NaN flags.
+
+    Cross-device max all-reduces drop NaN, so NaN is counted in the sum pass instead.
+    """
+    isnan = jnp.isnan(x)
+    return (
+        jnp.where(isnan, -jnp.inf, x),
+        jnp.where(isnan, -jnp.inf, -x),
+        isnan.astype(x.dtype),
+    )
+
+
 def _finish(
-    leaves: list[Leaf], mx, mn, c, s1, s2, counts
+    leaves: list[Leaf], mx, mn, c, s1, s2, nans, counts
 ) -> dict[str, jax.Array]:
     out = {}
     for i, leaf in enumerate(leaves):
@@ -57,9 +70,10 @@ def _finish(
         d = s1[i] / n
         var = jnp.maximum(s2[i] / n - jnp.square(d), 0)
         prefix = f"{leaf.name}/" if leaf.name else ""
+        has_nan = nans[i] > 0
         out[prefix + "mean"] = c[i] + d
-        out[prefix + "max"] = mx[i]
-        out[prefix + "min"] = mn[i]
+        out[prefix + "max"] = jnp.where(has_nan, jnp.nan, mx[i])
+        out[prefix + "min"] = jnp.where(has_nan, jnp.nan, mn[i])
         out[prefix + "std"] = jnp.sqrt(var)
     return out
 
@@ -101,20 +115,22 @@ def distributed_stats(metrics: Any) -> dict[str, jax.Array]:
     for i, leaf in enumerate(leaves):
         groups.setdefault(_group_key(leaf), []).append(i)
     n = len(leaves)
-    mx, mn, c, s1, s2 = ([None] * n for _ in range(5))
+    mx, mn, c, s1, s2, nans = ([None] * n for _ in range(6))
     counts = [leaf.value.size for leaf in leaves]
     for (shape, acc, _), idx in groups.items():
         k = len(idx)
         stacked = jnp.stack([leaves[i].value.astype(acc) for i in idx])
         axes = tuple(range(1, 1 + len(shape)))
-        ext = jnp.max(jnp.concatenate([stacked, -stacked]), axis=axes)
+        hi, lo, isnan = _clean(stacked)
+        ext = jnp.max(jnp.concatenate([hi, lo]), axis=axes)  # all-reduce 1
         g_mx, g_mn = ext[:k], -ext[k:]
         g_c = _shift(g_mx, g_mn)
         d = stacked - g_c.reshape((k,) + (1,) * len(shape))
-        sums = jnp.sum(jnp.concatenate([d, jnp.square(d)]), axis=axes)
+        sums = jnp.sum(jnp.concatenate([d, jnp.square(d), isnan]), axis=axes)  # 2
         for j, i in enumerate(idx):
-            mx[i], mn[i], c[i], s1[i], s2[i] = g_mx[j], g_mn[j], g_c[j], sums[j], sums[k + j]
-    return _finish(leaves, mx, mn, c, s1, s2, counts)
+            mx[i], mn[i], c[i] = g_mx[j], g_mn[j], g_c[j]
+            s1[i], s2[i], nans[i] = sums[j], sums[k + j], sums[2 * k + j]
+    return _finish(leaves, mx, mn, c, s1, s2, nans, counts)
 
 
 def distributed_stats_collective(
@@ -159,22 +175,26 @@ def distributed_stats_collective(
             f"axis ({err})"
         ) from None
     xs = [leaf.value.astype(acc_dtype(leaf.value.dtype)) for leaf in leaves]
+    cleaned = [_clean(x) for x in xs]
     ext = fused(
         lambda v, ax: lax.pmax(v, ax),
-        [jnp.max(x) for x in xs] + [-jnp.min(x) for x in xs],
+        [jnp.max(hi) for hi, _, _ in cleaned] + [jnp.max(lo) for _, lo, _ in cleaned],
         axis_name,
     )
     n = len(xs)
     mx, mn = ext[:n], [-e for e in ext[n:]]
     c = [_shift(a, b) for a, b in zip(mx, mn, strict=True)]
     parts = []
-    for x, ci in zip(xs, c, strict=True):
+    for x, ci, (_, _, isnan) in zip(xs, c, cleaned, strict=True):
         local_mean = jnp.mean(x)
         m2 = jnp.sum(jnp.square(x - local_mean))
-        parts += [jnp.sum(x - ci), m2 + x.size * jnp.square(local_mean - ci)]
+        spread = m2 + x.size * jnp.square(local_mean - ci)
+        parts += [jnp.sum(x - ci), spread, jnp.sum(isnan)]
     sums = fused(lambda v, ax: lax.psum(v, ax), parts, axis_name)
     counts = [x.size * size for x in xs]
-    return _finish(leaves, mx, mn, c, sums[0::2], sums[1::2], counts)
+    return _finish(
+        leaves, mx, mn, c, sums[0::3], sums[1::3], sums[2::3], counts
+    )
 
 
 def _num_shards(x: jax.Array) -> int | None:
