@@ -48,8 +48,28 @@ def check_axis_name(axis_name: Any) -> AxisName:
         if not all(isinstance(a, str) for a in axis_name):
             raise ValueError(f"axis_name {axis_name!r} must hold axis names (str)")
     elif not isinstance(axis_name, str):
-        raise ValueError(f"axis_name must be a str or a tuple of str, got {axis_name!r}")
+        raise ValueError(
+            f"axis_name must be a str or a tuple of str, got {axis_name!r}"
+        )
     return axis_name
+
+
+def bound_axis_size(axis_name: Any, caller: str) -> int:
+    """Checks ``axis_name`` and that it is bound here; returns the axis size."""
+    axis_name = check_axis_name(axis_name)
+    try:
+        return lax.axis_size(axis_name)
+    except NameError as err:
+        raise ValueError(
+            f"axis_name {axis_name!r} is not a bound mesh axis: call {caller} inside "
+            f"jax.shard_map over a mesh with that axis ({err})"
+        ) from None
+
+
+def _varying_axes(x: Any) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # jax 0.10: the manual-axes type of a value
+    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", ()))
 
 
 def fused(
@@ -67,15 +87,7 @@ def fused(
         by_dtype.setdefault(jnp.dtype(v.dtype), []).append(i)
     out: list[Any] = [None] * len(values)
     for indices in by_dtype.values():
-        stacked = jnp.stack([values[i] for i in indices])
-        try:
-            reduced = collective(stacked, axis_name)
-        except NameError as err:
-            raise ValueError(
-                f"axis_name {axis_name!r} is not a bound mesh axis: call the "
-                "*_collective reducers inside jax.shard_map over a mesh with that "
-                f"axis ({err})"
-            ) from None
+        reduced = collective(jnp.stack([values[i] for i in indices]), axis_name)
         for j, i in enumerate(indices):
             out[i] = reduced[j]
     return out
@@ -166,8 +178,7 @@ def collective_reduce(
 def _call(fn: Callable, leaf: Leaf, axis_name: AxisName) -> jax.Array:
     result = _ops.check_scalar(leaf.name, fn(leaf.value, axis_name))
     axes = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
-    varying = getattr(jax.typeof(result), "vma", frozenset())
-    if axes & set(varying):
+    if axes & _varying_axes(result):
         raise ValueError(
             f"the reduction of metric {leaf.name!r} returned a per-device value; a "
             f"callable passed to reduce_custom_collective must reduce across "
@@ -179,6 +190,7 @@ def _call(fn: Callable, leaf: Leaf, axis_name: AxisName) -> jax.Array:
 def _reduce_all(
     metrics: Any, op: str, axis_name: Any, weights: Any = None, mask: Any = None
 ) -> Any:
+    bound_axis_size(axis_name, f"reduce_{op}_collective")
     axis_name = check_axis_name(axis_name)
     leaves, treedef = flatten_metrics(metrics)
     ws = _ops.per_leaf(weights, leaves, treedef, "weights")
@@ -266,6 +278,7 @@ def reduce_custom_collective(
         >>> float(out["absmax"]) == jax.device_count() - 1
         True
     """
+    bound_axis_size(axis_name, "reduce_custom_collective")
     axis_name = check_axis_name(axis_name)
     leaves, treedef = flatten_metrics(metrics)
     ops = _ops.resolve_ops(leaves, reduce_fn)
@@ -295,16 +308,10 @@ def all_gather(metrics: Any, axis_name: AxisName) -> Any:
         >>> jax.jit(f)(x)["x"].shape == (n,)
         True
     """
+    size = bound_axis_size(axis_name, "all_gather")
     axis_name = check_axis_name(axis_name)
+    index = lax.axis_index(axis_name)
     leaves, treedef = flatten_metrics(metrics)
-    try:
-        size = lax.axis_size(axis_name)
-        index = lax.axis_index(axis_name)
-    except NameError as err:
-        raise ValueError(
-            f"axis_name {axis_name!r} is not a bound mesh axis: call all_gather "
-            f"inside jax.shard_map over a mesh with that axis ({err})"
-        ) from None
     by_dtype: dict[np.dtype, list[int]] = {}
     for i, leaf in enumerate(leaves):
         by_dtype.setdefault(jnp.dtype(leaf.value.dtype), []).append(i)

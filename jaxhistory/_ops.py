@@ -117,9 +117,7 @@ def require_elements(leaf: Leaf, op: str) -> None:
         raise ValueError(f"metric {leaf.name!r} is empty; its {op} is undefined")
 
 
-def local_mean_parts(
-    leaf: Leaf, w: jax.Array | None
-) -> tuple[jax.Array, jax.Array]:
+def local_mean_parts(leaf: Leaf, w: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """Returns (weighted sum, total weight) of ``leaf`` in its accumulation dtype.
 
     Masked-out elements (weight 0) are excluded with ``where``, so a NaN that is

@@ -37,7 +37,9 @@ def _apply(op: _ops.ReduceOp, leaf: Leaf, weights: Any = None, mask: Any = None)
     if callable(op):
         return _ops.check_scalar(leaf.name, op(leaf.value))
     if op == "mean":
-        total, count = _ops.local_mean_parts(leaf, _ops.weights_for(leaf, weights, mask))
+        total, count = _ops.local_mean_parts(
+            leaf, _ops.weights_for(leaf, weights, mask)
+        )
         return total / count
     if op == "sum":
         return _ops.local_sum(leaf)
@@ -74,7 +76,9 @@ def reduce_mean(metrics: Any, *, weights: Any = None, mask: Any = None) -> Any:
     leaves, treedef = flatten_metrics(metrics)
     ws = _ops.per_leaf(weights, leaves, treedef, "weights")
     ms = _ops.per_leaf(mask, leaves, treedef, "mask")
-    results = [_apply("mean", lf, w, m) for lf, w, m in zip(leaves, ws, ms, strict=True)]
+    results = [
+        _apply("mean", lf, w, m) for lf, w, m in zip(leaves, ws, ms, strict=True)
+    ]
     return jax.tree_util.tree_unflatten(treedef, results)
 
 

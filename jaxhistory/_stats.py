@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxhistory._collective import AxisName, check_axis_name, fused
+from jaxhistory._collective import AxisName, bound_axis_size, check_axis_name, fused
 from jaxhistory._tree import Leaf, acc_dtype, flatten_metrics
 
 __all__ = ["STATS", "distributed_stats", "distributed_stats_collective", "per_shard"]
@@ -31,16 +31,10 @@ __all__ = ["STATS", "distributed_stats", "distributed_stats_collective", "per_sh
 STATS = ("mean", "max", "min", "std")
 
 
-def _check_names(leaves: list[Leaf]) -> None:
-    names = set()
+def _check_nonempty(leaves: list[Leaf]) -> None:
     for leaf in leaves:
         if leaf.value.size == 0:
             raise ValueError(f"metric {leaf.name!r} is empty; it has no statistics")
-        for stat in STATS:
-            key = f"{leaf.name}/{stat}" if leaf.name else stat
-            if key in names:
-                raise ValueError(f"two statistics would both be named {key!r}")
-            names.add(key)
 
 
 def _shift(mx: jax.Array, mn: jax.Array) -> jax.Array:
@@ -107,10 +101,10 @@ def distributed_stats(metrics: Any) -> dict[str, jax.Array]:
         >>> import jaxhistory as jh
         >>> stats = jax.jit(jh.distributed_stats)({"loss": jnp.array([1.0, 3.0])})
         >>> {k: float(v) for k, v in stats.items()}
-        {'loss/mean': 2.0, 'loss/max': 3.0, 'loss/min': 1.0, 'loss/std': 1.0}
+        {'loss/max': 3.0, 'loss/mean': 2.0, 'loss/min': 1.0, 'loss/std': 1.0}
     """
     leaves, _ = flatten_metrics(metrics)
-    _check_names(leaves)
+    _check_nonempty(leaves)
     groups: dict[tuple, list[int]] = {}
     for i, leaf in enumerate(leaves):
         groups.setdefault(_group_key(leaf), []).append(i)
@@ -161,19 +155,12 @@ def distributed_stats_collective(
         >>> float(jax.jit(f)(x)["loss/max"]) == n - 1
         True
     """
+    size = bound_axis_size(axis_name, "distributed_stats_collective")
     axis_name = check_axis_name(axis_name)
     leaves, _ = flatten_metrics(metrics)
-    _check_names(leaves)
+    _check_nonempty(leaves)
     if not leaves:
         return {}
-    try:
-        size = lax.axis_size(axis_name)
-    except NameError as err:
-        raise ValueError(
-            f"axis_name {axis_name!r} is not a bound mesh axis: call "
-            "distributed_stats_collective inside jax.shard_map over a mesh with that "
-            f"axis ({err})"
-        ) from None
     xs = [leaf.value.astype(acc_dtype(leaf.value.dtype)) for leaf in leaves]
     cleaned = [_clean(x) for x in xs]
     ext = fused(
@@ -192,9 +179,7 @@ def distributed_stats_collective(
         parts += [jnp.sum(x - ci), spread, jnp.sum(isnan)]
     sums = fused(lambda v, ax: lax.psum(v, ax), parts, axis_name)
     counts = [x.size * size for x in xs]
-    return _finish(
-        leaves, mx, mn, c, sums[0::3], sums[1::3], sums[2::3], counts
-    )
+    return _finish(leaves, mx, mn, c, sums[0::3], sums[1::3], sums[2::3], counts)
 
 
 def _num_shards(x: jax.Array) -> int | None:
@@ -245,7 +230,9 @@ def per_shard(
         raise TypeError("per_shard takes one array, not a pytree of them")
     x = leaves[0].value
     if x.ndim == 0:
-        raise ValueError("per_shard needs an array with the batch on axis 0, got a scalar")
+        raise ValueError(
+            "per_shard needs an array with the batch on axis 0, got a scalar"
+        )
     known = _num_shards(x)
     if num_shards is None:
         if known is None:

@@ -73,9 +73,7 @@ def _as_numeric(name: str, value: Any) -> jax.Array:
         )
     if dtype == jnp.bool_:
         return arr.astype(jnp.int32)
-    if not (
-        jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
-    ):
+    if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
         raise TypeError(f"metric {shown!r} has non-numeric dtype {dtype}")
     return arr
 
@@ -114,8 +112,6 @@ def acc_dtype(dtype: Any) -> np.dtype:
     return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))
 
 
-def map_leaves(
-    fn: Callable[[Leaf], Any], leaves: list[Leaf], treedef: Any
-) -> Any:
+def map_leaves(fn: Callable[[Leaf], Any], leaves: list[Leaf], treedef: Any) -> Any:
     """Rebuilds the pytree with ``fn(leaf)`` in place of every leaf."""
     return jax.tree_util.tree_unflatten(treedef, [fn(leaf) for leaf in leaves])

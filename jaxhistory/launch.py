@@ -7,6 +7,7 @@ CPU devices, and together they see one global mesh.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -45,7 +46,9 @@ def free_port() -> int:
 def _target_name(target: str | Callable) -> str:
     if isinstance(target, str):
         if ":" not in target:
-            raise ValueError(f"target {target!r} must look like 'package.module:function'")
+            raise ValueError(
+                f"target {target!r} must look like 'package.module:function'"
+            )
         return target
     module = getattr(target, "__module__", None)
     qualname = getattr(target, "__qualname__", "")
@@ -58,7 +61,9 @@ def _target_name(target: str | Callable) -> str:
         main = sys.modules["__main__"]
         path = getattr(main, "__file__", None)
         if not path:
-            raise ValueError("a target defined in an interactive __main__ cannot be imported")
+            raise ValueError(
+                "a target defined in an interactive __main__ cannot be imported"
+            )
         module = Path(path).stem
     return f"{module}:{qualname}"
 
@@ -71,10 +76,8 @@ def _tail(text: str) -> str:
 def _kill(procs: Sequence[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     for p in procs:
         p.wait()
 
@@ -89,7 +92,7 @@ def launch_local(
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Runs ``target`` in ``num_processes`` local JAX processes and returns their results.
+    """Runs ``target`` in ``num_processes`` local JAX processes; returns their results.
 
     Each process gets ``devices_per_process`` CPU devices, joins the job through
     ``jax.distributed.initialize("127.0.0.1:<free port>", num_processes, process_id)``

@@ -9,8 +9,8 @@ import os
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -23,7 +23,7 @@ if jax.device_count() != 8:
 
 @pytest.fixture(scope="session")
 def mesh():
-    """A 1-D mesh of all 8 devices, axis "data" (Explicit axes, jax.make_mesh's default)."""
+    """A 1-D mesh of all 8 devices, axis "data" (Explicit axes, the default)."""
     return jax.make_mesh((8,), ("data",))
 
 

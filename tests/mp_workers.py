@@ -1,0 +1,70 @@
+"""Functions run inside processes started by jaxhistory.launch_local (tests only).
+
+Kept free of pytest and of module-level JAX work: each launched process imports this
+module after jax.distributed.initialize has run.
+"""
+
+import time
+
+import numpy as np
+
+
+def global_data(seed: int, n_metrics: int, n_values: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        f"m{i}": (rng.normal(size=n_values) * (i + 1) + 100 * i).astype(np.float32)
+        for i in range(n_metrics)
+    }
+
+
+def stats_on_global_mesh(seed: int, n_metrics: int) -> dict:
+    """distributed_stats (SPMD and shard_map) over every device of every process."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxhistory as jh
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+    data = global_data(seed, n_metrics, n)
+    metrics = {
+        k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+        for k, v in data.items()
+    }
+    spmd = jax.jit(jh.distributed_stats)(metrics)
+    coll = jax.jit(
+        jax.shard_map(
+            lambda m: jh.distributed_stats_collective(
+                jax.tree.map(lambda v: v[0], m), "data"
+            ),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P(),
+        )
+    )(metrics)
+    local = {
+        k: [float(x) for x in v.addressable_data(0).reshape(-1)]
+        for k, v in metrics.items()
+    }
+    return {
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "device_count": n,
+        "local_values": local,
+        "spmd": {k: float(v.addressable_data(0)) for k, v in spmd.items()},
+        "collective": {k: float(v.addressable_data(0)) for k, v in coll.items()},
+    }
+
+
+def fail_on_process_one() -> int:
+    import jax
+
+    if jax.process_index() == 1:
+        raise RuntimeError("process one gives up")
+    return jax.process_index()
+
+
+def sleep_forever() -> None:
+    time.sleep(3600)

@@ -1,0 +1,222 @@
+"""Collective reducers inside jax.shard_map (check_vma=True), and host collection."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxhistory as jh
+
+
+def run(mesh, fn, *args, in_specs=P("data")):
+    body = jax.shard_map(
+        fn, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=True
+    )
+    return jax.jit(body)(*args)
+
+
+def sharded(mesh, x):
+    return jax.device_put(x, NamedSharding(mesh, P("data")))
+
+
+def test_whole_pytree_shares_one_psum(mesh):
+    metrics = {f"m{i}": sharded(mesh, jnp.arange(16.0) + i) for i in range(20)}
+    fn = jax.shard_map(
+        lambda m: jh.reduce_mean_collective(m, "data"),
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P(),
+    )
+    assert jh.collective_counts(fn, metrics) == {"all-reduce": 1}
+    out = jax.jit(fn)(metrics)
+    assert float(out["m3"]) == 7.5 + 3
+
+
+def test_masked_mean_is_exact_when_shards_keep_different_counts(mesh):
+    v = np.arange(32.0, dtype=np.float32)
+    mask = np.zeros(32, bool)
+    mask[:3] = True  # shard 0 keeps 3 values, shard 1 keeps 2, the rest none
+    mask[4:6] = True
+    out = run(
+        mesh,
+        lambda v, m: jh.reduce_mean_collective({"v": v}, "data", mask=m),
+        sharded(mesh, v),
+        sharded(mesh, mask),
+        in_specs=(P("data"), P("data")),
+    )
+    np.testing.assert_allclose(out["v"], v[mask].mean())
+
+
+def test_weighted_mean_collective(mesh):
+    rng = np.random.default_rng(2)
+    v, w = rng.normal(size=64).astype(np.float32), rng.random(64).astype(np.float32)
+    out = run(
+        mesh,
+        lambda v, w: jh.reduce_mean_collective({"v": v}, "data", weights=w),
+        sharded(mesh, v),
+        sharded(mesh, w),
+        in_specs=(P("data"), P("data")),
+    )
+    np.testing.assert_allclose(out["v"], np.sum(v * w) / np.sum(w), rtol=1e-5)
+
+
+def test_mixed_dtypes_in_one_call(mesh):
+    m = {
+        "loss": sharded(mesh, jnp.arange(8.0)),
+        "tokens": sharded(mesh, jnp.arange(8, dtype=jnp.int32)),
+        "half": sharded(mesh, jnp.arange(8.0, dtype=jnp.bfloat16)),
+    }
+    out = run(mesh, lambda m: jh.reduce_sum_collective(m, "data"), m)
+    assert out["tokens"].dtype == jnp.int32 and int(out["tokens"]) == 28
+    assert out["half"].dtype == jnp.float32 and float(out["half"]) == 28.0
+    out = run(mesh, lambda m: jh.reduce_max_collective(m, "data"), m)
+    assert int(out["tokens"]) == 7 and float(out["loss"]) == 7.0
+
+
+def test_a_value_that_is_the_same_on_every_device_counts_once_per_device(mesh):
+    out = run(
+        mesh,
+        lambda v: jh.reduce_sum_collective({"c": jnp.float32(2.0), "v": v}, "data"),
+        sharded(mesh, jnp.ones(8)),
+    )
+    assert float(out["c"]) == 16.0
+    out = run(
+        mesh,
+        lambda v: jh.reduce_mean_collective({"c": jnp.float32(2.0)}, "data"),
+        sharded(mesh, jnp.ones(8)),
+    )
+    assert float(out["c"]) == 2.0
+
+
+def test_std_collective_is_two_pass_stable(mesh):
+    x = np.array([1e4 - 1, 1e4 + 1] * 4, np.float32)
+    out = run(
+        mesh, lambda v: jh.reduce_std_collective({"x": v}, "data"), sharded(mesh, x)
+    )
+    np.testing.assert_allclose(out["x"], 1.0, atol=1e-3)
+
+
+def test_custom_collective_with_names_and_a_callable(mesh):
+    x = sharded(mesh, jnp.arange(16.0) - 10)
+
+    def absmax(v, axis_name):
+        return lax.pmax(jnp.max(jnp.abs(v)), axis_name)
+
+    out = run(
+        mesh,
+        lambda v: jh.reduce_custom_collective(
+            {"train": {"a": v, "b": v}, "c": v},
+            {"train": "sum", "train/b": absmax, "c": "min"},
+            "data",
+        ),
+        x,
+    )
+    assert float(out["train"]["a"]) == float(np.sum(np.arange(16.0) - 10))
+    assert float(out["train"]["b"]) == 10.0
+    assert float(out["c"]) == -10.0
+
+
+def test_custom_collective_rejects_a_per_device_result(mesh):
+    with pytest.raises(ValueError, match="'x' returned a per-device value"):
+        run(
+            mesh,
+            lambda v: jh.reduce_custom_collective(
+                {"x": v}, {"x": lambda v, ax: jnp.max(v)}, "data"
+            ),
+            sharded(mesh, jnp.arange(8.0)),
+        )
+
+
+def test_custom_collective_checks_names_and_ops(mesh):
+    with pytest.raises(ValueError, match="'nope'"):
+        run(
+            mesh,
+            lambda v: jh.reduce_custom_collective({"x": v}, {"nope": "sum"}, "data"),
+            sharded(mesh, jnp.arange(8.0)),
+        )
+    with pytest.raises(ValueError, match="unknown reduction 'avg'"):
+        run(
+            mesh,
+            lambda v: jh.reduce_custom_collective({"x": v}, {"x": "avg"}, "data"),
+            sharded(mesh, jnp.arange(8.0)),
+        )
+
+
+@pytest.mark.parametrize("axis_name", [None, (), 3, ("data", 1)])
+def test_axis_name_is_required_and_checked(axis_name):
+    with pytest.raises(ValueError, match="axis_name"):
+        jh.reduce_mean_collective({"x": 1.0}, axis_name)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        jh.reduce_mean_collective,
+        jh.reduce_max_collective,
+        jh.all_gather,
+        jh.distributed_stats_collective,
+    ],
+)
+def test_unbound_axis_name_explains_where_to_call(fn, mesh):
+    with pytest.raises(ValueError, match="'model' is not a bound mesh axis"):
+        run(mesh, lambda v: fn({"x": v}, "model"), sharded(mesh, jnp.arange(8.0)))
+    with pytest.raises(ValueError, match="shard_map"):
+        fn({"x": jnp.ones(3)}, "data")
+
+
+def test_all_gather_stacks_shards_in_order_and_leaves_replicated(mesh):
+    x = sharded(mesh, jnp.arange(16.0).reshape(8, 2))
+    tokens = sharded(mesh, jnp.arange(8, dtype=jnp.int32) * 10)
+    out = run(
+        mesh,
+        lambda x, t: jh.all_gather({"x": x[0], "t": t[0], "pair": x}, "data"),
+        x,
+        tokens,
+        in_specs=(P("data"), P("data")),
+    )
+    np.testing.assert_array_equal(out["x"], np.arange(16.0).reshape(8, 2))
+    np.testing.assert_array_equal(out["t"], np.arange(8) * 10)
+    assert out["t"].dtype == jnp.int32
+    assert out["pair"].shape == (8, 1, 2)
+    assert out["x"].sharding.is_fully_replicated
+
+
+def test_all_gather_keeps_nan_in_its_own_slot(mesh):
+    x = np.arange(8.0, dtype=np.float32)
+    x[3] = np.nan
+    out = run(mesh, lambda v: jh.all_gather({"x": v[0]}, "data"), sharded(mesh, x))
+    np.testing.assert_array_equal(np.isnan(out["x"]), np.isnan(x))
+
+
+def test_all_gather_over_two_axes(mesh2d):
+    x = jax.device_put(
+        jnp.arange(8.0).reshape(4, 2), NamedSharding(mesh2d, P("data", "model"))
+    )
+    body = jax.shard_map(
+        lambda v: jh.all_gather({"x": v[0, 0]}, ("data", "model")),
+        mesh=mesh2d,
+        in_specs=P("data", "model"),
+        out_specs=P(),
+    )
+    np.testing.assert_array_equal(jax.jit(body)(x)["x"], np.arange(8.0))
+
+
+def test_collect_from_devices_splits_the_leading_axis(mesh):
+    x = sharded(mesh, jnp.arange(8.0))
+    gathered = run(mesh, lambda v: jh.all_gather({"loss": v[0]}, "data"), x)
+    per_device = jh.collect_from_devices({"loss": gathered["loss"], "raw": x})
+    assert len(per_device["loss"]) == 8
+    assert [float(v) for v in per_device["loss"]] == list(range(8))
+    assert isinstance(per_device["raw"][0], np.floating)
+
+
+def test_collect_from_devices_rejects_bad_input():
+    with pytest.raises(ValueError, match="'a' is a scalar"):
+        jh.collect_from_devices({"a": 1.0})
+    with pytest.raises(ValueError, match="disagree"):
+        jh.collect_from_devices({"a": np.zeros(8), "b": np.zeros(4)})
+    with pytest.raises(TypeError, match="'name'"):
+        jh.collect_from_devices({"name": np.array(["a", "b"])})

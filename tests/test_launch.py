@@ -1,0 +1,70 @@
+"""Multi-process runs: real JAX processes on 127.0.0.1, each under a timeout."""
+
+import numpy as np
+import pytest
+from mp_workers import global_data
+
+import jaxhistory as jh
+
+pytestmark = pytest.mark.slow
+
+
+def _reference(seed, n_metrics, n_values):
+    out = {}
+    for name, v in global_data(seed, n_metrics, n_values).items():
+        v = v.astype(np.float64)
+        out.update(
+            {
+                f"{name}/mean": v.mean(),
+                f"{name}/max": v.max(),
+                f"{name}/min": v.min(),
+                f"{name}/std": v.std(),
+            }
+        )
+    return out
+
+
+def test_two_processes_match_one_process_with_the_same_devices():
+    args = (7, 5)
+    two = jh.launch_local(
+        "mp_workers:stats_on_global_mesh", 2, 2, args=args, timeout=180
+    )
+    one = jh.launch_local(
+        "mp_workers:stats_on_global_mesh", 1, 4, args=args, timeout=180
+    )
+    assert [r["process_index"] for r in two] == [0, 1]
+    assert all(r["process_count"] == 2 and r["device_count"] == 4 for r in two)
+    assert one[0]["process_count"] == 1 and one[0]["device_count"] == 4
+    # Each process really holds different data.
+    assert two[0]["local_values"] != two[1]["local_values"]
+    ref = _reference(*args, 4)
+    for result in (*two, *one):
+        for family in ("spmd", "collective"):
+            got = result[family]
+            assert set(got) == set(ref)
+            for key, want in ref.items():
+                np.testing.assert_allclose(got[key], want, rtol=1e-5, err_msg=key)
+                # Bit-for-bit the same as the single-process run.
+                assert got[key] == one[0][family][key], key
+
+
+def test_a_failing_process_fails_the_job_with_its_log():
+    with pytest.raises(jh.LaunchError) as info:
+        jh.launch_local("mp_workers:fail_on_process_one", 2, 1, timeout=120)
+    message = str(info.value)
+    assert "process 1: RuntimeError: process one gives up" in message
+    assert "Traceback" in info.value.logs[1]
+
+
+def test_a_hung_job_is_killed_at_the_timeout():
+    with pytest.raises(jh.LaunchError, match="timed out after 15s"):
+        jh.launch_local("mp_workers:sleep_forever", 2, 1, timeout=15)
+
+
+def test_callable_targets_must_be_importable():
+    with pytest.raises(ValueError, match="module-level"):
+        jh.launch_local(lambda: 1)
+    with pytest.raises(ValueError, match="package.module:function"):
+        jh.launch_local("no_colon_here")
+    with pytest.raises(ValueError, match="at least 1"):
+        jh.launch_local("mp_workers:sleep_forever", 0)

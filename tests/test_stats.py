@@ -1,0 +1,236 @@
+"""distributed_stats (SPMD and collective), per_shard and collective counting."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxhistory as jh
+from jaxhistory._hlo import count_in_hlo
+
+
+def per_device(mesh, values):
+    return jax.device_put(
+        np.asarray(values, np.float32), NamedSharding(mesh, P("data"))
+    )
+
+
+def stats_collective(mesh):
+    return jax.shard_map(
+        lambda m: jh.distributed_stats_collective(
+            jax.tree.map(lambda v: v[0], m), "data"
+        ),
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P(),
+        check_vma=True,
+    )
+
+
+@pytest.mark.parametrize("k", [1, 10, 100])
+@pytest.mark.parametrize("family", ["spmd", "collective"])
+def test_k_metrics_compile_to_at_most_two_collectives(k, family, mesh):
+    rng = np.random.default_rng(k)
+    metrics = {f"m{i}": per_device(mesh, rng.normal(size=8)) for i in range(k)}
+    fn = jh.distributed_stats if family == "spmd" else stats_collective(mesh)
+    counts = jh.collective_counts(fn, metrics)
+    assert sum(counts.values()) <= 2, counts
+    out = jax.jit(fn)(metrics)
+    assert len(out) == 4 * k
+    x = np.asarray(metrics["m0"], np.float64)
+    np.testing.assert_allclose(out["m0/std"], np.std(x), rtol=1e-5)
+
+
+def test_naive_per_metric_stats_cost_many_more_collectives(mesh):
+    # The reference point the fused form is measured against.
+    metrics = {f"m{i}": per_device(mesh, np.arange(8.0) + i) for i in range(10)}
+
+    def naive(m):
+        out = {}
+        for k, v in m.items():
+            mu = jnp.mean(v)
+            out[k] = (mu, jnp.max(v), jnp.min(v), jnp.sqrt(jnp.mean((v - mu) ** 2)))
+        return out
+
+    assert sum(jh.collective_counts(naive, metrics).values()) > 2
+
+
+@pytest.mark.parametrize("family", ["spmd", "collective"])
+def test_std_is_stable_for_values_far_from_zero(family, mesh):
+    x = per_device(mesh, [1e4 - 1, 1e4 + 1] * 4)
+    fn = jh.distributed_stats if family == "spmd" else stats_collective(mesh)
+    out = jax.jit(fn)({"loss": x})
+    np.testing.assert_allclose(out["loss/std"], 1.0, atol=1e-3)
+    assert float(out["loss/mean"]) == 1e4
+
+
+@pytest.mark.parametrize("family", ["spmd", "collective"])
+def test_std_is_accurate_for_skewed_values(family, mesh):
+    # One outlier: the shift (midrange) sits far from the mean.
+    x = np.array([1e3 + 0.5 * i for i in range(7)] + [5e3], np.float32)
+    fn = jh.distributed_stats if family == "spmd" else stats_collective(mesh)
+    out = jax.jit(fn)({"x": per_device(mesh, x)})
+    np.testing.assert_allclose(out["x/std"], np.std(x.astype(np.float64)), rtol=1e-5)
+    np.testing.assert_allclose(out["x/mean"], np.mean(x.astype(np.float64)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["spmd", "collective"])
+def test_nan_makes_every_statistic_nan_and_other_metrics_survive(family, mesh):
+    fn = jh.distributed_stats if family == "spmd" else stats_collective(mesh)
+    bad = per_device(mesh, [1, 2, np.nan, 4, 5, 6, 7, 8])
+    out = jax.jit(fn)({"bad": bad, "good": per_device(mesh, np.arange(8.0))})
+    for stat in jh.STATS:
+        assert np.isnan(out[f"bad/{stat}"]), stat
+    assert float(out["good/max"]) == 7.0
+
+
+def test_infinities_behave_like_numpy(mesh):
+    out = jax.jit(jh.distributed_stats)(
+        {"x": per_device(mesh, [1, 2, np.inf, 4, 5, 6, 7, 8])}
+    )
+    assert float(out["x/max"]) == np.inf
+    assert float(out["x/mean"]) == np.inf
+    assert float(out["x/min"]) == 1.0
+    assert np.isnan(out["x/std"])
+
+
+def test_bf16_values_give_float32_statistics(mesh):
+    x = jax.device_put(
+        jnp.arange(8, dtype=jnp.bfloat16) + 100, NamedSharding(mesh, P("data"))
+    )
+    out = jax.jit(jh.distributed_stats)({"x": x})
+    assert all(v.dtype == jnp.float32 for v in out.values())
+    np.testing.assert_allclose(out["x/std"], np.std(np.arange(8.0)), rtol=1e-6)
+
+
+def test_names_are_slash_joined_paths():
+    out = jh.distributed_stats({"train": {"loss": jnp.ones(2)}, "acc": [jnp.ones(2)]})
+    assert set(out) == {
+        f"{name}/{s}" for name in ("train/loss", "acc/0") for s in jh.STATS
+    }
+
+
+def test_a_bare_array_gives_bare_statistic_names():
+    assert set(jh.distributed_stats(jnp.ones(3))) == set(jh.STATS)
+
+
+def test_scalar_leaf_has_zero_spread():
+    out = jh.distributed_stats({"lr": 0.5})
+    assert float(out["lr/mean"]) == 0.5 and float(out["lr/std"]) == 0.0
+
+
+def test_mixed_shapes_are_each_correct(mesh):
+    rng = np.random.default_rng(3)
+    a, b = rng.normal(size=8), rng.normal(size=(16, 2))
+    out = jax.jit(jh.distributed_stats)(
+        {
+            "a": per_device(mesh, a),
+            "b": jax.device_put(b.astype(np.float32), NamedSharding(mesh, P("data"))),
+            "c": jnp.int32(4),
+        }
+    )
+    for name, x in (("a", a), ("b", b)):
+        np.testing.assert_allclose(out[f"{name}/mean"], x.mean(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out[f"{name}/std"], x.std(), rtol=1e-5)
+        np.testing.assert_allclose(out[f"{name}/min"], x.min(), rtol=1e-6)
+    assert float(out["c/max"]) == 4.0
+
+
+def test_statistic_names_never_collide():
+    out = jh.distributed_stats({"loss": jnp.ones(2), "loss/mean": jnp.zeros(2)})
+    assert float(out["loss/mean"]) == 1.0
+    assert float(out["loss/mean/mean"]) == 0.0
+    with pytest.raises(ValueError, match="both named 'a/b'"):
+        jh.distributed_stats({"a/b": 1.0, "a": {"b": 2.0}})
+
+
+def test_empty_leaf_is_rejected():
+    with pytest.raises(ValueError, match="'w' is empty"):
+        jh.distributed_stats({"w": jnp.zeros(0)})
+
+
+def test_non_numeric_leaf_is_rejected():
+    with pytest.raises(TypeError, match="'run'"):
+        jh.distributed_stats({"run": "name"})
+
+
+class TestPerShard:
+    def test_reads_the_shard_count_from_an_explicit_sharding(self, mesh):
+        x = jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("data")))
+        with jax.set_mesh(mesh):
+            out = jax.jit(jh.per_shard)(x)
+        np.testing.assert_allclose(out, np.arange(64.0).reshape(8, 8).mean(axis=1))
+        assert out.sharding.spec == P("data")
+
+    def test_moves_no_data_between_devices(self, mesh):
+        x = jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("data")))
+        with jax.set_mesh(mesh):
+            assert jh.collective_counts(jh.per_shard, x) == {}
+
+    def test_concrete_array_outside_jit(self, mesh):
+        x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("data")))
+        np.testing.assert_allclose(
+            jh.per_shard(x, reduce="sum"), np.arange(16.0).reshape(8, 2).sum(1)
+        )
+
+    def test_feature_axes_are_reduced_too(self, mesh):
+        x = jax.device_put(
+            jnp.arange(48.0).reshape(16, 3), NamedSharding(mesh, P("data", None))
+        )
+        out = jh.per_shard(x, reduce="max")
+        np.testing.assert_allclose(out, np.arange(48.0).reshape(8, 6).max(1))
+
+    def test_auto_mesh_inside_jit_needs_num_shards(self):
+        auto = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+        x = jax.device_put(jnp.arange(32.0), NamedSharding(auto, P("data")))
+        with pytest.raises(ValueError, match="pass num_shards"):
+            jax.jit(jh.per_shard)(x)
+        out = jax.jit(lambda v: jh.per_shard(v, num_shards=8))(x)
+        np.testing.assert_allclose(out, np.arange(32.0).reshape(8, 4).mean(1))
+
+    def test_feeds_distributed_stats(self, mesh):
+        x = jax.device_put(jnp.arange(32.0), NamedSharding(mesh, P("data")))
+        with jax.set_mesh(mesh):
+            out = jax.jit(lambda v: jh.distributed_stats({"loss": jh.per_shard(v)}))(x)
+        means = np.arange(32.0).reshape(8, 4).mean(1)
+        np.testing.assert_allclose(out["loss/std"], means.std(), rtol=1e-6)
+
+    def test_bad_input(self, mesh):
+        x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("data")))
+        with pytest.raises(ValueError, match="sharded 8 ways"):
+            jh.per_shard(x, num_shards=4)
+        with pytest.raises(ValueError, match="does not split into 3"):
+            jh.per_shard(jnp.arange(10.0), num_shards=3)
+        with pytest.raises(ValueError, match="unknown reduce 'median'"):
+            jh.per_shard(x, reduce="median")
+        with pytest.raises(ValueError, match="scalar"):
+            jh.per_shard(jnp.float32(1.0), num_shards=1)
+        with pytest.raises(ValueError, match="positive int"):
+            jh.per_shard(jnp.arange(4.0), num_shards=0)
+        with pytest.raises(TypeError, match="not a pytree"):
+            jh.per_shard({"a": jnp.arange(4.0)}, num_shards=2)
+        with pytest.raises(ValueError, match="pass num_shards"):
+            jh.per_shard(np.arange(4.0))
+
+
+def test_collective_counts_reads_tuple_and_async_collectives():
+    text = "\n".join(
+        [
+            "  %all-reduce.40 = (f32[], f32[]) all-reduce(%a, %b), channel_id=1",
+            "  %ag = f32[8] all-gather-start(%x), dimensions={0}",
+            "  %agd = f32[8] all-gather-done(%ag)",
+            "  %cp = f32[8] collective-permute(%x), source_target_pairs={{0,1}}",
+            "  %add = f32[] add(%all-reduce.40, %c)",
+        ]
+    )
+    assert count_in_hlo(text) == {
+        "all-reduce": 1,
+        "all-gather": 1,
+        "collective-permute": 1,
+    }
+
+
+def test_collective_counts_of_a_plain_function_is_empty():
+    assert jh.collective_counts(lambda x: x + 1, jnp.ones(3)) == {}
