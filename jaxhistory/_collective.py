@@ -93,18 +93,6 @@ def fused(
     return out
 
 
-def _psum(x, axis_name):
-    return lax.psum(x, axis_name)
-
-
-def _pmax(x, axis_name):
-    return lax.pmax(x, axis_name)
-
-
-def _pmin(x, axis_name):
-    return lax.pmin(x, axis_name)
-
-
 def collective_reduce(
     leaves: list[Leaf],
     ops: list[_ops.ReduceOp],
@@ -143,9 +131,9 @@ def collective_reduce(
             parts = _ops.local_extreme_parts(leaf, "min")
             plan.append(("min", len(mins), len(parts)))
             mins += parts
-    sums = fused(_psum, sums, axis_name) if sums else []
-    maxs = fused(_pmax, maxs, axis_name) if maxs else []
-    mins = fused(_pmin, mins, axis_name) if mins else []
+    sums = fused(lax.psum, sums, axis_name)
+    maxs = fused(lax.pmax, maxs, axis_name)
+    mins = fused(lax.pmin, mins, axis_name)
 
     # Second pass of std: squared deviations from the global mean.
     squares, square_of = [], {}
@@ -156,7 +144,7 @@ def collective_reduce(
             x = leaf.value.astype(acc_dtype(leaf.value.dtype))
             square_of[i] = len(squares)
             squares.append(jnp.sum(jnp.square(x - mean)))
-    squares = fused(_psum, squares, axis_name) if squares else []
+    squares = fused(lax.psum, squares, axis_name)
 
     results = []
     for i, (leaf, (kind, *rest)) in enumerate(zip(leaves, plan, strict=True)):

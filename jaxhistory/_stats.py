@@ -164,7 +164,7 @@ def distributed_stats_collective(
     xs = [leaf.value.astype(acc_dtype(leaf.value.dtype)) for leaf in leaves]
     cleaned = [_clean(x) for x in xs]
     ext = fused(
-        lambda v, ax: lax.pmax(v, ax),
+        lax.pmax,
         [jnp.max(hi) for hi, _, _ in cleaned] + [jnp.max(lo) for _, lo, _ in cleaned],
         axis_name,
     )
@@ -177,7 +177,7 @@ def distributed_stats_collective(
         m2 = jnp.sum(jnp.square(x - local_mean))
         spread = m2 + x.size * jnp.square(local_mean - ci)
         parts += [jnp.sum(x - ci), spread, jnp.sum(isnan)]
-    sums = fused(lambda v, ax: lax.psum(v, ax), parts, axis_name)
+    sums = fused(lax.psum, parts, axis_name)
     counts = [x.size * size for x in xs]
     return _finish(leaves, mx, mn, c, sums[0::3], sums[1::3], sums[2::3], counts)
 
