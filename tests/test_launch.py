@@ -68,3 +68,14 @@ def test_callable_targets_must_be_importable():
         jh.launch_local("no_colon_here")
     with pytest.raises(ValueError, match="at least 1"):
         jh.launch_local("mp_workers:sleep_forever", 0)
+
+
+def test_free_port_can_be_bound_on_loopback():
+    import socket
+
+    from jaxhistory.launch import free_port
+
+    port = free_port()
+    assert 1024 <= port <= 65535
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
