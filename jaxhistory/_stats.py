@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxhistory._collective import AxisName, bound_axis_size, check_axis_name, fused
+from jaxhistory._collective import AxisName, bound_axis_size, check_axis_name
 from jaxhistory._tree import Leaf, acc_dtype, flatten_metrics
 
 __all__ = ["STATS", "distributed_stats", "distributed_stats_collective", "per_shard"]
@@ -55,21 +55,36 @@ def _clean(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     )
 
 
-def _finish(
-    leaves: list[Leaf], mx, mn, c, s1, s2, nans, counts
-) -> dict[str, jax.Array]:
-    out = {}
-    for i, leaf in enumerate(leaves):
-        n = counts[i]
-        d = s1[i] / n
-        var = jnp.maximum(s2[i] / n - jnp.square(d), 0)
-        prefix = f"{leaf.name}/" if leaf.name else ""
-        has_nan = nans[i] > 0
-        out[prefix + "mean"] = c[i] + d
-        out[prefix + "max"] = jnp.where(has_nan, jnp.nan, mx[i])
-        out[prefix + "min"] = jnp.where(has_nan, jnp.nan, mn[i])
-        out[prefix + "std"] = jnp.sqrt(var)
-    return out
+def _finish(c: jax.Array, ext: jax.Array, sums: jax.Array, counts: Any) -> jax.Array:
+    """Turns one group's reduced partials into a ``(4, k)`` table of STATS.
+
+    ``c`` is the shift of each of the ``k`` leaves, ``ext`` the reduced
+    ``[max, -min]`` (``2k``), ``sums`` the reduced ``[sum(x - c), sum((x - c)^2),
+    NaN count]`` (``3k``) and ``counts`` the number of values of each leaf.
+    """
+    k = c.shape[0]
+    mx, mn = ext[:k], -ext[k:]
+    s1, s2, nans = sums[:k], sums[k : 2 * k], sums[2 * k :]
+    d = s1 / counts
+    var = jnp.maximum(s2 / counts - jnp.square(d), 0)
+    has_nan = nans > 0
+    return jnp.stack(
+        [
+            c + d,
+            jnp.where(has_nan, jnp.nan, mx),
+            jnp.where(has_nan, jnp.nan, mn),
+            jnp.sqrt(var),
+        ]
+    )
+
+
+def _emit(
+    out: dict[str, jax.Array], leaves: list[Leaf], idx: list[int], table: jax.Array
+) -> None:
+    for j, i in enumerate(idx):
+        prefix = f"{leaves[i].name}/" if leaves[i].name else ""
+        for row, stat in enumerate(STATS):
+            out[prefix + stat] = table[row, j]
 
 
 def _group_key(leaf: Leaf) -> tuple:
@@ -108,23 +123,18 @@ def distributed_stats(metrics: Any) -> dict[str, jax.Array]:
     groups: dict[tuple, list[int]] = {}
     for i, leaf in enumerate(leaves):
         groups.setdefault(_group_key(leaf), []).append(i)
-    n = len(leaves)
-    mx, mn, c, s1, s2, nans = ([None] * n for _ in range(6))
-    counts = [leaf.value.size for leaf in leaves]
+    out: dict[str, jax.Array] = {}
     for (shape, acc, _), idx in groups.items():
         k = len(idx)
         stacked = jnp.stack([leaves[i].value.astype(acc) for i in idx])
         axes = tuple(range(1, 1 + len(shape)))
         hi, lo, isnan = _clean(stacked)
         ext = jnp.max(jnp.concatenate([hi, lo]), axis=axes)  # all-reduce 1
-        g_mx, g_mn = ext[:k], -ext[k:]
-        g_c = _shift(g_mx, g_mn)
-        d = stacked - g_c.reshape((k,) + (1,) * len(shape))
+        c = _shift(ext[:k], -ext[k:])
+        d = stacked - c.reshape((k,) + (1,) * len(shape))
         sums = jnp.sum(jnp.concatenate([d, jnp.square(d), isnan]), axis=axes)  # 2
-        for j, i in enumerate(idx):
-            mx[i], mn[i], c[i] = g_mx[j], g_mn[j], g_c[j]
-            s1[i], s2[i], nans[i] = sums[j], sums[k + j], sums[2 * k + j]
-    return _finish(leaves, mx, mn, c, s1, s2, nans, counts)
+        _emit(out, leaves, idx, _finish(c, ext, sums, math.prod(shape)))
+    return out
 
 
 def distributed_stats_collective(
@@ -133,10 +143,11 @@ def distributed_stats_collective(
     """Mean, max, min and std of every metric across ``axis_name`` (in shard_map).
 
     Each leaf is this shard's value (a per-shard loss is a scalar); statistics are
-    taken over all elements of all shards. The whole pytree costs one ``pmax`` and one
-    ``psum`` (per accumulation dtype), whatever the number of leaves. Within a
-    shard the spread is computed around the shard's own mean, so only the spread
-    between shards goes through the shifted sum.
+    taken over all elements of all shards. The whole pytree costs one ``pmax`` and
+    one ``psum``, whatever the number of leaves (one pair per accumulation dtype, so
+    two pairs only when float64 and float32 leaves mix). Within a shard the spread is
+    computed around the shard's own mean, so only the spread between shards goes
+    through the shifted sum.
 
     Returns:
         A flat dict with ``name/mean``, ``name/max``, ``name/min`` and ``name/std``,
@@ -161,25 +172,30 @@ def distributed_stats_collective(
     _check_nonempty(leaves)
     if not leaves:
         return {}
-    xs = [leaf.value.astype(acc_dtype(leaf.value.dtype)) for leaf in leaves]
-    cleaned = [_clean(x) for x in xs]
-    ext = fused(
-        lax.pmax,
-        [jnp.max(hi) for hi, _, _ in cleaned] + [jnp.max(lo) for _, lo, _ in cleaned],
-        axis_name,
-    )
-    n = len(xs)
-    mx, mn = ext[:n], [-e for e in ext[n:]]
-    c = [_shift(a, b) for a, b in zip(mx, mn, strict=True)]
-    parts = []
-    for x, ci, (_, _, isnan) in zip(xs, c, cleaned, strict=True):
-        local_mean = jnp.mean(x)
-        m2 = jnp.sum(jnp.square(x - local_mean))
-        spread = m2 + x.size * jnp.square(local_mean - ci)
-        parts += [jnp.sum(x - ci), spread, jnp.sum(isnan)]
-    sums = fused(lax.psum, parts, axis_name)
-    counts = [x.size * size for x in xs]
-    return _finish(leaves, mx, mn, c, sums[0::3], sums[1::3], sums[2::3], counts)
+    groups: dict[Any, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault(acc_dtype(leaf.value.dtype), []).append(i)
+    out: dict[str, jax.Array] = {}
+    for acc, idx in groups.items():
+        k = len(idx)
+        xs = [leaves[i].value.astype(acc) for i in idx]
+        cleaned = [_clean(x) for x in xs]
+        local = [jnp.max(hi) for hi, _, _ in cleaned] + [
+            jnp.max(lo) for _, lo, _ in cleaned
+        ]
+        ext = lax.pmax(jnp.stack(local), axis_name)  # collective 1
+        c = _shift(ext[:k], -ext[k:])
+        s1, spread, nans = [], [], []
+        for j, (x, (_, _, isnan)) in enumerate(zip(xs, cleaned, strict=True)):
+            local_mean = jnp.mean(x)
+            m2 = jnp.sum(jnp.square(x - local_mean))
+            s1.append(jnp.sum(x - c[j]))
+            spread.append(m2 + x.size * jnp.square(local_mean - c[j]))
+            nans.append(jnp.sum(isnan))
+        sums = lax.psum(jnp.stack(s1 + spread + nans), axis_name)  # collective 2
+        counts = jnp.asarray([x.size * size for x in xs], acc)
+        _emit(out, leaves, idx, _finish(c, ext, sums, counts))
+    return out
 
 
 def _num_shards(x: jax.Array) -> int | None:
