@@ -33,6 +33,7 @@ from jaxhistory._reduce import (
 )
 from jaxhistory._stats import (
     STATS,
+    Stats,
     distributed_stats,
     distributed_stats_collective,
     per_shard,
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 __all__ = [
     "STATS",
     "LaunchError",
+    "Stats",
     "__version__",
     "all_gather",
     "collect_from_devices",

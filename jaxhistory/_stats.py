@@ -17,16 +17,24 @@ exactly, where the textbook ``E[x^2] - E[x]^2`` gives 2.83.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxhistory._collective import AxisName, bound_axis_size, check_axis_name
 from jaxhistory._tree import Leaf, acc_dtype, flatten_metrics
 
-__all__ = ["STATS", "distributed_stats", "distributed_stats_collective", "per_shard"]
+__all__ = [
+    "STATS",
+    "Stats",
+    "distributed_stats",
+    "distributed_stats_collective",
+    "per_shard",
+]
 
 STATS = ("mean", "max", "min", "std")
 
@@ -78,13 +86,73 @@ def _finish(c: jax.Array, ext: jax.Array, sums: jax.Array, counts: Any) -> jax.A
     )
 
 
-def _emit(
-    out: dict[str, jax.Array], leaves: list[Leaf], idx: list[int], table: jax.Array
-) -> None:
-    for j, i in enumerate(idx):
-        prefix = f"{leaves[i].name}/" if leaves[i].name else ""
-        for row, stat in enumerate(STATS):
-            out[prefix + stat] = table[row, j]
+@jax.tree_util.register_pytree_node_class
+class Stats(Mapping):
+    """The flat mapping returned by :func:`distributed_stats`.
+
+    It maps ``"name/mean"``, ``"name/max"``, ``"name/min"`` and ``"name/std"`` to
+    values, like a dict, but holds them in one ``(4, K)`` array (rows in
+    :data:`STATS` order, one column per metric). As a pytree it has that one leaf,
+    so a jitted step that returns it hands back one buffer instead of ``4 * K``
+    scalars, and ``jax.device_get(stats)`` fetches everything in one transfer.
+
+    Attributes:
+        names: the metric names, one per column.
+        table: the ``(4, K)`` array.
+    """
+
+    __slots__ = ("_index", "names", "table")
+
+    def __init__(self, names: tuple[str, ...], table: Any):
+        self.names = tuple(names)
+        self.table = table
+        self._index: dict[str, tuple[int, int]] | None = None
+
+    def _keys(self) -> dict[str, tuple[int, int]]:
+        if self._index is None:
+            self._index = {
+                (f"{name}/{stat}" if name else stat): (row, col)
+                for col, name in enumerate(self.names)
+                for row, stat in enumerate(STATS)
+            }
+        return self._index
+
+    def __getitem__(self, key: str) -> Any:
+        row, col = self._keys()[key]
+        return self.table[row, col]
+
+    def __iter__(self):
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(STATS) * len(self.names)
+
+    def __repr__(self) -> str:
+        if isinstance(self.table, np.ndarray | jax.Array) and not isinstance(
+            self.table, jax.core.Tracer
+        ):
+            body = ", ".join(f"{k!r}: {float(v):.6g}" for k, v in self.items())
+            return f"Stats({{{body}}})"
+        return f"Stats(names={self.names!r}, table={self.table!r})"
+
+    def tree_flatten(self):
+        return (self.table,), self.names
+
+    @classmethod
+    def tree_unflatten(cls, names, children):
+        return cls(names, children[0])
+
+
+def _assemble(leaves: list[Leaf], parts: list[tuple[list[int], jax.Array]]) -> Stats:
+    """Joins each group's table into one, with columns in the order of ``leaves``."""
+    names = tuple(leaf.name for leaf in leaves)
+    if not parts:
+        return Stats(names, jnp.zeros((len(STATS), 0), jnp.float32))
+    order = [i for idx, _ in parts for i in idx]
+    table = jnp.concatenate([t for _, t in parts], axis=1)
+    if order != sorted(order):
+        table = table[:, np.argsort(order)]
+    return Stats(names, table)
 
 
 def _group_key(leaf: Leaf) -> tuple:
@@ -93,7 +161,7 @@ def _group_key(leaf: Leaf) -> tuple:
     return (leaf.value.shape, acc_dtype(leaf.value.dtype), spec)
 
 
-def distributed_stats(metrics: Any) -> dict[str, jax.Array]:
+def distributed_stats(metrics: Any) -> Stats:
     """Cross-device mean, max, min and std of every metric (SPMD, inside jit).
 
     Args:
@@ -104,9 +172,10 @@ def distributed_stats(metrics: Any) -> dict[str, jax.Array]:
             accumulate in float32.
 
     Returns:
-        A flat dict with ``name/mean``, ``name/max``, ``name/min`` and ``name/std``
-        for every leaf ``name`` (its ``/``-joined path). NaN in a leaf makes all
-        four statistics NaN.
+        A :class:`Stats` mapping, read like a flat dict: ``name/mean``,
+        ``name/max``, ``name/min`` and ``name/std`` for every leaf ``name`` (its
+        ``/``-joined path). NaN in a leaf makes all four statistics NaN. The values
+        are float32 (float64 if a leaf is float64), in one ``(4, K)`` array.
 
     Leaves of the same shape, dtype and sharding are stacked, so ``K`` of them
     compile to two all-reduces in total (one max, one sum), whatever ``K``.
@@ -116,14 +185,16 @@ def distributed_stats(metrics: Any) -> dict[str, jax.Array]:
         >>> import jaxhistory as jh
         >>> stats = jax.jit(jh.distributed_stats)({"loss": jnp.array([1.0, 3.0])})
         >>> {k: float(v) for k, v in stats.items()}
-        {'loss/max': 3.0, 'loss/mean': 2.0, 'loss/min': 1.0, 'loss/std': 1.0}
+        {'loss/mean': 2.0, 'loss/max': 3.0, 'loss/min': 1.0, 'loss/std': 1.0}
+        >>> stats.table.shape
+        (4, 1)
     """
     leaves, _ = flatten_metrics(metrics)
     _check_nonempty(leaves)
     groups: dict[tuple, list[int]] = {}
     for i, leaf in enumerate(leaves):
         groups.setdefault(_group_key(leaf), []).append(i)
-    out: dict[str, jax.Array] = {}
+    parts = []
     for (shape, acc, _), idx in groups.items():
         k = len(idx)
         stacked = jnp.stack([leaves[i].value.astype(acc) for i in idx])
@@ -133,13 +204,11 @@ def distributed_stats(metrics: Any) -> dict[str, jax.Array]:
         c = _shift(ext[:k], -ext[k:])
         d = stacked - c.reshape((k,) + (1,) * len(shape))
         sums = jnp.sum(jnp.concatenate([d, jnp.square(d), isnan]), axis=axes)  # 2
-        _emit(out, leaves, idx, _finish(c, ext, sums, math.prod(shape)))
-    return out
+        parts.append((idx, _finish(c, ext, sums, math.prod(shape))))
+    return _assemble(leaves, parts)
 
 
-def distributed_stats_collective(
-    metrics: Any, axis_name: AxisName
-) -> dict[str, jax.Array]:
+def distributed_stats_collective(metrics: Any, axis_name: AxisName) -> Stats:
     """Mean, max, min and std of every metric across ``axis_name`` (in shard_map).
 
     Each leaf is this shard's value (a per-shard loss is a scalar); statistics are
@@ -150,8 +219,8 @@ def distributed_stats_collective(
     through the shifted sum.
 
     Returns:
-        A flat dict with ``name/mean``, ``name/max``, ``name/min`` and ``name/std``,
-        the same on every device of the axis.
+        A :class:`Stats` mapping of ``name/mean``, ``name/max``, ``name/min`` and
+        ``name/std``, the same on every device of the axis.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -170,32 +239,41 @@ def distributed_stats_collective(
     axis_name = check_axis_name(axis_name)
     leaves, _ = flatten_metrics(metrics)
     _check_nonempty(leaves)
-    if not leaves:
-        return {}
-    groups: dict[Any, list[int]] = {}
+    # Leaves of one shape are stacked and reduced locally as one array; the local
+    # partials of every shape are then joined per accumulation dtype, so each dtype
+    # costs one pmax and one psum.
+    by_dtype: dict[Any, dict[tuple, list[int]]] = {}
     for i, leaf in enumerate(leaves):
-        groups.setdefault(acc_dtype(leaf.value.dtype), []).append(i)
-    out: dict[str, jax.Array] = {}
-    for acc, idx in groups.items():
+        acc = acc_dtype(leaf.value.dtype)
+        by_dtype.setdefault(acc, {}).setdefault(leaf.value.shape, []).append(i)
+    parts = []
+    for acc, shapes in by_dtype.items():
+        idx = [i for group in shapes.values() for i in group]
+        stacks = []
+        for shape, group in shapes.items():
+            x = jnp.stack([leaves[i].value.astype(acc) for i in group])
+            stacks.append((x, tuple(range(1, 1 + len(shape)))))
+        hi = [jnp.max(_clean(x)[0], axis=axes) for x, axes in stacks]
+        lo = [jnp.max(_clean(x)[1], axis=axes) for x, axes in stacks]
+        ext = lax.pmax(jnp.concatenate(hi + lo), axis_name)  # collective 1
         k = len(idx)
-        xs = [leaves[i].value.astype(acc) for i in idx]
-        cleaned = [_clean(x) for x in xs]
-        local = [jnp.max(hi) for hi, _, _ in cleaned] + [
-            jnp.max(lo) for _, lo, _ in cleaned
-        ]
-        ext = lax.pmax(jnp.stack(local), axis_name)  # collective 1
         c = _shift(ext[:k], -ext[k:])
-        s1, spread, nans = [], [], []
-        for j, (x, (_, _, isnan)) in enumerate(zip(xs, cleaned, strict=True)):
-            local_mean = jnp.mean(x)
-            m2 = jnp.sum(jnp.square(x - local_mean))
-            s1.append(jnp.sum(x - c[j]))
-            spread.append(m2 + x.size * jnp.square(local_mean - c[j]))
-            nans.append(jnp.sum(isnan))
-        sums = lax.psum(jnp.stack(s1 + spread + nans), axis_name)  # collective 2
-        counts = jnp.asarray([x.size * size for x in xs], acc)
-        _emit(out, leaves, idx, _finish(c, ext, sums, counts))
-    return out
+        s1, spread, nans, counts = [], [], [], []
+        offset = 0
+        for x, axes in stacks:
+            cg = c[offset : offset + x.shape[0]].reshape((-1,) + (1,) * len(axes))
+            offset += x.shape[0]
+            n = math.prod(x.shape[1:])
+            local_mean = jnp.mean(x, axis=axes, keepdims=True)
+            m2 = jnp.sum(jnp.square(x - local_mean), axis=axes)
+            s1.append(jnp.sum(x - cg, axis=axes))
+            spread.append(m2 + n * jnp.square(local_mean - cg).reshape(-1))
+            nans.append(jnp.sum(jnp.isnan(x), axis=axes).astype(acc))
+            counts += [n * size] * x.shape[0]
+        sums = lax.psum(jnp.concatenate(s1 + spread + nans), axis_name)  # 2
+        table = _finish(c, ext, sums, jnp.asarray(counts, acc))
+        parts.append((idx, table))
+    return _assemble(leaves, parts)
 
 
 def _num_shards(x: jax.Array) -> int | None:

@@ -234,3 +234,68 @@ def test_collective_counts_reads_tuple_and_async_collectives():
 
 def test_collective_counts_of_a_plain_function_is_empty():
     assert jh.collective_counts(lambda x: x + 1, jnp.ones(3)) == {}
+
+
+class TestStatsMapping:
+    def test_reads_like_a_flat_dict_in_metric_order(self, mesh):
+        out = jax.jit(jh.distributed_stats)(
+            {"b": per_device(mesh, np.arange(8.0)), "a": jnp.float32(2.0)}
+        )
+        assert isinstance(out, jh.Stats)
+        # dict keys flatten sorted, so "a" comes first; stats in STATS order
+        assert list(out) == [f"{n}/{s}" for n in ("a", "b") for s in jh.STATS]
+        assert out.names == ("a", "b")
+        assert float(out["b/max"]) == 7.0 and "a/std" in out
+        assert dict(out).keys() == set(out)
+        with pytest.raises(KeyError):
+            out["c/mean"]
+
+    def test_is_one_leaf_and_one_transfer(self, mesh):
+        metrics = {f"m{i}": per_device(mesh, np.arange(8.0) + i) for i in range(10)}
+        out = jax.jit(jh.distributed_stats)(metrics)
+        assert len(jax.tree.leaves(out)) == 1
+        assert out.table.shape == (4, 10)
+        host = jax.device_get(out)
+        assert isinstance(host.table, np.ndarray)
+        assert host["m9/min"] == 9.0
+        assert "'m0/mean': 3.5" in repr(host)
+
+    def test_columns_follow_the_leaves_across_shape_groups(self, mesh):
+        metrics = {
+            "a": per_device(mesh, np.arange(8.0)),
+            "b": jnp.float32(5.0),
+            "c": per_device(mesh, np.arange(8.0) * 2),
+        }
+        out = jax.jit(jh.distributed_stats)(metrics)
+        assert out.names == ("a", "b", "c")
+        np.testing.assert_allclose(out.table[1], [7.0, 5.0, 14.0])
+
+    def test_traced_inside_jit(self):
+        out = jax.jit(lambda m: jh.distributed_stats(m)["x/mean"] * 2)(
+            {"x": jnp.ones(4)}
+        )
+        assert float(out) == 2.0
+
+    def test_empty(self):
+        out = jh.distributed_stats({})
+        assert len(out) == 0 and out.table.shape == (4, 0)
+
+
+def test_collective_mixed_shapes_keep_their_columns(mesh):
+    x = np.arange(16.0, dtype=np.float32) ** 1.5
+    body = jax.shard_map(
+        lambda v: jh.distributed_stats_collective(
+            {"a": v[0], "b": v, "c": 2 * v[1], "t": jnp.int32(3)}, "data"
+        ),
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P(),
+    )
+    out = jax.jit(body)(jax.device_put(x, NamedSharding(mesh, P("data"))))
+    assert out.names == ("a", "b", "c", "t")
+    pairs = x.reshape(8, 2).astype(np.float64)
+    for name, ref in (("a", pairs[:, 0]), ("b", pairs), ("c", 2 * pairs[:, 1])):
+        for stat in jh.STATS:
+            want = getattr(np, stat)(ref)
+            np.testing.assert_allclose(out[f"{name}/{stat}"], want, rtol=1e-5)
+    assert float(out["t/std"]) == 0.0 and float(out["t/mean"]) == 3.0
