@@ -352,7 +352,9 @@ def collect_from_devices(metrics: Any) -> Any:
     host = [np.asarray(v) for v in jax.device_get(values)]
     counts = set()
     for name, value in zip(names, host, strict=True):
-        if value.dtype.kind not in "biuf":
+        if value.dtype.kind not in "biuf" and not jnp.issubdtype(
+            value.dtype, jnp.floating
+        ):
             raise TypeError(f"metric {name!r} is not numeric (dtype {value.dtype})")
         if value.ndim == 0:
             raise ValueError(

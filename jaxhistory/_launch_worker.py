@@ -30,8 +30,10 @@ def main(spec_path: str) -> int:
     import jax
 
     jax.config.update("jax_num_cpu_devices", spec["devices_per_process"])
+    address = f"127.0.0.1:{spec['port']}"
     jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{spec['port']}",
+        coordinator_address=address,
+        coordinator_bind_address=address,  # loopback only, never every interface
         num_processes=spec["num_processes"],
         process_id=spec["process_id"],
         initialization_timeout=int(spec["timeout"]),
@@ -49,8 +51,14 @@ def main(spec_path: str) -> int:
         payload = pickle.dumps(result)
     with open(spec["result_path"], "wb") as f:
         f.write(payload)
+    if result[0] != "ok":
+        # Leave at once: jax.distributed.shutdown() is a barrier, and the other
+        # processes may be stuck in a collective this one will never join.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     jax.distributed.shutdown()
-    return 0 if result[0] == "ok" else 1
+    return 0
 
 
 if __name__ == "__main__":

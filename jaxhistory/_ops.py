@@ -188,7 +188,13 @@ def finish_extreme(parts: list[jax.Array]) -> jax.Array:
 
 def check_scalar(name: str, result: Any) -> jax.Array:
     """Ensures a callable reduction returned one value, not an unreduced array."""
-    result = jnp.asarray(result)
+    try:
+        result = jnp.asarray(result)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"the reduction of metric {name!r} returned a {type(result).__name__}; "
+            "a reduction must return a scalar"
+        ) from None
     if result.ndim != 0:
         raise ValueError(
             f"the reduction of metric {name!r} returned shape {result.shape}; "

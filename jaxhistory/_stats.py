@@ -17,6 +17,7 @@ exactly, where the textbook ``E[x^2] - E[x]^2`` gives 2.83.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -264,10 +265,14 @@ def distributed_stats_collective(metrics: Any, axis_name: AxisName) -> Stats:
             cg = c[offset : offset + x.shape[0]].reshape((-1,) + (1,) * len(axes))
             offset += x.shape[0]
             n = math.prod(x.shape[1:])
-            local_mean = jnp.mean(x, axis=axes, keepdims=True)
-            m2 = jnp.sum(jnp.square(x - local_mean), axis=axes)
-            s1.append(jnp.sum(x - cg, axis=axes))
-            spread.append(m2 + n * jnp.square(local_mean - cg).reshape(-1))
+            # Shift first, then centre on the shard's mean of the shifted values:
+            # the rounding of a mean of unshifted values would be multiplied by
+            # n * |mean - c| in the between-shard term.
+            d = x - cg
+            local_mean = jnp.mean(d, axis=axes, keepdims=True)
+            m2 = jnp.sum(jnp.square(d - local_mean), axis=axes)
+            s1.append(jnp.sum(d, axis=axes))
+            spread.append(m2 + n * jnp.square(local_mean).reshape(-1))
             nans.append(jnp.sum(jnp.isnan(x), axis=axes).astype(acc))
             counts += [n * size] * x.shape[0]
         sums = lax.psum(jnp.concatenate(s1 + spread + nans), axis_name)  # 2
@@ -278,6 +283,10 @@ def distributed_stats_collective(metrics: Any, axis_name: AxisName) -> Stats:
 
 def _num_shards(x: jax.Array) -> int | None:
     sharding = getattr(jax.typeof(x), "sharding", None)
+    if not isinstance(x, jax.core.Tracer) and isinstance(
+        getattr(x, "sharding", None), jax.sharding.NamedSharding
+    ):
+        sharding = x.sharding  # concrete: the real sharding, Auto axes included
     spec = getattr(sharding, "spec", None)
     mesh = getattr(sharding, "mesh", None)
     if spec is None or mesh is None or len(spec) == 0 or spec[0] is None:
@@ -339,7 +348,11 @@ def per_shard(
         raise ValueError(
             f"num_shards={num_shards} but the batch axis is sharded {known} ways"
         )
-    if not isinstance(num_shards, int) or num_shards < 1:
+    if (
+        isinstance(num_shards, bool)
+        or not isinstance(num_shards, numbers.Integral)
+        or num_shards < 1
+    ):
         raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
     batch = x.shape[0]
     if batch % num_shards:
@@ -348,5 +361,6 @@ def per_shard(
         )
     if jnp.issubdtype(x.dtype, jnp.floating):
         x = x.astype(acc_dtype(x.dtype))
+    num_shards = int(num_shards)
     grouped = x.reshape((num_shards, batch // num_shards, *x.shape[1:]))
     return fns[reduce](grouped, axis=tuple(range(1, grouped.ndim)))

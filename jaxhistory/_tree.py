@@ -58,8 +58,14 @@ def _as_numeric(name: str, value: Any) -> jax.Array:
             f"metric {shown!r} is a {type(value).__name__} ({value!r:.40}); "
             "metrics must be numbers or numeric arrays"
         )
+    _check_integer_range(shown, value)
     try:
         arr = jnp.asarray(value)
+    except OverflowError:
+        raise ValueError(
+            f"metric {shown!r} holds an integer too large for JAX's integer dtype "
+            f"({value!r:.40}); pass it as a float or enable jax_enable_x64"
+        ) from None
     except TypeError as err:
         raise TypeError(
             f"metric {shown!r} is not numeric: {type(value).__name__} cannot become "
@@ -76,6 +82,30 @@ def _as_numeric(name: str, value: Any) -> jax.Array:
     if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
         raise TypeError(f"metric {shown!r} has non-numeric dtype {dtype}")
     return arr
+
+
+def _check_integer_range(name: str, value: Any) -> None:
+    """Refuses host integers that JAX would wrap around silently.
+
+    With x64 disabled, JAX turns int64/uint64 host arrays into 32-bit ones, and
+    ``2**40`` would become a different number without a word.
+    """
+    if isinstance(value, jax.Array) or not isinstance(value, np.ndarray | np.integer):
+        return
+    dtype = np.asarray(value).dtype
+    if dtype.kind not in "iu" or dtype.itemsize < 8 or jax.config.jax_enable_x64:
+        return
+    arr = np.asarray(value)
+    if arr.size == 0:
+        return
+    target = np.iinfo(np.int32 if dtype.kind == "i" else np.uint32)
+    lo, hi = arr.min(), arr.max()
+    if lo < target.min or hi > target.max:
+        raise ValueError(
+            f"metric {name!r} holds {dtype} values outside the {target.dtype} range "
+            f"JAX uses with x64 disabled ({lo}..{hi}); they would wrap around. Pass "
+            "them as floats or enable jax_enable_x64"
+        )
 
 
 def flatten_metrics(

@@ -59,12 +59,16 @@ def _target_name(target: str | Callable) -> str:
         )
     if module == "__main__":
         main = sys.modules["__main__"]
+        spec = getattr(main, "__spec__", None)
         path = getattr(main, "__file__", None)
-        if not path:
+        if spec is not None and spec.name:
+            module = spec.name  # run as `python -m package.module`
+        elif path:
+            module = Path(path).stem
+        else:
             raise ValueError(
                 "a target defined in an interactive __main__ cannot be imported"
             )
-        module = Path(path).stem
     return f"{module}:{qualname}"
 
 
@@ -125,53 +129,47 @@ def launch_local(
         raise ValueError("num_processes and devices_per_process must be at least 1")
     name = _target_name(target)
     port = free_port()
-    child_env = dict(os.environ)
-    child_env.update(env or {})
-    child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    child_env["JAX_PLATFORMS"] = "cpu"
-    child_env.pop("XLA_FLAGS", None)
+    env_out = dict(os.environ)
+    env_out.pop("XLA_FLAGS", None)  # a forced device count would fight ours
+    env_out["JAX_PLATFORMS"] = "cpu"
+    env_out["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env_out.update(env or {})
+    common = {
+        "target": name,
+        "args": tuple(args),
+        "kwargs": dict(kwargs or {}),
+        "port": port,
+        "num_processes": num_processes,
+        "devices_per_process": devices_per_process,
+        "timeout": max(1, int(timeout)),
+    }
 
     with tempfile.TemporaryDirectory(prefix="jaxhistory-launch-") as tmp:
         tmpdir = Path(tmp)
-        procs, logs = [], []
-        for pid in range(num_processes):
-            spec = {
-                "target": name,
-                "args": tuple(args),
-                "kwargs": dict(kwargs or {}),
-                "port": port,
-                "num_processes": num_processes,
-                "process_id": pid,
-                "devices_per_process": devices_per_process,
-                "timeout": max(1, int(timeout)),
-                "result_path": str(tmpdir / f"result-{pid}.pkl"),
-            }
-            spec_path = tmpdir / f"spec-{pid}.pkl"
-            spec_path.write_bytes(pickle.dumps(spec))
-            log = open(tmpdir / f"log-{pid}.txt", "w+b")  # noqa: SIM115
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "jaxhistory._launch_worker", str(spec_path)],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=child_env,
-                    start_new_session=True,
-                )
-            )
-        deadline = time.monotonic() + timeout
+        procs: list[subprocess.Popen] = []
+        logs: list[Any] = []
         timed_out = False
         try:
-            while any(p.poll() is None for p in procs):
-                if time.monotonic() > deadline:
-                    timed_out = True
-                    break
-                # One failed rank means the others will wait forever on it.
-                if any(p.poll() not in (None, 0) for p in procs):
-                    time.sleep(2.0)  # let the others print what they were doing
-                    break
-                time.sleep(0.05)
+            for pid in range(num_processes):
+                spec = dict(
+                    common,
+                    process_id=pid,
+                    result_path=str(tmpdir / f"result-{pid}.pkl"),
+                )
+                spec_path = tmpdir / f"spec-{pid}.pkl"
+                spec_path.write_bytes(pickle.dumps(spec))
+                logs.append(open(tmpdir / f"log-{pid}.txt", "w+b"))  # noqa: SIM115
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "jaxhistory._launch_worker", spec_path],
+                        stdout=logs[-1],
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        env=env_out,
+                        start_new_session=True,
+                    )
+                )
+            timed_out = _wait(procs, time.monotonic() + timeout)
         finally:
             _kill(procs)
         texts = {}
@@ -181,10 +179,7 @@ def launch_local(
             log.close()
         results, failures = [], []
         for pid, p in enumerate(procs):
-            path = tmpdir / f"result-{pid}.pkl"
-            status, value = "missing", None
-            if path.exists():
-                status, value = pickle.loads(path.read_bytes())
+            status, value = _read_result(tmpdir / f"result-{pid}.pkl")
             if status == "ok" and p.returncode == 0:
                 results.append(value)
             else:
@@ -203,3 +198,25 @@ def launch_local(
         )
         raise LaunchError(f"{head} ({name})\n{detail}\n{shown}", texts)
     return results
+
+
+def _wait(procs: Sequence[subprocess.Popen], deadline: float) -> bool:
+    """Waits for every process; returns True if the deadline passed first."""
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            return True
+        # One failed rank means the others will wait forever on it.
+        if any(p.poll() not in (None, 0) for p in procs):
+            time.sleep(2.0)  # let the others print what they were doing
+            return False
+        time.sleep(0.05)
+    return False
+
+
+def _read_result(path: Path) -> tuple[str, Any]:
+    if not path.exists():
+        return "missing", None
+    try:
+        return pickle.loads(path.read_bytes())
+    except Exception as err:
+        return "error", f"its result could not be read: {err}"

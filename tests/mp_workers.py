@@ -68,3 +68,14 @@ def fail_on_process_one() -> int:
 
 def sleep_forever() -> None:
     time.sleep(3600)
+
+
+def fail_while_the_other_waits_in_a_collective() -> int:
+    """Process 1 raises while process 0 blocks in a cross-process collective."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    if jax.process_index() == 1:
+        raise RuntimeError("rank one gives up")
+    multihost_utils.process_allgather(np.ones(1))
+    return 0

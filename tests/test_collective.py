@@ -213,6 +213,11 @@ def test_collect_from_devices_splits_the_leading_axis(mesh):
     assert isinstance(per_device["raw"][0], np.floating)
 
 
+def test_collect_from_devices_keeps_bfloat16():
+    out = jh.collect_from_devices({"x": jnp.arange(4, dtype=jnp.bfloat16)})
+    assert [float(v) for v in out["x"]] == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_collect_from_devices_rejects_bad_input():
     with pytest.raises(ValueError, match="'a' is a scalar"):
         jh.collect_from_devices({"a": 1.0})

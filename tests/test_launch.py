@@ -56,6 +56,19 @@ def test_a_failing_process_fails_the_job_with_its_log():
     assert "Traceback" in info.value.logs[1]
 
 
+def test_a_failure_is_reported_at_once_while_others_wait_in_a_collective():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(jh.LaunchError) as info:
+        jh.launch_local(
+            "mp_workers:fail_while_the_other_waits_in_a_collective", 2, 1, timeout=90
+        )
+    assert "timed out" not in str(info.value)
+    assert "process 1: RuntimeError: rank one gives up" in str(info.value)
+    assert time.monotonic() - start < 60
+
+
 def test_a_hung_job_is_killed_at_the_timeout():
     with pytest.raises(jh.LaunchError, match="timed out after 15s"):
         jh.launch_local("mp_workers:sleep_forever", 2, 1, timeout=15)

@@ -275,3 +275,24 @@ class TestReduceCustom:
         out = jax.jit(lambda m: jh.reduce_custom(m, {"a": "std", "b": "sum"}))(m)
         np.testing.assert_allclose(out["a"], np.std(np.arange(8.0)), rtol=1e-6)
         assert int(out["b"]) == 3
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.array([2**40, 1]), np.int64(2**35), 2**40, 2**70, np.array([2**63], np.uint64)],
+    ids=["int64-array", "int64-scalar", "python-int", "huge-int", "uint64"],
+)
+def test_host_integers_that_would_wrap_are_refused(value):
+    with pytest.raises(ValueError, match="'tok'.*(wrap|too large)"):
+        jh.reduce_sum({"tok": value})
+
+
+def test_host_int64_within_int32_range_is_fine():
+    assert (
+        int(jh.reduce_sum({"tok": np.array([2**30, 5], np.int64)})["tok"]) == 2**30 + 5
+    )
+
+
+def test_callable_returning_a_non_array_names_the_metric():
+    with pytest.raises(TypeError, match="'x' returned a dict"):
+        jh.reduce_custom({"x": jnp.ones(2)}, {"x": lambda v: {"a": v}})

@@ -156,6 +156,23 @@ def test_non_numeric_leaf_is_rejected():
         jh.distributed_stats({"run": "name"})
 
 
+def test_collective_std_is_accurate_with_many_values_per_shard(mesh):
+    # 8192 values per shard around 1e3 with a spread of 1e-3 and one outlier: the
+    # between-shard term must not amplify the rounding of each shard's mean.
+    rng = np.random.default_rng(0)
+    x = (1e3 + 1e-3 * rng.standard_normal(65536)).astype(np.float32)
+    x[0] = 1001
+    body = jax.shard_map(
+        lambda v: jh.distributed_stats_collective({"x": v}, "data"),
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P(),
+    )
+    out = jax.jit(body)(jax.device_put(x, NamedSharding(mesh, P("data"))))
+    want = np.std(x.astype(np.float64))
+    np.testing.assert_allclose(out["x/std"], want, rtol=1e-3)
+
+
 class TestPerShard:
     def test_reads_the_shard_count_from_an_explicit_sharding(self, mesh):
         x = jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("data")))
@@ -174,6 +191,19 @@ class TestPerShard:
         np.testing.assert_allclose(
             jh.per_shard(x, reduce="sum"), np.arange(16.0).reshape(8, 2).sum(1)
         )
+
+    def test_concrete_array_on_an_auto_mesh(self):
+        auto = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+        x = jax.device_put(jnp.arange(16.0), NamedSharding(auto, P("data")))
+        np.testing.assert_allclose(
+            jh.per_shard(x), np.arange(16.0).reshape(8, 2).mean(1)
+        )
+
+    def test_num_shards_may_be_any_integer_but_not_a_bool(self):
+        out = jh.per_shard(jnp.arange(4.0), num_shards=np.int64(2))
+        np.testing.assert_allclose(out, [0.5, 2.5])
+        with pytest.raises(ValueError, match="positive int"):
+            jh.per_shard(jnp.arange(4.0), num_shards=True)
 
     def test_feature_axes_are_reduced_too(self, mesh):
         x = jax.device_put(
