@@ -1,10 +1,12 @@
-"""Benchmark: mean, max, min and std of K metrics across 8 devices, four ways.
+"""Benchmark: mean, max, min and std of K metrics across 8 devices, six ways.
 
 Compares, for K = 1, 10 and 100 metrics (one float32 value per device each):
 
 * ``fused``: :func:`jaxhistory.distributed_stats` inside ``jax.jit`` (SPMD);
 * ``fused_collective``: :func:`jaxhistory.distributed_stats_collective` inside
   ``jax.shard_map``;
+* ``fused_dict``: ``fused`` returning a dict of 4*K scalars rather than one
+  (4, K) table, to show what the output format costs;
 * ``naive``: ``jnp.mean``/``jnp.max``/``jnp.min`` and a two-pass std, written one
   metric at a time, returning a dict of 4*K scalars;
 * ``naive_stacked``: the same reductions returned as one (4, K) array, which
@@ -74,6 +76,11 @@ def make_metrics(mesh: jax.sharding.Mesh, k: int, seed: int = 0) -> dict:
 
 def fused(metrics: dict) -> dict:
     return jaxhistory.distributed_stats(metrics)
+
+
+def fused_dict(metrics: dict) -> dict:
+    """``fused`` returned as a plain dict of 4*K scalars instead of one table."""
+    return dict(jaxhistory.distributed_stats(metrics))
 
 
 def naive(metrics: dict) -> dict:
@@ -233,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     impls = {
         "fused": jax.jit(fused),
         "fused_collective": jax.jit(make_fused_collective(mesh)),
+        "fused_dict": jax.jit(fused_dict),
         "naive": jax.jit(naive),
         "naive_stacked": jax.jit(naive_stacked),
         "all_gather": jax.jit(make_all_gather(mesh)),
