@@ -22,6 +22,7 @@ from jaxhistory._collective import (
     reduce_std_collective,
     reduce_sum_collective,
 )
+from jaxhistory._history import HistoryState, warmup_count
 from jaxhistory._hlo import collective_counts
 from jaxhistory._reduce import (
     reduce_custom,
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "STATS",
+    "HistoryState",
     "LaunchError",
     "Stats",
     "__version__",
@@ -66,4 +68,5 @@ __all__ = [
     "reduce_std_collective",
     "reduce_sum",
     "reduce_sum_collective",
+    "warmup_count",
 ]

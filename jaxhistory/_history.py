@@ -1,0 +1,591 @@
+"""HistoryState: an immutable, columnar record of per-step metrics on the host."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhistory._column import Table, Tables
+from jaxhistory._tree import path_name
+
+__all__ = ["STEP_KEYS", "HistoryState", "warmup_count"]
+
+STEP_KEYS = ("step", "iter")
+# Updates whose device values may still be in flight; past this many the oldest are
+# waited for. This bounds how far the host runs ahead of the device (simulated CPU
+# devices deadlock when too many collective steps are queued).
+MAX_INFLIGHT = 8
+SUMMARY_STATS = (
+    "mean",
+    "std",
+    "median",
+    "p10",
+    "p90",
+    "min",
+    "max",
+    "last",
+    "count",
+    "nonfinite",
+)
+
+
+def warmup_count(warmup: float, n: int) -> int:
+    """How many of ``n`` distinct steps ``warmup`` drops.
+
+    ``warmup`` below 1 is a fraction of the steps (``0.05`` drops the first 5%);
+    1 or more is a number of steps. The same rule holds everywhere jaxhistory
+    takes a ``warmup``.
+
+    Example:
+        >>> import jaxhistory as jh
+        >>> jh.warmup_count(0.05, 200), jh.warmup_count(3, 200), jh.warmup_count(0, 200)
+        (10, 3, 0)
+    """
+    if isinstance(warmup, bool) or not isinstance(warmup, int | float):
+        raise TypeError(f"warmup must be a number, got {warmup!r}")
+    if not math.isfinite(warmup) or warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup!r}")
+    if warmup < 1:
+        return math.floor(warmup * n)
+    return min(int(warmup), n)
+
+
+def _host_value(name: str, value: Any) -> tuple[Any, np.dtype, tuple[int, ...]]:
+    """Validates one metric value; returns (value, storage dtype, record shape)."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"metric {name!r} is a JAX tracer: a HistoryState cannot record inside "
+            "jit, scan or a loop body. Return the metric from the jitted step, or "
+            "write it into a jaxhistory.MetricBuffer inside the loop and append the "
+            "buffer with HistoryState.extend_from_buffer."
+        )
+    if isinstance(value, jax.Array):
+        dtype = np.dtype(value.dtype)
+        is_float = jnp.issubdtype(dtype, jnp.floating)
+        if dtype.kind not in "biu" and not is_float:
+            raise TypeError(f"metric {name!r} has non-numeric dtype {dtype}")
+        if is_float and dtype.itemsize < 4:
+            dtype = np.dtype(np.float32)  # bf16/fp16/fp8 are stored as float32
+        if not value.is_fully_addressable:
+            raise ValueError(
+                f"metric {name!r} spans devices of other processes; reduce it first "
+                "(jaxhistory.distributed_stats, or History's distributed history)"
+            )
+        return value, dtype, tuple(value.shape)
+    if isinstance(value, str | bytes) or value is None:
+        raise TypeError(
+            f"metric {name!r} is {type(value).__name__} {value!r:.40}; metrics "
+            "must be numbers or numeric arrays"
+        )
+    try:
+        arr = np.asarray(value)
+    except Exception as err:
+        raise TypeError(f"metric {name!r} cannot become an array: {err}") from None
+    if arr.dtype.kind not in "biuf":
+        if jnp.issubdtype(arr.dtype, jnp.floating):  # ml_dtypes bfloat16 and friends
+            arr = arr.astype(np.float32)
+        else:
+            raise TypeError(
+                f"metric {name!r} is not numeric ({type(value).__name__}, "
+                f"dtype {arr.dtype})"
+            )
+    elif arr.dtype.kind == "f" and arr.dtype.itemsize < 4:
+        arr = arr.astype(np.float32)
+    return arr, arr.dtype, arr.shape
+
+
+def _items(metrics: Mapping, prefix: str = ""):
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if type(value) is dict:
+            yield from _items(value, name + "/")
+        else:
+            yield name, value
+
+
+def _flatten(metrics: Any) -> list[tuple[str, Any]]:
+    """Named leaves of ``metrics``; plain nested dicts take a fast path."""
+    if isinstance(metrics, Mapping):
+        out = list(_items(metrics))
+        if any(type(v) in _CONTAINERS for _, v in out):
+            out = None
+    else:
+        out = None
+    if out is None:
+        pairs = jax.tree_util.tree_flatten_with_path(metrics)[0]
+        out = [(path_name(path), value) for path, value in pairs]
+        if any(not name for name, _ in out):
+            raise TypeError("metrics must be a dict (or other pytree) of named values")
+    if len({name for name, _ in out}) != len(out):
+        seen = set()
+        for name, _ in out:
+            if name in seen:
+                raise ValueError(f"two metrics are both named {name!r}")
+            seen.add(name)
+    return out
+
+
+_CONTAINERS = (list, tuple)
+_NESTED = frozenset({dict, list, tuple})
+_PY_SCALARS = {float: np.dtype(np.float64), int: np.dtype(np.int64)}
+
+
+def _as_step(name: str, value: Any) -> int:
+    if type(value) is int:
+        return value
+    if isinstance(value, jax.Array):
+        value = jax.device_get(value)
+    arr = np.asarray(value)
+    if arr.ndim != 0 or arr.dtype.kind not in "iuf" or arr != np.floor(arr):
+        raise ValueError(f"{name!r} must be a whole number to be used as the step")
+    return int(arr)
+
+
+class _InFlight:
+    """Bounds how many updates with device values may be unresolved at once."""
+
+    __slots__ = ("limit", "updates")
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.updates: list[list[jax.Array]] = []
+
+    def add(self, arrays: list[jax.Array]) -> None:
+        for a in arrays:
+            with contextlib.suppress(AttributeError, RuntimeError):
+                a.copy_to_host_async()
+        self.updates.append(arrays)
+        if len(self.updates) > self.limit:
+            # Wait for the oldest half; their copies to the host started long ago.
+            cut = len(self.updates) - self.limit // 2
+            jax.block_until_ready([a for u in self.updates[:cut] for a in u])
+            del self.updates[:cut]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HistoryState:
+    """An immutable record of metrics: every record has an explicit step.
+
+    ``update`` returns a new state and never changes the old one: updating an old
+    state again starts an independent branch. Appends are amortized O(1): the newest
+    state appends in place to storage it shares with its ancestors, which only ever
+    see their own prefix of it (an old state that is updated again copies its rows
+    once). Metrics recorded together share one step array.
+
+    A JAX pytree whose leaves are step and value arrays (``next_step`` and
+    ``attrs`` are static), so it can be saved and restored with a train state.
+
+    Example:
+        >>> import jaxhistory as jh
+        >>> s0 = jh.HistoryState()
+        >>> s1 = s0.update({"loss": 0.5, "lr": 1e-3})
+        >>> s2 = s1.update({"loss": 0.25})
+        >>> s2.values("loss").tolist(), s1.values("loss").tolist()
+        ([0.5, 0.25], [0.5])
+        >>> s3 = s2.update({"eval": {"acc": 0.9}}, step=100)
+        >>> s3.steps("eval/acc").tolist(), s3.next_step
+        ([100], 101)
+    """
+
+    data: Tables = dataclasses.field(default_factory=Tables)
+    next_step: int = dataclasses.field(default=0, metadata={"static": True})
+    attrs: tuple[tuple[str, Any], ...] = dataclasses.field(
+        default=(), metadata={"static": True}
+    )
+
+    def __post_init__(self):
+        object.__setattr__(self, "_inflight", _InFlight(MAX_INFLIGHT))
+
+    def _derive(self, tables: dict, next_step: int, attrs=None) -> HistoryState:
+        new = object.__new__(HistoryState)
+        new.__dict__.update(
+            data=Tables(tables),
+            next_step=next_step,
+            attrs=self.attrs if attrs is None else attrs,
+            _inflight=self._inflight,
+        )
+        return new
+
+    # ----- reading -------------------------------------------------------------
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Metric names, in the order they were first recorded."""
+        return tuple(dict.fromkeys(k for ks in self.data.tables for k in ks))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __contains__(self, name: object) -> bool:
+        return any(name in ks for ks in self.data.tables)
+
+    def _parts(self, name: str) -> list[tuple[Table, int, int]]:
+        """(table, rows seen, column) of every table holding ``name``."""
+        parts = [
+            (t, n, ks.index(name))
+            for ks, (t, n) in self.data.tables.items()
+            if name in ks and n
+        ]
+        if not parts and name not in self:
+            known = ", ".join(self.keys) or "none"
+            raise KeyError(f"no metric {name!r}; recorded: {known}")
+        return parts
+
+    def _records(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        parts = self._parts(name)
+        if len(parts) == 1:
+            t, n, j = parts[0]
+            steps, values = t.view(n)
+            return steps, values[j]
+        if not parts:
+            ks = next(ks for ks in self.data.tables if name in ks)
+            t = self.data.tables[ks][0]
+            j = ks.index(name)
+            return t.view(0)[0], t.view(0)[1][j]
+        steps, values = [], []
+        for t, n, j in parts:
+            s, v = t.view(n)
+            steps.append(s)
+            values.append(v[j])
+        steps, values = np.concatenate(steps), np.concatenate(values)
+        order = np.argsort(steps, kind="stable")
+        steps, values = steps[order], values[order]
+        steps.flags.writeable = values.flags.writeable = False
+        return steps, values
+
+    def steps(self, name: str) -> np.ndarray:
+        """The steps at which ``name`` was recorded (read-only int64 array)."""
+        return self._records(name)[0]
+
+    def values(self, name: str) -> np.ndarray:
+        """The values of ``name``, one per step (read-only; waits for device values)."""
+        return self._records(name)[1]
+
+    def _meta(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
+        for ks, (t, _) in self.data.tables.items():
+            if name in ks:
+                j = ks.index(name)
+                return t.dtypes[j], t.shapes[j]
+        raise KeyError(
+            f"no metric {name!r}; recorded: {', '.join(self.keys) or 'none'}"
+        )
+
+    def dtype(self, name: str) -> np.dtype:
+        """The storage dtype of ``name``."""
+        return self._meta(name)[0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of one record of ``name``."""
+        return self._meta(name)[1]
+
+    def count(self, name: str) -> int:
+        """How many records ``name`` has."""
+        return sum(n for _, n, _ in self._parts(name))
+
+    def last(self, name: str) -> Any:
+        """The most recent value of ``name``."""
+        values = self.values(name)
+        if not len(values):
+            raise KeyError(f"metric {name!r} has no records")
+        return values[-1]
+
+    def last_step(self, name: str) -> int | None:
+        """The step of the most recent record of ``name`` (None if none)."""
+        steps = [t.step_at(n) for t, n, _ in self._parts(name)]
+        return max(steps) if steps else None
+
+    def nbytes(self) -> int:
+        """Bytes of NumPy storage held for this state's tables."""
+        return sum(t.nbytes() for t, _ in self.data.tables.values())
+
+    def select(self, *prefixes: str) -> HistoryState:
+        """Only the metrics named ``prefix`` or ``prefix/...``, for any prefix given.
+
+        Example:
+            >>> import jaxhistory as jh
+            >>> s = jh.HistoryState().update({"train": {"loss": 1.0}, "eval/loss": 2.0})
+            >>> s.select("train").keys
+            ('train/loss',)
+        """
+        heads = [p.rstrip("/") for p in prefixes]
+
+        def wanted(k: str) -> bool:
+            return any(k == h or k.startswith(h + "/") for h in heads)
+
+        tables = {}
+        for ks, (t, n) in self.data.tables.items():
+            idx = [j for j, k in enumerate(ks) if wanted(k)]
+            if len(idx) == len(ks):
+                tables[ks] = (t, n)
+            elif idx:
+                steps, values = t.view(n)
+                sub = tuple(ks[j] for j in idx)
+                cols = [np.array(values[j]) for j in idx]
+                tables[sub] = (Table.from_arrays(sub, np.array(steps), cols), n)
+        return self._derive(tables, self.next_step)
+
+    # ----- writing -------------------------------------------------------------
+    def update(self, metrics: Any, step: int | None = None) -> HistoryState:
+        """Records ``metrics`` at one step; returns the new state.
+
+        Args:
+            metrics: a dict (or pytree) of Python, NumPy or JAX scalars and arrays;
+                nested names join with ``/``. JAX arrays are not waited for: their
+                copy to the host starts now and they are fetched in batches later.
+            step: the step. When None, a ``step`` (or ``iter``) entry of
+                ``metrics`` is the step (and is not stored as a metric); otherwise
+                ``next_step``, one past the latest step recorded.
+
+        Raises:
+            TypeError: a value is a string, an object or a JAX tracer.
+            ValueError: a metric changed shape, or was already recorded at this or
+                a later step: each metric's steps strictly increase, so a second
+                record of a key at the same step is refused (combine runs with
+                :meth:`merge`). The state is unchanged.
+        """
+        if type(metrics) is dict and not _NESTED.intersection(
+            map(type, metrics.values())
+        ):
+            if step is None and (STEP_KEYS[0] in metrics or STEP_KEYS[1] in metrics):
+                key = STEP_KEYS[0] if STEP_KEYS[0] in metrics else STEP_KEYS[1]
+                step = _as_step(key, metrics[key])
+                metrics = {k: v for k, v in metrics.items() if k != key}
+            keys, row = tuple(metrics), tuple(metrics.values())
+        else:
+            items = _flatten(metrics)
+            if step is None:
+                for key in STEP_KEYS:
+                    found = [i for i, (name, _) in enumerate(items) if name == key]
+                    if found:
+                        step = _as_step(key, items.pop(found[0])[1])
+                        break
+            keys = tuple(name for name, _ in items)
+            row = tuple(value for _, value in items)
+        step = self.next_step if step is None else _as_step("step", step)
+        if not keys:
+            return self._derive(dict(self.data.tables), max(self.next_step, step + 1))
+        tables = self.data.tables
+        entry = tables.get(keys)
+        ptypes = tuple(map(type, row))
+        if entry is not None and entry[0].ptypes == ptypes and step >= self.next_step:
+            # Fast path: same metrics, same Python scalar types as last time, and a
+            # step past everything recorded.
+            table, n = entry
+            if table.length != n:
+                table = table.prefix(n)
+                table.ptypes = ptypes
+        else:
+            table, n, row, on_device = self._prepare(keys, row, ptypes, step)
+            if on_device:
+                self._inflight.add([v for v in row if isinstance(v, jax.Array)])
+            table.append(step, row, on_device)
+            new = tables.copy()
+            new[keys] = (table, n + 1)
+            return self._derive(new, max(self.next_step, step + 1))
+        table.append(step, row)
+        new = tables.copy()
+        new[keys] = (table, n + 1)
+        return self._derive(new, step + 1)
+
+    def _prepare(self, keys, row, ptypes, step):
+        """The slow path of update: validates every value; returns the table."""
+        values, dtypes, shapes, on_device = [], [], [], False
+        for name, value in zip(keys, row, strict=True):
+            dtype = _PY_SCALARS.get(type(value))
+            if dtype is None:
+                value, dtype, shape = _host_value(name, value)
+                on_device = on_device or isinstance(value, jax.Array)
+            else:
+                shape = ()
+            values.append(value)
+            dtypes.append(dtype)
+            shapes.append(shape)
+            for ks, (t, n) in self.data.tables.items():
+                if name in ks and n:
+                    j = ks.index(name)
+                    if t.shapes[j] != shape:
+                        raise ValueError(
+                            f"metric {name!r} changed shape from {t.shapes[j]} to "
+                            f"{shape}"
+                        )
+                    last = t.step_at(n)
+                    if step <= last:
+                        raise ValueError(
+                            f"metric {name!r} was already recorded at step {last}; "
+                            f"step {step} must be later (merge() combines runs)"
+                        )
+        entry = self.data.tables.get(keys)
+        if entry is None:
+            table, n = Table(keys, tuple(dtypes), tuple(shapes)), 0
+        else:
+            table, n = entry
+            wider = tuple(
+                np.result_type(a, b) for a, b in zip(table.dtypes, dtypes, strict=True)
+            )
+            if wider != table.dtypes or table.length != n:
+                table = table.prefix(n, wider)
+        # Later rows with the same Python scalar types may skip these checks.
+        scalars = all(t in _PY_SCALARS for t in ptypes)
+        table.ptypes = ptypes if scalars else None
+        return table, n, tuple(values), on_device
+
+    def extend(self, steps: Any, values: Mapping[str, Any]) -> HistoryState:
+        """Records many steps at once from arrays (one host transfer for all).
+
+        Args:
+            steps: 1-D integers, strictly increasing.
+            values: metric name -> array whose first axis matches ``steps``.
+        """
+        steps, values = jax.device_get((steps, dict(values)))
+        steps = np.asarray(steps, np.int64)
+        if steps.ndim != 1:
+            raise ValueError(f"steps must be 1-D, got shape {steps.shape}")
+        if len(steps) > 1 and np.any(np.diff(steps) <= 0):
+            raise ValueError("steps must be strictly increasing")
+        if not len(steps) or not values:
+            return self
+        keys = tuple(values)
+        columns, dtypes, shapes = [], [], []
+        for name in keys:
+            arr, dtype, shape = _host_value(name, values[name])
+            if not shape or shape[0] != len(steps):
+                raise ValueError(
+                    f"metric {name!r} has {shape[0] if shape else 0} records for "
+                    f"{len(steps)} steps"
+                )
+            if name in self:
+                if self.shape(name) != shape[1:]:
+                    raise ValueError(
+                        f"metric {name!r} changed shape from {self.shape(name)} to "
+                        f"{shape[1:]}"
+                    )
+                last = self.last_step(name)
+                if last is not None and steps[0] <= last:
+                    raise ValueError(
+                        f"metric {name!r} was already recorded at step {last}; "
+                        f"step {steps[0]} must be later"
+                    )
+            columns.append(np.asarray(arr, dtype))
+            dtypes.append(dtype)
+            shapes.append(shape[1:])
+        entry = self.data.tables.get(keys)
+        if entry is None:
+            table, n = Table(keys, tuple(dtypes), tuple(shapes), len(steps)), 0
+        else:
+            table, n = entry
+            wider = tuple(
+                np.result_type(a, b) for a, b in zip(table.dtypes, dtypes, strict=True)
+            )
+            if wider != table.dtypes or table.length != n:
+                table = table.prefix(n, wider)
+        table.extend(steps, columns)
+        new = self.data.tables.copy()
+        new[keys] = (table, n + len(steps))
+        return self._derive(new, max(self.next_step, int(steps[-1]) + 1))
+
+    def extend_from_buffer(self, buffer: Any) -> HistoryState:
+        """Appends a :class:`~jaxhistory.MetricBuffer` in one device-to-host copy."""
+        steps, values = buffer.to_host()
+        return self.extend(steps, values)
+
+    def merge(self, other: HistoryState) -> HistoryState:
+        """Combines two histories in step order (a resumed run, for example).
+
+        Where both record a metric at the same step, ``other``'s record wins.
+        """
+        new = {}
+        for name in dict.fromkeys((*self.keys, *other.keys)):
+            parts = [h._records(name) for h in (self, other) if name in h]
+            if len(parts) == 2 and parts[0][1].shape[1:] != parts[1][1].shape[1:]:
+                raise ValueError(
+                    f"metric {name!r} has shape {parts[0][1].shape[1:]} here and "
+                    f"{parts[1][1].shape[1:]} in the other history"
+                )
+            steps = np.concatenate([p[0] for p in parts])
+            values = np.concatenate([p[1] for p in parts])
+            order = np.argsort(steps, kind="stable")
+            steps, values = steps[order], values[order]
+            keep = np.ones(len(steps), bool)
+            keep[:-1] = steps[1:] != steps[:-1]  # the later (other's) one wins
+            steps, values = steps[keep], values[keep]
+            new[(name,)] = (Table.from_arrays((name,), steps, [values]), len(steps))
+        return self._derive(new, max(self.next_step, other.next_step))
+
+    def with_attrs(self, **attrs: Any) -> HistoryState:
+        """A state with run metadata ``attrs`` added (carried into exports)."""
+        merged = dict(self.attrs) | attrs
+        return self._derive(
+            dict(self.data.tables), self.next_step, tuple(sorted(merged.items()))
+        )
+
+    # ----- analysis -----------------------------------------------------------
+    def all_steps(self) -> np.ndarray:
+        """The sorted union of every metric's steps."""
+        parts = [t.view(n)[0] for t, n in self.data.tables.values()]
+        if not parts:
+            return np.zeros(0, np.int64)
+        return np.unique(np.concatenate(parts))
+
+    def summary(self, warmup: float = 0) -> dict[str, dict[str, float]]:
+        """Run-level statistics of every metric after ``warmup``.
+
+        For each metric: mean, std, median, p10, p90, min and max of its finite
+        values (all elements of array metrics), the last value (last element of the
+        last record's mean for arrays), how many values were recorded and how many
+        of them are NaN or infinite.
+        """
+        first = self._first_kept_step(warmup)
+        out = {}
+        for name in self.keys:
+            keep = self.steps(name) >= first
+            values = np.asarray(self.values(name)[keep], np.float64)
+            flat = values.reshape(-1)
+            finite = flat[np.isfinite(flat)]
+            stats = dict.fromkeys(SUMMARY_STATS, math.nan)
+            if finite.size:
+                p10, median, p90 = np.percentile(finite, [10, 50, 90])
+                stats.update(
+                    mean=float(finite.mean()),
+                    std=float(finite.std()),
+                    median=float(median),
+                    p10=float(p10),
+                    p90=float(p90),
+                    min=float(finite.min()),
+                    max=float(finite.max()),
+                )
+            if len(values):
+                stats["last"] = float(np.mean(values[-1]))
+            stats["count"] = int(flat.size)
+            stats["nonfinite"] = int(flat.size - finite.size)
+            out[name] = stats
+        return out
+
+    def _first_kept_step(self, warmup: float) -> int:
+        steps = self.all_steps()
+        k = warmup_count(warmup, len(steps))
+        if k >= len(steps):
+            return np.iinfo(np.int64).max if len(steps) else 0
+        return int(steps[k])
+
+    def to_xarray(self, warmup: float = 0):
+        """The history as an ``xarray.Dataset`` (see :mod:`jaxhistory._xarray`)."""
+        from jaxhistory._xarray import to_xarray
+
+        return to_xarray(self, warmup)
+
+    @classmethod
+    def from_xarray(cls, ds) -> HistoryState:
+        """Rebuilds a state from :meth:`to_xarray`'s output, exactly."""
+        from jaxhistory._xarray import from_xarray
+
+        return from_xarray(ds)
+
+    def __repr__(self) -> str:
+        return f"HistoryState({len(self)} metrics, next_step={self.next_step})"

@@ -1,0 +1,330 @@
+"""HistoryState: value semantics, steps, dtypes, bad input, device values, export."""
+
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxhistory as jh
+from jaxhistory import _history
+
+
+def test_empty_state():
+    s = jh.HistoryState()
+    assert s.keys == () and len(s) == 0 and s.next_step == 0
+    assert s.all_steps().size == 0
+    assert s.summary() == {}
+
+
+def test_update_returns_a_new_state_and_never_changes_the_old_one():
+    s0 = jh.HistoryState()
+    s1 = s0.update({"loss": 1.0})
+    s2 = s1.update({"loss": 2.0})
+    assert s0.keys == ()
+    assert s1.values("loss").tolist() == [1.0]
+    assert s2.values("loss").tolist() == [1.0, 2.0]
+
+
+def test_updating_an_old_state_gives_an_independent_branch():
+    base = jh.HistoryState()
+    for i in range(300):  # past the staging size, so arrays are shared too
+        base = base.update({"loss": float(i)})
+    a = base.update({"loss": -1.0})
+    b = base.update({"loss": -2.0}).update({"loss": -3.0})
+    a2 = a.update({"loss": -4.0})
+    assert base.count("loss") == 300
+    assert a.values("loss")[-1] == -1.0 and a.count("loss") == 301
+    assert b.values("loss")[-2:].tolist() == [-2.0, -3.0]
+    assert a2.values("loss")[-2:].tolist() == [-1.0, -4.0]
+    assert base.values("loss")[-1] == 299.0
+
+
+def test_step_comes_from_argument_metrics_or_counter():
+    s = jh.HistoryState().update({"loss": 1.0})  # step 0
+    s = s.update({"loss": 2.0, "step": 10})  # from the metrics, not stored
+    s = s.update({"loss": 3.0, "iter": 12})
+    s = s.update({"loss": 4.0}, step=20)
+    s = s.update({"loss": 5.0})  # next_step
+    assert s.steps("loss").tolist() == [0, 10, 12, 20, 21]
+    assert "step" not in s and "iter" not in s
+    assert s.next_step == 22
+
+
+def test_metrics_at_different_cadences_keep_their_true_steps():
+    s = jh.HistoryState()
+    for step in range(1, 301):
+        s = s.update({"train": {"loss": 1.0 / step}}, step=step)
+        if step % 100 == 0:
+            s = s.update({"eval": {"loss": 2.0 / step}}, step=step)
+    assert s.steps("eval/loss").tolist() == [100, 200, 300]
+    assert s.count("train/loss") == 300
+    assert s.select("eval").keys == ("eval/loss",)
+    assert s.select("train/").keys == ("train/loss",)
+
+
+def test_same_metrics_in_different_groupings_merge_in_step_order():
+    s = jh.HistoryState().update({"a": 1.0, "b": 1.0}, step=0)
+    s = s.update({"a": 2.0}, step=1)
+    s = s.update({"a": 3.0, "b": 3.0}, step=2)
+    assert s.steps("a").tolist() == [0, 1, 2]
+    assert s.values("a").tolist() == [1.0, 2.0, 3.0]
+    assert s.steps("b").tolist() == [0, 2]
+    assert s.keys == ("a", "b")
+
+
+def test_dtypes_are_kept():
+    big = 2**53 + 1
+    s = jh.HistoryState().update(
+        {
+            "tokens": big,
+            "loss": 0.5,
+            "f32": np.float32(1.5),
+            "half": jnp.asarray(0.5, jnp.bfloat16),
+            "ok": True,
+            "vec": np.arange(3, dtype=np.int32),
+        }
+    )
+    assert s.dtype("tokens") == np.int64 and int(s.values("tokens")[0]) == big
+    assert s.dtype("loss") == np.float64
+    assert s.dtype("f32") == np.float32
+    assert s.dtype("half") == np.float32 and s.values("half")[0] == 0.5
+    assert s.dtype("ok") == np.bool_
+    assert s.shape("vec") == (3,) and s.dtype("vec") == np.int32
+
+
+def test_integer_metric_widens_to_float_when_a_float_arrives():
+    s = jh.HistoryState().update({"epoch": 1}).update({"epoch": 1.5})
+    assert s.dtype("epoch") == np.float64
+    assert s.values("epoch").tolist() == [1.0, 1.5]
+
+
+def test_nan_and_inf_are_stored_and_counted():
+    s = jh.HistoryState()
+    for v in (1.0, np.nan, np.inf, 3.0):
+        s = s.update({"loss": v})
+    np.testing.assert_array_equal(s.values("loss"), [1.0, np.nan, np.inf, 3.0])
+    summary = s.summary()["loss"]
+    assert summary["nonfinite"] == 2 and summary["count"] == 4
+    assert summary["mean"] == 2.0 and summary["last"] == 3.0
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        ({"loss": 1.0, "name": "run-1"}, TypeError, "'name' is str"),
+        ({"loss": 1.0, "obj": object()}, TypeError, "'obj'"),
+        ({"loss": 1.0, "none": None}, TypeError, "'none'"),
+        ({"loss": 1.0, "vec": np.zeros(4)}, ValueError, "'vec' changed shape"),
+        ({"loss": 1.0}, ValueError, "'loss' was already recorded at step 3"),
+    ],
+    ids=["string", "object", "none", "shape", "same-step"],
+)
+def test_bad_input_names_the_key_and_loses_nothing(bad, error, match):
+    s = jh.HistoryState()
+    for step in range(4):
+        s = s.update({"loss": float(step), "vec": np.zeros(3)}, step=step)
+    with pytest.raises(error, match=match):
+        s.update(bad, step=3 if "same-step" in match or "recorded" in match else 4)
+    assert s.values("loss").tolist() == [0.0, 1.0, 2.0, 3.0]
+    s2 = s.update({"loss": 4.0, "vec": np.ones(3)})
+    assert s2.count("loss") == 5 and s.count("loss") == 4
+
+
+def test_an_earlier_step_is_refused():
+    s = jh.HistoryState().update({"loss": 1.0}, step=10)
+    with pytest.raises(ValueError, match="merge"):
+        s.update({"loss": 0.0}, step=5)
+
+
+def test_a_tracer_points_to_the_metric_buffer():
+    s = jh.HistoryState()
+
+    @jax.jit
+    def step(x):
+        s.update({"loss": x})
+        return x
+
+    with pytest.raises(TypeError, match="'loss' is a JAX tracer.*MetricBuffer"):
+        step(1.0)
+    assert s.keys == ()
+
+
+def test_step_must_be_a_whole_number():
+    with pytest.raises(ValueError, match="whole number"):
+        jh.HistoryState().update({"loss": 1.0, "step": 1.5})
+
+
+def test_values_are_read_only():
+    s = jh.HistoryState().update({"loss": 1.0})
+    with pytest.raises(ValueError, match="read-only"):
+        s.values("loss")[0] = 2.0
+    with pytest.raises(ValueError, match="read-only"):
+        s.steps("loss")[0] = 2
+
+
+def test_unknown_metric_is_named():
+    with pytest.raises(KeyError, match="'lss'.*loss"):
+        jh.HistoryState().update({"loss": 1.0}).values("lss")
+
+
+def test_device_values_do_not_block_and_are_fetched_in_one_batch():
+    f = jax.jit(lambda x: {"loss": x * 2, "acc": x / 2})
+    outs = [f(jnp.float32(i)) for i in range(5)]
+    s = jh.HistoryState()
+    with (
+        mock.patch.object(jax, "device_get", wraps=jax.device_get) as get,
+        mock.patch.object(
+            jax, "block_until_ready", wraps=jax.block_until_ready
+        ) as block,
+    ):
+        for out in outs:
+            s = s.update(out)
+        assert get.call_count == 0 and block.call_count == 0
+        assert s.values("loss").tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+        assert get.call_count == 1
+        assert s.values("acc").tolist() == [0.0, 0.5, 1.0, 1.5, 2.0]
+        assert get.call_count == 1
+
+
+def test_too_many_unresolved_device_updates_are_waited_for():
+    f = jax.jit(lambda x: x + 1)
+    s = jh.HistoryState()
+    with mock.patch.object(
+        jax, "block_until_ready", wraps=jax.block_until_ready
+    ) as block:
+        for i in range(_history.MAX_INFLIGHT):
+            s = s.update({"x": f(jnp.float32(i))})
+        assert block.call_count == 0
+        s = s.update({"x": f(jnp.float32(99))})
+        assert block.call_count == 1
+    assert s.values("x")[-1] == 100.0
+
+
+def test_per_device_array_metric_keeps_its_shape(mesh):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
+    s = jh.HistoryState().update({"loss": x}).update({"loss": x + 1})
+    assert s.shape("loss") == (8,)
+    np.testing.assert_array_equal(s.values("loss")[1], np.arange(8.0) + 1)
+
+
+def test_pytree_round_trip_through_leaves():
+    s = jh.HistoryState().update({"a": 1.0, "b": np.arange(2.0)})
+    s = s.update({"a": 2.0}).with_attrs(run="r1")
+    leaves, treedef = jax.tree_util.tree_flatten(s)
+    assert all(isinstance(leaf, np.ndarray) for leaf in leaves)
+    back = jax.tree_util.tree_unflatten(treedef, [np.array(x) for x in leaves])
+    for name in s.keys:
+        np.testing.assert_array_equal(back.steps(name), s.steps(name))
+        np.testing.assert_array_equal(back.values(name), s.values(name))
+    assert back.next_step == s.next_step and back.attrs == s.attrs
+    more = back.update({"a": 3.0})
+    assert more.values("a").tolist() == [1.0, 2.0, 3.0]
+    shapes = jax.tree.map(np.shape, s)  # placeholders survive tree transformations
+    assert jax.tree.leaves(shapes)
+
+
+def test_extend_records_many_steps_at_once():
+    s = jh.HistoryState().update({"loss": 0.0}, step=0)
+    s = s.extend(np.arange(1, 5), {"loss": np.arange(1.0, 5.0), "lr": np.ones(4)})
+    assert s.steps("loss").tolist() == [0, 1, 2, 3, 4]
+    assert s.count("lr") == 4 and s.next_step == 5
+    with pytest.raises(ValueError, match="strictly increasing"):
+        s.extend([7, 6], {"loss": np.ones(2)})
+    with pytest.raises(ValueError, match="'loss' has 2 records for 3 steps"):
+        s.extend([7, 8, 9], {"loss": np.ones(2)})
+    with pytest.raises(ValueError, match="'loss' was already recorded"):
+        s.extend([4, 5], {"loss": np.ones(2)})
+
+
+def test_merge_combines_a_resumed_run_in_step_order():
+    first = jh.HistoryState()
+    for step in range(6):
+        first = first.update({"loss": float(step)}, step=step)
+    resumed = jh.HistoryState()
+    for step in range(4, 8):  # restarted from a checkpoint at step 4
+        resumed = resumed.update({"loss": 10.0 + step, "lr": 0.1}, step=step)
+    merged = first.merge(resumed)
+    assert merged.steps("loss").tolist() == list(range(8))
+    assert merged.values("loss").tolist() == [0, 1, 2, 3, 14, 15, 16, 17]
+    assert merged.steps("lr").tolist() == [4, 5, 6, 7]
+    assert merged.next_step == 8
+    with pytest.raises(ValueError, match="'loss' has shape"):
+        first.merge(jh.HistoryState().update({"loss": np.zeros(2)}))
+
+
+def test_summary_statistics():
+    values = np.array([5.0, 1.0, 2.0, 3.0, 4.0, np.nan])
+    s = jh.HistoryState()
+    for v in values:
+        s = s.update({"x": v})
+    got = s.summary()["x"]
+    finite = values[np.isfinite(values)]
+    assert got["mean"] == finite.mean() and got["std"] == finite.std()
+    assert got["median"] == 3.0 and got["min"] == 1.0 and got["max"] == 5.0
+    assert got["p10"] == np.percentile(finite, 10)
+    assert got["p90"] == np.percentile(finite, 90)
+    assert np.isnan(got["last"]) and got["count"] == 6 and got["nonfinite"] == 1
+    assert s.summary(warmup=2)["x"]["count"] == 4
+    assert s.summary(warmup=0.5)["x"]["count"] == 3
+
+
+@pytest.mark.parametrize(
+    ("warmup", "n", "dropped"),
+    [(0, 10, 0), (0.05, 100, 5), (0.999, 10, 9), (1, 10, 1), (3, 10, 3), (50, 10, 10)],
+)
+def test_warmup_is_a_fraction_below_one_and_a_count_above(warmup, n, dropped):
+    assert jh.warmup_count(warmup, n) == dropped
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), "5", True])
+def test_bad_warmup(bad):
+    with pytest.raises((ValueError, TypeError), match="warmup"):
+        jh.warmup_count(bad, 10)
+
+
+class TestXarray:
+    def make(self):
+        s = jh.HistoryState().with_attrs(run="demo")
+        for step in range(10):
+            m = {"train": {"loss": 1.0 / (step + 1)}, "vec": np.full(2, step)}
+            s = s.update(m, step=step)
+            if step % 5 == 4:
+                s = s.update({"eval/acc": np.nan if step == 4 else 0.5}, step=step)
+        return s.update({"tokens": 2**53 + 1}, step=3 * 0 + 10)
+
+    def test_layout(self):
+        ds = self.make().to_xarray()
+        assert ds["step"].values.tolist() == list(range(11))
+        assert {"train/loss", "vec", "eval/acc", "tokens"} <= set(ds.data_vars)
+        assert ds["vec"].dims == ("step", "vec_dim_0")
+        assert np.isnan(ds["train/loss"].values[10])
+        assert ds.attrs["run"] == "demo"
+        acc = ds["eval/acc"].values
+        assert np.isnan(acc[0]) and np.isnan(acc[4]) and acc[9] == 0.5
+
+    def test_round_trip_is_exact(self):
+        s = self.make()
+        back = jh.HistoryState.from_xarray(s.to_xarray())
+        assert set(back.keys) == set(s.keys)
+        for name in s.keys:
+            np.testing.assert_array_equal(back.steps(name), s.steps(name))
+            np.testing.assert_array_equal(back.values(name), s.values(name))
+            assert back.dtype(name) == s.dtype(name)
+        assert int(back.values("tokens")[0]) == 2**53 + 1
+        assert back.next_step == s.next_step and dict(back.attrs) == {"run": "demo"}
+
+    def test_warmup_drops_leading_steps(self):
+        ds = self.make().to_xarray(warmup=0.5)
+        assert ds["step"].values.tolist() == [5, 6, 7, 8, 9, 10]
+        assert self.make().to_xarray(warmup=3)["step"].values[0] == 3
+
+    def test_from_xarray_needs_a_step_coordinate(self):
+        import xarray as xr
+
+        with pytest.raises(ValueError, match="'step'"):
+            jh.HistoryState.from_xarray(xr.Dataset({"a": ("x", [1.0])}))
