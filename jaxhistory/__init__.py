@@ -12,6 +12,7 @@ Reducers compute statistics across devices inside jitted train steps:
 ``import jaxhistory`` imports jax and numpy only.
 """
 
+from jaxhistory._buffer import MetricBuffer
 from jaxhistory._collective import (
     all_gather,
     collect_from_devices,
@@ -47,6 +48,7 @@ __all__ = [
     "STATS",
     "HistoryState",
     "LaunchError",
+    "MetricBuffer",
     "Stats",
     "__version__",
     "all_gather",

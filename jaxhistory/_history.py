@@ -443,7 +443,11 @@ class HistoryState:
             steps: 1-D integers, strictly increasing.
             values: metric name -> array whose first axis matches ``steps``.
         """
-        steps, values = jax.device_get((steps, dict(values)))
+        values = dict(values)
+        if isinstance(steps, jax.Array) or any(
+            isinstance(v, jax.Array) for v in values.values()
+        ):
+            steps, values = jax.device_get((steps, values))  # one transfer for all
         steps = np.asarray(steps, np.int64)
         if steps.ndim != 1:
             raise ValueError(f"steps must be 1-D, got shape {steps.shape}")

@@ -328,3 +328,25 @@ class TestXarray:
 
         with pytest.raises(ValueError, match="'step'"):
             jh.HistoryState.from_xarray(xr.Dataset({"a": ("x", [1.0])}))
+
+
+def test_a_scan_loop_buffer_is_appended_with_one_transfer():
+    def inner(buf, i):
+        loss = 1.0 / (i + 1.0)
+        return buf.write(i, {"loss": loss, "grad": {"norm": 2.0 * loss}}), None
+
+    @jax.jit
+    def run(buf, start):
+        buf, _ = jax.lax.scan(inner, buf.reset(), start + jnp.arange(10))
+        return buf
+
+    example = {"loss": jnp.float32(0), "grad": {"norm": jnp.float32(0)}}
+    buf = jh.MetricBuffer.create(16, example)
+    s = jh.HistoryState().update({"loss": 5.0}, step=-1)
+    with mock.patch.object(jax, "device_get", wraps=jax.device_get) as get:
+        for chunk in range(3):
+            buf = run(buf, chunk * 10)
+            s = s.extend_from_buffer(buf)
+        assert get.call_count == 3
+    assert s.steps("loss").tolist() == list(range(-1, 30))
+    np.testing.assert_allclose(s.values("grad/norm"), 2.0 / (np.arange(30) + 1))

@@ -69,7 +69,7 @@ def test_public_functions_have_runnable_examples():
 
 @pytest.mark.parametrize(
     "module",
-    ["_reduce", "_collective", "_stats", "_hlo", "launch", "_history"],
+    ["_reduce", "_collective", "_stats", "_hlo", "launch", "_history", "_buffer"],
 )
 def test_docstring_examples_run(module):
     mod = importlib.import_module(f"jaxhistory.{module}")

@@ -1,0 +1,242 @@
+"""On-device metric buffer for inner steps run inside one jitted call."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxhistory._tree import path_name
+
+__all__ = ["MetricBuffer"]
+
+
+def _named(metrics: Any) -> dict[str, Any]:
+    """Returns ``{"a/b/0": leaf}``; raises ValueError on a repeated name."""
+    out: dict[str, Any] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(metrics)[0]:
+        name = path_name(path)
+        if name in out:
+            raise ValueError(f"two metrics are both named {name or '<root>'!r}")
+        out[name] = leaf
+    return out
+
+
+def _check_numeric(name: str, dtype: Any) -> None:
+    if not any(
+        jnp.issubdtype(dtype, t) for t in (jnp.bool_, jnp.integer, jnp.floating)
+    ):
+        raise TypeError(f"metric {name or '<root>'!r} has non-numeric dtype {dtype}")
+
+
+def _slots(capacity: int, leaf: Any, dtype: Any) -> jax.Array:
+    """``capacity`` slots for ``leaf``; sharded like it when it is mesh-sharded."""
+    shape, device = (capacity, *leaf.shape), None
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh):
+        device = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+    return jnp.zeros(shape, dtype, device=device)
+
+
+@jax.jit
+def _write(buf: MetricBuffer, step: jax.Array, new: dict[str, jax.Array]):
+    slot = buf.count % buf.capacity
+    values = {}
+    for name, old in buf.values.items():
+        value, have = new[name].astype(old.dtype), jax.typeof(old).sharding
+        want = PartitionSpec(*have.spec[1:])
+        spec = jax.typeof(value).sharding.spec
+        if any(s is not None for s in spec) and tuple(spec) != tuple(want):
+            # Explicitly sharded value, differently sharded slots: move it.
+            mesh = have.mesh if not have.mesh.empty else jax.typeof(value).sharding.mesh
+            value = jax.sharding.reshard(value, NamedSharding(mesh, want))
+        values[name] = old.at[slot].set(value)
+    steps = buf.steps.at[slot].set(step.astype(jnp.int32))
+    return MetricBuffer(steps=steps, values=values, count=buf.count + 1)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["steps", "values", "count"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True, eq=False)
+class MetricBuffer:
+    """A fixed-size ring buffer of per-step metrics that lives on the device.
+
+    Host recording is impossible inside ``jax.lax.scan`` / ``lax.fori_loop``; carry a
+    buffer through the loop instead, :meth:`write` each inner step's metrics, return
+    it from the jitted call and read it with :meth:`to_host` (one transfer).
+
+    **Ring buffer:** when more than ``capacity`` writes happen, each new write
+    overwrites the oldest entry. :meth:`to_host` returns the surviving entries
+    oldest first and :attr:`dropped` says how many were lost, so pick ``capacity``
+    at least the number of inner steps per jitted call and :meth:`reset` between
+    calls. ``count`` is int32, so a buffer holds at most ``2**31 - 1`` writes.
+
+    A metric leaf that is an explicitly mesh-sharded array (e.g. one value per
+    device) gets slots sharded the same way, so writing it needs no communication.
+
+    Attributes:
+        steps: int32 ``(capacity,)``, the step of each slot; -1 marks an empty slot.
+        values: ``{name: (capacity, *leaf_shape)}``, one array per metric leaf named
+            by its ``/``-joined path; 16-bit (and narrower) floats are stored as
+            float32, other dtypes as given.
+        count: int32 scalar, the number of writes so far.
+
+    Example:
+        >>> import jax
+        >>> import jax.numpy as jnp
+        >>> from jaxhistory._buffer import MetricBuffer
+        >>> def train_chunk(buf, first_step):
+        ...     def inner(carry, i):
+        ...         buf, w = carry
+        ...         loss = w * w  # stands in for a real train step
+        ...         buf = buf.write(first_step + i, {"train": {"loss": loss}})
+        ...         return (buf, w * 0.5), None
+        ...     carry = (buf, jnp.float32(2.0))
+        ...     (buf, _), _ = jax.lax.scan(inner, carry, jnp.arange(6))
+        ...     return buf
+        >>> buf = MetricBuffer.create(4, {"train": {"loss": jnp.float32(0)}})
+        >>> buf = jax.jit(train_chunk)(buf, 100)
+        >>> steps, values = buf.to_host()
+        >>> steps
+        array([102, 103, 104, 105])
+        >>> values["train/loss"]
+        array([0.25      , 0.0625    , 0.015625  , 0.00390625], dtype=float32)
+        >>> buf.dropped  # steps 100 and 101 were overwritten
+        2
+        >>> buf.reset().to_host()
+        (array([], dtype=int64), {'train/loss': array([], dtype=float32)})
+    """
+
+    steps: jax.Array
+    values: dict[str, jax.Array]
+    count: jax.Array
+
+    @classmethod
+    def create(cls, capacity: int, example: Any) -> MetricBuffer:
+        """Allocates an empty buffer of ``capacity`` slots.
+
+        Args:
+            capacity: number of entries kept (a positive int).
+            example: a pytree of arrays, numbers or :class:`jax.ShapeDtypeStruct`
+                giving each metric's shape and dtype (their values are not used).
+
+        Raises:
+            TypeError: ``capacity`` is not an int, or a leaf is not numeric
+                (bool, int or float); the message names the leaf.
+            ValueError: ``capacity`` is not positive, or two leaves share a name.
+        """
+        if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer):
+            raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        capacity = int(capacity)
+        values = {}
+        for name, leaf in _named(example).items():
+            if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+                leaf = np.asarray(leaf)
+            _check_numeric(name, leaf.dtype)
+            dtype = jax.dtypes.canonicalize_dtype(leaf.dtype)
+            if jnp.issubdtype(dtype, jnp.floating):
+                dtype = jnp.promote_types(dtype, jnp.float32)
+            values[name] = _slots(capacity, leaf, dtype)
+        steps = jnp.full((capacity,), -1, jnp.int32)
+        return cls(steps=steps, values=values, count=jnp.zeros((), jnp.int32))
+
+    @property
+    def capacity(self) -> int:
+        """The number of slots."""
+        return self.steps.shape[0]
+
+    def write(self, step: Any, metrics: Any) -> MetricBuffer:
+        """Returns a new buffer with ``metrics`` recorded at ``step``.
+
+        Pure and usable inside ``jit``, ``scan`` and ``fori_loop``. Writes slot
+        ``count % capacity``, overwriting the oldest entry once the buffer is full.
+
+        Args:
+            step: integer scalar (Python int or int array, traced or not).
+            metrics: a pytree with the example's leaf names and shapes; values are
+                cast to the stored dtype.
+
+        Raises:
+            ValueError: a name is missing or extra, or a shape differs (checked at
+                trace time); the message names the metric.
+            TypeError: ``step`` is not an integer scalar, a value is not numeric,
+                or a float is written into an integer or bool metric.
+        """
+        step = jnp.asarray(step)
+        if step.shape != () or not jnp.issubdtype(step.dtype, jnp.integer):
+            raise TypeError(f"step must be an integer scalar, got {jax.typeof(step)}")
+        named = _named(metrics)
+        missing = sorted(set(self.values) - set(named))
+        extra = sorted(set(named) - set(self.values))
+        if missing or extra:
+            raise ValueError(
+                f"metrics do not match the buffer: missing {missing}, extra {extra}"
+            )
+        new = {}
+        for name, value in named.items():
+            shown, slots = name or "<root>", self.values[name]
+            try:
+                value = jnp.asarray(value)
+            except TypeError as err:
+                raise TypeError(f"metric {shown!r} is not numeric ({err})") from None
+            _check_numeric(name, value.dtype)
+            if value.shape != slots.shape[1:]:
+                raise ValueError(
+                    f"metric {shown!r} has shape {value.shape}, the buffer holds "
+                    f"{slots.shape[1:]}"
+                )
+            if jnp.issubdtype(value.dtype, jnp.floating) and not jnp.issubdtype(
+                slots.dtype, jnp.floating
+            ):
+                raise TypeError(
+                    f"metric {shown!r} is {value.dtype}, the buffer holds "
+                    f"{slots.dtype}; a float would be truncated"
+                )
+            new[name] = value
+        return _write(self, step, new)
+
+    def reset(self) -> MetricBuffer:
+        """Returns the buffer emptied (count 0, steps -1), reusing its arrays.
+
+        Stale values stay in the slots but are never read. Under ``jit`` with the
+        buffer donated (``donate_argnums``) no new memory is allocated.
+        """
+        steps = jnp.full_like(self.steps, -1)
+        return MetricBuffer(
+            steps=steps, values=self.values, count=jnp.zeros_like(self.count)
+        )
+
+    def to_host(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Fetches the buffer with one ``jax.device_get`` (host side, not in jit).
+
+        Returns:
+            ``(steps, values)``: int64 steps and ``{name: array}`` of the entries
+            still held, oldest first (write order), as NumPy arrays.
+        """
+        host = jax.device_get(self)
+        count, capacity = int(host.count), host.steps.shape[0]
+        if count <= capacity:
+            order = np.arange(max(count, 0))
+        else:
+            order = (count + np.arange(capacity)) % capacity
+        values = {name: np.asarray(v)[order] for name, v in host.values.items()}
+        return np.asarray(host.steps)[order].astype(np.int64), values
+
+    @property
+    def dropped(self) -> int:
+        """How many entries were overwritten (host side): ``max(count - capacity, 0)``.
+
+        Fetches ``count``; on a buffer already fetched with ``jax.device_get``
+        there is nothing to transfer.
+        """
+        return max(int(jax.device_get(self.count)) - self.capacity, 0)
