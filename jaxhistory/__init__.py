@@ -23,6 +23,7 @@ from jaxhistory._collective import (
     reduce_std_collective,
     reduce_sum_collective,
 )
+from jaxhistory._facade import History, distributed_default
 from jaxhistory._history import HistoryState, warmup_count
 from jaxhistory._hlo import collective_counts
 from jaxhistory._reduce import (
@@ -46,6 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "STATS",
+    "History",
     "HistoryState",
     "LaunchError",
     "MetricBuffer",
@@ -54,6 +56,7 @@ __all__ = [
     "all_gather",
     "collect_from_devices",
     "collective_counts",
+    "distributed_default",
     "distributed_stats",
     "distributed_stats_collective",
     "launch_local",

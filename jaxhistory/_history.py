@@ -436,6 +436,62 @@ class HistoryState:
         table.ptypes = ptypes if scalars else None
         return table, n, tuple(values), on_device
 
+    def update_packed(
+        self, names: tuple[str, ...], vector: Any, step: int | None = None
+    ) -> HistoryState:
+        """Records ``len(names)`` scalars held in one 1-D array at one step.
+
+        The array may be a device array straight out of a jitted step: it is stored
+        without waiting and fetched with the other pending values, as one transfer
+        instead of one per scalar. This is how :class:`History` records
+        distributed statistics.
+        """
+        names = tuple(names)
+        if isinstance(vector, jax.core.Tracer):
+            _host_value(names[0] if names else "<packed>", vector)  # raises
+        shape = tuple(np.shape(vector))
+        if shape != (len(names),):
+            raise ValueError(
+                f"a packed row for {len(names)} metrics needs shape ({len(names)},), "
+                f"got {shape}"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError("packed metric names must be unique")
+        step = self.next_step if step is None else _as_step("step", step)
+        on_device = isinstance(vector, jax.Array)
+        dtype = np.dtype(np.float32) if on_device else np.asarray(vector).dtype
+        if on_device and jnp.issubdtype(vector.dtype, jnp.floating):
+            dtype = np.promote_types(np.dtype(vector.dtype), np.float32)
+        for name in names:
+            if name in self:
+                if self.shape(name) != ():
+                    raise ValueError(
+                        f"metric {name!r} changed shape from {self.shape(name)} to ()"
+                    )
+                last = self.last_step(name)
+                if last is not None and step <= last:
+                    raise ValueError(
+                        f"metric {name!r} was already recorded at step {last}; step "
+                        f"{step} must be later (merge() combines runs)"
+                    )
+        entry = self.data.tables.get(names)
+        if entry is None:
+            table, n = Table(names, (dtype,) * len(names), ((),) * len(names)), 0
+        else:
+            table, n = entry
+            wider = tuple(np.result_type(d, dtype) for d in table.dtypes)
+            if wider != table.dtypes or table.length != n:
+                table = table.prefix(n, wider)
+        table.ptypes = None
+        if on_device:
+            self._inflight.add([vector])
+            table.append(step, vector, True)
+        else:
+            table.append(step, tuple(np.asarray(vector)))
+        new = self.data.tables.copy()
+        new[names] = (table, n + 1)
+        return self._derive(new, max(self.next_step, step + 1))
+
     def extend(self, steps: Any, values: Mapping[str, Any]) -> HistoryState:
         """Records many steps at once from arrays (one host transfer for all).
 

@@ -79,3 +79,45 @@ def fail_while_the_other_waits_in_a_collective() -> int:
         raise RuntimeError("rank one gives up")
     multihost_utils.process_allgather(np.ones(1))
     return 0
+
+
+def distributed_history_run(steps: int) -> dict:
+    """History with distributed history over every device of every process."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxhistory as jh
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+    history = jh.History(distributed_history=True)
+    lines = []
+    for step in range(steps):
+        data = global_data(step, 1, n)["m0"]
+        loss = jax.make_array_from_callback(
+            data.shape, sharding, lambda i, data=data: data[i]
+        )
+        host = float(jax.process_index() + 1) * (step + 1)
+        lines.append(history.update({"loss": loss, "host": host, "lr": 0.1}))
+    state = history.state
+    return {
+        "lines": lines,
+        "records": {k: np.asarray(state.values(k)).tolist() for k in state.keys},
+        "steps": {k: np.asarray(state.steps(k)).tolist() for k in state.keys},
+    }
+
+
+def mismatched_names() -> str:
+    import jax
+
+    import jaxhistory as jh
+
+    history = jh.History(distributed_history=True)
+    name = "loss" if jax.process_index() == 0 else "lost"
+    try:
+        history.update({name: 1.0})
+    except ValueError as err:
+        return str(err)
+    return "no error"

@@ -69,7 +69,16 @@ def test_public_functions_have_runnable_examples():
 
 @pytest.mark.parametrize(
     "module",
-    ["_reduce", "_collective", "_stats", "_hlo", "launch", "_history", "_buffer"],
+    [
+        "_reduce",
+        "_collective",
+        "_stats",
+        "_hlo",
+        "launch",
+        "_history",
+        "_buffer",
+        "_facade",
+    ],
 )
 def test_docstring_examples_run(module):
     mod = importlib.import_module(f"jaxhistory.{module}")

@@ -1,0 +1,286 @@
+"""History: the stateful update() -> summary line object most users touch."""
+
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxhistory._history import STEP_KEYS, HistoryState, _flatten
+from jaxhistory._stats import STATS, distributed_stats
+
+__all__ = ["COUNTER_KEYS", "DISTRIBUTED_LIMIT", "History", "distributed_default"]
+
+COUNTER_KEYS = ("step", "epoch", "iter")
+DISTRIBUTED_LIMIT = 384  # devices; above this the per-update all-reduce is off
+_OFF_VARS = ("JAXHISTORY_NO_DISTRIBUTED_HISTORY", "JAXHISTORY_LOCAL_HISTORY")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+def _env_flag(name: str) -> bool:
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected 1/true/yes or 0/false/no")
+
+
+def distributed_default() -> bool:
+    """Whether distributed history is on when not set explicitly.
+
+    Off when ``JAXHISTORY_NO_DISTRIBUTED_HISTORY`` or ``JAXHISTORY_LOCAL_HISTORY``
+    is 1/true/yes, or when there are more than 384 devices (the all-reduce per
+    update costs too much there); on otherwise.
+
+    Example:
+        >>> import jaxhistory as jh
+        >>> jh.distributed_default()  # 8 devices here, no variable set
+        True
+    """
+    if any(_env_flag(v) for v in _OFF_VARS):
+        return False
+    return jax.device_count() <= DISTRIBUTED_LIMIT
+
+
+def _is_per_device(value: Any) -> bool:
+    return (
+        isinstance(value, jax.Array)
+        and value.ndim >= 1
+        and not value.sharding.is_fully_replicated
+    )
+
+
+def _format(value: Any, precision: int, counter: bool) -> str:
+    arr = np.asarray(value)
+    if arr.ndim:
+        if arr.size <= 4:
+            return "[" + ",".join(_format(v, precision, counter) for v in arr) + "]"
+        return f"{_format(arr.mean(), precision, False)}(mean of {arr.size})"
+    if counter or arr.dtype.kind in "iub":
+        if arr.dtype.kind == "f" and not math.isfinite(float(arr)):
+            return str(float(arr))
+        return str(int(arr))
+    return f"{float(arr):.{precision}f}"
+
+
+class History:
+    """Records metrics step by step and returns a one-line summary of each update.
+
+    Args:
+        keys: metric names to show first, in this order, in the summary line.
+        distributed_history: reduce per-device values (sharded JAX arrays) and, with
+            several processes, per-process host scalars into ``name/mean``,
+            ``name/max``, ``name/min`` and ``name/std`` across all devices or
+            processes, in one fused jitted call per update (two all-reduces).
+            Every process must then call :meth:`update`. ``None`` picks
+            :func:`distributed_default`.
+        report_dir: where the outputs (report, plots, dataset) go; used by the
+            outputs of a run.
+        report_enabled: whether a markdown report is written with the outputs.
+        jsonl_path: where the per-step JSONL log goes; used by the outputs.
+        jsonl_overwrite: truncate an existing JSONL log instead of appending.
+        log_every: summarize (and so wait for device values) only every N updates;
+            the others record without waiting and return ``""``.
+
+    Example:
+        >>> import jaxhistory as jh
+        >>> h = jh.History(distributed_history=False)
+        >>> h.update({"step": 42, "loss": 0.1234567, "lr": 1e-3})
+        'step=42 loss=0.123457 lr=0.001000'
+        >>> h.state.steps("loss").tolist()
+        [42]
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[str] | None = None,
+        distributed_history: bool | None = None,
+        report_dir: str | os.PathLike | None = None,
+        report_enabled: bool = True,
+        jsonl_path: str | os.PathLike | None = None,
+        jsonl_overwrite: bool = False,
+        log_every: int = 1,
+    ):
+        if keys is not None and (
+            isinstance(keys, str) or not all(isinstance(k, str) for k in keys)
+        ):
+            raise TypeError(f"keys must be a sequence of metric names, got {keys!r}")
+        if (
+            isinstance(log_every, bool)
+            or not isinstance(log_every, int)
+            or log_every < 1
+        ):
+            raise ValueError(f"log_every must be a positive int, got {log_every!r}")
+        self.keys = tuple(keys or ())
+        self.distributed_history = (
+            distributed_default()
+            if distributed_history is None
+            else bool(distributed_history)
+        )
+        self.report_dir = None if report_dir is None else Path(report_dir)
+        self.report_enabled = bool(report_enabled)
+        self.jsonl_path = None if jsonl_path is None else Path(jsonl_path)
+        self.jsonl_overwrite = bool(jsonl_overwrite)
+        self.log_every = log_every
+        self.state = HistoryState()
+        self._updates = 0
+        self._stats_fn = jax.jit(distributed_stats)
+
+    def update(
+        self,
+        metrics: Mapping[str, Any],
+        precision: int = 6,
+        step: int | None = None,
+        summarize: bool = True,
+    ) -> str:
+        """Records ``metrics`` and returns the summary line for this step.
+
+        Args:
+            metrics: a dict of Python, NumPy or JAX values (nested dicts join names
+                with ``/``). A ``step``/``iter`` entry sets the step.
+            precision: decimals in the summary line.
+            step: the step, overriding any entry in ``metrics``.
+            summarize: build the summary line. It needs the values, so it waits for
+                device values of this step; with False (or between ``log_every``
+                updates) nothing waits and ``""`` is returned.
+
+        Returns:
+            ``"step=42 loss=0.123457 lr=0.001000"``: counters (``step``, ``epoch``,
+            ``iter``) as integers; a distributed metric as its mean with the std
+            inlined, ``loss=0.123457(±0.002100)``.
+
+        Raises:
+            TypeError, ValueError: bad values, as for :meth:`HistoryState.update`
+                (nothing is recorded then). With distributed history, processes
+                that pass different metric names all raise ValueError.
+        """
+        if not isinstance(precision, int) or precision < 0:
+            raise ValueError(f"precision must be a non-negative int, got {precision!r}")
+        items = _flatten(metrics)
+        counters = {n: v for n, v in items if n in COUNTER_KEYS}
+        label = "step"
+        if step is None:
+            for key in STEP_KEYS:
+                if key in counters:
+                    step, label = counters[key], key
+                    items = [(n, v) for n, v in items if n != key]
+                    break
+        plain, reduce = self._split(items)
+        state = self.state
+        state = state.update(dict(plain), step=step)
+        step_used = state.next_step - 1 if step is None else step
+        names: tuple[str, ...] = ()
+        if reduce:
+            names, packed = self._reduce(reduce)
+            state = state.update_packed(names, packed, step=step_used)
+        self.state = state
+        self._updates += 1
+        if not summarize or (self._updates - 1) % self.log_every:
+            return ""
+        order = [n for n, _ in items]
+        packed = packed if reduce else None
+        return self._line(order, plain, names, packed, (label, step_used), precision)
+
+    # ----- distributed history -------------------------------------------------
+    def _split(self, items: list[tuple[str, Any]]):
+        """(recorded as they are, reduced across devices/processes)."""
+        if not self.distributed_history:
+            return items, []
+        multi = jax.process_count() > 1
+        plain, reduce = [], []
+        for name, value in items:
+            if name in COUNTER_KEYS:
+                plain.append((name, value))
+            elif _is_per_device(value) or (
+                multi and not isinstance(value, jax.Array) and np.ndim(value) == 0
+            ):
+                reduce.append((name, value))
+            else:
+                plain.append((name, value))
+        return plain, reduce
+
+    def _reduce(self, items: list[tuple[str, Any]]) -> tuple[tuple[str, ...], Any]:
+        names = [n for n, _ in items]
+        if jax.process_count() > 1:
+            self._check_same_names(names)
+        meshes = [v.sharding.mesh for _, v in items if isinstance(v, jax.Array)]
+        mesh = meshes[0] if meshes else jax.sharding.Mesh(jax.devices(), ("devices",))
+        metrics = {}
+        for name, value in items:
+            if isinstance(value, jax.Array):
+                metrics[name] = value
+            else:
+                metrics[name] = _per_process_array(name, value, mesh)
+        stats = self._stats_fn(metrics)
+        packed = stats.table.T.reshape(-1)  # name-major: a/mean, a/max, ...
+        out = tuple(f"{n}/{s}" for n in stats.names for s in STATS)
+        return out, packed
+
+    @staticmethod
+    def _check_same_names(names: list[str]) -> None:
+        from jax.experimental import multihost_utils
+
+        digest = zlib.crc32("\0".join(sorted(names)).encode())
+        everyone = np.asarray(
+            multihost_utils.process_allgather(np.array([digest, len(names)], np.int64))
+        ).reshape(-1, 2)
+        if len(set(map(tuple, everyone.tolist()))) > 1:
+            raise ValueError(
+                f"processes passed different metrics to History.update (process "
+                f"{jax.process_index()} has {sorted(names)}); every process must "
+                "record the same names for distributed history"
+            )
+
+    # ----- summary line ----------------------------------------------------------
+    def _line(self, order, plain, names, packed, step, precision) -> str:
+        values = dict(plain)
+        host_packed = None
+        if packed is not None:
+            host_packed = np.asarray(jax.device_get(packed))
+        device = {k: v for k, v in values.items() if isinstance(v, jax.Array)}
+        if device:
+            values.update(jax.device_get(device))
+        parts = {}
+        parts[step[0]] = str(step[1])
+        by_name = {}
+        if host_packed is not None:
+            by_name = dict(zip(names, host_packed.tolist(), strict=True))
+        for name in order:
+            if name in values:
+                parts[name] = _format(values[name], precision, name in COUNTER_KEYS)
+            elif f"{name}/mean" in by_name:
+                mean, std = by_name[f"{name}/mean"], by_name[f"{name}/std"]
+                parts[name] = f"{mean:.{precision}f}(±{std:.{precision}f})"
+        first = [k for k in ("step", "iter", "epoch") if k in parts]
+        first += [k for k in self.keys if k in parts and k not in first]
+        return " ".join(
+            f"{k}={parts[k]}" for k in [*first, *(k for k in parts if k not in first)]
+        )
+
+
+def _per_process_array(name: str, value: Any, mesh: jax.sharding.Mesh) -> jax.Array:
+    """A global array over ``mesh`` holding this process's scalar on its devices.
+
+    Each process fills the entries of its own devices with its value, so with the
+    same number of devices per process, statistics over the array are statistics
+    over processes. Sharing the per-device metrics' mesh keeps one fused call.
+    """
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(f"metric {name!r} is not numeric ({type(value).__name__})")
+    sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names))
+    )
+    local = np.float32(arr)
+    return jax.make_array_from_callback(
+        (mesh.size,), sharding, lambda index: np.full(mesh.size, local)[index]
+    )

@@ -1,0 +1,156 @@
+"""History: summary lines, distributed history, settings."""
+
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from mp_workers import global_data
+
+import jaxhistory as jh
+
+
+def per_device(mesh, values):
+    return jax.device_put(
+        np.asarray(values, np.float32), NamedSharding(mesh, P("data"))
+    )
+
+
+def test_summary_line_formats_counters_and_floats():
+    h = jh.History(distributed_history=False)
+    line = h.update({"step": 42, "epoch": 3, "loss": 0.1234567, "lr": 1e-3})
+    assert line == "step=42 epoch=3 loss=0.123457 lr=0.001000"
+    assert h.update({"iter": 43, "loss": 0.5}, precision=2) == "iter=43 loss=0.50"
+    assert h.state.steps("loss").tolist() == [42, 43]
+    assert "step" not in h.state and "epoch" in h.state
+
+
+def test_steps_auto_increment_and_keys_order_the_line():
+    h = jh.History(keys=["lr"], distributed_history=False)
+    assert h.update({"loss": 1.0, "lr": 0.5}) == "step=0 lr=0.500000 loss=1.000000"
+    assert h.update({"loss": 2.0, "lr": 0.5}).startswith("step=1 ")
+    assert h.update({"loss": 3.0}, step=10).startswith("step=10 ")
+
+
+def test_distributed_metrics_inline_their_std(mesh):
+    h = jh.History(distributed_history=True)
+    line = h.update({"loss": per_device(mesh, np.arange(8.0)), "lr": 1e-3})
+    std = np.std(np.arange(8.0))
+    assert line == f"step=0 loss=3.500000(±{std:.6f}) lr=0.001000"
+    assert set(h.state.keys) == {"lr", *(f"loss/{s}" for s in jh.STATS)}
+    assert h.state.values("loss/max").tolist() == [7.0]
+
+
+def test_one_fused_call_per_update(mesh):
+    h = jh.History(distributed_history=True)
+    metrics = {f"m{i}": per_device(mesh, np.arange(8.0) + i) for i in range(10)}
+    h.update(metrics)
+    counts = jh.collective_counts(h._stats_fn, metrics)
+    assert sum(counts.values()) <= 2
+
+
+def test_replicated_arrays_and_scalars_are_recorded_as_they_are(mesh):
+    h = jh.History(distributed_history=True)
+    h.update({"acc": jnp.arange(3.0), "lr": jnp.float32(0.5)})
+    assert h.state.shape("acc") == (3,) and "lr" in h.state
+
+
+def test_distributed_history_off_records_per_device_arrays_whole(mesh):
+    h = jh.History(distributed_history=False)
+    line = h.update({"loss": per_device(mesh, np.arange(8.0))})
+    assert h.state.shape("loss") == (8,)
+    assert "loss=3.500000(mean of 8)" in line
+
+
+def test_summarize_false_and_log_every_do_not_wait(mesh):
+    f = jax.jit(lambda x: x * 2)
+    x = per_device(mesh, np.arange(8.0))
+    h = jh.History(distributed_history=True)
+    with mock.patch.object(jax, "device_get", wraps=jax.device_get) as get:
+        assert h.update({"loss": f(x)}, summarize=False) == ""
+        assert get.call_count == 0
+    every3 = jh.History(distributed_history=True, log_every=3)
+    with mock.patch.object(jax, "device_get", wraps=jax.device_get) as get:
+        lines = [every3.update({"loss": f(x)}) for _ in range(6)]
+        assert get.call_count == 2  # only the two summarized updates waited
+    assert [bool(line) for line in lines] == [True, False, False, True, False, False]
+    assert every3.state.count("loss/mean") == 6
+    assert every3.state.values("loss/max").tolist() == [14.0] * 6
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, True),
+        ({"JAXHISTORY_NO_DISTRIBUTED_HISTORY": "1"}, False),
+        ({"JAXHISTORY_LOCAL_HISTORY": "yes"}, False),
+        ({"JAXHISTORY_LOCAL_HISTORY": "TRUE"}, False),
+        ({"JAXHISTORY_NO_DISTRIBUTED_HISTORY": "0"}, True),
+        ({"JAXHISTORY_LOCAL_HISTORY": ""}, True),
+        ({"JAXHISTORY_LOCAL_HISTORY": "false"}, True),
+    ],
+)
+def test_environment_turns_distributed_history_off(env, expected, monkeypatch):
+    for name in ("JAXHISTORY_NO_DISTRIBUTED_HISTORY", "JAXHISTORY_LOCAL_HISTORY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert jh.distributed_default() is expected
+    assert jh.History().distributed_history is expected
+    assert jh.History(distributed_history=True).distributed_history is True
+
+
+def test_unclear_environment_value_is_an_error(monkeypatch):
+    monkeypatch.setenv("JAXHISTORY_LOCAL_HISTORY", "maybe")
+    with pytest.raises(ValueError, match="JAXHISTORY_LOCAL_HISTORY='maybe'"):
+        jh.distributed_default()
+
+
+def test_more_than_384_devices_turn_it_off(monkeypatch):
+    monkeypatch.setattr(jax, "device_count", lambda: 385)
+    assert jh.distributed_default() is False
+
+
+def test_bad_settings_and_input():
+    with pytest.raises(TypeError, match="keys"):
+        jh.History(keys="loss")
+    with pytest.raises(ValueError, match="log_every"):
+        jh.History(log_every=0)
+    h = jh.History(distributed_history=False)
+    h.update({"loss": 1.0})
+    with pytest.raises(TypeError, match="'name'"):
+        h.update({"loss": 2.0, "name": "x"})
+    with pytest.raises(ValueError, match="precision"):
+        h.update({"loss": 2.0}, precision=-1)
+    assert h.state.values("loss").tolist() == [1.0]
+    assert h.update({"loss": 3.0}) == "step=1 loss=3.000000"
+
+
+@pytest.mark.slow
+def test_two_processes_record_the_same_distributed_history_as_one():
+    two = jh.launch_local("mp_workers:distributed_history_run", 2, 2, args=(3,))
+    one = jh.launch_local("mp_workers:distributed_history_run", 1, 4, args=(3,))
+    assert two[0]["records"] == two[1]["records"]
+    assert two[0]["lines"] == two[1]["lines"]
+    for stat in jh.STATS:
+        key = f"loss/{stat}"
+        np.testing.assert_allclose(
+            two[0]["records"][key], one[0]["records"][key], rtol=1e-6, err_msg=key
+        )
+        for step in range(3):
+            want = getattr(np, stat)(global_data(step, 1, 4)["m0"].astype(np.float64))
+            np.testing.assert_allclose(two[0]["records"][key][step], want, rtol=1e-5)
+    # Host scalars: reduced across the 2 processes, recorded as is with one.
+    np.testing.assert_allclose(two[0]["records"]["host/mean"], [1.5, 3.0, 4.5])
+    np.testing.assert_allclose(two[0]["records"]["host/std"], [0.5, 1.0, 1.5])
+    assert one[0]["records"]["host"] == [1.0, 2.0, 3.0]
+    assert two[0]["steps"]["lr/mean"] == one[0]["steps"]["lr"] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_processes_with_different_names_all_get_a_clear_error():
+    results = jh.launch_local("mp_workers:mismatched_names", 2, 1, timeout=120)
+    assert all("different metrics" in r for r in results), results
