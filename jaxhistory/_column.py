@@ -113,7 +113,8 @@ class Table:
             rows = list(rows)
             fetched = jax.device_get([rows[i] for i in self.device_rows])
             for i, host in zip(self.device_rows, fetched, strict=True):
-                rows[i] = host
+                # A packed row (one array for the whole row) is flattened in C order.
+                rows[i] = np.ravel(host) if isinstance(host, np.ndarray) else host
         k = len(rows)
         self._reserve(self.fill + k)
         self.steps[self.fill : self.fill + k] = self.row_steps

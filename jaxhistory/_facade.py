@@ -221,9 +221,9 @@ class History:
             else:
                 metrics[name] = _per_process_array(name, value, mesh)
         stats = self._stats_fn(metrics)
-        packed = stats.table.T.reshape(-1)  # name-major: a/mean, a/max, ...
-        out = tuple(f"{n}/{s}" for n in stats.names for s in STATS)
-        return out, packed
+        # Stat-major, the order of the (4, K) table: a/mean, b/mean, ..., a/max, ...
+        out = tuple(f"{n}/{s}" for s in STATS for n in stats.names)
+        return out, stats.table
 
     @staticmethod
     def _check_same_names(names: list[str]) -> None:
@@ -253,7 +253,7 @@ class History:
         parts[step[0]] = str(step[1])
         by_name = {}
         if host_packed is not None:
-            by_name = dict(zip(names, host_packed.tolist(), strict=True))
+            by_name = dict(zip(names, host_packed.ravel().tolist(), strict=True))
         for name in order:
             if name in values:
                 parts[name] = _format(values[name], precision, name in COUNTER_KEYS)

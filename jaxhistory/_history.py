@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhistory._column import Table, Tables
+from jaxhistory._stats import STATS, Stats
 from jaxhistory._tree import path_name
 
 __all__ = ["STEP_KEYS", "HistoryState", "warmup_count"]
@@ -350,6 +351,10 @@ class HistoryState:
                 record of a key at the same step is refused (combine runs with
                 :meth:`merge`). The state is unchanged.
         """
+        if isinstance(metrics, Stats):
+            metrics = {"": metrics}
+        if type(metrics) is dict and Stats in set(map(type, metrics.values())):
+            return self._update_with_stats(metrics, step)
         if type(metrics) is dict and not _NESTED.intersection(
             map(type, metrics.values())
         ):
@@ -393,6 +398,28 @@ class HistoryState:
         new = tables.copy()
         new[keys] = (table, n + 1)
         return self._derive(new, step + 1)
+
+    def _update_with_stats(self, metrics: dict, step: int | None) -> HistoryState:
+        """update() for dicts holding :class:`~jaxhistory.Stats` values.
+
+        Each ``Stats`` is recorded as one packed row (its whole table, still on
+        device if it is), named ``{key}/{metric}/{stat}``.
+        """
+        rest = {k: v for k, v in metrics.items() if type(v) is not Stats}
+        state = self.update(rest, step) if rest or step is None else self
+        used = (
+            state.next_step - 1 if rest else (self.next_step if step is None else step)
+        )
+        for key, stats in metrics.items():
+            if type(stats) is Stats:
+                prefix = f"{key}/" if key else ""
+                names = tuple(
+                    f"{prefix}{n}/{s}" if n else f"{prefix}{s}"
+                    for s in STATS
+                    for n in stats.names
+                )
+                state = state.update_packed(names, stats.table, step=used)
+        return state
 
     def _prepare(self, keys, row, ptypes, step):
         """The slow path of update: validates every value; returns the table."""
@@ -439,7 +466,7 @@ class HistoryState:
     def update_packed(
         self, names: tuple[str, ...], vector: Any, step: int | None = None
     ) -> HistoryState:
-        """Records ``len(names)`` scalars held in one 1-D array at one step.
+        """Records ``len(names)`` scalars held in one array at one step.
 
         The array may be a device array straight out of a jitted step: it is stored
         without waiting and fetched with the other pending values, as one transfer
@@ -450,10 +477,10 @@ class HistoryState:
         if isinstance(vector, jax.core.Tracer):
             _host_value(names[0] if names else "<packed>", vector)  # raises
         shape = tuple(np.shape(vector))
-        if shape != (len(names),):
+        if math.prod(shape) != len(names):
             raise ValueError(
-                f"a packed row for {len(names)} metrics needs shape ({len(names)},), "
-                f"got {shape}"
+                f"a packed row for {len(names)} metrics needs {len(names)} values "
+                f"(read in C order), got shape {shape}"
             )
         if len(set(names)) != len(names):
             raise ValueError("packed metric names must be unique")
@@ -487,7 +514,7 @@ class HistoryState:
             self._inflight.add([vector])
             table.append(step, vector, True)
         else:
-            table.append(step, tuple(np.asarray(vector)))
+            table.append(step, tuple(np.ravel(np.asarray(vector))))
         new = self.data.tables.copy()
         new[names] = (table, n + 1)
         return self._derive(new, max(self.next_step, step + 1))

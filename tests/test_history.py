@@ -350,3 +350,28 @@ def test_a_scan_loop_buffer_is_appended_with_one_transfer():
         assert get.call_count == 3
     assert s.steps("loss").tolist() == list(range(-1, 30))
     np.testing.assert_allclose(s.values("grad/norm"), 2.0 / (np.arange(30) + 1))
+
+
+def test_stats_from_a_jitted_step_are_recorded_without_waiting(mesh):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    step = jax.jit(lambda x: {"dist": jh.distributed_stats({"loss": x}), "lr": 0.1})
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
+    s = jh.HistoryState()
+    with mock.patch.object(jax, "device_get", wraps=jax.device_get) as get:
+        for i in range(3):
+            s = s.update(step(x + i))
+        assert get.call_count == 0
+    assert s.values("dist/loss/max").tolist() == [7.0, 8.0, 9.0]
+    assert s.steps("dist/loss/std").tolist() == [0, 1, 2]
+    assert s.values("lr").tolist() == pytest.approx([0.1] * 3)
+    bare = jh.HistoryState().update(jh.distributed_stats({"a": jnp.arange(4.0)}))
+    assert set(bare.keys) == {f"a/{stat}" for stat in jh.STATS}
+
+
+def test_packed_rows_check_their_size():
+    with pytest.raises(ValueError, match="needs 2 values"):
+        jh.HistoryState().update_packed(("a", "b"), np.zeros(3))
+    s = jh.HistoryState().update_packed(("a", "b"), np.array([[1.0], [2.0]]))
+    assert s.values("b").tolist() == [2.0]
