@@ -12,7 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxhistory._history import STEP_KEYS, HistoryState, _flatten
+from jaxhistory._history import HistoryState
+from jaxhistory._record import STEP_KEYS, flatten
 from jaxhistory._stats import STATS, distributed_stats
 
 __all__ = ["COUNTER_KEYS", "DISTRIBUTED_LIMIT", "History", "distributed_default"]
@@ -165,7 +166,7 @@ class History:
         """
         if not isinstance(precision, int) or precision < 0:
             raise ValueError(f"precision must be a non-negative int, got {precision!r}")
-        items = _flatten(metrics)
+        items = flatten(metrics)
         counters = {n: v for n, v in items if n in COUNTER_KEYS}
         label = "step"
         if step is None:

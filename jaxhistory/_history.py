@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -13,12 +12,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhistory._column import Table, Tables
+from jaxhistory._record import (
+    NESTED,
+    PY_SCALARS,
+    STEP_KEYS,
+    InFlight,
+    as_step,
+    flatten,
+    host_value,
+    warmup_count,
+)
 from jaxhistory._stats import STATS, Stats
-from jaxhistory._tree import path_name
 
 __all__ = ["STEP_KEYS", "HistoryState", "warmup_count"]
-
-STEP_KEYS = ("step", "iter")
 # Updates whose device values may still be in flight; past this many the oldest are
 # waited for. This bounds how far the host runs ahead of the device (simulated CPU
 # devices deadlock when too many collective steps are queued).
@@ -35,139 +41,6 @@ SUMMARY_STATS = (
     "count",
     "nonfinite",
 )
-
-
-def warmup_count(warmup: float, n: int) -> int:
-    """How many of ``n`` distinct steps ``warmup`` drops.
-
-    ``warmup`` below 1 is a fraction of the steps (``0.05`` drops the first 5%);
-    1 or more is a number of steps. The same rule holds everywhere jaxhistory
-    takes a ``warmup``.
-
-    Example:
-        >>> import jaxhistory as jh
-        >>> jh.warmup_count(0.05, 200), jh.warmup_count(3, 200), jh.warmup_count(0, 200)
-        (10, 3, 0)
-    """
-    if isinstance(warmup, bool) or not isinstance(warmup, int | float):
-        raise TypeError(f"warmup must be a number, got {warmup!r}")
-    if not math.isfinite(warmup) or warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup!r}")
-    if warmup < 1:
-        return math.floor(warmup * n)
-    return min(int(warmup), n)
-
-
-def _host_value(name: str, value: Any) -> tuple[Any, np.dtype, tuple[int, ...]]:
-    """Validates one metric value; returns (value, storage dtype, record shape)."""
-    if isinstance(value, jax.core.Tracer):
-        raise TypeError(
-            f"metric {name!r} is a JAX tracer: a HistoryState cannot record inside "
-            "jit, scan or a loop body. Return the metric from the jitted step, or "
-            "write it into a jaxhistory.MetricBuffer inside the loop and append the "
-            "buffer with HistoryState.extend_from_buffer."
-        )
-    if isinstance(value, jax.Array):
-        dtype = np.dtype(value.dtype)
-        is_float = jnp.issubdtype(dtype, jnp.floating)
-        if dtype.kind not in "biu" and not is_float:
-            raise TypeError(f"metric {name!r} has non-numeric dtype {dtype}")
-        if is_float and dtype.itemsize < 4:
-            dtype = np.dtype(np.float32)  # bf16/fp16/fp8 are stored as float32
-        if not value.is_fully_addressable:
-            raise ValueError(
-                f"metric {name!r} spans devices of other processes; reduce it first "
-                "(jaxhistory.distributed_stats, or History's distributed history)"
-            )
-        return value, dtype, tuple(value.shape)
-    if isinstance(value, str | bytes) or value is None:
-        raise TypeError(
-            f"metric {name!r} is {type(value).__name__} {value!r:.40}; metrics "
-            "must be numbers or numeric arrays"
-        )
-    try:
-        arr = np.asarray(value)
-    except Exception as err:
-        raise TypeError(f"metric {name!r} cannot become an array: {err}") from None
-    if arr.dtype.kind not in "biuf":
-        if jnp.issubdtype(arr.dtype, jnp.floating):  # ml_dtypes bfloat16 and friends
-            arr = arr.astype(np.float32)
-        else:
-            raise TypeError(
-                f"metric {name!r} is not numeric ({type(value).__name__}, "
-                f"dtype {arr.dtype})"
-            )
-    elif arr.dtype.kind == "f" and arr.dtype.itemsize < 4:
-        arr = arr.astype(np.float32)
-    return arr, arr.dtype, arr.shape
-
-
-def _items(metrics: Mapping, prefix: str = ""):
-    for key, value in metrics.items():
-        name = f"{prefix}{key}"
-        if type(value) is dict:
-            yield from _items(value, name + "/")
-        else:
-            yield name, value
-
-
-def _flatten(metrics: Any) -> list[tuple[str, Any]]:
-    """Named leaves of ``metrics``; plain nested dicts take a fast path."""
-    if isinstance(metrics, Mapping):
-        out = list(_items(metrics))
-        if any(type(v) in _CONTAINERS for _, v in out):
-            out = None
-    else:
-        out = None
-    if out is None:
-        pairs = jax.tree_util.tree_flatten_with_path(metrics)[0]
-        out = [(path_name(path), value) for path, value in pairs]
-        if any(not name for name, _ in out):
-            raise TypeError("metrics must be a dict (or other pytree) of named values")
-    if len({name for name, _ in out}) != len(out):
-        seen = set()
-        for name, _ in out:
-            if name in seen:
-                raise ValueError(f"two metrics are both named {name!r}")
-            seen.add(name)
-    return out
-
-
-_CONTAINERS = (list, tuple)
-_NESTED = frozenset({dict, list, tuple})
-_PY_SCALARS = {float: np.dtype(np.float64), int: np.dtype(np.int64)}
-
-
-def _as_step(name: str, value: Any) -> int:
-    if type(value) is int:
-        return value
-    if isinstance(value, jax.Array):
-        value = jax.device_get(value)
-    arr = np.asarray(value)
-    if arr.ndim != 0 or arr.dtype.kind not in "iuf" or arr != np.floor(arr):
-        raise ValueError(f"{name!r} must be a whole number to be used as the step")
-    return int(arr)
-
-
-class _InFlight:
-    """Bounds how many updates with device values may be unresolved at once."""
-
-    __slots__ = ("limit", "updates")
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.updates: list[list[jax.Array]] = []
-
-    def add(self, arrays: list[jax.Array]) -> None:
-        for a in arrays:
-            with contextlib.suppress(AttributeError, RuntimeError):
-                a.copy_to_host_async()
-        self.updates.append(arrays)
-        if len(self.updates) > self.limit:
-            # Wait for the oldest half; their copies to the host started long ago.
-            cut = len(self.updates) - self.limit // 2
-            jax.block_until_ready([a for u in self.updates[:cut] for a in u])
-            del self.updates[:cut]
 
 
 @jax.tree_util.register_dataclass
@@ -203,7 +76,7 @@ class HistoryState:
     )
 
     def __post_init__(self):
-        object.__setattr__(self, "_inflight", _InFlight(MAX_INFLIGHT))
+        object.__setattr__(self, "_inflight", InFlight(MAX_INFLIGHT))
 
     def _derive(self, tables: dict, next_step: int, attrs=None) -> HistoryState:
         new = object.__new__(HistoryState)
@@ -355,25 +228,25 @@ class HistoryState:
             metrics = {"": metrics}
         if type(metrics) is dict and Stats in set(map(type, metrics.values())):
             return self._update_with_stats(metrics, step)
-        if type(metrics) is dict and not _NESTED.intersection(
+        if type(metrics) is dict and not NESTED.intersection(
             map(type, metrics.values())
         ):
             if step is None and (STEP_KEYS[0] in metrics or STEP_KEYS[1] in metrics):
                 key = STEP_KEYS[0] if STEP_KEYS[0] in metrics else STEP_KEYS[1]
-                step = _as_step(key, metrics[key])
+                step = as_step(key, metrics[key])
                 metrics = {k: v for k, v in metrics.items() if k != key}
             keys, row = tuple(metrics), tuple(metrics.values())
         else:
-            items = _flatten(metrics)
+            items = flatten(metrics)
             if step is None:
                 for key in STEP_KEYS:
                     found = [i for i, (name, _) in enumerate(items) if name == key]
                     if found:
-                        step = _as_step(key, items.pop(found[0])[1])
+                        step = as_step(key, items.pop(found[0])[1])
                         break
             keys = tuple(name for name, _ in items)
             row = tuple(value for _, value in items)
-        step = self.next_step if step is None else _as_step("step", step)
+        step = self.next_step if step is None else as_step("step", step)
         if not keys:
             return self._derive(dict(self.data.tables), max(self.next_step, step + 1))
         tables = self.data.tables
@@ -425,9 +298,9 @@ class HistoryState:
         """The slow path of update: validates every value; returns the table."""
         values, dtypes, shapes, on_device = [], [], [], False
         for name, value in zip(keys, row, strict=True):
-            dtype = _PY_SCALARS.get(type(value))
+            dtype = PY_SCALARS.get(type(value))
             if dtype is None:
-                value, dtype, shape = _host_value(name, value)
+                value, dtype, shape = host_value(name, value)
                 on_device = on_device or isinstance(value, jax.Array)
             else:
                 shape = ()
@@ -459,7 +332,7 @@ class HistoryState:
             if wider != table.dtypes or table.length != n:
                 table = table.prefix(n, wider)
         # Later rows with the same Python scalar types may skip these checks.
-        scalars = all(t in _PY_SCALARS for t in ptypes)
+        scalars = all(t in PY_SCALARS for t in ptypes)
         table.ptypes = ptypes if scalars else None
         return table, n, tuple(values), on_device
 
@@ -475,7 +348,7 @@ class HistoryState:
         """
         names = tuple(names)
         if isinstance(vector, jax.core.Tracer):
-            _host_value(names[0] if names else "<packed>", vector)  # raises
+            host_value(names[0] if names else "<packed>", vector)  # raises
         shape = tuple(np.shape(vector))
         if math.prod(shape) != len(names):
             raise ValueError(
@@ -484,7 +357,7 @@ class HistoryState:
             )
         if len(set(names)) != len(names):
             raise ValueError("packed metric names must be unique")
-        step = self.next_step if step is None else _as_step("step", step)
+        step = self.next_step if step is None else as_step("step", step)
         on_device = isinstance(vector, jax.Array)
         dtype = np.dtype(np.float32) if on_device else np.asarray(vector).dtype
         if on_device and jnp.issubdtype(vector.dtype, jnp.floating):
@@ -541,7 +414,7 @@ class HistoryState:
         keys = tuple(values)
         columns, dtypes, shapes = [], [], []
         for name in keys:
-            arr, dtype, shape = _host_value(name, values[name])
+            arr, dtype, shape = host_value(name, values[name])
             if not shape or shape[0] != len(steps):
                 raise ValueError(
                     f"metric {name!r} has {shape[0] if shape else 0} records for "

@@ -1,0 +1,160 @@
+"""Turning what users pass to update() into named, checked values."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxhistory._tree import path_name
+
+__all__ = [
+    "NESTED",
+    "PY_SCALARS",
+    "STEP_KEYS",
+    "InFlight",
+    "as_step",
+    "flatten",
+    "host_value",
+    "warmup_count",
+]
+
+STEP_KEYS = ("step", "iter")
+
+
+def warmup_count(warmup: float, n: int) -> int:
+    """How many of ``n`` distinct steps ``warmup`` drops.
+
+    ``warmup`` below 1 is a fraction of the steps (``0.05`` drops the first 5%);
+    1 or more is a number of steps. The same rule holds everywhere jaxhistory
+    takes a ``warmup``.
+
+    Example:
+        >>> import jaxhistory as jh
+        >>> jh.warmup_count(0.05, 200), jh.warmup_count(3, 200), jh.warmup_count(0, 200)
+        (10, 3, 0)
+    """
+    if isinstance(warmup, bool) or not isinstance(warmup, int | float):
+        raise TypeError(f"warmup must be a number, got {warmup!r}")
+    if not math.isfinite(warmup) or warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup!r}")
+    if warmup < 1:
+        return math.floor(warmup * n)
+    return min(int(warmup), n)
+
+
+def host_value(name: str, value: Any) -> tuple[Any, np.dtype, tuple[int, ...]]:
+    """Validates one metric value; returns (value, storage dtype, record shape)."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"metric {name!r} is a JAX tracer: a HistoryState cannot record inside "
+            "jit, scan or a loop body. Return the metric from the jitted step, or "
+            "write it into a jaxhistory.MetricBuffer inside the loop and append the "
+            "buffer with HistoryState.extend_from_buffer."
+        )
+    if isinstance(value, jax.Array):
+        dtype = np.dtype(value.dtype)
+        is_float = jnp.issubdtype(dtype, jnp.floating)
+        if dtype.kind not in "biu" and not is_float:
+            raise TypeError(f"metric {name!r} has non-numeric dtype {dtype}")
+        if is_float and dtype.itemsize < 4:
+            dtype = np.dtype(np.float32)  # bf16/fp16/fp8 are stored as float32
+        if not value.is_fully_addressable:
+            raise ValueError(
+                f"metric {name!r} spans devices of other processes; reduce it first "
+                "(jaxhistory.distributed_stats, or History's distributed history)"
+            )
+        return value, dtype, tuple(value.shape)
+    if isinstance(value, str | bytes) or value is None:
+        raise TypeError(
+            f"metric {name!r} is {type(value).__name__} {value!r:.40}; metrics "
+            "must be numbers or numeric arrays"
+        )
+    try:
+        arr = np.asarray(value)
+    except Exception as err:
+        raise TypeError(f"metric {name!r} cannot become an array: {err}") from None
+    if arr.dtype.kind not in "biuf":
+        if jnp.issubdtype(arr.dtype, jnp.floating):  # ml_dtypes bfloat16 and friends
+            arr = arr.astype(np.float32)
+        else:
+            raise TypeError(
+                f"metric {name!r} is not numeric ({type(value).__name__}, "
+                f"dtype {arr.dtype})"
+            )
+    elif arr.dtype.kind == "f" and arr.dtype.itemsize < 4:
+        arr = arr.astype(np.float32)
+    return arr, arr.dtype, arr.shape
+
+
+def items_of(metrics: Mapping, prefix: str = ""):
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if type(value) is dict:
+            yield from items_of(value, name + "/")
+        else:
+            yield name, value
+
+
+def flatten(metrics: Any) -> list[tuple[str, Any]]:
+    """Named leaves of ``metrics``; plain nested dicts take a fast path."""
+    if isinstance(metrics, Mapping):
+        out = list(items_of(metrics))
+        if any(type(v) in CONTAINERS for _, v in out):
+            out = None
+    else:
+        out = None
+    if out is None:
+        pairs = jax.tree_util.tree_flatten_with_path(metrics)[0]
+        out = [(path_name(path), value) for path, value in pairs]
+        if any(not name for name, _ in out):
+            raise TypeError("metrics must be a dict (or other pytree) of named values")
+    if len({name for name, _ in out}) != len(out):
+        seen = set()
+        for name, _ in out:
+            if name in seen:
+                raise ValueError(f"two metrics are both named {name!r}")
+            seen.add(name)
+    return out
+
+
+CONTAINERS = (list, tuple)
+NESTED = frozenset({dict, list, tuple})
+PY_SCALARS = {float: np.dtype(np.float64), int: np.dtype(np.int64)}
+
+
+def as_step(name: str, value: Any) -> int:
+    if type(value) is int:
+        return value
+    if isinstance(value, jax.Array):
+        value = jax.device_get(value)
+    arr = np.asarray(value)
+    if arr.ndim != 0 or arr.dtype.kind not in "iuf" or arr != np.floor(arr):
+        raise ValueError(f"{name!r} must be a whole number to be used as the step")
+    return int(arr)
+
+
+class InFlight:
+    """Bounds how many updates with device values may be unresolved at once."""
+
+    __slots__ = ("limit", "updates")
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.updates: list[list[jax.Array]] = []
+
+    def add(self, arrays: list[jax.Array]) -> None:
+        for a in arrays:
+            with contextlib.suppress(AttributeError, RuntimeError):
+                a.copy_to_host_async()
+        self.updates.append(arrays)
+        if len(self.updates) > self.limit:
+            # Wait for the oldest half; their copies to the host started long ago.
+            cut = len(self.updates) - self.limit // 2
+            jax.block_until_ready([a for u in self.updates[:cut] for a in u])
+            del self.updates[:cut]
