@@ -18,9 +18,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-__all__ = ["Table", "Tables"]
+__all__ = ["STAGE", "Table", "Tables"]
 
-_STAGE = 256  # rows staged before a bulk move into NumPy
+STAGE = 256  # rows staged before a bulk move into NumPy
 _MIN_CAPACITY = 64
 
 
@@ -88,7 +88,7 @@ class Table:
         self.row_steps.append(step)
         self.last_step = step
         self.length += 1
-        if len(self.rows) >= _STAGE:
+        if len(self.rows) >= STAGE:
             self.flush()
 
     def extend(self, steps: np.ndarray, columns: list[np.ndarray]) -> None:

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from jaxhistory._history import HistoryState
-from jaxhistory._record import STEP_KEYS, flatten
+from jaxhistory._record import NESTED, STEP_KEYS, flatten
 from jaxhistory._stats import STATS, distributed_stats
 
 __all__ = ["COUNTER_KEYS", "DISTRIBUTED_LIMIT", "History", "distributed_default"]
@@ -134,6 +134,7 @@ class History:
         self.log_every = log_every
         self.state = HistoryState()
         self._updates = 0
+        self._multi_process = jax.process_count() > 1
         self._stats_fn = jax.jit(distributed_stats)
 
     def update(
@@ -164,8 +165,42 @@ class History:
                 (nothing is recorded then). With distributed history, processes
                 that pass different metric names all raise ValueError.
         """
-        if not isinstance(precision, int) or precision < 0:
+        if type(precision) is not int or precision < 0:
             raise ValueError(f"precision must be a non-negative int, got {precision!r}")
+        if type(metrics) is dict and self._simple(metrics):
+            # Nothing to reduce or flatten: record the dict as it is.
+            self.state = self.state.update(metrics, step=step)
+            self._updates += 1
+            if not summarize or (self._updates - 1) % self.log_every:
+                return ""
+            items = list(metrics.items())
+        else:
+            return self._update(metrics, precision, step, summarize)
+        label = "step"
+        if step is None:
+            for key in STEP_KEYS:
+                if key in metrics:
+                    label = key
+                    items = [(n, v) for n, v in items if n != key]
+                    break
+        step_used = self.state.next_step - 1 if step is None else step
+        order = [n for n, _ in items]
+        return self._line(order, items, (), None, (label, step_used), precision)
+
+    def _simple(self, metrics: dict) -> bool:
+        """A flat dict whose values need no cross-device or cross-process reduction."""
+        types = set(map(type, metrics.values()))
+        if NESTED.intersection(types):
+            return False
+        if not self.distributed_history:
+            return True
+        if self._multi_process:
+            return False  # host values are reduced across processes
+        return not any(issubclass(t, jax.Array) for t in types) or not any(
+            _is_per_device(v) for v in metrics.values()
+        )
+
+    def _update(self, metrics, precision, step, summarize) -> str:
         items = flatten(metrics)
         counters = {n: v for n, v in items if n in COUNTER_KEYS}
         label = "step"

@@ -11,8 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhistory._column import Table, Tables
+from jaxhistory._column import STAGE, Table, Tables
 from jaxhistory._record import (
+    ALL_FLOATS,
+    FLOAT_ONLY,
     NESTED,
     PY_SCALARS,
     STEP_KEYS,
@@ -226,11 +228,10 @@ class HistoryState:
         """
         if isinstance(metrics, Stats):
             metrics = {"": metrics}
-        if type(metrics) is dict and Stats in set(map(type, metrics.values())):
+        types = set(map(type, metrics.values())) if type(metrics) is dict else None
+        if types is not None and Stats in types:
             return self._update_with_stats(metrics, step)
-        if type(metrics) is dict and not NESTED.intersection(
-            map(type, metrics.values())
-        ):
+        if types is not None and not NESTED.intersection(types):
             if step is None and (STEP_KEYS[0] in metrics or STEP_KEYS[1] in metrics):
                 key = STEP_KEYS[0] if STEP_KEYS[0] in metrics else STEP_KEYS[1]
                 step = as_step(key, metrics[key])
@@ -251,7 +252,7 @@ class HistoryState:
             return self._derive(dict(self.data.tables), max(self.next_step, step + 1))
         tables = self.data.tables
         entry = tables.get(keys)
-        ptypes = tuple(map(type, row))
+        ptypes = ALL_FLOATS if types == FLOAT_ONLY else tuple(map(type, row))
         if entry is not None and entry[0].ptypes == ptypes and step >= self.next_step:
             # Fast path: same metrics, same Python scalar types as last time, and a
             # step past everything recorded.
@@ -267,7 +268,12 @@ class HistoryState:
             new = tables.copy()
             new[keys] = (table, n + 1)
             return self._derive(new, max(self.next_step, step + 1))
-        table.append(step, row)
+        table.rows.append(row)  # Table.append, inlined on the hot path
+        table.row_steps.append(step)
+        table.last_step = step
+        table.length += 1
+        if len(table.rows) >= STAGE:
+            table.flush()
         new = tables.copy()
         new[keys] = (table, n + 1)
         return self._derive(new, step + 1)
@@ -332,7 +338,10 @@ class HistoryState:
             if wider != table.dtypes or table.length != n:
                 table = table.prefix(n, wider)
         # Later rows with the same Python scalar types may skip these checks.
-        scalars = all(t in PY_SCALARS for t in ptypes)
+        if ptypes is ALL_FLOATS:
+            scalars = all(d == np.float64 for d in table.dtypes)
+        else:
+            scalars = all(t in PY_SCALARS for t in ptypes)
         table.ptypes = ptypes if scalars else None
         return table, n, tuple(values), on_device
 

@@ -14,6 +14,8 @@ import numpy as np
 from jaxhistory._tree import path_name
 
 __all__ = [
+    "ALL_FLOATS",
+    "FLOAT_ONLY",
     "NESTED",
     "PY_SCALARS",
     "STEP_KEYS",
@@ -126,6 +128,8 @@ def flatten(metrics: Any) -> list[tuple[str, Any]]:
 CONTAINERS = (list, tuple)
 NESTED = frozenset({dict, list, tuple})
 PY_SCALARS = {float: np.dtype(np.float64), int: np.dtype(np.int64)}
+FLOAT_ONLY = frozenset({float})
+ALL_FLOATS = "every value a Python float"  # a row type signature, see update()
 
 
 def as_step(name: str, value: Any) -> int:
