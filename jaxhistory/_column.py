@@ -111,7 +111,9 @@ class Table:
         rows = self.rows
         if self.device_rows:
             rows = list(rows)
-            fetched = jax.device_get([rows[i] for i in self.device_rows])
+            # Their copies to the host were started when they were recorded, so
+            # reading them is cheap; jax.device_get would start each copy again.
+            fetched = [jax.tree.map(np.asarray, rows[i]) for i in self.device_rows]
             for i, host in zip(self.device_rows, fetched, strict=True):
                 # A packed row (one array for the whole row) is flattened in C order.
                 rows[i] = np.ravel(host) if isinstance(host, np.ndarray) else host
