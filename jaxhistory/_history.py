@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -81,12 +82,18 @@ class HistoryState:
         object.__setattr__(self, "_inflight", InFlight(MAX_INFLIGHT))
 
     def _derive(self, tables: dict, next_step: int, attrs=None) -> HistoryState:
-        new = object.__new__(HistoryState)
-        new.__dict__.update(
-            data=Tables(tables),
-            next_step=next_step,
-            attrs=self.attrs if attrs is None else attrs,
-            _inflight=self._inflight,
+        data = _new_tables()
+        data.tables = tables
+        new = _new_state()
+        _setattr(
+            new,
+            "__dict__",
+            {
+                "data": data,
+                "next_step": next_step,
+                "attrs": self.attrs if attrs is None else attrs,
+                "_inflight": self._inflight,
+            },
         )
         return new
 
@@ -558,3 +565,9 @@ class HistoryState:
 
     def __repr__(self) -> str:
         return f"HistoryState({len(self)} metrics, next_step={self.next_step})"
+
+
+# Bound once: _derive runs on every update.
+_new_tables = functools.partial(object.__new__, Tables)
+_new_state = functools.partial(object.__new__, HistoryState)
+_setattr = object.__setattr__
