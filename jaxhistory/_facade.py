@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxhistory._history import HistoryState
 from jaxhistory._record import NESTED, STEP_KEYS, flatten
-from jaxhistory._stats import STATS, distributed_stats
+from jaxhistory._stats import STATS, Stats, distributed_stats
 
 __all__ = ["COUNTER_KEYS", "DISTRIBUTED_LIMIT", "History", "distributed_default"]
 
@@ -282,7 +282,7 @@ class History:
         host_packed = None
         if packed is not None:
             host_packed = np.asarray(jax.device_get(packed))
-        device = {k: v for k, v in values.items() if isinstance(v, jax.Array)}
+        device = {k: v for k, v in values.items() if isinstance(v, jax.Array | Stats)}
         if device:
             values.update(jax.device_get(device))
         parts = {}
@@ -291,7 +291,14 @@ class History:
         if host_packed is not None:
             by_name = dict(zip(names, host_packed.ravel().tolist(), strict=True))
         for name in order:
-            if name in values:
+            if isinstance(values.get(name), Stats):  # statistics from the step
+                stats = values[name]
+                for metric in stats.names:
+                    key = f"{name}/{metric}" if metric else name
+                    mean = float(stats[f"{metric}/mean" if metric else "mean"])
+                    std = float(stats[f"{metric}/std" if metric else "std"])
+                    parts[key] = f"{mean:.{precision}f}(±{std:.{precision}f})"
+            elif name in values:
                 parts[name] = _format(values[name], precision, name in COUNTER_KEYS)
             elif f"{name}/mean" in by_name:
                 mean, std = by_name[f"{name}/mean"], by_name[f"{name}/std"]

@@ -154,3 +154,12 @@ def test_two_processes_record_the_same_distributed_history_as_one():
 def test_processes_with_different_names_all_get_a_clear_error():
     results = jh.launch_local("mp_workers:mismatched_names", 2, 1, timeout=120)
     assert all("different metrics" in r for r in results), results
+
+
+def test_stats_from_the_step_are_recorded_and_summarized(mesh):
+    step = jax.jit(lambda x: {"dist": jh.distributed_stats({"loss": x}), "lr": 0.5})
+    h = jh.History()
+    line = h.update(step(per_device(mesh, np.arange(8.0))))
+    std = np.std(np.arange(8.0))
+    assert line == f"step=0 dist/loss=3.500000(±{std:.6f}) lr=0.500000"
+    assert h.state.values("dist/loss/max").tolist() == [7.0]
