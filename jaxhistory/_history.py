@@ -285,6 +285,23 @@ class HistoryState:
         new[keys] = (table, n + 1)
         return self._derive(new, step + 1)
 
+    def _writable(self, keys, dtypes, shapes, capacity: int = 0) -> tuple[Table, int]:
+        """The table for ``keys`` that this state may append to, and its row count.
+
+        A new table if there is none; a copy of this state's rows if the table has
+        grown past them (a branch) or its dtypes must widen.
+        """
+        entry = self.data.tables.get(keys)
+        if entry is None:
+            return Table(keys, dtypes, shapes, capacity), 0
+        table, n = entry
+        wider = tuple(
+            np.result_type(a, b) for a, b in zip(table.dtypes, dtypes, strict=True)
+        )
+        if wider != table.dtypes or table.length != n:
+            table = table.prefix(n, wider)
+        return table, n
+
     def _update_with_stats(self, metrics: dict, step: int | None) -> HistoryState:
         """update() for dicts holding :class:`~jaxhistory.Stats` values.
 
@@ -334,16 +351,7 @@ class HistoryState:
                             f"metric {name!r} was already recorded at step {last}; "
                             f"step {step} must be later (merge() combines runs)"
                         )
-        entry = self.data.tables.get(keys)
-        if entry is None:
-            table, n = Table(keys, tuple(dtypes), tuple(shapes)), 0
-        else:
-            table, n = entry
-            wider = tuple(
-                np.result_type(a, b) for a, b in zip(table.dtypes, dtypes, strict=True)
-            )
-            if wider != table.dtypes or table.length != n:
-                table = table.prefix(n, wider)
+        table, n = self._writable(keys, tuple(dtypes), tuple(shapes))
         # Later rows with the same Python scalar types may skip these checks.
         if ptypes is ALL_FLOATS:
             scalars = all(d == np.float64 for d in table.dtypes)
@@ -390,14 +398,7 @@ class HistoryState:
                         f"metric {name!r} was already recorded at step {last}; step "
                         f"{step} must be later (merge() combines runs)"
                     )
-        entry = self.data.tables.get(names)
-        if entry is None:
-            table, n = Table(names, (dtype,) * len(names), ((),) * len(names)), 0
-        else:
-            table, n = entry
-            wider = tuple(np.result_type(d, dtype) for d in table.dtypes)
-            if wider != table.dtypes or table.length != n:
-                table = table.prefix(n, wider)
+        table, n = self._writable(names, (dtype,) * len(names), ((),) * len(names))
         table.ptypes = None
         if on_device:
             self._inflight.add([vector])
@@ -451,16 +452,7 @@ class HistoryState:
             columns.append(np.asarray(arr, dtype))
             dtypes.append(dtype)
             shapes.append(shape[1:])
-        entry = self.data.tables.get(keys)
-        if entry is None:
-            table, n = Table(keys, tuple(dtypes), tuple(shapes), len(steps)), 0
-        else:
-            table, n = entry
-            wider = tuple(
-                np.result_type(a, b) for a, b in zip(table.dtypes, dtypes, strict=True)
-            )
-            if wider != table.dtypes or table.length != n:
-                table = table.prefix(n, wider)
+        table, n = self._writable(keys, tuple(dtypes), tuple(shapes), len(steps))
         table.extend(steps, columns)
         new = self.data.tables.copy()
         new[keys] = (table, n + len(steps))
