@@ -61,6 +61,10 @@ def _is_per_device(value: Any) -> bool:
 
 
 def _format(value: Any, precision: int, counter: bool) -> str:
+    if type(value) is float and not counter:
+        return f"{value:.{precision}f}"
+    if type(value) is int:
+        return str(value)
     arr = np.asarray(value)
     if arr.ndim:
         if arr.size <= 4:
