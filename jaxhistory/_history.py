@@ -233,13 +233,13 @@ class HistoryState:
                 record of a key at the same step is refused (combine runs with
                 :meth:`merge`). The state is unchanged.
         """
-        if isinstance(metrics, Stats):
+        if type(metrics) is Stats:  # not isinstance: Mapping's ABC check is slow
             metrics = {"": metrics}
         types = set(map(type, metrics.values())) if type(metrics) is dict else None
         if types is not None and Stats in types:
             return self._update_with_stats(metrics, step)
         if types is not None and not NESTED.intersection(types):
-            if step is None and (STEP_KEYS[0] in metrics or STEP_KEYS[1] in metrics):
+            if step is None and ("step" in metrics or "iter" in metrics):
                 key = STEP_KEYS[0] if STEP_KEYS[0] in metrics else STEP_KEYS[1]
                 step = as_step(key, metrics[key])
                 metrics = {k: v for k, v in metrics.items() if k != key}
