@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from jaxhistory._history import HistoryState
-from jaxhistory._record import NESTED, STEP_KEYS, flatten
+from jaxhistory._record import NESTED, STEP_KEYS, as_step, flatten
 from jaxhistory._stats import STATS, Stats, distributed_stats
 
 __all__ = ["COUNTER_KEYS", "DISTRIBUTED_LIMIT", "History", "distributed_default"]
@@ -180,14 +180,14 @@ class History:
             items = list(metrics.items())
         else:
             return self._update(metrics, precision, step, summarize)
-        label = "step"
+        label, step_used = "step", step
         if step is None:
+            step_used = self.state.next_step - 1
             for key in STEP_KEYS:
                 if key in metrics:
-                    label = key
+                    label, step_used = key, as_step(key, metrics[key])
                     items = [(n, v) for n, v in items if n != key]
                     break
-        step_used = self.state.next_step - 1 if step is None else step
         order = [n for n, _ in items]
         return self._line(order, items, (), None, (label, step_used), precision)
 
@@ -211,13 +211,13 @@ class History:
         if step is None:
             for key in STEP_KEYS:
                 if key in counters:
-                    step, label = counters[key], key
+                    step, label = as_step(key, counters[key]), key
                     items = [(n, v) for n, v in items if n != key]
                     break
         plain, reduce = self._split(items)
         state = self.state
         state = state.update(dict(plain), step=step)
-        step_used = state.next_step - 1 if step is None else step
+        step_used = state.next_step - 1 if step is None else as_step("step", step)
         names: tuple[str, ...] = ()
         if reduce:
             names, packed = self._reduce(reduce)

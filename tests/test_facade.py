@@ -163,3 +163,12 @@ def test_stats_from_the_step_are_recorded_and_summarized(mesh):
     std = np.std(np.arange(8.0))
     assert line == f"step=0 dist/loss=3.500000(±{std:.6f}) lr=0.500000"
     assert h.state.values("dist/loss/max").tolist() == [7.0]
+
+
+def test_the_line_shows_the_step_that_was_recorded(mesh):
+    h = jh.History()
+    h.update({"eval/loss": 1.0}, step=100)
+    assert h.update({"step": 50, "train/loss": 2.0}) == "step=50 train/loss=2.000000"
+    line = h.update({"step": np.int64(60), "loss": per_device(mesh, np.ones(8))})
+    assert line.startswith("step=60 loss=1.000000(")
+    assert h.state.steps("loss/mean").tolist() == [60]
