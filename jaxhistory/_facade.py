@@ -307,7 +307,7 @@ class History:
             elif f"{name}/mean" in by_name:
                 mean, std = by_name[f"{name}/mean"], by_name[f"{name}/std"]
                 parts[name] = f"{mean:.{precision}f}(±{std:.{precision}f})"
-        first = [k for k in ("step", "iter", "epoch") if k in parts]
+        first = [k for k in ("step", "epoch", "iter") if k in parts]
         first += [k for k in self.keys if k in parts and k not in first]
         return " ".join(
             f"{k}={parts[k]}" for k in [*first, *(k for k in parts if k not in first)]

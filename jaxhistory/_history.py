@@ -21,6 +21,7 @@ from jaxhistory._record import (
     STEP_KEYS,
     InFlight,
     as_step,
+    check_int64,
     flatten,
     host_value,
     warmup_count,
@@ -239,22 +240,16 @@ class HistoryState:
         if types is not None and Stats in types:
             return self._update_with_stats(metrics, step)
         if types is not None and not NESTED.intersection(types):
-            if step is None and ("step" in metrics or "iter" in metrics):
-                key = STEP_KEYS[0] if STEP_KEYS[0] in metrics else STEP_KEYS[1]
-                step = as_step(key, metrics[key])
-                metrics = {k: v for k, v in metrics.items() if k != key}
+            if "step" in metrics or "iter" in metrics:
+                metrics, step = self._step_entry(metrics, step)
             keys, row = tuple(metrics), tuple(metrics.values())
         else:
-            items = flatten(metrics)
-            if step is None:
-                for key in STEP_KEYS:
-                    found = [i for i, (name, _) in enumerate(items) if name == key]
-                    if found:
-                        step = as_step(key, items.pop(found[0])[1])
-                        break
-            keys = tuple(name for name, _ in items)
-            row = tuple(value for _, value in items)
+            items, step = self._step_entry(dict(flatten(metrics)), step)
+            keys, row = tuple(items), tuple(items.values())
+            types = None
         step = self.next_step if step is None else as_step("step", step)
+        if types is None or int in types:
+            check_int64(keys, row)
         if not keys:
             return self._derive(dict(self.data.tables), max(self.next_step, step + 1))
         tables = self.data.tables
@@ -285,6 +280,28 @@ class HistoryState:
         new[keys] = (table, n + 1)
         return self._derive(new, step + 1)
 
+    @staticmethod
+    def _step_entry(metrics: dict, step: Any) -> tuple[dict, Any]:
+        """Takes the ``step`` (or ``iter``) entry out of ``metrics`` as the step.
+
+        With an explicit ``step`` too, a ``step`` entry must agree with it (it is
+        the coordinate of the record, never a metric of its own).
+        """
+        if step is None:
+            for key in STEP_KEYS:
+                if key in metrics:
+                    step = as_step(key, metrics[key])
+                    return {k: v for k, v in metrics.items() if k != key}, step
+            return metrics, None
+        if "step" in metrics:
+            entry = as_step("step", metrics["step"])
+            if entry != as_step("step", step):
+                raise ValueError(
+                    f"two steps given: step={step} and a 'step' entry of {entry}"
+                )
+            return {k: v for k, v in metrics.items() if k != "step"}, step
+        return metrics, step
+
     def _writable(self, keys, dtypes, shapes, capacity: int = 0) -> tuple[Table, int]:
         """The table for ``keys`` that this state may append to, and its row count.
 
@@ -308,11 +325,11 @@ class HistoryState:
         Each ``Stats`` is recorded as one packed row (its whole table, still on
         device if it is), named ``{key}/{metric}/{stat}``.
         """
-        rest = {k: v for k, v in metrics.items() if type(v) is not Stats}
-        state = self.update(rest, step) if rest or step is None else self
-        used = (
-            state.next_step - 1 if rest else (self.next_step if step is None else step)
+        rest, step = self._step_entry(
+            {k: v for k, v in metrics.items() if type(v) is not Stats}, step
         )
+        used = self.next_step if step is None else as_step("step", step)
+        state = self.update(rest, used) if rest else self
         for key, stats in metrics.items():
             if type(stats) is Stats:
                 prefix = f"{key}/" if key else ""
@@ -383,9 +400,15 @@ class HistoryState:
             raise ValueError("packed metric names must be unique")
         step = self.next_step if step is None else as_step("step", step)
         on_device = isinstance(vector, jax.Array)
-        dtype = np.dtype(np.float32) if on_device else np.asarray(vector).dtype
-        if on_device and jnp.issubdtype(vector.dtype, jnp.floating):
-            dtype = np.promote_types(np.dtype(vector.dtype), np.float32)
+        label = names[0] if names else "<packed>"
+        if on_device:  # replicated statistics may span processes: read locally
+            dtype = np.dtype(vector.dtype)
+            if jnp.issubdtype(dtype, jnp.floating):
+                dtype = np.promote_types(dtype, np.float32)
+            elif dtype.kind not in "biu":
+                raise TypeError(f"metric {label!r} has non-numeric dtype {dtype}")
+        else:
+            vector, dtype, _ = host_value(label, np.asarray(vector))
         for name in names:
             if name in self:
                 if self.shape(name) != ():
@@ -404,7 +427,7 @@ class HistoryState:
             self._inflight.add([vector])
             table.append(step, vector, True)
         else:
-            table.append(step, tuple(np.ravel(np.asarray(vector))))
+            table.append(step, tuple(np.ravel(vector.astype(dtype))))
         new = self.data.tables.copy()
         new[names] = (table, n + 1)
         return self._derive(new, max(self.next_step, step + 1))

@@ -21,6 +21,7 @@ __all__ = [
     "STEP_KEYS",
     "InFlight",
     "as_step",
+    "check_int64",
     "flatten",
     "host_value",
     "warmup_count",
@@ -130,6 +131,18 @@ NESTED = frozenset({dict, list, tuple})
 PY_SCALARS = {float: np.dtype(np.float64), int: np.dtype(np.int64)}
 FLOAT_ONLY = frozenset({float})
 ALL_FLOATS = "every value a Python float"  # a row type signature, see update()
+
+
+_INT64 = np.iinfo(np.int64)
+
+
+def check_int64(names: tuple[str, ...], row: tuple) -> None:
+    """Refuses Python ints that do not fit the int64 they are stored as."""
+    for name, value in zip(names, row, strict=True):
+        if type(value) is int and not _INT64.min <= value <= _INT64.max:
+            raise ValueError(
+                f"metric {name!r} is {value}, outside int64; pass it as a float"
+            )
 
 
 def as_step(name: str, value: Any) -> int:

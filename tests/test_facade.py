@@ -172,3 +172,9 @@ def test_the_line_shows_the_step_that_was_recorded(mesh):
     line = h.update({"step": np.int64(60), "loss": per_device(mesh, np.ones(8))})
     assert line.startswith("step=60 loss=1.000000(")
     assert h.state.steps("loss/mean").tolist() == [60]
+
+
+def test_counters_print_step_epoch_iter_in_that_order():
+    h = jh.History(distributed_history=False)
+    line = h.update({"iter": 7, "epoch": 1, "lr": 0.5}, step=7)
+    assert line == "step=7 epoch=1 iter=7 lr=0.500000"

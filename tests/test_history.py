@@ -379,3 +379,41 @@ def test_packed_rows_check_their_size():
         jh.HistoryState().update_packed(("a", "b"), np.zeros(3))
     s = jh.HistoryState().update_packed(("a", "b"), np.array([[1.0], [2.0]]))
     assert s.values("b").tolist() == [2.0]
+
+
+def test_python_ints_outside_int64_are_refused_and_nothing_breaks():
+    s = jh.HistoryState().update({"t": 1})
+    with pytest.raises(ValueError, match="'t' is 9223372036854775808, outside int64"):
+        s.update({"t": 2**63})
+    assert s.values("t").tolist() == [1]
+    assert s.update({"t": 2}).values("t").tolist() == [1, 2]
+
+
+def test_stats_land_at_the_requested_step():
+    st = jh.distributed_stats({"x": jnp.arange(8.0)})
+    s = jh.HistoryState().update({"b": 1.0}, step=9)
+    s2 = s.update({"a": 1.0, "d": st}, step=5)
+    assert s2.steps("a").tolist() == s2.steps("d/x/mean").tolist() == [5]
+    s3 = jh.HistoryState().update({"z": 1.0}, step=50)
+    s3 = s3.update({"step": 7, "lr": 0.1, "d": st})
+    assert s3.steps("lr").tolist() == s3.steps("d/x/max").tolist() == [7]
+
+
+def test_packed_rows_keep_integer_dtypes_and_widen_half_floats():
+    s = jh.HistoryState().update_packed(
+        ("a", "b"), jnp.array([2**24 + 1, 3], jnp.int32)
+    )
+    assert s.dtype("a") == np.int32 and int(s.values("a")[0]) == 2**24 + 1
+    half = jh.HistoryState().update_packed(("a",), np.array([1.5], np.float16))
+    assert half.dtype("a") == np.float32
+    with pytest.raises(TypeError, match="'a'"):
+        jh.HistoryState().update_packed(("a",), np.array(["x"]))
+
+
+def test_a_step_entry_is_never_a_metric():
+    s = jh.HistoryState().update({"step": 3, "loss": 1.0}, step=3)
+    assert s.keys == ("loss",)
+    assert "step" in s.to_xarray().coords
+    with pytest.raises(ValueError, match="two steps given"):
+        s.update({"step": 9, "loss": 0.5}, step=20)
+    assert s.count("loss") == 1
