@@ -253,15 +253,15 @@ def distributed_stats_collective(metrics: Any, axis_name: AxisName) -> Stats:
         stacks = []
         for shape, group in shapes.items():
             x = jnp.stack([leaves[i].value.astype(acc) for i in group])
-            stacks.append((x, tuple(range(1, 1 + len(shape)))))
-        hi = [jnp.max(_clean(x)[0], axis=axes) for x, axes in stacks]
-        lo = [jnp.max(_clean(x)[1], axis=axes) for x, axes in stacks]
+            stacks.append((x, tuple(range(1, 1 + len(shape))), _clean(x)))
+        hi = [jnp.max(clean[0], axis=axes) for _, axes, clean in stacks]
+        lo = [jnp.max(clean[1], axis=axes) for _, axes, clean in stacks]
         ext = lax.pmax(jnp.concatenate(hi + lo), axis_name)  # collective 1
         k = len(idx)
         c = _shift(ext[:k], -ext[k:])
         s1, spread, nans, counts = [], [], [], []
         offset = 0
-        for x, axes in stacks:
+        for x, axes, (_, _, isnan) in stacks:
             cg = c[offset : offset + x.shape[0]].reshape((-1,) + (1,) * len(axes))
             offset += x.shape[0]
             n = math.prod(x.shape[1:])
@@ -273,7 +273,7 @@ def distributed_stats_collective(metrics: Any, axis_name: AxisName) -> Stats:
             m2 = jnp.sum(jnp.square(d - local_mean), axis=axes)
             s1.append(jnp.sum(d, axis=axes))
             spread.append(m2 + n * jnp.square(local_mean).reshape(-1))
-            nans.append(jnp.sum(jnp.isnan(x), axis=axes).astype(acc))
+            nans.append(jnp.sum(isnan, axis=axes))
             counts += [n * size] * x.shape[0]
         sums = lax.psum(jnp.concatenate(s1 + spread + nans), axis_name)  # 2
         table = _finish(c, ext, sums, jnp.asarray(counts, acc))
