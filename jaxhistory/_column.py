@@ -15,6 +15,9 @@ stage is moved into the arrays.
 
 from __future__ import annotations
 
+import itertools
+import warnings
+
 import jax
 import numpy as np
 
@@ -22,6 +25,24 @@ __all__ = ["STAGE", "Table", "Tables"]
 
 STAGE = 256  # rows staged before a bulk move into NumPy
 _MIN_CAPACITY = 64
+
+
+def _coerce(name: str, value, dtype: np.dtype):
+    """One staged value that did not convert with its column: NaN, with a warning.
+
+    Only a value that passed update's checks by acting like a number in arithmetic
+    without being convertible to one gets here.
+    """
+    try:
+        return np.asarray(value, dtype)
+    except (TypeError, ValueError, OverflowError) as err:
+        warnings.warn(
+            f"metric {name!r}: {type(value).__name__} value could not be stored as "
+            f"{dtype} ({err}); recorded as NaN",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return np.nan if dtype.kind == "f" else 0
 
 
 class Table:
@@ -37,6 +58,7 @@ class Table:
         "ptypes",
         "row_steps",
         "rows",
+        "scalar_dtype",
         "shapes",
         "steps",
         "values",
@@ -64,6 +86,7 @@ class Table:
         self.length = 0
         self.last_step: int | None = None
         self.ptypes: tuple | None = None  # Python types of the last fast-path row
+        self.scalar_dtype = _scalar_dtype(self.dtypes, shapes)
 
     @classmethod
     def from_arrays(
@@ -79,6 +102,7 @@ class Table:
         table.rows, table.row_steps, table.device_rows = [], [], []
         table.last_step = int(steps[-1]) if len(steps) else None
         table.ptypes = None
+        table.scalar_dtype = _scalar_dtype(table.dtypes, table.shapes)
         return table
 
     def append(self, step: int, row: tuple, on_device: bool = False) -> None:
@@ -119,10 +143,29 @@ class Table:
                 rows[i] = np.ravel(host) if isinstance(host, np.ndarray) else host
         k = len(rows)
         self._reserve(self.fill + k)
-        self.steps[self.fill : self.fill + k] = self.row_steps
-        for dst, column in zip(self.values, zip(*rows, strict=True), strict=True):
-            dst[self.fill : self.fill + k] = np.asarray(column, dst.dtype)
-        self.fill += k
+        a, b = self.fill, self.fill + k
+        self.steps[a:b] = self.row_steps
+        block = None
+        if self.scalar_dtype is not None:
+            # Scalar rows of one float dtype: convert them all in one pass.
+            try:
+                flat = itertools.chain.from_iterable(rows)
+                block = np.fromiter(flat, self.scalar_dtype, count=k * len(self.keys))
+            except (TypeError, ValueError, OverflowError):
+                block = None
+        if block is not None:
+            block = block.reshape(k, len(self.keys))
+            for j, dst in enumerate(self.values):
+                dst[a:b] = block[:, j]
+        else:
+            for name, dst, column in zip(
+                self.keys, self.values, zip(*rows, strict=True), strict=True
+            ):
+                try:
+                    dst[a:b] = np.asarray(column, dst.dtype)
+                except (TypeError, ValueError, OverflowError):
+                    dst[a:b] = [_coerce(name, v, dst.dtype) for v in column]
+        self.fill = b
         self.rows, self.row_steps, self.device_rows = [], [], []
 
     def _reserve(self, need: int) -> None:
@@ -173,6 +216,12 @@ class Table:
 
     def nbytes(self) -> int:
         return self.steps.nbytes + sum(v.nbytes for v in self.values)
+
+
+def _scalar_dtype(dtypes, shapes) -> np.dtype | None:
+    """The dtype shared by all columns if they are float scalars, else None."""
+    one = dtypes and all(s == () for s in shapes) and len(set(dtypes)) == 1
+    return dtypes[0] if one and dtypes[0].kind == "f" else None
 
 
 @jax.tree_util.register_pytree_node_class

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxhistory._history import HistoryState
+from jaxhistory._history import HistoryState, _append_floats
 from jaxhistory._record import NESTED, STEP_KEYS, as_step, flatten
 from jaxhistory._stats import STATS, Stats, distributed_stats
 
@@ -171,9 +171,15 @@ class History:
         """
         if type(precision) is not int or precision < 0:
             raise ValueError(f"precision must be a non-negative int, got {precision!r}")
-        if type(metrics) is dict and self._simple(metrics):
-            # Nothing to reduce or flatten: record the dict as it is.
-            self.state = self.state.update(metrics, step=step)
+        new = None
+        if type(metrics) is dict:
+            if not (self._multi_process and self.distributed_history):
+                new = _append_floats(self.state, metrics, step)  # the common case
+            if new is None and self._simple(metrics):
+                # Nothing to reduce or flatten: record the dict as it is.
+                new = self.state.update(metrics, step=step)
+        if new is not None:
+            self.state = new
             self._updates += 1
             if not summarize or (self._updates - 1) % self.log_every:
                 return ""

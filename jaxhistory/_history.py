@@ -21,7 +21,7 @@ from jaxhistory._record import (
     STEP_KEYS,
     InFlight,
     as_step,
-    check_int64,
+    check_ints,
     flatten,
     host_value,
     warmup_count,
@@ -86,16 +86,11 @@ class HistoryState:
         data = _new_tables()
         data.tables = tables
         new = _new_state()
-        _setattr(
-            new,
-            "__dict__",
-            {
-                "data": data,
-                "next_step": next_step,
-                "attrs": self.attrs if attrs is None else attrs,
-                "_inflight": self._inflight,
-            },
-        )
+        d = new.__dict__  # frozen: fill the new instance's dict directly
+        d["data"] = data
+        d["next_step"] = next_step
+        d["attrs"] = self.attrs if attrs is None else attrs
+        d["_inflight"] = self._inflight
         return new
 
     # ----- reading -------------------------------------------------------------
@@ -234,7 +229,11 @@ class HistoryState:
                 record of a key at the same step is refused (combine runs with
                 :meth:`merge`). The state is unchanged.
         """
-        if type(metrics) is Stats:  # not isinstance: Mapping's ABC check is slow
+        if type(metrics) is dict:
+            new = _append_floats(self, metrics, step)
+            if new is not None:
+                return new
+        elif type(metrics) is Stats:  # not isinstance: Mapping's ABC check is slow
             metrics = {"": metrics}
         types = set(map(type, metrics.values())) if type(metrics) is dict else None
         if types is not None and Stats in types:
@@ -248,8 +247,6 @@ class HistoryState:
             keys, row = tuple(items), tuple(items.values())
             types = None
         step = self.next_step if step is None else as_step("step", step)
-        if types is None or int in types:
-            check_int64(keys, row)
         if not keys:
             return self._derive(dict(self.data.tables), max(self.next_step, step + 1))
         tables = self.data.tables
@@ -259,6 +256,8 @@ class HistoryState:
             # Fast path: same metrics, same Python scalar types as last time, and a
             # step past everything recorded.
             table, n = entry
+            if types is None or int in types:
+                check_ints(keys, row, table.dtypes)
             if table.length != n:
                 table = table.prefix(n)
                 table.ptypes = ptypes
@@ -357,6 +356,8 @@ class HistoryState:
             for ks, (t, n) in self.data.tables.items():
                 if name in ks and n:
                     j = ks.index(name)
+                    if type(value) is int and t.dtypes[j].kind == "f":
+                        dtypes[-1] = t.dtypes[j]  # an int joins a float metric
                     if t.shapes[j] != shape:
                         raise ValueError(
                             f"metric {name!r} changed shape from {t.shapes[j]} to "
@@ -369,12 +370,15 @@ class HistoryState:
                             f"step {step} must be later (merge() combines runs)"
                         )
         table, n = self._writable(keys, tuple(dtypes), tuple(shapes))
-        # Later rows with the same Python scalar types may skip these checks.
+        if ptypes is not ALL_FLOATS and int in ptypes:
+            check_ints(keys, row, table.dtypes)
+        # Later rows with the same Python scalar types may skip these checks (not
+        # where an ``iter`` entry was stored as a metric: it may be the step).
         if ptypes is ALL_FLOATS:
             scalars = all(d == np.float64 for d in table.dtypes)
         else:
             scalars = all(t in PY_SCALARS for t in ptypes)
-        table.ptypes = ptypes if scalars else None
+        table.ptypes = ptypes if scalars and "iter" not in keys else None
         return table, n, tuple(values), on_device
 
     def update_packed(
@@ -583,6 +587,44 @@ class HistoryState:
 
 
 # Bound once: _derive runs on every update.
+def _append_floats(state: HistoryState, metrics: dict, step: Any) -> Any:
+    """The fast path of update, or None where it does not apply.
+
+    It applies to a flat dict with the same keys as an earlier update whose values
+    were all Python floats, when the new values are Python floats or ints again
+    (``sum`` returns an exact float only for those, and otherwise dispatches to
+    the values' own arithmetic without converting them) and the step is past
+    everything recorded.
+    """
+    if step is not None and (type(step) is not int or step < state.next_step):
+        return None
+    keys = tuple(metrics)
+    tables = state.data.tables
+    entry = tables.get(keys)
+    if entry is None or entry[0].ptypes is not ALL_FLOATS:
+        return None
+    row = tuple(metrics.values())
+    try:
+        if type(sum(row, 0.0)) is not float:
+            return None
+    except Exception:  # strings, nested dicts, ints too large for a float
+        return None
+    table, n = entry
+    if table.length != n:  # an older state, updated again: a branch
+        table = table.prefix(n)
+        table.ptypes = ALL_FLOATS
+    if step is None:
+        step = state.next_step
+    table.rows.append(row)  # Table.append, inlined
+    table.row_steps.append(step)
+    table.last_step = step
+    table.length += 1
+    if len(table.rows) >= STAGE:
+        table.flush()
+    tables = tables.copy()
+    tables[keys] = (table, n + 1)
+    return state._derive(tables, step + 1)
+
+
 _new_tables = functools.partial(object.__new__, Tables)
 _new_state = functools.partial(object.__new__, HistoryState)
-_setattr = object.__setattr__

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +22,7 @@ __all__ = [
     "STEP_KEYS",
     "InFlight",
     "as_step",
-    "check_int64",
+    "check_ints",
     "flatten",
     "host_value",
     "warmup_count",
@@ -85,6 +86,13 @@ def host_value(name: str, value: Any) -> tuple[Any, np.dtype, tuple[int, ...]]:
     if arr.dtype.kind not in "biuf":
         if jnp.issubdtype(arr.dtype, jnp.floating):  # ml_dtypes bfloat16 and friends
             arr = arr.astype(np.float32)
+        elif arr.dtype == object and isinstance(value, numbers.Real):
+            try:  # fractions.Fraction and other real numbers: stored as float64
+                arr = np.asarray(float(value))
+            except (TypeError, ValueError, OverflowError) as err:
+                raise TypeError(
+                    f"metric {name!r} ({type(value).__name__}) is not a float: {err}"
+                ) from None
         else:
             raise TypeError(
                 f"metric {name!r} is not numeric ({type(value).__name__}, "
@@ -136,10 +144,23 @@ ALL_FLOATS = "every value a Python float"  # a row type signature, see update()
 _INT64 = np.iinfo(np.int64)
 
 
-def check_int64(names: tuple[str, ...], row: tuple) -> None:
-    """Refuses Python ints that do not fit the int64 they are stored as."""
-    for name, value in zip(names, row, strict=True):
-        if type(value) is int and not _INT64.min <= value <= _INT64.max:
+def check_ints(names: tuple[str, ...], row: tuple, dtypes: tuple) -> None:
+    """Refuses Python ints that do not fit the column they are stored in.
+
+    An int metric is stored as int64; an int recorded into a metric that already
+    holds floats is stored as float64.
+    """
+    for name, value, dtype in zip(names, row, dtypes, strict=True):
+        if type(value) is not int:
+            continue
+        if dtype.kind == "f":
+            try:
+                float(value)
+            except OverflowError:
+                raise ValueError(
+                    f"metric {name!r} is an int too large for float64"
+                ) from None
+        elif not _INT64.min <= value <= _INT64.max:
             raise ValueError(
                 f"metric {name!r} is {value}, outside int64; pass it as a float"
             )

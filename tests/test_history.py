@@ -417,3 +417,102 @@ def test_a_step_entry_is_never_a_metric():
     with pytest.raises(ValueError, match="two steps given"):
         s.update({"step": 9, "loss": 0.5}, step=20)
     assert s.count("loss") == 1
+
+
+# ----- the float fast path: every kind of value that can reach it -----------------
+def _floats(n=1):
+    s = jh.HistoryState()
+    for i in range(n):
+        s = s.update({"a": float(i), "b": 1.0})
+    return s
+
+
+def test_fast_path_stores_ints_and_bools_in_a_float_metric_as_float64():
+    s = _floats().update({"a": 3, "b": True}).update({"a": 2**70, "b": 0.5})
+    assert s.dtype("a") == np.float64 and s.dtype("b") == np.float64
+    assert s.values("a").tolist() == [0.0, 3.0, float(2**70)]
+    assert s.values("b").tolist() == [1.0, 1.0, 0.5]
+    # the slow path (a new key set) agrees: an int into an existing float metric
+    s2 = _floats().update({"a": 2**70})
+    assert s2.values("a").tolist() == [0.0, float(2**70)]
+
+
+def test_ints_too_large_for_float64_are_refused_on_both_paths():
+    s = _floats(2)
+    with pytest.raises(ValueError, match="'a' is an int too large for float64"):
+        s.update({"a": 10**400, "b": 1.0})
+    with pytest.raises(ValueError, match="'a' is an int too large for float64"):
+        s.update({"a": 10**400})
+    assert s.values("a").tolist() == [0.0, 1.0]
+    assert s.update({"a": 2.0, "b": 1.0}).values("a").tolist() == [0.0, 1.0, 2.0]
+
+
+def test_fast_path_refuses_strings_none_and_nested_values_like_the_slow_path():
+    s = _floats(2)
+    with pytest.raises(TypeError, match="'a' is str"):
+        s.update({"a": "x", "b": 1.0})
+    with pytest.raises(TypeError, match="'b' is NoneType"):
+        s.update({"a": 1.0, "b": None})
+    nested = s.update({"a": 2.0, "b": {"c": 1.0}})
+    assert nested.keys == ("a", "b", "b/c")
+    assert s.values("a").tolist() == [0.0, 1.0]
+
+
+def test_real_numbers_are_stored_as_float64():
+    import fractions
+
+    s = jh.HistoryState().update({"a": fractions.Fraction(1, 4)})
+    assert s.dtype("a") == np.float64 and s.values("a").tolist() == [0.25]
+    s = _floats().update({"a": fractions.Fraction(1, 2), "b": 1.0})
+    assert s.values("a").tolist() == [0.0, 0.5]
+
+
+def test_numpy_and_jax_values_after_floats_keep_their_meaning():
+    s = _floats().update({"a": np.float32(1.5), "b": jnp.float32(2.5)})
+    s = s.update({"a": np.float64(3.0), "b": jnp.asarray(4.0)})
+    assert s.values("a").tolist() == [0.0, 1.5, 3.0]
+    assert s.values("b").tolist() == [1.0, 2.5, 4.0]
+    with pytest.raises(ValueError, match="changed shape"):
+        s.update({"a": np.zeros(3), "b": 1.0})
+
+
+def test_an_object_that_only_acts_like_a_number_becomes_nan_with_a_warning():
+    class AddsLikeAFloat:
+        def __radd__(self, other):
+            return other + 1.0
+
+    s = _floats().update({"a": AddsLikeAFloat(), "b": 2.0})
+    with pytest.warns(RuntimeWarning, match="metric 'a': AddsLikeAFloat value"):
+        values = s.values("a")
+    assert values[0] == 0.0 and np.isnan(values[1])
+    assert s.values("b").tolist() == [1.0, 2.0]
+    # on its own (no float metric to join) it is refused outright
+    with pytest.raises(TypeError, match="'a' is not numeric"):
+        jh.HistoryState().update({"a": AddsLikeAFloat()})
+
+
+def test_fast_path_with_explicit_steps_and_branches():
+    s = _floats(2).update({"a": 5.0, "b": 5.0}, step=10)
+    assert s.steps("a").tolist() == [0, 1, 10] and s.next_step == 11
+    with pytest.raises(ValueError, match="already recorded at step 10"):
+        s.update({"a": 1.0, "b": 1.0}, step=10)
+    left = s.update({"a": 6.0, "b": 6.0})
+    right = s.update({"a": 7.0, "b": 7.0})
+    assert left.values("a").tolist() == [0.0, 1.0, 5.0, 6.0]
+    assert right.values("a").tolist() == [0.0, 1.0, 5.0, 7.0]
+    assert s.values("a").tolist() == [0.0, 1.0, 5.0]
+
+
+def test_an_iter_metric_stored_with_an_explicit_step_stays_a_step_entry_later():
+    s = jh.HistoryState().update({"iter": 1.0, "x": 2.0}, step=0)
+    s = s.update({"iter": 5.0, "x": 3.0})
+    assert s.steps("x").tolist() == [0, 5] and s.steps("iter").tolist() == [0]
+
+
+def test_many_fast_path_rows_cross_the_staging_flush():
+    s = jh.HistoryState()
+    n = 3 * _history.STAGE + 5
+    for i in range(n):
+        s = s.update({"a": float(i), "b": i % 2})
+    assert s.values("a").tolist() == [float(i) for i in range(n)]
+    assert s.values("b").tolist() == [float(i % 2) for i in range(n)]
