@@ -12,6 +12,7 @@ Reducers compute statistics across devices inside jitted train steps:
 ``import jaxhistory`` imports jax and numpy only.
 """
 
+from jaxhistory import export
 from jaxhistory._buffer import MetricBuffer
 from jaxhistory._collective import (
     all_gather,
@@ -59,6 +60,7 @@ __all__ = [
     "distributed_default",
     "distributed_stats",
     "distributed_stats_collective",
+    "export",
     "launch_local",
     "per_shard",
     "reduce_custom",

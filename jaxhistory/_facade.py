@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,6 +16,8 @@ import numpy as np
 from jaxhistory._history import HistoryState, _append_floats
 from jaxhistory._record import NESTED, STEP_KEYS, as_step, flatten
 from jaxhistory._stats import STATS, Stats, distributed_stats
+from jaxhistory.export._env import new_run_id
+from jaxhistory.export._jsonl import JsonlStream
 
 __all__ = ["COUNTER_KEYS", "DISTRIBUTED_LIMIT", "History", "distributed_default"]
 
@@ -88,13 +91,20 @@ class History:
             processes, in one fused jitted call per update (two all-reduces).
             Every process must then call :meth:`update`. ``None`` picks
             :func:`distributed_default`.
-        report_dir: where the outputs (report, plots, dataset) go; used by the
-            outputs of a run.
-        report_enabled: whether a markdown report is written with the outputs.
-        jsonl_path: where the per-step JSONL log goes; used by the outputs.
-        jsonl_overwrite: truncate an existing JSONL log instead of appending.
+        report_dir: the default ``outdir`` of :meth:`finalize`; the JSONL log is
+            streamed to ``{report_dir}/{run_id}.jsonl`` when no ``jsonl_path`` is
+            given.
+        report_enabled: whether :meth:`finalize` writes the markdown report.
+        jsonl_path: stream the JSONL log here during the run (one line per update,
+            written about twice a second from a background thread). Written by
+            process 0 only, unless the path holds ``{process_index}``, which gives
+            each process its own file.
+        jsonl_overwrite: truncate an existing JSONL log instead of appending to it
+            (appending continues a resumed run).
         log_every: summarize (and so wait for device values) only every N updates;
             the others record without waiting and return ``""``.
+        run_name: the first part of ``run_id`` (``{run_name}-{YYYYmmdd-HHMMSS}``),
+            which names the JSONL log and is recorded in the outputs.
 
     Example:
         >>> import jaxhistory as jh
@@ -114,6 +124,7 @@ class History:
         jsonl_path: str | os.PathLike | None = None,
         jsonl_overwrite: bool = False,
         log_every: int = 1,
+        run_name: str | None = None,
     ):
         if keys is not None and (
             isinstance(keys, str) or not all(isinstance(k, str) for k in keys)
@@ -137,9 +148,14 @@ class History:
         self.jsonl_overwrite = bool(jsonl_overwrite)
         self.log_every = log_every
         self.state = HistoryState()
+        self.run_id = new_run_id(run_name)
+        self.mesh = None  # the mesh of the per-device metrics, once one is seen
         self._updates = 0
         self._multi_process = jax.process_count() > 1
         self._stats_fn = jax.jit(distributed_stats)
+        self._stamps: list[tuple[int, float]] = []  # (step, wall time) per update
+        self._stream: JsonlStream | None = None
+        self._stream_path = self._jsonl_target()
 
     def update(
         self,
@@ -178,22 +194,25 @@ class History:
             if new is None and self._simple(metrics):
                 # Nothing to reduce or flatten: record the dict as it is.
                 new = self.state.update(metrics, step=step)
-        if new is not None:
-            self.state = new
-            self._updates += 1
-            if not summarize or (self._updates - 1) % self.log_every:
-                return ""
-            items = list(metrics.items())
-        else:
+        if new is None:
             return self._update(metrics, precision, step, summarize)
         label, step_used = "step", step
         if step is None:
-            step_used = self.state.next_step - 1
+            step_used = new.next_step - 1
             for key in STEP_KEYS:
                 if key in metrics:
                     label, step_used = key, as_step(key, metrics[key])
-                    items = [(n, v) for n, v in items if n != key]
                     break
+        else:
+            step_used = as_step("step", step)
+        self.state = new
+        self._updates += 1
+        self._stamps.append((step_used, time.time()))
+        if self._stream_path is not None:
+            self._emit(step_used, [(n, v) for n, v in metrics.items() if n != label])
+        if not summarize or (self._updates - 1) % self.log_every:
+            return ""
+        items = [(n, v) for n, v in metrics.items() if n != label]
         order = [n for n, _ in items]
         return self._line(order, items, (), None, (label, step_used), precision)
 
@@ -230,11 +249,88 @@ class History:
             state = state.update_packed(names, packed, step=step_used)
         self.state = state
         self._updates += 1
+        self._stamps.append((step_used, time.time()))
+        if self._stream_path is not None:
+            self._emit(step_used, plain, (names, packed) if reduce else None)
         if not summarize or (self._updates - 1) % self.log_every:
             return ""
         order = [n for n, _ in items]
         packed = packed if reduce else None
         return self._line(order, plain, names, packed, (label, step_used), precision)
+
+    # ----- outputs -----------------------------------------------------------------
+    def _jsonl_target(self) -> Path | None:
+        """Where this process streams its JSONL log, or None.
+
+        ``jsonl_path`` if given (each process writes its own file when the path
+        holds ``{process_index}``, else only process 0 writes), else
+        ``{report_dir}/{run_id}.jsonl`` on process 0 when ``report_dir`` is given.
+        """
+        index = jax.process_index()
+        if self.jsonl_path is not None:
+            text = str(self.jsonl_path)
+            if "{process_index}" in text:
+                return Path(text.replace("{process_index}", str(index)))
+            return self.jsonl_path if index == 0 else None
+        if self.report_dir is not None and index == 0:
+            return self.report_dir / f"{self.run_id}.jsonl"
+        return None
+
+    def _emit(self, step: int, plain, aggregated=None) -> None:
+        if self._stream is None:
+            self._stream = JsonlStream(self._stream_path, self.jsonl_overwrite)
+        self._stream.add(step, plain, aggregated)
+
+    def flush(self) -> None:
+        """Writes the queued JSONL lines now (waiting for their device values)."""
+        if self._stream is not None:
+            self._stream.flush()
+
+    def close(self) -> None:
+        """Writes the queued JSONL lines and closes the log; recording may go on
+        (a later update reopens it in append mode)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+            self.jsonl_overwrite = False
+
+    def finalize(
+        self,
+        outdir: str | os.PathLike | None = None,
+        run_name: str | None = None,
+        warmup: float = 0.0,
+        num_chains: int = 128,
+        plot: bool = True,
+        save: bool = True,
+    ):
+        """Writes every output of the run into ``outdir``; returns the dataset.
+
+        See :func:`jaxhistory.export.finalize` for what is written where. In a
+        multi-process run only process 0 writes; every process returns the
+        dataset. ``outdir`` defaults to ``report_dir``.
+        """
+        from jaxhistory.export._finalize import finalize
+
+        if outdir is None:
+            if self.report_dir is None:
+                raise ValueError("finalize needs an outdir (or a History report_dir)")
+            outdir = self.report_dir
+        self.flush()
+        streamed = self._stream_path if self._stream is not None else None
+        return finalize(
+            self.state,
+            outdir,
+            run_id=self.run_id,
+            run_name=run_name,
+            warmup=warmup,
+            num_chains=num_chains,
+            plot=plot,
+            save=save,
+            report=self.report_enabled,
+            jsonl=streamed,
+            timestamps=dict(self._stamps),
+            mesh=self.mesh,
+        )
 
     # ----- distributed history -------------------------------------------------
     def _split(self, items: list[tuple[str, Any]]):
@@ -260,6 +356,8 @@ class History:
             self._check_same_names(names)
         meshes = [v.sharding.mesh for _, v in items if isinstance(v, jax.Array)]
         mesh = meshes[0] if meshes else jax.sharding.Mesh(jax.devices(), ("devices",))
+        if meshes and self.mesh is None:
+            self.mesh = mesh
         metrics = {}
         for name, value in items:
             if isinstance(value, jax.Array):

@@ -582,6 +582,20 @@ class HistoryState:
 
         return from_xarray(ds)
 
+    @classmethod
+    def from_netcdf(cls, path) -> HistoryState:
+        """The state saved in a dataset file by :func:`jaxhistory.export.to_netcdf`."""
+        from jaxhistory.export._netcdf import from_netcdf
+
+        return from_netcdf(path)
+
+    @classmethod
+    def from_jsonl(cls, path) -> HistoryState:
+        """The state in a JSONL log (see :func:`jaxhistory.export.from_jsonl`)."""
+        from jaxhistory.export._jsonl import from_jsonl
+
+        return from_jsonl(path)
+
     def __repr__(self) -> str:
         return f"HistoryState({len(self)} metrics, next_step={self.next_step})"
 

@@ -1,0 +1,139 @@
+"""finalize: every output of a run, composed from the exporters."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from jaxhistory._record import warmup_count
+from jaxhistory.export._env import environment as run_environment
+from jaxhistory.export._env import netcdf_attrs, new_run_id
+from jaxhistory.export._jsonl import to_jsonl
+from jaxhistory.export._markdown import to_markdown
+from jaxhistory.export._netcdf import to_netcdf
+
+if TYPE_CHECKING:
+    from jaxhistory._history import HistoryState
+
+__all__ = ["Progress", "finalize"]
+
+
+class Progress:
+    """A one-line progress bar on a terminal (nothing when ``stream`` is not one)."""
+
+    def __init__(self, total: int, label: str, stream=None, width: int = 30):
+        self.total, self.label, self.width, self.done = total, label, width, 0
+        self.stream = sys.stderr if stream is None else stream
+        isatty = getattr(self.stream, "isatty", lambda: False)
+        self.enabled = total > 0 and isatty()
+
+    def __call__(self, _item: Any = None) -> None:
+        self.done += 1
+        if self.enabled:
+            filled = self.width * self.done // self.total
+            bar = "#" * filled + "-" * (self.width - filled)
+            end = "\n" if self.done >= self.total else ""
+            self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total}{end}")
+            self.stream.flush()
+
+
+def finalize(
+    state: HistoryState,
+    outdir: str | os.PathLike,
+    run_id: str | None = None,
+    run_name: str | None = None,
+    warmup: float = 0.0,
+    num_chains: int = 128,
+    plot: bool = True,
+    save: bool = True,
+    report: bool = True,
+    jsonl: str | os.PathLike | None = None,
+    timestamps: dict[int, float] | None = None,
+    mesh: Any = None,
+    echo: bool = True,
+    environment: dict[str, Any] | None = None,
+):
+    """Writes the outputs of a run into ``outdir``; returns its ``xarray.Dataset``.
+
+    ============================  ===========================================
+    dataset (netCDF-4)            ``{outdir}/dataset.nc`` (when ``save``)
+    matplotlib plots              ``{outdir}/plots/mplot/*.png`` (``plot``)
+    terminal plots                ``{outdir}/plots/tplot/*.txt`` (``plot``)
+    markdown report               ``{outdir}/report.md`` (``report``)
+    JSONL log                     ``{outdir}/{run_id}.jsonl``, or ``jsonl``
+    ============================  ===========================================
+
+    ``jsonl`` is the log History streamed during the run, left where it is;
+    without one, the log is written from ``state`` (with ``timestamps``, a step
+    to wall-time map, where known) when ``save``. The dataset holds every step;
+    ``warmup`` (a fraction below 1 or a number of steps) is left out of the plots
+    and statistics, and its step count is recorded as the ``warmup_steps``
+    attribute. With ``plot``, the summary terminal plots are printed (``echo``).
+    In a multi-process run only process 0 writes; the others return the dataset.
+    ``environment`` replaces the description of this process's environment (the
+    ``jaxhistory report`` command passes the one recorded with the run).
+    """
+    if run_id is None:
+        run_id = new_run_id(run_name)
+    env = dict(environment) if environment else run_environment(mesh)
+    attrs = {"run_id": run_id, **env}
+    if run_name:
+        attrs["run_name"] = run_name
+    attrs["warmup_steps"] = warmup_count(warmup, len(state.all_steps()))
+    if jax.process_index() != 0:
+        ds = state.to_xarray()
+        ds.attrs.update(netcdf_attrs(attrs))
+        return ds
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    files: list[Path] = []
+    if save:
+        path = outdir / "dataset.nc"
+        ds = to_netcdf(state, path, attrs=attrs)
+        files.append(path)
+    else:
+        ds = state.to_xarray()
+        ds.attrs.update(netcdf_attrs(attrs))
+    if jsonl is not None:
+        files.append(Path(jsonl))
+    elif save:
+        files.append(to_jsonl(state, outdir / f"{run_id}.jsonl", timestamps))
+    images: list[Path] = []
+    terminal: dict[str, str] = {}
+    if plot:
+        from jaxhistory.export._mpl import to_png
+        from jaxhistory.export._tplot import summary_plots, to_terminal
+        from jaxhistory.export._units import plot_units
+
+        units = plot_units(state)
+        arrays = sum(1 for u in units if u.raw is not None and state.shape(u.raw))
+        progress = Progress(2 * len(units) + 2 * arrays, "finalize: plots")
+        images = to_png(
+            state, outdir / "plots" / "mplot", warmup, num_chains, progress=progress
+        )
+        texts = to_terminal(
+            state, outdir / "plots" / "tplot", warmup, progress=progress
+        )
+        files += images + list(texts)
+        terminal = summary_plots(state, warmup)
+        if echo:
+            for text in terminal.values():
+                print(text)
+    if report:
+        path = outdir / "report.md"
+        files.append(path)
+        to_markdown(
+            state,
+            path,
+            warmup=warmup,
+            run_id=run_id,
+            environment=env,
+            images=[p for p in images if p.suffix == ".png"],
+            terminal_plots=terminal,
+            files=files,
+        )
+    return ds

@@ -1,0 +1,134 @@
+"""The markdown report of a run."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from jaxhistory._record import warmup_count
+from jaxhistory.export._netcdf import atomic_write
+
+if TYPE_CHECKING:
+    from jaxhistory._history import HistoryState
+
+__all__ = ["md_escape", "stats_table", "to_markdown"]
+
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]|<>~#])")
+TABLE_STATS = ("mean", "std", "median", "min", "max", "last", "nonfinite", "count")
+_ENV_LABELS = {
+    "python": "Python",
+    "jax_version": "jax",
+    "jaxlib_version": "jaxlib",
+    "backend": "backend",
+    "device_kind": "device kind",
+    "device_count": "devices",
+    "local_device_count": "devices in this process",
+    "process_count": "processes",
+    "mesh": "mesh",
+    "hostname": "host",
+}
+
+
+def md_escape(text: Any) -> str:
+    """``text`` with markdown punctuation backslash-escaped and newlines as spaces,
+    so that a metric name cannot break a table or start a link."""
+    return _MD_SPECIAL.sub(r"\\\1", str(text).replace("\r", " ").replace("\n", " "))
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.6g}"
+
+
+def stats_table(state: HistoryState, warmup: float = 0) -> list[str]:
+    """Markdown table rows of run-level statistics per metric after ``warmup``."""
+    summary = state.summary(warmup)
+    if not summary:
+        return ["No metrics were recorded."]
+    header = "| metric | " + " | ".join(TABLE_STATS) + " |"
+    rows = [header, "|---|" + "---:|" * len(TABLE_STATS)]
+    for name, stats in summary.items():
+        cells = " | ".join(_number(stats[s]) for s in TABLE_STATS)
+        rows.append(f"| {md_escape(name)} | {cells} |")
+    return rows
+
+
+def to_markdown(
+    state: HistoryState,
+    path: str | os.PathLike,
+    warmup: float = 0,
+    run_id: str | None = None,
+    environment: dict[str, Any] | None = None,
+    images: list[str | os.PathLike] = (),
+    terminal_plots: dict[str, str] | None = None,
+    files: list[str | os.PathLike] = (),
+) -> Path:
+    """Writes the run's markdown report to ``path``; returns it.
+
+    Sections: a header (run id, when, steps, metrics, warmup dropped), the
+    environment, a table of run-level statistics per metric after ``warmup``
+    (mean, std, median, min, max, last, non-finite count, count), each image
+    embedded by a link relative to the report, the terminal plots in fenced
+    blocks, and the list of output ``files``. Names are escaped so ``|`` or ``*``
+    in a metric name cannot break the markdown.
+    """
+    path = Path(path)
+    here = path.parent
+    steps = state.all_steps()
+    dropped = warmup_count(warmup, len(steps))
+    lines = [f"# Run report: {md_escape(run_id or 'run')}", ""]
+    when = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+    lines.append(f"- written: {when}")
+    if len(steps):
+        lines.append(
+            f"- steps: {int(steps[0])} to {int(steps[-1])} ({len(steps)} recorded)"
+        )
+    else:
+        lines.append("- steps: none recorded")
+    lines.append(f"- metrics: {len(state.keys)}")
+    lines.append(f"- warmup: first {dropped} step(s) left out of the statistics")
+    lines += ["", "## Environment", ""]
+    env = environment or {}
+    if env:
+        lines += ["| | |", "|---|---|"]
+        for key, label in _ENV_LABELS.items():
+            if key in env:
+                lines.append(f"| {label} | {md_escape(env[key])} |")
+    else:
+        lines.append("Not recorded.")
+    lines += ["", "## Metrics", ""]
+    lines += stats_table(state, warmup)
+    if images:
+        lines += ["", "## Plots", ""]
+        for image in images:
+            rel = Path(os.path.relpath(image, here)).as_posix()
+            lines.append(f"![{md_escape(Path(image).stem)}](<{rel}>)")
+            lines.append("")
+    if terminal_plots:
+        lines += ["", "## Terminal plots", ""]
+        for title, text in terminal_plots.items():
+            fence = "```"
+            while fence in text:
+                fence += "`"
+            lines += [
+                f"### {md_escape(title)}",
+                "",
+                f"{fence}text",
+                text.rstrip(),
+                fence,
+                "",
+            ]
+    if files:
+        lines += ["", "## Files", ""]
+        for f in files:
+            rel = Path(os.path.relpath(f, here)).as_posix()
+            lines.append(f"- `{rel}`" if "`" not in rel else f"- {md_escape(rel)}")
+    atomic_write(path, lambda tmp: tmp.write_text("\n".join(lines).rstrip() + "\n"))
+    return path

@@ -1,0 +1,241 @@
+"""Matplotlib plots, one PNG per metric, drawn without pyplot or global state."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxhistory._optional import import_optional
+from jaxhistory.export._names import file_stems
+from jaxhistory.export._units import PlotUnit, bucket, plot_units
+
+if TYPE_CHECKING:
+    from jaxhistory._history import HistoryState
+
+__all__ = ["to_png"]
+
+SIZE = (8.0, 4.5)  # inches
+DPI = 110
+RIDGES = 8  # time slices in a ridge plot
+
+
+def _figure(left: float = 0.09, right: float = 0.97):
+    import_optional("matplotlib", "to_png")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=SIZE, dpi=DPI)  # fixed margins: a layout engine is slow
+    fig.subplots_adjust(left=left, right=right, top=0.92, bottom=0.12)
+    FigureCanvasAgg(fig)  # a canvas of its own: no pyplot, no backend switch
+    return fig
+
+
+def _series(state, name, first):
+    steps, values = state.steps(name), state.values(name)
+    keep = steps >= first
+    return steps[keep], np.asarray(values[keep], np.float64)
+
+
+def _draw_unit(state, unit: PlotUnit, first: int, path: Path) -> None:
+    fig = _figure()
+    ax = fig.add_subplot()
+    if unit.stats:
+        x, mean = _series(state, unit.stats["mean"], first)
+        _, std = _series(state, unit.stats["std"], first)
+        _, lo = _series(state, unit.stats["min"], first)
+        _, hi = _series(state, unit.stats["max"], first)
+        if len(std) == len(mean) == len(lo) == len(hi):
+            xb, lo_b = bucket(x, lo, "min")
+            _, hi_b = bucket(x, hi, "max")
+            _, mean_b = bucket(x, mean, "mean")
+            _, std_b = bucket(x, std, "mean")
+            ax.fill_between(
+                xb, lo_b, hi_b, alpha=0.15, color="C0", lw=0, label="min-max"
+            )
+            ax.fill_between(
+                xb,
+                mean_b - std_b,
+                mean_b + std_b,
+                alpha=0.35,
+                color="C0",
+                lw=0,
+                label="mean ± std",
+            )
+            ax.plot(
+                xb,
+                mean_b,
+                color="C0",
+                lw=1.2,
+                label="mean",
+                marker="o" if len(xb) == 1 else None,
+            )
+    if unit.raw is not None:
+        x, y = _series(state, unit.raw, first)
+        if y.ndim > 1:
+            chains = y.reshape(len(y), -1)
+            with np.errstate(invalid="ignore"), _quiet():
+                xb, mean_b = bucket(x, np.nanmean(chains, axis=1), "mean")
+                _, lo_b = bucket(x, np.nanmin(chains, axis=1), "min")
+                _, hi_b = bucket(x, np.nanmax(chains, axis=1), "max")
+            ax.fill_between(
+                xb,
+                lo_b,
+                hi_b,
+                alpha=0.2,
+                color="C1",
+                lw=0,
+                label=f"min-max of {chains.shape[1]}",
+            )
+            ax.plot(
+                xb,
+                mean_b,
+                color="C1",
+                lw=1.2,
+                label="mean",
+                marker="o" if len(xb) == 1 else None,
+            )
+        else:
+            xb, yb = bucket(x, y, "envelope")
+            ax.plot(
+                xb,
+                yb,
+                color="C1" if unit.stats else "C0",
+                lw=1.0,
+                label=unit.raw if unit.stats else None,
+                marker="o" if len(xb) == 1 else None,
+            )
+    ax.set_title(unit.title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if not ax.lines and not ax.collections:
+        ax.text(
+            0.5,
+            0.5,
+            "no finite values recorded",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
+    elif ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best", fontsize="small")
+    fig.savefig(path)
+
+
+class _quiet:
+    """Silences NumPy's all-NaN-slice warnings (all-NaN steps stay NaN)."""
+
+    def __enter__(self):
+        import warnings
+
+        self._cm = warnings.catch_warnings()
+        self._cm.__enter__()
+        warnings.simplefilter("ignore", RuntimeWarning)
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+def _pick(n: int, k: int) -> np.ndarray:
+    """Up to ``k`` evenly spaced indices out of ``n``."""
+    return np.unique(np.linspace(0, n - 1, min(n, k)).round().astype(int))
+
+
+def _draw_ridge(title, x, chains, path: Path) -> None:
+    fig = _figure(left=0.15)
+    ax = fig.add_subplot()
+    rows = _pick(len(x), RIDGES)
+    finite = chains[np.isfinite(chains)]
+    if finite.size:
+        lo, hi = float(finite.min()), float(finite.max())
+        if lo == hi:
+            lo, hi = lo - 0.5, hi + 0.5
+        edges = np.linspace(lo, hi, 41)
+        centers = (edges[:-1] + edges[1:]) / 2
+        for i, r in enumerate(rows):
+            vals = chains[r][np.isfinite(chains[r])]
+            counts = np.histogram(vals, edges)[0].astype(float)
+            if counts.max() > 0:
+                counts = counts / counts.max() * 0.9
+            ax.fill_between(
+                centers, i, i + counts, alpha=0.6, color=f"C{i % 10}", lw=0.8
+            )
+        ax.set_yticks(range(len(rows)), [f"step {int(x[r])}" for r in rows])
+    else:
+        ax.text(
+            0.5,
+            0.5,
+            "no finite values recorded",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
+    ax.set_title(f"{title}: distribution over {chains.shape[1]} series")
+    ax.set_xlabel("value")
+    fig.savefig(path)
+
+
+def _draw_heatmap(title, x, chains, path: Path) -> None:
+    fig = _figure()
+    ax = fig.add_subplot()
+    cols = _pick(len(x), 1000)
+    data = chains[cols].T
+    masked = np.ma.masked_invalid(data)
+    extent = (float(x[0]) - 0.5, float(x[-1]) + 0.5, data.shape[0] - 0.5, -0.5)
+    image = ax.imshow(masked, aspect="auto", interpolation="nearest", extent=extent)
+    fig.colorbar(image, ax=ax)
+    ax.set_title(f"{title}: {data.shape[0]} series")
+    ax.set_xlabel("step")
+    ax.set_ylabel("series")
+    fig.savefig(path)
+
+
+def to_png(
+    state: HistoryState,
+    outdir: str | os.PathLike,
+    warmup: float = 0,
+    num_chains: int = 128,
+    progress=None,
+) -> list[Path]:
+    """Draws one PNG per metric into ``outdir``; returns the paths written.
+
+    Each plot has the real steps on x. A metric with cross-device statistics
+    (``name/mean|max|min|std``) is drawn as its mean with a ±std band and a
+    min-max band (and the raw ``name`` if recorded too); other metrics as a line,
+    with NaN as gaps. Series longer than about 5,000 points are reduced for
+    drawing (per-bucket min and max, so spikes stay visible); the data are not.
+    An array metric (per device, per chain) gets its mean with a min-max band,
+    plus a ridge plot of its distribution at a few steps and a heatmap, over up to
+    ``num_chains`` of its series (``{stem}.ridge.png``, ``{stem}.heatmap.png``).
+    File stems come from :func:`file_stems`. Uses matplotlib's Agg renderer on
+    figures of its own: pyplot, the backend and ``rcParams`` are left alone.
+    ``progress``, if given, is called with each finished path.
+    """
+    if not isinstance(num_chains, int) or num_chains < 1:
+        raise ValueError(f"num_chains must be a positive int, got {num_chains!r}")
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    first = state._first_kept_step(warmup)
+    units = plot_units(state)
+    stems = file_stems(u.title for u in units)
+    paths = []
+    for unit in units:
+        path = outdir / f"{stems[unit.title]}.png"
+        _draw_unit(state, unit, first, path)
+        paths.append(path)
+        if progress:
+            progress(path)
+        if unit.raw is not None and state.shape(unit.raw):
+            x, y = _series(state, unit.raw, first)
+            if len(x):
+                chains = y.reshape(len(y), -1)
+                chains = chains[:, _pick(chains.shape[1], num_chains)]
+                for kind, draw in (("ridge", _draw_ridge), ("heatmap", _draw_heatmap)):
+                    extra = outdir / f"{stems[unit.title]}.{kind}.png"
+                    draw(unit.title, x, chains, extra)
+                    paths.append(extra)
+                    if progress:
+                        progress(extra)
+    return paths

@@ -1,0 +1,205 @@
+"""Terminal plots with plotext 6.x: one ``.txt`` per metric, and summary plots.
+
+Settings come from the environment:
+
+==============================  ============================================
+``JAXHISTORY_TPLOT_MARKER``     marker of the main series: ``braille``
+                                (default), ``hd``, ``fhd``, ``dot`` or any
+                                single character
+``JAXHISTORY_TPLOT_RAW_MARKER`` marker of the raw series drawn under
+                                cross-device statistics (default ``·``)
+``JAXHISTORY_TPLOT_TYPE``       ``line`` (default) or ``hist``
+``JAXHISTORY_TPLOT_MAX_HEIGHT`` rows at most (default 24)
+``JAXHISTORY_TPLOT_MAX_WIDTH``  columns at most (default 100)
+==============================  ============================================
+
+Plots are as large as the maxima, or the terminal when it is smaller.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxhistory._optional import import_optional
+from jaxhistory.export._names import file_stems
+from jaxhistory.export._units import PlotUnit, bucket, plot_units
+
+if TYPE_CHECKING:
+    from jaxhistory._history import HistoryState
+
+__all__ = ["settings", "summary_plots", "to_terminal"]
+
+NAMED_MARKERS = {"braille", "hd", "fhd", "dot", "sd"}
+STAT_MARKERS = {"mean": "·", "min": "-", "max": "+", "std": "*"}
+SUMMARY_FALLBACK = 4  # plots printed when no metric has cross-device statistics
+
+
+def _env_int(name: str, default: int, low: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {text!r}") from None
+    if value < low:
+        raise ValueError(f"{name} must be at least {low}, got {value}")
+    return value
+
+
+def _env_marker(name: str, default: str) -> str:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if text in NAMED_MARKERS or len(text) == 1:
+        return text
+    raise ValueError(
+        f"{name} must be one of {', '.join(sorted(NAMED_MARKERS))} or a single "
+        f"character, got {text!r}"
+    )
+
+
+def settings() -> dict:
+    """The terminal-plot settings from the environment (ValueError if invalid)."""
+    kind = os.environ.get("JAXHISTORY_TPLOT_TYPE", "").strip().lower() or "line"
+    if kind not in ("line", "hist"):
+        raise ValueError(f"JAXHISTORY_TPLOT_TYPE must be line or hist, got {kind!r}")
+    size = shutil.get_terminal_size((10_000, 10_000))
+    return {
+        "marker": _env_marker("JAXHISTORY_TPLOT_MARKER", "braille"),
+        "raw_marker": _env_marker("JAXHISTORY_TPLOT_RAW_MARKER", "·"),
+        "type": kind,
+        "height": min(_env_int("JAXHISTORY_TPLOT_MAX_HEIGHT", 24, 8), size.lines),
+        "width": min(_env_int("JAXHISTORY_TPLOT_MAX_WIDTH", 100, 30), size.columns),
+    }
+
+
+def _figure(width: int, height: int):
+    plt = import_optional("plotext", "to_terminal")
+    terminal = type(plt.terminal)()  # our own: plotext's global state is left alone
+    terminal.limit(False, False)  # sizes are ours, not clamped to a terminal
+    fig = type(plt.figure)(parent=terminal)
+    fig.plot_size(width, height)
+    return plt, fig
+
+
+def _add_line(fig, label: str, x: np.ndarray, y: np.ndarray, marker: str) -> bool:
+    """Draws a finite-only line with gaps where points are not finite."""
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    idx = np.flatnonzero(np.isfinite(x) & np.isfinite(y))
+    if not idx.size:
+        return False
+    # plotext aborts the process on NaN in a connected series: never pass one.
+    series = fig.signal(x[idx].tolist(), y[idx].tolist(), marker=marker).label(label)
+    series = series.lines()
+    for k in np.flatnonzero(np.diff(idx) > 1) + 1:
+        series.line(int(k), False)
+    fig.draw(series)
+    return True
+
+
+def _render(plt, fig, title: str, xs: list[np.ndarray], xlabel: str = "step") -> str:
+    fig.title(title)
+    fig.label(xlabel, "x")
+    allx = np.concatenate(xs) if xs else np.empty(0)
+    allx = allx[np.isfinite(allx)]
+    if allx.size and allx.max() - allx.min() >= 4:  # steps: integer ticks
+        lo, hi = np.floor(allx.min()), np.ceil(allx.max())
+        ticks = sorted({round(float(v)) for v in np.linspace(lo, hi, 5)})
+        fig.ruler("x").ticks(ticks, [str(t) for t in ticks])
+    return plt.uncolorize(fig.build().string(colorless=True)).rstrip() + "\n"
+
+
+def _series(state, name, first):
+    steps, values = state.steps(name), state.values(name)
+    keep = steps >= first
+    values = np.asarray(values[keep], np.float64)
+    if values.ndim > 1:
+        with np.errstate(invalid="ignore"):
+            flat = values.reshape(len(values), -1)
+            ok = np.isfinite(flat).any(axis=1)
+            mean = np.full(len(flat), np.nan)
+            mean[ok] = np.nanmean(np.where(np.isfinite(flat), flat, np.nan)[ok], axis=1)
+        values = mean
+    return steps[keep], values
+
+
+def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
+    """The text of one plot (see the module doc for the settings)."""
+    plt, fig = _figure(opts["width"], opts["height"])
+    points = 4 * opts["width"]
+    xs = []
+    drawn = False
+    if opts["type"] == "hist":
+        name = unit.stats.get("mean") or unit.raw
+        values = np.asarray(state.values(name)[state.steps(name) >= first], np.float64)
+        values = values[np.isfinite(values)].reshape(-1)
+        if values.size:
+            fig.draw(fig.hist(values.tolist(), bins=min(40, opts["width"] // 2)))
+            drawn = True
+        title = f"{unit.title} (histogram of {'mean' if unit.stats else 'values'})"
+        text = _render(plt, fig, title, [], xlabel="value")
+        return text if drawn else f"{title}: no finite values recorded\n"
+    if unit.raw is not None:
+        x, y = _series(state, unit.raw, first)
+        xb, yb = bucket(x, y, "envelope", points)
+        marker = opts["raw_marker"] if unit.stats else opts["marker"]
+        drawn |= _add_line(fig, unit.raw, xb, yb, marker)
+        xs.append(xb)
+    for stat, marker in STAT_MARKERS.items():
+        if stat in unit.stats:
+            x, y = _series(state, unit.stats[stat], first)
+            how = stat if stat in ("min", "max") else "mean"
+            xb, yb = bucket(x, y, how, points)
+            drawn |= _add_line(fig, stat, xb, yb, marker)
+            xs.append(xb)
+    if not drawn:
+        return f"{unit.title}: no finite values recorded\n"
+    return _render(plt, fig, unit.title, xs)
+
+
+def to_terminal(
+    state: HistoryState,
+    outdir: str | os.PathLike,
+    warmup: float = 0,
+    progress=None,
+) -> dict[Path, str]:
+    """Writes one plotext plot per metric to ``{outdir}/{stem}.txt``.
+
+    Returns ``{path: text}``. A metric with cross-device statistics gets a summary
+    plot overlaying its mean (``·``), min (``-``), max (``+``) and std (``*``),
+    and its raw values (``JAXHISTORY_TPLOT_RAW_MARKER``) if recorded; other
+    metrics one line (``JAXHISTORY_TPLOT_MARKER``); array metrics the mean over
+    their elements. NaN and infinities are gaps. ``JAXHISTORY_TPLOT_TYPE=hist``
+    draws histograms of the values instead. Plain text, no colour codes.
+    """
+    opts = settings()
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    first = state._first_kept_step(warmup)
+    units = plot_units(state)
+    stems = file_stems(u.title for u in units)
+    out = {}
+    for unit in units:
+        path = outdir / f"{stems[unit.title]}.txt"
+        text = render(state, unit, first, opts)
+        path.write_text(text, encoding="utf-8")
+        out[path] = text
+        if progress:
+            progress(path)
+    return out
+
+
+def summary_plots(state: HistoryState, warmup: float = 0) -> dict[str, str]:
+    """The plots finalize prints: every metric with cross-device statistics, or,
+    when there are none, the first four metrics."""
+    opts = settings()
+    first = state._first_kept_step(warmup)
+    units = plot_units(state)
+    chosen = [u for u in units if u.stats] or units[:SUMMARY_FALLBACK]
+    return {u.title: render(state, u, first, opts) for u in chosen}

@@ -1,0 +1,86 @@
+"""What gets one plot: a metric, or a metric's cross-device statistics together."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxhistory._stats import STATS
+from jaxhistory.export._jsonl import aggregated_names
+
+if TYPE_CHECKING:
+    from jaxhistory._history import HistoryState
+
+__all__ = ["MAX_POINTS", "PlotUnit", "bucket", "plot_units"]
+
+MAX_POINTS = 5000  # longer series are reduced (for drawing only) to about this
+
+
+@dataclasses.dataclass(frozen=True)
+class PlotUnit:
+    """One plot. ``stats`` maps mean/max/min/std to metric names (may be empty);
+    ``raw`` is the metric drawn as is (None when only statistics exist)."""
+
+    title: str
+    raw: str | None
+    stats: dict[str, str]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.raw, *self.stats.values()) if n is not None)
+
+
+def plot_units(state: HistoryState) -> list[PlotUnit]:
+    """Plots for every metric of ``state``, in the order metrics were first recorded.
+
+    ``name/mean``, ``name/max``, ``name/min`` and ``name/std`` share one plot
+    (titled ``name``, with the metric ``name`` itself as its raw line if recorded).
+    """
+    keys = state.keys
+    grouped = aggregated_names(keys)
+    units, done = [], set()
+    for name in keys:
+        if name in done:
+            continue
+        if name in grouped:
+            base = name.rpartition("/")[0]
+            stats = {s: f"{base}/{s}" for s in STATS}
+            raw = base if base in keys and base not in grouped else None
+            units.append(PlotUnit(base, raw, stats))
+            done.update(stats.values())
+            if raw:
+                done.add(raw)
+        elif f"{name}/mean" in grouped:
+            continue  # drawn with its statistics
+        else:
+            units.append(PlotUnit(name, name, {}))
+            done.add(name)
+    return units
+
+
+def bucket(x: np.ndarray, y: np.ndarray, how: str, n: int = MAX_POINTS):
+    """Reduces a long series to about ``n`` points for drawing.
+
+    Consecutive points are grouped into buckets; ``how`` ("mean", "min", "max" or
+    "envelope": the min and the max of each bucket, in turn) says what each bucket
+    keeps; an all-NaN bucket stays NaN, so gaps still show.
+    """
+    if len(x) <= n:
+        return x, y
+    per = int(np.ceil(len(x) / (n // 2 if how == "envelope" else n)))
+    pad = (-len(x)) % per
+    xb = np.concatenate([x.astype(np.float64), np.full(pad, np.nan)]).reshape(-1, per)
+    yb = np.concatenate([y.astype(np.float64), np.full(pad, np.nan)]).reshape(-1, per)
+    empty = np.all(np.isnan(yb), axis=1)
+    yb = np.where(empty[:, None], 0.0, yb)
+    with np.errstate(invalid="ignore"):
+        xs = np.nanmean(xb, axis=1)
+        if how == "envelope":
+            lo, hi = np.nanmin(yb, axis=1), np.nanmax(yb, axis=1)
+            lo[empty] = hi[empty] = np.nan
+            return np.repeat(xs, 2), np.stack([lo, hi], axis=1).reshape(-1)
+        out = {"mean": np.nanmean, "min": np.nanmin, "max": np.nanmax}[how](yb, axis=1)
+    out[empty] = np.nan
+    return xs, out
