@@ -78,9 +78,16 @@ def test_public_functions_have_runnable_examples():
         "_history",
         "_buffer",
         "_facade",
+        "export._names",
+        "export._netcdf",
     ],
 )
 def test_docstring_examples_run(module):
     mod = importlib.import_module(f"jaxhistory.{module}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
+
+
+def test_every_exporter_is_documented():
+    for name in jaxhistory.export.__all__:
+        assert inspect.getdoc(getattr(jaxhistory.export, name)), name

@@ -1,0 +1,652 @@
+"""Exporters: dataset file, JSONL, plots, terminal plots, report, finalize, CLI."""
+
+import io
+import json
+import math
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxhistory as jh
+from jaxhistory import export
+from jaxhistory.export import _finalize, _tplot
+
+NAMES = [
+    "loss",
+    "train/loss",
+    "loss/std",
+    "a%b",
+    ".hidden",
+    " lead",
+    "trail ",
+    "é/ü",
+    "%2F",
+    "_x",
+    "-a",
+    "a b",
+    "g|*x",
+]
+
+
+# ----- fixtures: the same states for every exporter ---------------------------------
+def _ragged():
+    """Train every step, eval every 4th, an int counter, an array metric, NaN/Inf."""
+    s = jh.HistoryState()
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        m = {
+            "train": {"loss": 1.0 / (i + 1)},
+            "tokens": 2**53 + i,
+            "per_device": rng.normal(size=4).astype(np.float32),
+        }
+        if i == 7:
+            m["train"]["loss"] = math.nan
+        if i == 9:
+            m["train"]["loss"] = math.inf
+        s = s.update(m, step=i)
+        if i % 4 == 3:
+            s = s.update({"eval/acc": i / 40}, step=i)
+    return s
+
+
+def _stats_state():
+    s = jh.HistoryState()
+    for i in range(30):
+        s = s.update(
+            {
+                "loss/mean": 1.0 / (i + 1),
+                "loss/max": 2.0,
+                "loss/min": 0.0,
+                "loss/std": 0.1,
+                "lr": 1e-3,
+            },
+            step=i,
+        )
+    return s
+
+
+STATES = {
+    "empty": jh.HistoryState,
+    "ragged": _ragged,
+    "stats": _stats_state,
+    "single": lambda: jh.HistoryState().update({"x": 1.0}, step=5),
+    "all_nan": lambda: (
+        jh.HistoryState().update({"n": math.nan}).update({"n": math.nan})
+    ),
+    "bf16": lambda: (
+        jh.HistoryState()
+        .update({"h": jnp.bfloat16(1.5)})
+        .update({"h": jnp.bfloat16(2.5)})
+    ),
+    "names": lambda: jh.HistoryState().update(
+        {n: float(i) for i, n in enumerate(NAMES)}
+    ),
+}
+
+
+def _same(a: jh.HistoryState, b: jh.HistoryState, dtypes: bool = True):
+    assert a.keys == b.keys or set(a.keys) == set(b.keys)
+    for k in a.keys:
+        np.testing.assert_array_equal(a.steps(k), b.steps(k), err_msg=k)
+        np.testing.assert_array_equal(a.values(k), b.values(k), err_msg=k)
+        if dtypes:
+            assert a.dtype(k) == b.dtype(k), k
+
+
+# ----- names -----
+@pytest.mark.parametrize("name", [*NAMES, "", "%", "/", "a\x01b", "__"])
+def test_netcdf_names_round_trip(name):
+    encoded = export.encode_netcdf(name)
+    assert "/" not in encoded and export.decode_netcdf(encoded) == name
+    assert encoded[0].isalnum() or encoded[0] == "_" or ord(encoded[0]) > 127
+    assert not encoded[-1].isspace()
+
+
+def test_file_stems_stay_inside_and_never_collide():
+    names = ["../../x", "a/b", "a_b", "A_B", "", "...", "loss", "x"]
+    stems = export.file_stems(names)
+    assert len({s.casefold() for s in stems.values()}) == len(names)
+    for stem in stems.values():
+        assert stem and "/" not in stem and not stem.startswith(".")
+        assert Path(stem).name == stem
+    assert stems["loss"] == "loss"
+
+
+# ----- dataset file -----
+@pytest.mark.parametrize("kind", STATES)
+def test_netcdf_round_trip_is_exact(kind, tmp_path):
+    state = STATES[kind]()
+    path = tmp_path / "dataset.nc"
+    ds = export.to_netcdf(state, path, attrs={"run_id": "r1", "flag": True})
+    assert path.is_file() and ds.attrs["run_id"] == "r1"
+    back = jh.HistoryState.from_netcdf(path)
+    _same(state, back)
+    assert back.next_step == state.next_step
+    assert dict(back.attrs)["run_id"] == "r1"
+
+
+def test_netcdf_keeps_64_bit_values_and_names_as_recorded(tmp_path):
+    state = _ragged()
+    export.to_netcdf(state, tmp_path / "d.nc")
+    ds = export.read_netcdf(tmp_path / "d.nc")
+    assert ds["tokens"].dtype == np.int64
+    assert int(ds["tokens"].values[-1]) == 2**53 + 39  # exact, not rounded
+    assert ds["train/loss"].dtype == np.float64
+    assert ds["per_device"].dims == ("step", "per_device_dim_0")
+    assert np.isnan(ds["eval/acc"].values[0])  # not recorded at step 0
+    import xarray as xr
+
+    raw = xr.open_dataset(tmp_path / "d.nc", engine="netcdf4")
+    assert "train%2Floss" in raw.data_vars
+    assert raw["train%2Floss"].attrs["long_name"] == "train/loss"
+    raw.close()
+
+
+def test_netcdf_write_is_atomic_and_replaces(tmp_path):
+    path = tmp_path / "dataset.nc"
+    export.to_netcdf(jh.HistoryState().update({"a": 1.0}), path)
+    import xarray as xr
+
+    def crash(self, target, *args, **kwargs):
+        Path(target).write_bytes(b"half a file")
+        raise OSError("disk full")
+
+    with mock.patch.object(xr.Dataset, "to_netcdf", crash), pytest.raises(OSError):
+        export.to_netcdf(jh.HistoryState().update({"b": 2.0}), path)
+    assert jh.HistoryState.from_netcdf(path).keys == ("a",)
+    assert [p.name for p in tmp_path.iterdir()] == ["dataset.nc"]  # no temp left
+    export.to_netcdf(jh.HistoryState().update({"b": 2.0}), path)
+    assert jh.HistoryState.from_netcdf(path).keys == ("b",)  # replaced, not appended
+
+
+def test_read_netcdf_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no dataset file"):
+        export.read_netcdf(tmp_path / "none.nc")
+
+
+# ----- JSONL -----
+def _strict(line: str):
+    def refuse(token):
+        raise ValueError(f"non-standard token {token}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("kind", STATES)
+def test_jsonl_round_trip(kind, tmp_path):
+    state = STATES[kind]()
+    path = export.to_jsonl(state, tmp_path / "run.jsonl", timestamps={0: 12.5})
+    lines = path.read_text().splitlines()
+    assert len(lines) == len(state.all_steps())
+    for line in lines:
+        record = _strict(line)
+        assert set(record) == {
+            "step",
+            "timestamp",
+            "process_index",
+            "metrics",
+            "aggregated",
+        }
+    back = jh.HistoryState.from_jsonl(path)
+    _same(state, back, dtypes=False)
+    for k in state.keys:  # integers stay integers; floats come back as float64
+        assert back.dtype(k).kind == ("i" if state.dtype(k).kind == "i" else "f")
+
+
+def test_jsonl_writes_nonfinite_values_as_strings(tmp_path):
+    s = jh.HistoryState().update({"a": math.nan, "b": math.inf, "c": -math.inf})
+    line = export.to_jsonl(s, tmp_path / "r.jsonl").read_text()
+    assert _strict(line)["metrics"] == {"a": "NaN", "b": "Infinity", "c": "-Infinity"}
+
+
+def test_jsonl_puts_complete_stat_groups_under_aggregated(tmp_path):
+    record = _strict(
+        export.to_jsonl(_stats_state(), tmp_path / "r.jsonl")
+        .read_text()
+        .splitlines()[0]
+    )
+    assert set(record["aggregated"]) == {
+        "loss/mean",
+        "loss/max",
+        "loss/min",
+        "loss/std",
+    }
+    assert set(record["metrics"]) == {"lr"}
+
+
+def test_from_jsonl_skips_broken_lines_with_a_warning_and_keeps_the_rest(tmp_path):
+    path = tmp_path / "r.jsonl"
+    good = [json.dumps({"step": i, "metrics": {"a": float(i)}}) for i in range(4)]
+    path.write_text(
+        good[0]
+        + "\n"
+        + '{"step": 1, "metr'
+        + "\n"
+        + "\n".join(good[1:])
+        + "\n"
+        + good[3][:10]
+    )
+    with pytest.warns(
+        RuntimeWarning, match=r"skipped 2 incomplete line\(s\) \(line 2, 6"
+    ):
+        s = jh.HistoryState.from_jsonl(path)
+    assert s.values("a").tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_from_jsonl_later_lines_win_on_a_resumed_run(tmp_path):
+    path = tmp_path / "r.jsonl"
+    lines = [{"step": i, "metrics": {"a": 1.0}} for i in range(5)]
+    lines += [{"step": i, "metrics": {"a": 2.0}} for i in range(3, 6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    s = jh.HistoryState.from_jsonl(path)
+    assert s.steps("a").tolist() == [0, 1, 2, 3, 4, 5]
+    assert s.values("a").tolist() == [1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+
+
+def test_from_jsonl_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        jh.HistoryState.from_jsonl(tmp_path / "none.jsonl")
+    bad = tmp_path / "shape.jsonl"
+    bad.write_text(
+        '{"step": 0, "metrics": {"a": [1, 2]}}\n{"step": 1, "metrics": {"a": 3}}\n'
+    )
+    with pytest.raises(ValueError, match="'a' changes shape"):
+        jh.HistoryState.from_jsonl(bad)
+
+
+def test_appending_after_a_killed_run_starts_a_new_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"step": 0, "metrics": {"a": 1.0}}\n{"step": 1, "met')
+    export.to_jsonl(jh.HistoryState().update({"a": 5.0}, step=2), path, overwrite=False)
+    with pytest.warns(RuntimeWarning, match="line 2"):
+        s = jh.HistoryState.from_jsonl(path)
+    assert s.steps("a").tolist() == [0, 2]
+
+
+# ----- JSONL streamed by History -----
+def test_history_streams_jsonl_during_the_run(tmp_path):
+    path = tmp_path / "log.jsonl"
+    h = jh.History(distributed_history=False, jsonl_path=path)
+    for i in range(5):
+        h.update(
+            {"loss": 1.0 / (i + 1), "tok": i, "dev": jnp.float32(i)}, summarize=False
+        )
+    h.update({"eval/acc": 0.5}, step=100)
+    h.flush()
+    records = [_strict(x) for x in path.read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 100]
+    assert records[2]["metrics"] == {"loss": 1 / 3, "tok": 2, "dev": 2.0}
+    assert records[0]["process_index"] == 0 and records[0]["timestamp"] > 1e9
+    h.close()
+    _same(jh.HistoryState.from_jsonl(path), h.state, dtypes=False)
+
+
+def test_history_jsonl_appends_unless_overwrite(tmp_path):
+    path = tmp_path / "log.jsonl"
+    for overwrite, expected in ((False, 1), (False, 2), (True, 1)):
+        h = jh.History(
+            distributed_history=False, jsonl_path=path, jsonl_overwrite=overwrite
+        )
+        h.update({"a": 1.0})
+        h.close()
+        assert len(path.read_text().splitlines()) == expected
+
+
+def test_history_jsonl_per_process_path_and_report_dir_default(tmp_path):
+    h = jh.History(
+        distributed_history=False, jsonl_path=tmp_path / "log-{process_index}.jsonl"
+    )
+    h.update({"a": 1.0})
+    h.close()
+    assert (tmp_path / "log-0.jsonl").is_file()
+    h2 = jh.History(
+        distributed_history=False, report_dir=tmp_path / "rep", run_name="exp"
+    )
+    h2.update({"a": 1.0})
+    h2.close()
+    assert (tmp_path / "rep" / f"{h2.run_id}.jsonl").is_file()
+    assert h2.run_id.startswith("exp-")
+    h3 = jh.History(distributed_history=False)  # nowhere to stream: no file
+    h3.update({"a": 1.0})
+    assert h3._stream is None
+
+
+def test_history_jsonl_holds_distributed_stats(tmp_path, mesh):
+    path = tmp_path / "log.jsonl"
+    h = jh.History(distributed_history=True, jsonl_path=path)
+    x = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, jax.P("data")))
+    h.update({"loss": x, "lr": 0.1}, summarize=False)
+    h.close()
+    record = _strict(path.read_text())
+    assert record["metrics"] == {"lr": 0.1}
+    assert record["aggregated"]["loss/mean"] == 3.5
+    assert record["aggregated"]["loss/max"] == 7.0
+
+
+def test_jsonl_survives_sigkill_losing_at_most_about_a_second(tmp_path):
+    path = tmp_path / "log.jsonl"
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, time
+        import jaxhistory as jh
+        h = jh.History(distributed_history=False, jsonl_path={str(path)!r})
+        for i in range(50):
+            h.update({{"loss": 1.0 / (i + 1)}}, summarize=False)
+        time.sleep(2.0)  # more than the stream's interval, less than a checkpoint
+        h.update({{"loss": -1.0}}, summarize=False)  # may be lost
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], timeout=120, check=False)
+    assert out.returncode == -signal.SIGKILL
+    lines = path.read_text().splitlines()
+    assert len(lines) >= 50
+    assert [_strict(x)["step"] for x in lines[:50]] == list(range(50))
+
+
+def test_closed_stream_refuses_records(tmp_path):
+    stream = export.JsonlStream(tmp_path / "s.jsonl")
+    stream.close()
+    with pytest.raises(ValueError, match="is closed"):
+        stream.add(0, [("a", 1.0)])
+
+
+# ----- plots -----
+@pytest.mark.parametrize("kind", STATES)
+def test_png_per_metric_without_touching_pyplot_or_rcparams(kind, tmp_path):
+    import matplotlib
+
+    before = dict(matplotlib.rcParams)
+    state = STATES[kind]()
+    paths = export.to_png(state, tmp_path, warmup=0)
+    assert len({p.name for p in paths}) == len(paths)
+    for p in paths:
+        assert p.parent == tmp_path and p.read_bytes()[:4] == b"\x89PNG"
+    assert len([p for p in paths if p.name.count(".") == 1]) == len(
+        export.plot_units(state)
+    )
+    assert dict(matplotlib.rcParams) == before
+
+
+def test_png_drawing_never_imports_pyplot(tmp_path):
+    code = (
+        "import sys, jaxhistory as jh\n"
+        "s = jh.HistoryState().update({'a': 1.0, 'b': [1.0, 2.0]})\n"
+        f"jh.export.to_png(s, {str(tmp_path)!r})\n"
+        "print('matplotlib.pyplot' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert out.stdout.strip() == "False"
+
+
+def test_png_names_and_array_plots(tmp_path):
+    s = jh.HistoryState().update(
+        {"../../evil": 1.0, "a/b": 2.0, "a_b": 3.0, "chains": np.arange(300.0)}
+    )
+    s = s.update({"../../evil": 2.0, "a/b": 2.0, "a_b": 3.0, "chains": np.ones(300)})
+    out = tmp_path / "deep" / "plots"
+    names = sorted(p.name for p in export.to_png(s, out, num_chains=16))
+    assert all((out / n).is_file() for n in names)
+    assert not list(tmp_path.glob("evil*"))
+    assert "chains.ridge.png" in names and "chains.heatmap.png" in names
+    assert len([n for n in names if n.startswith("a_b-")]) == 2
+    with pytest.raises(ValueError, match="num_chains"):
+        export.to_png(s, out, num_chains=0)
+
+
+def test_bucket_keeps_spikes_and_gaps():
+    from jaxhistory.export._units import bucket
+
+    x = np.arange(100_000)
+    y = np.zeros(100_000)
+    y[12_345] = 50.0
+    y[50_000:60_000] = np.nan
+    xb, yb = bucket(x, y, "envelope", 1000)
+    assert len(xb) <= 1000 and np.nanmax(yb) == 50.0
+    assert np.isnan(yb).any()  # the all-NaN stretch stays a gap
+    short = bucket(x[:10], y[:10], "mean", 1000)
+    assert short[0] is x[:10] or np.array_equal(short[0], x[:10])
+
+
+# ----- terminal plots -----
+@pytest.mark.parametrize("kind", STATES)
+def test_terminal_plots_are_plain_text_and_survive_nan(kind, tmp_path):
+    state = STATES[kind]()
+    texts = export.to_terminal(state, tmp_path)
+    assert len(texts) == len(export.plot_units(state))
+    for path, text in texts.items():
+        assert path.read_text(encoding="utf-8") == text
+        assert "\x1b[" not in text
+
+
+def test_summary_plot_overlays_the_four_statistics():
+    plots = export.summary_plots(_stats_state())
+    assert list(plots) == ["loss"]
+    text = plots["loss"]
+    for marker, label in (("·", "mean"), ("-", "min"), ("+", "max"), ("*", "std")):
+        assert f"{marker} {label}" in text
+
+
+def test_summary_plots_without_statistics_fall_back_to_the_first_metrics():
+    s = jh.HistoryState()
+    for i in range(10):
+        s = s.update({f"m{j}": float(i * j) for j in range(6)})
+    assert list(export.summary_plots(s)) == ["m0", "m1", "m2", "m3"]
+
+
+def test_terminal_settings_from_the_environment(monkeypatch):
+    monkeypatch.setenv("JAXHISTORY_TPLOT_MAX_WIDTH", "50")
+    monkeypatch.setenv("JAXHISTORY_TPLOT_MAX_HEIGHT", "12")
+    monkeypatch.setenv("JAXHISTORY_TPLOT_MARKER", "hd")
+    monkeypatch.setenv("JAXHISTORY_TPLOT_RAW_MARKER", "o")
+    opts = _tplot.settings()
+    assert opts["width"] <= 50 and opts["height"] <= 12
+    assert (opts["marker"], opts["raw_marker"], opts["type"]) == ("hd", "o", "line")
+    text = export.summary_plots(_ragged())["train/loss"]
+    assert max(len(line) for line in text.splitlines()) <= 50
+    assert len(text.splitlines()) <= 12
+    monkeypatch.setenv("JAXHISTORY_TPLOT_TYPE", "hist")
+    assert "histogram" in export.summary_plots(_ragged())["train/loss"]
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "match"),
+    [
+        ("JAXHISTORY_TPLOT_TYPE", "pie", "line or hist"),
+        ("JAXHISTORY_TPLOT_MAX_WIDTH", "wide", "must be an integer"),
+        ("JAXHISTORY_TPLOT_MAX_HEIGHT", "2", "at least 8"),
+        ("JAXHISTORY_TPLOT_MARKER", "sparkles", "single character"),
+    ],
+)
+def test_bad_terminal_settings_name_the_variable(monkeypatch, var, value, match):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=match) as info:
+        _tplot.settings()
+    assert var in str(info.value)
+
+
+# ----- report -----
+def test_markdown_escapes_names_and_links_images_relatively(tmp_path):
+    s = jh.HistoryState().update({"g|*x": 1.0, "[a](b)": 2.0})
+    img = tmp_path / "plots" / "mplot" / "x.png"
+    path = export.to_markdown(
+        s,
+        tmp_path / "report.md",
+        run_id="r|1",
+        environment={"jax_version": "0.10.2"},
+        images=[img],
+        terminal_plots={"x": "``` tricky"},
+        files=[tmp_path / "dataset.nc"],
+    )
+    text = path.read_text()
+    assert "| g\\|\\*x |" in text and "\\[a\\](b)" in text
+    assert "](<plots/mplot/x.png>)" in text
+    assert "````text\n``` tricky\n````" in text
+    assert "- `dataset.nc`" in text
+    rows = [r for r in text.splitlines() if r.startswith("| g")]
+    assert rows[0].count(" | ") == 8  # 9 cells: the | in the name is escaped
+
+
+def test_markdown_of_an_empty_history(tmp_path):
+    text = export.to_markdown(jh.HistoryState(), tmp_path / "r.md").read_text()
+    assert "No metrics were recorded." in text and "steps: none recorded" in text
+
+
+# ----- finalize -----
+def _names(root: Path):
+    return sorted(
+        p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()
+    )
+
+
+def test_finalize_writes_every_output_with_the_documented_names(tmp_path, capsys):
+    h = jh.History(distributed_history=False, run_name="exp")
+    for i in range(20):
+        h.update(
+            {
+                "loss/mean": 1.0 / (i + 1),
+                "loss/max": 1.0,
+                "loss/min": 0.0,
+                "loss/std": 0.1,
+                "lr": 0.1,
+                "dev": np.arange(3.0) + i,
+            },
+            summarize=False,
+        )
+    ds = h.finalize(tmp_path, warmup=0.1)
+    files = _names(tmp_path)
+    assert "dataset.nc" in files and "report.md" in files
+    assert f"{h.run_id}.jsonl" in files
+    assert {
+        "plots/mplot/loss.png",
+        "plots/mplot/lr.png",
+        "plots/mplot/dev.png",
+        "plots/mplot/dev.ridge.png",
+        "plots/mplot/dev.heatmap.png",
+        "plots/tplot/loss.txt",
+        "plots/tplot/lr.txt",
+        "plots/tplot/dev.txt",
+    } <= set(files)
+    assert ds.attrs["run_id"] == h.run_id and ds.attrs["warmup_steps"] == 2
+    assert ds.attrs["device_count"] == 8 and "jax_version" in ds.attrs
+    assert ds.sizes["step"] == 20  # the dataset keeps the warmup steps
+    assert "· mean" in capsys.readouterr().out  # the summary plot was printed
+    report = (tmp_path / "report.md").read_text()
+    for f in files:
+        if f != "report.md":
+            assert f in report, f
+    _same(jh.HistoryState.from_netcdf(tmp_path / "dataset.nc"), h.state)
+    _same(
+        jh.HistoryState.from_jsonl(tmp_path / f"{h.run_id}.jsonl"),
+        h.state,
+        dtypes=False,
+    )
+
+
+@pytest.mark.parametrize("kind", STATES)
+def test_finalize_copes_with_every_fixture(kind, tmp_path):
+    h = jh.History(distributed_history=False)
+    h.state = STATES[kind]()
+    ds = h.finalize(tmp_path)
+    assert (tmp_path / "report.md").is_file() and (tmp_path / "dataset.nc").is_file()
+    assert set(ds.data_vars) >= set(h.state.keys)
+
+
+def test_finalize_switches(tmp_path):
+    h = jh.History(
+        distributed_history=False,
+        report_enabled=False,
+        jsonl_path=tmp_path / "elsewhere" / "log.jsonl",
+    )
+    h.update({"a": 1.0})
+    h.finalize(tmp_path / "out", plot=False, save=False)
+    assert _names(tmp_path / "out") == []  # no dataset, plots, report or JSONL copy
+    assert (tmp_path / "elsewhere" / "log.jsonl").is_file()  # left where it is
+    with pytest.raises(ValueError, match="needs an outdir"):
+        jh.History(distributed_history=False).finalize()
+
+
+def test_finalize_writes_nothing_on_other_processes(tmp_path):
+    h = jh.History(distributed_history=False)
+    h.update({"a": 1.0})
+    with mock.patch.object(_finalize.jax, "process_index", return_value=1):
+        ds = h.finalize(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert float(ds["a"].values[0]) == 1.0
+
+
+def test_progress_bar_on_a_terminal():
+    class Tty:
+        def __init__(self):
+            self.text = ""
+
+        def isatty(self):
+            return True
+
+        def write(self, s):
+            self.text += s
+
+        def flush(self):
+            pass
+
+    tty = Tty()
+    bar = _finalize.Progress(4, "plots", stream=tty)
+    for _ in range(4):
+        bar()
+    assert "4/4" in tty.text and tty.text.endswith("\n")
+    quiet = _finalize.Progress(4, "plots", stream=io.StringIO())  # not a terminal
+    quiet()
+    assert not quiet.enabled
+
+
+# ----- command line -----
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "jaxhistory", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_cli_report_and_summary(tmp_path):
+    h = jh.History(distributed_history=False, jsonl_path=tmp_path / "run.jsonl")
+    for i in range(10):
+        h.update({"loss": 1.0 / (i + 1), "tok": i}, summarize=False)
+    h.finalize(tmp_path / "orig", plot=False)
+    out = _cli("report", tmp_path / "run.jsonl", "-o", tmp_path / "again")
+    assert out.returncode == 0, out.stderr
+    files = _names(tmp_path / "again")
+    assert {
+        "dataset.nc",
+        "report.md",
+        "run.jsonl",
+        "plots/mplot/loss.png",
+        "plots/tplot/tok.txt",
+    } <= set(files)
+    out = _cli(
+        "report", tmp_path / "orig" / "dataset.nc", "-o", tmp_path / "nc", "--no-plots"
+    )
+    assert out.returncode == 0, out.stderr
+    _same(jh.HistoryState.from_netcdf(tmp_path / "nc" / "dataset.nc"), h.state)
+    summary = _cli("summary", tmp_path / "orig")
+    assert summary.returncode == 0 and "| loss | 0.292897 |" in summary.stdout
+    missing = _cli("summary", tmp_path / "none.jsonl")
+    assert missing.returncode == 2 and "no such run file" in missing.stderr
+    wrong = _cli("summary", tmp_path / "orig" / "report.md")
+    assert wrong.returncode == 2 and "expected a .jsonl log or a .nc" in wrong.stderr
