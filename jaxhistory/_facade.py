@@ -194,6 +194,8 @@ class History:
             if new is None and self._simple(metrics):
                 # Nothing to reduce or flatten: record the dict as it is.
                 new = self.state.update(metrics, step=step)
+                if self.mesh is None:
+                    self._note_mesh(metrics.values())
         if new is None:
             return self._update(metrics, precision, step, summarize)
         label, step_used = "step", step
@@ -276,6 +278,15 @@ class History:
             return self.report_dir / f"{self.run_id}.jsonl"
         return None
 
+    def _note_mesh(self, values) -> None:
+        """Remembers the mesh of the first sharded value seen (for the outputs)."""
+        for value in values:
+            array = value.table if isinstance(value, Stats) else value
+            mesh = getattr(getattr(array, "sharding", None), "mesh", None)
+            if isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1:
+                self.mesh = mesh
+                return
+
     def _emit(self, step: int, plain, aggregated=None) -> None:
         if self._stream is None:
             self._stream = JsonlStream(self._stream_path, self.jsonl_overwrite)
@@ -316,7 +327,10 @@ class History:
                 raise ValueError("finalize needs an outdir (or a History report_dir)")
             outdir = self.report_dir
         self.flush()
-        streamed = self._stream_path if self._stream is not None else None
+        streamed = None
+        if self._stream is not None:
+            # A log whose writing failed is written again from the state.
+            streamed = self._stream_path if self._stream.error is None else None
         return finalize(
             self.state,
             outdir,

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jaxhistory as jh
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "demo.py"
 
@@ -15,10 +17,19 @@ LINE = re.compile(
 )
 
 
-def test_demo_runs_and_loss_decreases():
+def test_demo_runs_and_loss_decreases(tmp_path):
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="8", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, str(DEMO), "--steps", "30", "--log-every", "10"],
+        [
+            sys.executable,
+            str(DEMO),
+            "--steps",
+            "30",
+            "--log-every",
+            "10",
+            "--outdir",
+            str(tmp_path / "out"),
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -44,3 +55,16 @@ def test_demo_runs_and_loss_decreases():
     assert steps == [10, 20, 30]
     assert means[-1] < means[0], proc.stdout
     assert "8 devices" in proc.stdout
+
+    # finalize wrote the whole output tree and printed the summary plot
+    out = tmp_path / "out"
+    assert (out / "dataset.nc").is_file() and (out / "report.md").is_file()
+    (log,) = out.glob("demo-seed0-*.jsonl")
+    state = jh.HistoryState.from_jsonl(log)
+    assert state.count("train/loss/mean") == state.count("grad_norm") == 30
+    assert (out / "plots" / "mplot" / "train_loss.png").is_file()
+    assert (out / "plots" / "tplot" / "train_loss.txt").is_file()
+    assert "· mean" in proc.stdout and f"outputs: {out}" in proc.stdout
+    state = jh.HistoryState.from_netcdf(out / "dataset.nc")
+    assert state.steps("train/loss/mean").tolist() == list(range(1, 31))
+    assert state.count("grad_norm") == 30

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jaxhistory._stats import STATS
+from jaxhistory._stats import STATS, Stats
 
 if TYPE_CHECKING:
     from jaxhistory._history import HistoryState
@@ -281,15 +281,25 @@ class JsonlStream:
 
     def _format(self, step, timestamp, metrics, aggregated) -> str:
         items = metrics.items() if isinstance(metrics, dict) else metrics
-        m = ", ".join(f"{json.dumps(k)}: {jsonl_value(v)}" for k, v in items)
-        a = ""
+        plain, stats = [], []
+        for k, v in items:
+            if isinstance(v, Stats):  # statistics computed in the step
+                prefix = f"{k}/" if k else ""
+                flat = np.asarray(v.table).reshape(-1).tolist()  # stat-major
+                names = [
+                    f"{prefix}{n}/{s}" if n else f"{prefix}{s}"
+                    for s in STATS
+                    for n in v.names
+                ]
+                stats += zip(names, flat, strict=True)
+            else:
+                plain.append((k, v))
         if aggregated is not None:
             names, packed = aggregated
-            flat = np.asarray(packed).reshape(-1)
-            a = ", ".join(
-                f"{json.dumps(k)}: {jsonl_value(v)}"
-                for k, v in zip(names, flat.tolist(), strict=True)
-            )
+            flat = np.asarray(packed).reshape(-1).tolist()
+            stats += zip(names, flat, strict=True)
+        m = ", ".join(f"{json.dumps(k)}: {jsonl_value(v)}" for k, v in plain)
+        a = ", ".join(f"{json.dumps(k)}: {jsonl_value(v)}" for k, v in stats)
         return _line(step, timestamp, self.process_index, m, a)
 
     def close(self) -> None:
