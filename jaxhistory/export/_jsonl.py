@@ -81,10 +81,20 @@ def aggregated_names(names) -> set[str]:
     return out
 
 
+def _key(name: str) -> str:
+    """A JSON key, ready for %-formatting templates."""
+    return json.dumps(name).replace("%", "%%")
+
+
+def _stamp(timestamp) -> str:
+    return "null" if timestamp is None else repr(float(timestamp))
+
+
 def _line(step, timestamp, process_index, metrics: str, aggregated: str) -> str:
-    ts = "null" if timestamp is None else repr(float(timestamp))
+    ts = _stamp(timestamp)
+    step = step if isinstance(step, str) else int(step)
     return (
-        f'{{"step": {int(step)}, "timestamp": {ts}, "process_index": '
+        f'{{"step": {step}, "timestamp": {ts}, "process_index": '
         f'{process_index}, "metrics": {{{metrics}}}, "aggregated": {{{aggregated}}}}}\n'
     )
 
@@ -105,20 +115,44 @@ def to_jsonl(
     path = Path(path)
     timestamps = timestamps or {}
     grouped = aggregated_names(state.keys)
-    per_step: dict[int, list[list[str]]] = {}
-    for name in state.keys:
-        key = json.dumps(name)
-        slot = 1 if name in grouped else 0
-        steps = state.steps(name).tolist()
-        for step, text in zip(steps, _column_texts(state.values(name)), strict=True):
-            entry = per_step.get(step)
-            if entry is None:
-                entry = per_step[step] = [[], []]
-            entry[slot].append(f"{key}: {text}")
-    lines = [
-        _line(step, timestamps.get(step), process_index, ", ".join(m), ", ".join(a))
-        for step, (m, a) in sorted(per_step.items())
-    ]
+    # One block per table: metrics recorded together share their steps, so each
+    # row's text comes from one template (much faster than value by value).
+    blocks = []
+    for keys, (table, n) in state.data.tables.items():
+        if not n:
+            continue
+        steps, columns = table.view(n)
+        order = [j for j, k in enumerate(keys) if k not in grouped]
+        order += [j for j, k in enumerate(keys) if k in grouped]
+        m = ", ".join(f"{_key(keys[j])}: %s" for j in order if keys[j] not in grouped)
+        a = ", ".join(f"{_key(keys[j])}: %s" for j in order if keys[j] in grouped)
+        texts = [_column_texts(columns[j]) for j in order]
+        cut = sum(1 for j in order if keys[j] not in grouped)
+        blocks.append((steps.tolist(), m, a, cut, list(zip(*texts, strict=True))))
+    if len(blocks) == 1:
+        steps, m, a, _, rows = blocks[0]
+        template = _line("%d", None, process_index, m, a).replace("null", "%s", 1)
+        lines = [
+            template % (step, _stamp(timestamps.get(step)), *row)
+            for step, row in zip(steps, rows, strict=True)
+        ]
+    else:
+        per_step: dict[int, list[list[str]]] = {}
+        for steps, m, a, cut, rows in blocks:
+            for step, row in zip(steps, rows, strict=True):
+                entry = per_step.get(step)
+                if entry is None:
+                    entry = per_step[step] = [[], []]
+                if m:
+                    entry[0].append(m % row[:cut])
+                if a:
+                    entry[1].append(a % row[cut:])
+        lines = [
+            _line(
+                step, timestamps.get(step), process_index, ", ".join(mm), ", ".join(aa)
+            )
+            for step, (mm, aa) in sorted(per_step.items())
+        ]
     path.parent.mkdir(parents=True, exist_ok=True)
     if overwrite:
         from jaxhistory.export._netcdf import atomic_write
