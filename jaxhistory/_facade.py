@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import math
 import os
 import time
@@ -153,7 +154,9 @@ class History:
         self._updates = 0
         self._multi_process = jax.process_count() > 1
         self._stats_fn = jax.jit(distributed_stats)
-        self._stamps: list[tuple[int, float]] = []  # (step, wall time) per update
+        # (step, wall time) per update, in arrays: no objects for the GC to scan
+        self._stamp_steps = array.array("q")
+        self._stamp_times = array.array("d")
         self._stream: JsonlStream | None = None
         self._stream_path = self._jsonl_target()
 
@@ -209,7 +212,8 @@ class History:
             step_used = as_step("step", step)
         self.state = new
         self._updates += 1
-        self._stamps.append((step_used, time.time()))
+        self._stamp_steps.append(step_used)
+        self._stamp_times.append(time.time())
         if self._stream_path is not None:
             self._emit(step_used, [(n, v) for n, v in metrics.items() if n != label])
         if not summarize or (self._updates - 1) % self.log_every:
@@ -251,7 +255,8 @@ class History:
             state = state.update_packed(names, packed, step=step_used)
         self.state = state
         self._updates += 1
-        self._stamps.append((step_used, time.time()))
+        self._stamp_steps.append(step_used)
+        self._stamp_times.append(time.time())
         if self._stream_path is not None:
             self._emit(step_used, plain, (names, packed) if reduce else None)
         if not summarize or (self._updates - 1) % self.log_every:
@@ -342,7 +347,7 @@ class History:
             save=save,
             report=self.report_enabled,
             jsonl=streamed,
-            timestamps=dict(self._stamps),
+            timestamps=dict(zip(self._stamp_steps, self._stamp_times, strict=True)),
             mesh=self.mesh,
         )
 
