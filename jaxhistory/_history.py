@@ -16,6 +16,7 @@ from jaxhistory._column import STAGE, Table, Tables
 from jaxhistory._record import (
     ALL_FLOATS,
     FLOAT_ONLY,
+    INT64_MAX,
     NESTED,
     PY_SCALARS,
     STEP_KEYS,
@@ -148,13 +149,17 @@ class HistoryState:
         return self._records(name)[1]
 
     def _meta(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
-        for ks, (t, _) in self.data.tables.items():
-            if name in ks:
-                j = ks.index(name)
-                return t.dtypes[j], t.shapes[j]
-        raise KeyError(
-            f"no metric {name!r}; recorded: {', '.join(self.keys) or 'none'}"
-        )
+        found = [
+            (t.dtypes[ks.index(name)], t.shapes[ks.index(name)])
+            for ks, (t, _) in self.data.tables.items()
+            if name in ks
+        ]
+        if not found:
+            raise KeyError(
+                f"no metric {name!r}; recorded: {', '.join(self.keys) or 'none'}"
+            )
+        # Records in several tables read back promoted to one dtype (values()).
+        return np.result_type(*(d for d, _ in found)), found[0][1]
 
     def dtype(self, name: str) -> np.dtype:
         """The storage dtype of ``name``."""
@@ -246,7 +251,7 @@ class HistoryState:
             items, step = self._step_entry(dict(flatten(metrics)), step)
             keys, row = tuple(items), tuple(items.values())
             types = None
-        step = self.next_step if step is None else as_step("step", step)
+        step = as_step("step", self.next_step if step is None else step)
         if not keys:
             return self._derive(dict(self.data.tables), max(self.next_step, step + 1))
         tables = self.data.tables
@@ -327,7 +332,7 @@ class HistoryState:
         rest, step = self._step_entry(
             {k: v for k, v in metrics.items() if type(v) is not Stats}, step
         )
-        used = self.next_step if step is None else as_step("step", step)
+        used = as_step("step", self.next_step if step is None else step)
         state = self.update(rest, used) if rest else self
         for key, stats in metrics.items():
             if type(stats) is Stats:
@@ -402,7 +407,7 @@ class HistoryState:
             )
         if len(set(names)) != len(names):
             raise ValueError("packed metric names must be unique")
-        step = self.next_step if step is None else as_step("step", step)
+        step = as_step("step", self.next_step if step is None else step)
         on_device = isinstance(vector, jax.Array)
         label = names[0] if names else "<packed>"
         if on_device:  # replicated statistics may span processes: read locally
@@ -610,8 +615,12 @@ def _append_floats(state: HistoryState, metrics: dict, step: Any) -> Any:
     the values' own arithmetic without converting them) and the step is past
     everything recorded.
     """
-    if step is not None and (type(step) is not int or step < state.next_step):
+    if step is None:
+        step = state.next_step
+    elif type(step) is not int or step < state.next_step:
         return None
+    if step > INT64_MAX:
+        return None  # the checked path raises
     keys = tuple(metrics)
     tables = state.data.tables
     entry = tables.get(keys)
@@ -627,8 +636,6 @@ def _append_floats(state: HistoryState, metrics: dict, step: Any) -> Any:
     if table.length != n:  # an older state, updated again: a branch
         table = table.prefix(n)
         table.ptypes = ALL_FLOATS
-    if step is None:
-        step = state.next_step
     table.rows.append(row)  # Table.append, inlined
     table.row_steps.append(step)
     table.last_step = step

@@ -17,6 +17,7 @@ from jaxhistory._tree import path_name
 __all__ = [
     "ALL_FLOATS",
     "FLOAT_ONLY",
+    "INT64_MAX",
     "NESTED",
     "PY_SCALARS",
     "STEP_KEYS",
@@ -83,6 +84,8 @@ def host_value(name: str, value: Any) -> tuple[Any, np.dtype, tuple[int, ...]]:
         arr = np.asarray(value)
     except Exception as err:
         raise TypeError(f"metric {name!r} cannot become an array: {err}") from None
+    if arr is value or not arr.flags.owndata:
+        arr = arr.copy()  # the caller may reuse its buffer; rows stay staged a while
     if arr.dtype.kind not in "biuf":
         if jnp.issubdtype(arr.dtype, jnp.floating):  # ml_dtypes bfloat16 and friends
             arr = arr.astype(np.float32)
@@ -166,15 +169,29 @@ def check_ints(names: tuple[str, ...], row: tuple, dtypes: tuple) -> None:
             )
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def as_step(name: str, value: Any) -> int:
-    if type(value) is int:
-        return value
-    if isinstance(value, jax.Array):
-        value = jax.device_get(value)
-    arr = np.asarray(value)
-    if arr.ndim != 0 or arr.dtype.kind not in "iuf" or arr != np.floor(arr):
-        raise ValueError(f"{name!r} must be a whole number to be used as the step")
-    return int(arr)
+    """``value`` as a step: a whole number within int64 (ValueError otherwise).
+
+    A JAX array is fetched from the device: pass steps as Python ints in a loop.
+    """
+    if type(value) is not int:
+        if isinstance(value, jax.Array):
+            value = jax.device_get(value)
+        arr = np.asarray(value)
+        if (
+            arr.ndim != 0
+            or arr.dtype.kind not in "iuf"
+            or not np.isfinite(arr)
+            or arr != np.floor(arr)
+        ):
+            raise ValueError(f"{name!r} must be a whole number to be used as the step")
+        value = int(arr)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name!r} is {value}, outside the int64 range of steps")
+    return value
 
 
 class InFlight:
@@ -193,6 +210,8 @@ class InFlight:
         self.updates.append(arrays)
         if len(self.updates) > self.limit:
             # Wait for the oldest half; their copies to the host started long ago.
+            # They leave the queue first, so a failed wait cannot jam it.
             cut = len(self.updates) - self.limit // 2
-            jax.block_until_ready([a for u in self.updates[:cut] for a in u])
+            oldest = [a for u in self.updates[:cut] for a in u]
             del self.updates[:cut]
+            jax.block_until_ready(oldest)

@@ -516,3 +516,55 @@ def test_many_fast_path_rows_cross_the_staging_flush():
         s = s.update({"a": float(i), "b": i % 2})
     assert s.values("a").tolist() == [float(i) for i in range(n)]
     assert s.values("b").tolist() == [float(i % 2) for i in range(n)]
+
+
+# ----- review fixes ---------------------------------------------------------------
+def test_a_reused_numpy_buffer_is_copied_when_recorded():
+    buf = np.zeros(3)
+    s = jh.HistoryState()
+    for i in range(5):
+        buf[:] = i
+        s = s.update({"v": buf})
+    assert s.values("v").tolist() == [[float(i)] * 3 for i in range(5)]
+
+
+def test_dtype_of_a_metric_in_several_tables_is_what_values_returns():
+    s = jh.HistoryState().update({"a": 1}).update({"a": 1.5, "b": 2.0})
+    assert s.values("a").dtype == s.dtype("a") == np.float64
+    back = jh.HistoryState.from_xarray(s.to_xarray())
+    assert back.values("a").tolist() == [1.0, 1.5]
+
+
+@pytest.mark.parametrize("step", [2**63, -(2**63) - 1, float("inf"), float("nan")])
+def test_steps_outside_int64_are_refused_and_nothing_breaks(step):
+    s = jh.HistoryState().update({"a": 1.0})
+    with pytest.raises(ValueError, match="step"):
+        s.update({"a": 2.0}, step=step)
+    with pytest.raises(ValueError, match="step"):
+        s.update({"step": step, "a": 2.0})
+    assert s.update({"a": 3.0}).values("a").tolist() == [1.0, 3.0]
+
+
+def test_the_last_int64_step_is_the_last_one():
+    s = jh.HistoryState().update({"a": 1.0}, step=2**63 - 1)
+    assert s.steps("a").tolist() == [2**63 - 1]
+    with pytest.raises(ValueError, match="outside the int64 range"):
+        s.update({"a": 2.0})
+
+
+def test_a_failed_wait_for_device_values_does_not_jam_later_updates():
+    inflight = _history.InFlight(2)
+
+    class Broken:
+        def copy_to_host_async(self):
+            pass
+
+    inflight.add([Broken()])
+    inflight.add([Broken()])
+    broken = mock.patch.object(
+        jax, "block_until_ready", side_effect=RuntimeError("deleted")
+    )
+    with broken, pytest.raises(RuntimeError, match="deleted"):
+        inflight.add([Broken()])
+    assert len(inflight.updates) <= 2
+    inflight.add([jnp.zeros(())])  # works again
