@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxhistory._history import HistoryState, _append_floats
 from jaxhistory._record import NESTED, STEP_KEYS, as_step, flatten
-from jaxhistory._stats import STATS, Stats, distributed_stats
+from jaxhistory._stats import Stats, distributed_stats, stat_names
 from jaxhistory.export._env import new_run_id
 from jaxhistory.export._jsonl import JsonlStream
 
@@ -190,6 +190,15 @@ class History:
         """
         if type(precision) is not int or precision < 0:
             raise ValueError(f"precision must be a non-negative int, got {precision!r}")
+        label = "step"
+        if type(metrics) is dict and step is None:
+            # A step entry is the step: parse it once, and record the rest (which
+            # lets rows with a step entry take the fast path).
+            for key in STEP_KEYS:
+                if key in metrics:
+                    label, step = key, as_step(key, metrics[key])
+                    metrics = {k: v for k, v in metrics.items() if k != key}
+                    break
         new = None
         if type(metrics) is dict:
             if not (self._multi_process and self.distributed_history):
@@ -197,28 +206,27 @@ class History:
             if new is None and self._simple(metrics):
                 # Nothing to reduce or flatten: record the dict as it is.
                 new = self.state.update(metrics, step=step)
-                if self.mesh is None:
+                if self.mesh is None and len(new.data.tables) > len(
+                    self.state.data.tables
+                ):  # a new key set: look for the mesh once
                     self._note_mesh(metrics.values())
         if new is None:
-            return self._update(metrics, precision, step, summarize)
-        label, step_used = "step", step
-        if step is None:
-            step_used = new.next_step - 1
-            for key in STEP_KEYS:
-                if key in metrics:
-                    label, step_used = key, as_step(key, metrics[key])
-                    break
-        else:
-            step_used = as_step("step", step)
+            return self._update(metrics, precision, step, summarize, label)
+        step_used = new.next_step - 1 if step is None else as_step("step", step)
         self.state = new
         self._updates += 1
         self._stamp_steps.append(step_used)
         self._stamp_times.append(time.time())
+        if self._stream_path is None and (
+            not summarize or (self._updates - 1) % self.log_every
+        ):
+            return ""
+        # With an explicit step, a "step" entry (checked to agree) is not a metric.
+        items = [(n, v) for n, v in metrics.items() if n != "step"]
         if self._stream_path is not None:
-            self._emit(step_used, [(n, v) for n, v in metrics.items() if n != label])
+            self._emit(step_used, items)
         if not summarize or (self._updates - 1) % self.log_every:
             return ""
-        items = [(n, v) for n, v in metrics.items() if n != label]
         order = [n for n, _ in items]
         return self._line(order, items, (), None, (label, step_used), precision)
 
@@ -235,10 +243,9 @@ class History:
             _is_per_device(v) for v in metrics.values()
         )
 
-    def _update(self, metrics, precision, step, summarize) -> str:
+    def _update(self, metrics, precision, step, summarize, label="step") -> str:
         items = flatten(metrics)
         counters = {n: v for n, v in items if n in COUNTER_KEYS}
-        label = "step"
         if step is None:
             for key in STEP_KEYS:
                 if key in counters:
@@ -282,6 +289,9 @@ class History:
         if self.report_dir is not None and index == 0:
             return self.report_dir / f"{self.run_id}.jsonl"
         return None
+
+    def _timestamps(self) -> dict[int, float]:
+        return dict(zip(self._stamp_steps, self._stamp_times, strict=True))
 
     def _note_mesh(self, values) -> None:
         """Remembers the mesh of the first sharded value seen (for the outputs)."""
@@ -347,7 +357,7 @@ class History:
             save=save,
             report=self.report_enabled,
             jsonl=streamed,
-            timestamps=dict(zip(self._stamp_steps, self._stamp_times, strict=True)),
+            timestamps=None if streamed else self._timestamps(),
             mesh=self.mesh,
         )
 
@@ -385,8 +395,7 @@ class History:
                 metrics[name] = _per_process_array(name, value, mesh)
         stats = self._stats_fn(metrics)
         # Stat-major, the order of the (4, K) table: a/mean, b/mean, ..., a/max, ...
-        out = tuple(f"{n}/{s}" for s in STATS for n in stats.names)
-        return out, stats.table
+        return stat_names(stats.names), stats.table
 
     @staticmethod
     def _check_same_names(names: list[str]) -> None:

@@ -9,7 +9,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxhistory._column import STAGE, Table, Tables
@@ -23,11 +22,12 @@ from jaxhistory._record import (
     InFlight,
     as_step,
     check_ints,
+    device_storage_dtype,
     flatten,
     host_value,
     warmup_count,
 )
-from jaxhistory._stats import STATS, Stats
+from jaxhistory._stats import Stats, stat_names
 
 __all__ = ["STEP_KEYS", "HistoryState", "warmup_count"]
 # Updates whose device values may still be in flight; past this many the oldest are
@@ -306,6 +306,35 @@ class HistoryState:
             return {k: v for k, v in metrics.items() if k != "step"}, step
         return metrics, step
 
+    def _check_append(self, names, shapes, step: int) -> dict[str, np.dtype]:
+        """Refuses recording ``names`` (records of ``shapes``) at ``step``.
+
+        Raises ValueError if one of them changes shape or already has a record at
+        ``step`` or later. Returns the stored dtype of each that has records. One
+        pass over the tables, whatever the number of names.
+        """
+        wanted = dict(zip(names, shapes, strict=True))
+        found = {}
+        for ks, (t, n) in self.data.tables.items():
+            if not n or wanted.keys().isdisjoint(ks):
+                continue
+            last = t.step_at(n)
+            for j, name in enumerate(ks):
+                if name not in wanted:
+                    continue
+                if t.shapes[j] != tuple(wanted[name]):
+                    raise ValueError(
+                        f"metric {name!r} changed shape from {t.shapes[j]} to "
+                        f"{tuple(wanted[name])}"
+                    )
+                if step <= last:
+                    raise ValueError(
+                        f"metric {name!r} was already recorded at step {last}; "
+                        f"step {step} must be later (merge() combines runs)"
+                    )
+                found[name] = t.dtypes[j]
+        return found
+
     def _writable(self, keys, dtypes, shapes, capacity: int = 0) -> tuple[Table, int]:
         """The table for ``keys`` that this state may append to, and its row count.
 
@@ -316,8 +345,12 @@ class HistoryState:
         if entry is None:
             return Table(keys, dtypes, shapes, capacity), 0
         table, n = entry
-        wider = tuple(
-            np.result_type(a, b) for a, b in zip(table.dtypes, dtypes, strict=True)
+        wider = (
+            dtypes
+            if dtypes == table.dtypes
+            else tuple(
+                np.result_type(a, b) for a, b in zip(table.dtypes, dtypes, strict=True)
+            )
         )
         if wider != table.dtypes or table.length != n:
             table = table.prefix(n, wider)
@@ -336,12 +369,7 @@ class HistoryState:
         state = self.update(rest, used) if rest else self
         for key, stats in metrics.items():
             if type(stats) is Stats:
-                prefix = f"{key}/" if key else ""
-                names = tuple(
-                    f"{prefix}{n}/{s}" if n else f"{prefix}{s}"
-                    for s in STATS
-                    for n in stats.names
-                )
+                names = stat_names(stats.names, f"{key}/" if key else "")
                 state = state.update_packed(names, stats.table, step=used)
         return state
 
@@ -358,22 +386,10 @@ class HistoryState:
             values.append(value)
             dtypes.append(dtype)
             shapes.append(shape)
-            for ks, (t, n) in self.data.tables.items():
-                if name in ks and n:
-                    j = ks.index(name)
-                    if type(value) is int and t.dtypes[j].kind == "f":
-                        dtypes[-1] = t.dtypes[j]  # an int joins a float metric
-                    if t.shapes[j] != shape:
-                        raise ValueError(
-                            f"metric {name!r} changed shape from {t.shapes[j]} to "
-                            f"{shape}"
-                        )
-                    last = t.step_at(n)
-                    if step <= last:
-                        raise ValueError(
-                            f"metric {name!r} was already recorded at step {last}; "
-                            f"step {step} must be later (merge() combines runs)"
-                        )
+        found = self._check_append(keys, shapes, step)
+        for i, value in enumerate(row):
+            if type(value) is int and keys[i] in found and found[keys[i]].kind == "f":
+                dtypes[i] = found[keys[i]]  # an int joins a float metric
         table, n = self._writable(keys, tuple(dtypes), tuple(shapes))
         if ptypes is not ALL_FLOATS and int in ptypes:
             check_ints(keys, row, table.dtypes)
@@ -411,25 +427,10 @@ class HistoryState:
         on_device = isinstance(vector, jax.Array)
         label = names[0] if names else "<packed>"
         if on_device:  # replicated statistics may span processes: read locally
-            dtype = np.dtype(vector.dtype)
-            if jnp.issubdtype(dtype, jnp.floating):
-                dtype = np.promote_types(dtype, np.float32)
-            elif dtype.kind not in "biu":
-                raise TypeError(f"metric {label!r} has non-numeric dtype {dtype}")
+            dtype = device_storage_dtype(label, vector.dtype, 4)
         else:
             vector, dtype, _ = host_value(label, np.asarray(vector))
-        for name in names:
-            if name in self:
-                if self.shape(name) != ():
-                    raise ValueError(
-                        f"metric {name!r} changed shape from {self.shape(name)} to ()"
-                    )
-                last = self.last_step(name)
-                if last is not None and step <= last:
-                    raise ValueError(
-                        f"metric {name!r} was already recorded at step {last}; step "
-                        f"{step} must be later (merge() combines runs)"
-                    )
+        self._check_append(names, [()] * len(names), step)
         table, n = self._writable(names, (dtype,) * len(names), ((),) * len(names))
         table.ptypes = None
         if on_device:
@@ -469,21 +470,10 @@ class HistoryState:
                     f"metric {name!r} has {shape[0] if shape else 0} records for "
                     f"{len(steps)} steps"
                 )
-            if name in self:
-                if self.shape(name) != shape[1:]:
-                    raise ValueError(
-                        f"metric {name!r} changed shape from {self.shape(name)} to "
-                        f"{shape[1:]}"
-                    )
-                last = self.last_step(name)
-                if last is not None and steps[0] <= last:
-                    raise ValueError(
-                        f"metric {name!r} was already recorded at step {last}; "
-                        f"step {steps[0]} must be later"
-                    )
             columns.append(np.asarray(arr, dtype))
             dtypes.append(dtype)
             shapes.append(shape[1:])
+        self._check_append(keys, shapes, int(steps[0]))
         table, n = self._writable(keys, tuple(dtypes), tuple(shapes), len(steps))
         table.extend(steps, columns)
         new = self.data.tables.copy()

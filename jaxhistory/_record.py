@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -53,6 +53,25 @@ def warmup_count(warmup: float, n: int) -> int:
     return min(int(warmup), n)
 
 
+@functools.lru_cache(maxsize=64)
+def _storage_dtype(dtype: np.dtype, min_float_bytes: int) -> np.dtype | None:
+    if jnp.issubdtype(dtype, jnp.floating):  # ml_dtypes floats included
+        if dtype.itemsize < min_float_bytes:
+            return np.dtype(f"float{8 * min_float_bytes}")
+        return dtype
+    return dtype if dtype.kind in "biu" else None
+
+
+def device_storage_dtype(name: str, dtype: Any, min_float_bytes: int) -> np.dtype:
+    """How a device array of ``dtype`` is stored on the host: floats narrower than
+    ``min_float_bytes`` (bf16, fp16, fp8) widen; non-numeric dtypes raise TypeError
+    naming the metric. Cached per dtype (``jnp.issubdtype`` is slow)."""
+    out = _storage_dtype(np.dtype(dtype), min_float_bytes)
+    if out is None:
+        raise TypeError(f"metric {name!r} has non-numeric dtype {np.dtype(dtype)}")
+    return out
+
+
 def host_value(name: str, value: Any) -> tuple[Any, np.dtype, tuple[int, ...]]:
     """Validates one metric value; returns (value, storage dtype, record shape)."""
     if isinstance(value, jax.core.Tracer):
@@ -63,12 +82,7 @@ def host_value(name: str, value: Any) -> tuple[Any, np.dtype, tuple[int, ...]]:
             "buffer with HistoryState.extend_from_buffer."
         )
     if isinstance(value, jax.Array):
-        dtype = np.dtype(value.dtype)
-        is_float = jnp.issubdtype(dtype, jnp.floating)
-        if dtype.kind not in "biu" and not is_float:
-            raise TypeError(f"metric {name!r} has non-numeric dtype {dtype}")
-        if is_float and dtype.itemsize < 4:
-            dtype = np.dtype(np.float32)  # bf16/fp16/fp8 are stored as float32
+        dtype = device_storage_dtype(name, value.dtype, 4)
         if not value.is_fully_addressable:
             raise ValueError(
                 f"metric {name!r} spans devices of other processes; reduce it first "
@@ -205,8 +219,10 @@ class InFlight:
 
     def add(self, arrays: list[jax.Array]) -> None:
         for a in arrays:
-            with contextlib.suppress(AttributeError, RuntimeError):
+            try:  # noqa: SIM105 (no context manager per metric per step)
                 a.copy_to_host_async()
+            except (AttributeError, RuntimeError):
+                pass
         self.updates.append(arrays)
         if len(self.updates) > self.limit:
             # Wait for the oldest half; their copies to the host started long ago.

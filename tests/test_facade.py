@@ -178,3 +178,41 @@ def test_counters_print_step_epoch_iter_in_that_order():
     h = jh.History(distributed_history=False)
     line = h.update({"iter": 7, "epoch": 1, "lr": 0.5}, step=7)
     assert line == "step=7 epoch=1 iter=7 lr=0.500000"
+
+
+def test_step_entries_are_parsed_once_and_rows_with_them_take_the_float_path():
+    h = jh.History(distributed_history=False)
+    for i in range(3):
+        line = h.update({"iter": 10 + i, "loss": 1.0 / (i + 1)})
+        assert line.startswith(f"iter={10 + i} ")
+    assert h.state.steps("loss").tolist() == [10, 11, 12]
+    assert "iter" not in h.state
+    ((table, _),) = h.state.data.tables.values()
+    assert table.ptypes is not None  # the float fast path's table signature
+
+
+def test_stat_names_are_stat_major_and_shared():
+    names = jh.Stats(("a", "b"), np.zeros((4, 2))).keys()
+    assert list(names) == [
+        "a/mean",
+        "a/max",
+        "a/min",
+        "a/std",
+        "b/mean",
+        "b/max",
+        "b/min",
+        "b/std",
+    ]
+    from jaxhistory._stats import stat_names
+
+    assert stat_names(("a", "b"), "p/") == (
+        "p/a/mean",
+        "p/b/mean",
+        "p/a/max",
+        "p/b/max",
+        "p/a/min",
+        "p/b/min",
+        "p/a/std",
+        "p/b/std",
+    )
+    assert stat_names(("",)) == ("mean", "max", "min", "std")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from jaxhistory._stats import STATS, Stats
+from jaxhistory._stats import STATS, Stats, stat_names
 
 if TYPE_CHECKING:
     from jaxhistory._history import HistoryState
@@ -318,14 +318,10 @@ class JsonlStream:
         plain, stats = [], []
         for k, v in items:
             if isinstance(v, Stats):  # statistics computed in the step
-                prefix = f"{k}/" if k else ""
                 flat = np.asarray(v.table).reshape(-1).tolist()  # stat-major
-                names = [
-                    f"{prefix}{n}/{s}" if n else f"{prefix}{s}"
-                    for s in STATS
-                    for n in v.names
-                ]
-                stats += zip(names, flat, strict=True)
+                stats += zip(
+                    stat_names(v.names, f"{k}/" if k else ""), flat, strict=True
+                )
             else:
                 plain.append((k, v))
         if aggregated is not None:
