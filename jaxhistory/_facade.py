@@ -6,6 +6,8 @@ import array
 import math
 import os
 import time
+import warnings
+import weakref
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -159,6 +161,8 @@ class History:
         self._stamp_times = array.array("d")
         self._stream: JsonlStream | None = None
         self._stream_path = self._jsonl_target()
+        self._streamed = False  # a log was opened at _stream_path
+        self._stream_failed = False
 
     def update(
         self,
@@ -304,8 +308,24 @@ class History:
 
     def _emit(self, step: int, plain, aggregated=None) -> None:
         if self._stream is None:
-            self._stream = JsonlStream(self._stream_path, self.jsonl_overwrite)
+            try:
+                self._stream = JsonlStream(self._stream_path, self.jsonl_overwrite)
+            except OSError as err:  # the step is recorded; only the log stops
+                warnings.warn(
+                    f"cannot write the JSONL log {self._stream_path} ({err}); "
+                    "finalize will write it from the history instead",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                self._stream_path = None
+                self._stream_failed = True
+                return
+            self._streamed = True
+            # Closes the log (writing what is queued) when this History goes.
+            weakref.finalize(self, self._stream.close)
         self._stream.add(step, plain, aggregated)
+        if self._stream.error is not None:
+            self._stream_failed = True
 
     def flush(self) -> None:
         """Writes the queued JSONL lines now (waiting for their device values)."""
@@ -317,6 +337,7 @@ class History:
         (a later update reopens it in append mode)."""
         if self._stream is not None:
             self._stream.close()
+            self._stream_failed |= self._stream.error is not None
             self._stream = None
             self.jsonl_overwrite = False
 
@@ -342,10 +363,13 @@ class History:
                 raise ValueError("finalize needs an outdir (or a History report_dir)")
             outdir = self.report_dir
         self.flush()
-        streamed = None
-        if self._stream is not None:
-            # A log whose writing failed is written again from the state.
-            streamed = self._stream_path if self._stream.error is None else None
+        if self._stream is not None and self._stream.error is not None:
+            self._stream_failed = True
+        # The streamed log stays where it is (also after close()); one whose
+        # writing failed is written again from the state.
+        streamed = self._stream_path if self._streamed else None
+        if self._stream_failed:
+            streamed = None
         return finalize(
             self.state,
             outdir,

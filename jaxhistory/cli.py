@@ -8,43 +8,43 @@ terminal plots, report, JSONL) from a run's JSONL log or ``dataset.nc``;
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
+
+from jaxhistory.export._env import ENV_LABELS
 
 __all__ = ["load_run", "main"]
 
 
-def load_run(path: str | Path):
-    """The HistoryState in a JSONL log (``.jsonl``) or a dataset file (``.nc``)."""
-    from jaxhistory._history import HistoryState
-
+def _run_file(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such run file: {path}")
     if path.is_dir():
-        if (path / "dataset.nc").is_file():
-            path = path / "dataset.nc"
-        else:
+        if not (path / "dataset.nc").is_file():
             raise ValueError(f"{path} is a folder without a dataset.nc")
+        path = path / "dataset.nc"
+    if path.suffix not in (".jsonl", ".nc", ".nc4", ".netcdf"):
+        raise ValueError(f"{path}: expected a .jsonl log or a .nc dataset")
+    return path
+
+
+def load_run(path: str | Path):
+    """The HistoryState in a JSONL log (``.jsonl``), a dataset file (``.nc``) or a
+    folder holding ``dataset.nc``, and the run's recorded attributes (run id,
+    environment; none for a JSONL log)."""
+    from jaxhistory._history import HistoryState
+    from jaxhistory.export._netcdf import read_netcdf
+
+    path = _run_file(path)
     if path.suffix == ".jsonl":
-        return HistoryState.from_jsonl(path)
-    if path.suffix in (".nc", ".nc4", ".netcdf"):
-        return HistoryState.from_netcdf(path)
-    raise ValueError(f"{path}: expected a .jsonl log or a .nc dataset")
-
-
-_ENV_KEYS = (
-    "python",
-    "jax_version",
-    "jaxlib_version",
-    "backend",
-    "device_kind",
-    "device_count",
-    "local_device_count",
-    "process_count",
-    "mesh",
-    "hostname",
-)
+        return HistoryState.from_jsonl(path), {}
+    ds = read_netcdf(path)
+    attrs = dict(ds.attrs)
+    for name in ds.data_vars:
+        ds[name].attrs.pop("long_name", None)
+    return HistoryState.from_xarray(ds), attrs
 
 
 def _warmup(text: str) -> float:
@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        state = load_run(args.run)
+        state, attrs = load_run(args.run)
     except (OSError, ValueError) as err:
         print(f"jaxhistory: {err}", file=sys.stderr)
         return 2
@@ -84,19 +84,30 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from jaxhistory.export._finalize import finalize
 
-    attrs = dict(state.attrs)
-    run_id = Path(args.run).stem if Path(args.run).suffix == ".jsonl" else None
-    recorded_env = {k: v for k, v in attrs.items() if k in _ENV_KEYS}
+    source = _run_file(args.run)
+    outdir = Path(args.outdir)
+    if source.suffix == ".jsonl":
+        run_id = source.stem
+        log = outdir / source.name  # the log keeps its timestamps: copy it
+        outdir.mkdir(parents=True, exist_ok=True)
+        if not log.exists() or not log.samefile(source):
+            shutil.copyfile(source, log)
+    else:
+        run_id = attrs.get("run_id")
+        log = outdir / f"{run_id}.jsonl" if run_id else None
+        if log is not None and not log.is_file():
+            log = None  # finalize writes one from the dataset
     finalize(
         state,
-        args.outdir,
-        run_id=run_id or attrs.get("run_id"),
-        environment=recorded_env or None,
+        outdir,
+        run_id=run_id,
+        environment={k: attrs[k] for k in ENV_LABELS if k in attrs},
         run_name=args.run_name,
         warmup=args.warmup,
         num_chains=args.num_chains,
         plot=not args.no_plots,
         echo=False,
+        jsonl=log,
     )
     print(f"wrote the outputs of {args.run} to {args.outdir}")
     return 0

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -650,3 +651,85 @@ def test_cli_report_and_summary(tmp_path):
     assert missing.returncode == 2 and "no such run file" in missing.stderr
     wrong = _cli("summary", tmp_path / "orig" / "report.md")
     assert wrong.returncode == 2 and "expected a .jsonl log or a .nc" in wrong.stderr
+
+
+# ----- review fixes -----
+def test_cli_report_keeps_the_logs_timestamps_and_the_recorded_environment(tmp_path):
+    h = jh.History(distributed_history=False, jsonl_path=tmp_path / "run.jsonl")
+    for i in range(3):
+        h.update({"loss": 1.0 / (i + 1)}, summarize=False)
+    h.finalize(tmp_path / "orig", plot=False)
+    h.close()
+    assert _cli("report", tmp_path / "run.jsonl", "-o", tmp_path).returncode == 0
+    for line in (tmp_path / "run.jsonl").read_text().splitlines():
+        assert _strict(line)["timestamp"] > 1e9  # not rewritten with nulls
+    assert _cli("report", tmp_path / "orig", "-o", tmp_path / "orig").returncode == 0
+    report = (tmp_path / "orig" / "report.md").read_text()
+    assert "| jax | 0\\.10" in report or f"| jax | {jax.__version__}" in report
+
+
+def test_finalize_after_close_keeps_the_streamed_log(tmp_path):
+    h = jh.History(distributed_history=False, jsonl_path=tmp_path / "log.jsonl")
+    h.update({"a": 1.0})
+    h.close()
+    h.finalize(tmp_path / "out", plot=False)
+    assert not list((tmp_path / "out").glob("*.jsonl"))
+    assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 1
+
+
+def test_an_unwritable_log_path_warns_once_and_recording_goes_on(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    h = jh.History(distributed_history=False, jsonl_path=blocker / "log.jsonl")
+    with pytest.warns(RuntimeWarning, match="cannot write the JSONL log"):
+        h.update({"a": 1.0})
+    h.update({"a": 2.0})
+    assert h.state.values("a").tolist() == [1.0, 2.0]
+    h.finalize(tmp_path / "out", plot=False)
+    assert jh.HistoryState.from_jsonl(tmp_path / "out" / f"{h.run_id}.jsonl").values(
+        "a"
+    ).tolist() == [1.0, 2.0]
+
+
+def test_a_dropped_history_closes_its_log(tmp_path):
+    import gc
+    import threading
+
+    before = threading.active_count()
+    for i in range(5):
+        h = jh.History(distributed_history=False, jsonl_path=tmp_path / f"{i}.jsonl")
+        h.update({"a": 1.0})
+        del h
+    gc.collect()
+    deadline = time.time() + 10
+    while threading.active_count() > before and time.time() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before
+    for i in range(5):
+        assert (tmp_path / f"{i}.jsonl").read_text().count("\n") == 1
+
+
+def test_one_bad_record_does_not_lose_the_others(tmp_path):
+    stream = export.JsonlStream(tmp_path / "s.jsonl")
+
+    class Unreadable:
+        def __array__(self, *args, **kwargs):
+            raise RuntimeError("deleted")
+
+    stream.add(0, [("a", 1.0)])
+    stream.add(1, [("a", Unreadable())])
+    stream.add(2, [("a", 3.0)])
+    with pytest.warns(RuntimeWarning, match="step 1 was dropped"):
+        stream.flush()
+    stream.close()
+    assert jh.HistoryState.from_jsonl(tmp_path / "s.jsonl").steps("a").tolist() == [
+        0,
+        2,
+    ]
+
+
+def test_names_of_whitespace_alone_encode_for_netcdf(tmp_path):
+    names = ["\u3000", " ", "a\u3000"]
+    s = jh.HistoryState().update({n: 1.0 for n in names})
+    export.to_netcdf(s, tmp_path / "d.nc")
+    assert set(jh.HistoryState.from_netcdf(tmp_path / "d.nc").keys) == set(names)

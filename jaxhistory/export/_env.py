@@ -12,7 +12,21 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["environment", "netcdf_attrs", "new_run_id"]
+__all__ = ["ENV_LABELS", "environment", "netcdf_attrs", "new_run_id"]
+
+# The keys of environment() that describe a run, with their labels in the report.
+ENV_LABELS = {
+    "python": "Python",
+    "jax_version": "jax",
+    "jaxlib_version": "jaxlib",
+    "backend": "backend",
+    "device_kind": "device kind",
+    "device_count": "devices",
+    "local_device_count": "devices in this process",
+    "process_count": "processes",
+    "mesh": "mesh",
+    "hostname": "host",
+}
 
 
 def new_run_id(run_name: str | None = None) -> str:

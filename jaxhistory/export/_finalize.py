@@ -79,7 +79,7 @@ def finalize(
     """
     if run_id is None:
         run_id = new_run_id(run_name)
-    env = dict(environment) if environment else run_environment(mesh)
+    env = dict(environment) if environment is not None else run_environment(mesh)
     attrs = {"run_id": run_id, **env}
     if run_name:
         attrs["run_name"] = run_name

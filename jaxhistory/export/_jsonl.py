@@ -272,7 +272,9 @@ class JsonlStream:
         self._write_lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
-        self.error: BaseException | None = None
+        self._broken = False
+        self._warned = False
+        self.error: BaseException | None = None  # the last failed write
         self.process_index = jax.process_index()
         self._thread = threading.Thread(
             target=self._run, name="jaxhistory-jsonl", daemon=True
@@ -300,18 +302,31 @@ class JsonlStream:
             pending = [queue.popleft() for _ in range(len(queue))]
             if not pending or self._file.closed:
                 return
+            lines = []
+            for record in pending:
+                try:
+                    lines.append(self._format(*record))
+                except Exception as err:  # one bad record (a deleted array) only
+                    self._warn(f"a record at step {record[0]} was dropped: {err!r}")
+            if not lines:
+                return
             try:
-                lines = [self._format(*record) for record in pending]
+                if self._broken:  # the last write may have stopped mid-line
+                    self._file.write("\n")
+                    self._broken = False
                 self._file.write("".join(lines))
                 self._file.flush()
             except Exception as err:  # a full disk must not stop the training
-                if self.error is None:
-                    warnings.warn(
-                        f"writing the JSONL log {self.path} failed: {err!r}",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+                self._broken = True
                 self.error = err
+                self._warn(f"writing failed: {err!r}")
+
+    def _warn(self, text: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"JSONL log {self.path}: {text}", RuntimeWarning, stacklevel=3
+            )
 
     def _format(self, step, timestamp, metrics, aggregated) -> str:
         items = metrics.items() if isinstance(metrics, dict) else metrics

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jaxhistory._record import warmup_count
+from jaxhistory.export._env import ENV_LABELS
 from jaxhistory.export._netcdf import atomic_write
 
 if TYPE_CHECKING:
@@ -19,18 +20,6 @@ __all__ = ["md_escape", "stats_table", "to_markdown"]
 
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]|<>~#])")
 TABLE_STATS = ("mean", "std", "median", "min", "max", "last", "nonfinite", "count")
-_ENV_LABELS = {
-    "python": "Python",
-    "jax_version": "jax",
-    "jaxlib_version": "jaxlib",
-    "backend": "backend",
-    "device_kind": "device kind",
-    "device_count": "devices",
-    "local_device_count": "devices in this process",
-    "process_count": "processes",
-    "mesh": "mesh",
-    "hostname": "host",
-}
 
 
 def md_escape(text: Any) -> str:
@@ -98,7 +87,7 @@ def to_markdown(
     env = environment or {}
     if env:
         lines += ["| | |", "|---|---|"]
-        for key, label in _ENV_LABELS.items():
+        for key, label in ENV_LABELS.items():
             if key in env:
                 lines.append(f"| {label} | {md_escape(env[key])} |")
     else:

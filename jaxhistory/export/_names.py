@@ -28,12 +28,12 @@ def encode_netcdf(name: str) -> str:
         ('train%2Floss', 'train/loss')
     """
     out = _ESCAPE.sub(lambda m: _quote(m.group()), name)
+    if out and out[-1].isspace():
+        out = out[:-1] + _quote(out[-1])
     if out.startswith("_"):
         out = "%5F" + out[1:]  # so that a leading "_" always marks the prefix below
     if not out or not (out[0].isalnum() or ord(out[0]) > 127):
         out = "_" + out
-    if out[-1].isspace():
-        out = out[:-1] + _quote(out[-1])
     return out
 
 
