@@ -106,7 +106,7 @@ def finalize(
     terminal: dict[str, str] = {}
     if plot:
         from jaxhistory.export._mpl import to_png
-        from jaxhistory.export._tplot import summary_plots, to_terminal
+        from jaxhistory.export._tplot import summary_choice, write_all
         from jaxhistory.export._units import plot_units
 
         units = plot_units(state)
@@ -115,11 +115,10 @@ def finalize(
         images = to_png(
             state, outdir / "plots" / "mplot", warmup, num_chains, progress=progress
         )
-        texts = to_terminal(
-            state, outdir / "plots" / "tplot", warmup, progress=progress
-        )
-        files += images + list(texts)
-        terminal = summary_plots(state, warmup)
+        written = write_all(state, outdir / "plots" / "tplot", warmup, progress)
+        files += images + [path for _, path, _ in written]
+        chosen = {u.title for u in summary_choice(units)}
+        terminal = {u.title: text for u, _, text in written if u.title in chosen}
         if echo:
             for text in terminal.values():
                 print(text)

@@ -212,7 +212,7 @@ def from_jsonl(path: str | os.PathLike) -> HistoryState:
                 record = json.loads(line)
                 step = record["step"]
                 items = {**record.get("metrics", {}), **record.get("aggregated", {})}
-                if type(step) is not int or not isinstance(items, dict):
+                if type(step) is not int:
                     raise ValueError("no integer step")
                 items = {k: _decode(v) for k, v in items.items()}
             except (ValueError, KeyError, TypeError, AttributeError):
@@ -239,8 +239,8 @@ def from_jsonl(path: str | os.PathLike) -> HistoryState:
             raise ValueError(f"{path}: metric {name!r} changes shape") from None
         if arr.dtype.kind not in "biuf":
             raise ValueError(f"{path}: metric {name!r} has non-numeric values")
-        if arr.dtype.kind == "f" or arr.dtype.kind == "b":
-            arr = arr.astype(np.float64) if arr.dtype.kind == "f" else arr
+        if arr.dtype.kind == "f":
+            arr = arr.astype(np.float64)
         order = np.argsort(steps_arr, kind="stable")
         steps_arr, arr = steps_arr[order], arr[order]
         keep = np.ones(len(steps_arr), bool)
@@ -274,6 +274,7 @@ class JsonlStream:
         self._closed = False
         self._broken = False
         self._warned = False
+        self._keys: dict[str, str] = {}  # metric name -> its JSON text
         self.error: BaseException | None = None  # the last failed write
         self.process_index = jax.process_index()
         self._thread = threading.Thread(
@@ -343,8 +344,12 @@ class JsonlStream:
             names, packed = aggregated
             flat = np.asarray(packed).reshape(-1).tolist()
             stats += zip(names, flat, strict=True)
-        m = ", ".join(f"{json.dumps(k)}: {jsonl_value(v)}" for k, v in plain)
-        a = ", ".join(f"{json.dumps(k)}: {jsonl_value(v)}" for k, v in stats)
+        keys = self._keys
+        for k, _ in (*plain, *stats):
+            if k not in keys:
+                keys[k] = json.dumps(k)  # each name is encoded once per log
+        m = ", ".join(f"{keys[k]}: {jsonl_value(v)}" for k, v in plain)
+        a = ", ".join(f"{keys[k]}: {jsonl_value(v)}" for k, v in stats)
         return _line(step, timestamp, self.process_index, m, a)
 
     def close(self) -> None:

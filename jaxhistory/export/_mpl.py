@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxhistory._optional import import_optional
 from jaxhistory.export._names import file_stems
-from jaxhistory.export._units import PlotUnit, bucket, plot_units
+from jaxhistory.export._units import PlotUnit, bucket, plot_units, row_stats, series
 
 if TYPE_CHECKING:
     from jaxhistory._history import HistoryState
@@ -33,20 +33,14 @@ def _figure(left: float = 0.09, right: float = 0.97):
     return fig
 
 
-def _series(state, name, first):
-    steps, values = state.steps(name), state.values(name)
-    keep = steps >= first
-    return steps[keep], np.asarray(values[keep], np.float64)
-
-
 def _draw_unit(state, unit: PlotUnit, first: int, path: Path) -> None:
     fig = _figure()
     ax = fig.add_subplot()
     if unit.stats:
-        x, mean = _series(state, unit.stats["mean"], first)
-        _, std = _series(state, unit.stats["std"], first)
-        _, lo = _series(state, unit.stats["min"], first)
-        _, hi = _series(state, unit.stats["max"], first)
+        x, mean = series(state, unit.stats["mean"], first)
+        _, std = series(state, unit.stats["std"], first)
+        _, lo = series(state, unit.stats["min"], first)
+        _, hi = series(state, unit.stats["max"], first)
         if len(std) == len(mean) == len(lo) == len(hi):
             xb, lo_b = bucket(x, lo, "min")
             _, hi_b = bucket(x, hi, "max")
@@ -73,13 +67,13 @@ def _draw_unit(state, unit: PlotUnit, first: int, path: Path) -> None:
                 marker="o" if len(xb) == 1 else None,
             )
     if unit.raw is not None:
-        x, y = _series(state, unit.raw, first)
+        x, y = series(state, unit.raw, first)
         if y.ndim > 1:
             chains = y.reshape(len(y), -1)
-            with np.errstate(invalid="ignore"), _quiet():
-                xb, mean_b = bucket(x, np.nanmean(chains, axis=1), "mean")
-                _, lo_b = bucket(x, np.nanmin(chains, axis=1), "min")
-                _, hi_b = bucket(x, np.nanmax(chains, axis=1), "max")
+            mean, lo, hi = row_stats(chains)
+            xb, mean_b = bucket(x, mean, "mean")
+            _, lo_b = bucket(x, lo, "min")
+            _, hi_b = bucket(x, hi, "max")
             ax.fill_between(
                 xb,
                 lo_b,
@@ -122,20 +116,6 @@ def _draw_unit(state, unit: PlotUnit, first: int, path: Path) -> None:
     elif ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best", fontsize="small")
     fig.savefig(path)
-
-
-class _quiet:
-    """Silences NumPy's all-NaN-slice warnings (all-NaN steps stay NaN)."""
-
-    def __enter__(self):
-        import warnings
-
-        self._cm = warnings.catch_warnings()
-        self._cm.__enter__()
-        warnings.simplefilter("ignore", RuntimeWarning)
-
-    def __exit__(self, *exc):
-        return self._cm.__exit__(*exc)
 
 
 def _pick(n: int, k: int) -> np.ndarray:
@@ -228,7 +208,7 @@ def to_png(
         if progress:
             progress(path)
         if unit.raw is not None and state.shape(unit.raw):
-            x, y = _series(state, unit.raw, first)
+            x, y = series(state, unit.raw, first)
             if len(x):
                 chains = y.reshape(len(y), -1)
                 chains = chains[:, _pick(chains.shape[1], num_chains)]

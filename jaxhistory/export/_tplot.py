@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxhistory._optional import import_optional
 from jaxhistory.export._names import file_stems
-from jaxhistory.export._units import PlotUnit, bucket, plot_units
+from jaxhistory.export._units import PlotUnit, bucket, plot_units, row_stats, series
 
 if TYPE_CHECKING:
     from jaxhistory._history import HistoryState
@@ -116,17 +116,8 @@ def _render(plt, fig, title: str, xs: list[np.ndarray], xlabel: str = "step") ->
 
 
 def _series(state, name, first):
-    steps, values = state.steps(name), state.values(name)
-    keep = steps >= first
-    values = np.asarray(values[keep], np.float64)
-    if values.ndim > 1:
-        with np.errstate(invalid="ignore"):
-            flat = values.reshape(len(values), -1)
-            ok = np.isfinite(flat).any(axis=1)
-            mean = np.full(len(flat), np.nan)
-            mean[ok] = np.nanmean(np.where(np.isfinite(flat), flat, np.nan)[ok], axis=1)
-        values = mean
-    return steps[keep], values
+    x, y = series(state, name, first)
+    return x, (row_stats(y)[0] if y.ndim > 1 else y)
 
 
 def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
@@ -137,8 +128,8 @@ def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
     drawn = False
     if opts["type"] == "hist":
         name = unit.stats.get("mean") or unit.raw
-        values = np.asarray(state.values(name)[state.steps(name) >= first], np.float64)
-        values = values[np.isfinite(values)].reshape(-1)
+        values = series(state, name, first)[1].reshape(-1)
+        values = values[np.isfinite(values)]
         if values.size:
             fig.draw(fig.hist(values.tolist(), bins=min(40, opts["width"] // 2)))
             drawn = True
@@ -178,21 +169,31 @@ def to_terminal(
     their elements. NaN and infinities are gaps. ``JAXHISTORY_TPLOT_TYPE=hist``
     draws histograms of the values instead. Plain text, no colour codes.
     """
+    return {path: text for _, path, text in write_all(state, outdir, warmup, progress)}
+
+
+def write_all(state, outdir, warmup=0, progress=None):
+    """to_terminal's work: ``[(unit, path, text)]`` for every plot written."""
     opts = settings()
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     first = state._first_kept_step(warmup)
     units = plot_units(state)
     stems = file_stems(u.title for u in units)
-    out = {}
+    out = []
     for unit in units:
         path = outdir / f"{stems[unit.title]}.txt"
         text = render(state, unit, first, opts)
         path.write_text(text, encoding="utf-8")
-        out[path] = text
+        out.append((unit, path, text))
         if progress:
             progress(path)
     return out
+
+
+def summary_choice(units: list[PlotUnit]) -> list[PlotUnit]:
+    """Every plot with cross-device statistics, or else the first four."""
+    return [u for u in units if u.stats] or units[:SUMMARY_FALLBACK]
 
 
 def summary_plots(state: HistoryState, warmup: float = 0) -> dict[str, str]:
@@ -200,6 +201,7 @@ def summary_plots(state: HistoryState, warmup: float = 0) -> dict[str, str]:
     when there are none, the first four metrics."""
     opts = settings()
     first = state._first_kept_step(warmup)
-    units = plot_units(state)
-    chosen = [u for u in units if u.stats] or units[:SUMMARY_FALLBACK]
-    return {u.title: render(state, u, first, opts) for u in chosen}
+    return {
+        u.title: render(state, u, first, opts)
+        for u in summary_choice(plot_units(state))
+    }

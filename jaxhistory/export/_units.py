@@ -13,7 +13,7 @@ from jaxhistory.export._jsonl import aggregated_names
 if TYPE_CHECKING:
     from jaxhistory._history import HistoryState
 
-__all__ = ["MAX_POINTS", "PlotUnit", "bucket", "plot_units"]
+__all__ = ["MAX_POINTS", "PlotUnit", "bucket", "plot_units", "row_stats", "series"]
 
 MAX_POINTS = 5000  # longer series are reduced (for drawing only) to about this
 
@@ -84,3 +84,24 @@ def bucket(x: np.ndarray, y: np.ndarray, how: str, n: int = MAX_POINTS):
         out = {"mean": np.nanmean, "min": np.nanmin, "max": np.nanmax}[how](yb, axis=1)
     out[empty] = np.nan
     return xs, out
+
+
+def series(state: HistoryState, name: str, first: int):
+    """(steps, float64 values) of ``name`` from step ``first`` on (steps sorted)."""
+    steps, values = state._records(name)
+    cut = int(np.searchsorted(steps, first))
+    return steps[cut:], np.asarray(values[cut:], np.float64)
+
+
+def row_stats(values: np.ndarray):
+    """Mean, min and max of each record's finite elements (NaN where none is)."""
+    flat = values.reshape(len(values), -1)
+    finite = np.isfinite(flat)
+    count = finite.sum(axis=1)
+    none = count == 0
+    mean = np.where(finite, flat, 0.0).sum(axis=1) / np.maximum(count, 1)
+    lo = np.where(finite, flat, np.inf).min(axis=1, initial=np.inf)
+    hi = np.where(finite, flat, -np.inf).max(axis=1, initial=-np.inf)
+    for out in (mean, lo, hi):
+        out[none] = np.nan
+    return mean, lo, hi
