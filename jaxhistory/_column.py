@@ -9,8 +9,8 @@ A history state sees the first ``n`` rows of each table. Appending to the newest
 state's table works in place; appending to an older state, whose table has since
 grown past it, first copies its ``n`` rows into a new table, so every state keeps
 exactly the rows it had. Device values are staged as they are (their copy to the
-host already started) and fetched together, in one ``jax.device_get``, when the
-stage is moved into the arrays.
+host already started, except on CPU devices, whose buffers are host memory) and
+read when the stage is moved into the arrays.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ class Table:
     """Rows of one key set: a shared step array and one value array per key."""
 
     __slots__ = (
+        "async_copy",
         "device_rows",
+        "dsig",
         "dtypes",
         "fill",
         "keys",
@@ -86,6 +88,10 @@ class Table:
         self.length = 0
         self.last_step: int | None = None
         self.ptypes: tuple | None = None  # Python types of the last fast-path row
+        # (type, dtype, shape, sharding) of each value of the last all-device row
+        # that passed the checks: later rows that match it skip them.
+        self.dsig: tuple | None = None
+        self.async_copy = True  # start copies to the host (not on CPU devices)
         self.scalar_dtype = _scalar_dtype(self.dtypes, shapes)
 
     @classmethod
@@ -101,7 +107,8 @@ class Table:
         table.fill = table.length = len(steps)
         table.rows, table.row_steps, table.device_rows = [], [], []
         table.last_step = int(steps[-1]) if len(steps) else None
-        table.ptypes = None
+        table.ptypes = table.dsig = None
+        table.async_copy = True
         table.scalar_dtype = _scalar_dtype(table.dtypes, table.shapes)
         return table
 
@@ -137,10 +144,13 @@ class Table:
             rows = list(rows)
             # Their copies to the host were started when they were recorded, so
             # reading them is cheap; jax.device_get would start each copy again.
-            fetched = [jax.tree.map(np.asarray, rows[i]) for i in self.device_rows]
-            for i, host in zip(self.device_rows, fetched, strict=True):
-                # A packed row (one array for the whole row) is flattened in C order.
-                rows[i] = np.ravel(host) if isinstance(host, np.ndarray) else host
+            asarray = np.asarray
+            for i in self.device_rows:
+                row = rows[i]
+                if type(row) is tuple:
+                    rows[i] = tuple([asarray(v) for v in row])
+                else:  # a packed row (one array for the whole row), in C order
+                    rows[i] = np.ravel(asarray(row))
         k = len(rows)
         self._reserve(self.fill + k)
         a, b = self.fill, self.fill + k

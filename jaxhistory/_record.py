@@ -24,8 +24,10 @@ __all__ = [
     "InFlight",
     "as_step",
     "check_ints",
+    "device_signature",
     "flatten",
     "host_value",
+    "needs_host_copy",
     "warmup_count",
 ]
 
@@ -208,6 +210,24 @@ def as_step(name: str, value: Any) -> int:
     return value
 
 
+def device_signature(row: tuple) -> tuple | None:
+    """(type, dtype, shape, sharding) of each value, or None unless every value is a
+    JAX array. Rows with the signature of a checked row need no checks again."""
+    try:
+        return tuple([(type(v), v.dtype, v.shape, v.sharding) for v in row])
+    except Exception:  # host values have no sharding; tracers may raise anything
+        return None
+
+
+def needs_host_copy(arrays) -> bool:
+    """Whether starting copies to the host helps: not for arrays on CPU devices."""
+    for a in arrays:
+        devices = getattr(a.sharding, "device_set", ())
+        if any(d.platform != "cpu" for d in devices):
+            return True
+    return False
+
+
 class InFlight:
     """Bounds how many updates with device values may be unresolved at once."""
 
@@ -217,12 +237,16 @@ class InFlight:
         self.limit = limit
         self.updates: list[list[jax.Array]] = []
 
-    def add(self, arrays: list[jax.Array]) -> None:
-        for a in arrays:
-            try:  # noqa: SIM105 (no context manager per metric per step)
-                a.copy_to_host_async()
-            except (AttributeError, RuntimeError):
-                pass
+    def add(self, arrays: list[jax.Array], copy: bool = True) -> None:
+        """Queues one update's device arrays, starting their copies to the host
+        when ``copy`` (pointless for CPU devices, whose buffers are host memory:
+        there it only costs host time)."""
+        if copy:
+            for a in arrays:
+                try:  # noqa: SIM105 (no context manager per metric per step)
+                    a.copy_to_host_async()
+                except (AttributeError, RuntimeError):
+                    pass
         self.updates.append(arrays)
         if len(self.updates) > self.limit:
             # Wait for the oldest half; their copies to the host started long ago.

@@ -169,7 +169,7 @@ def test_unknown_metric_is_named():
         jh.HistoryState().update({"loss": 1.0}).values("lss")
 
 
-def test_device_values_do_not_block_and_their_copies_start_at_once():
+def test_device_values_do_not_block_and_reading_starts_no_new_copies():
     f = jax.jit(lambda x: {"loss": x * 2, "acc": x / 2})
     outs = [f(jnp.float32(i)) for i in range(5)]
     s = jh.HistoryState()
@@ -568,3 +568,85 @@ def test_a_failed_wait_for_device_values_does_not_jam_later_updates():
         inflight.add([Broken()])
     assert len(inflight.updates) <= 2
     inflight.add([jnp.zeros(())])  # works again
+
+
+# ----- device rows: checked once, then a signature match --------------------------
+def _device_rows(n, mesh=None):
+    f = jax.jit(lambda x: {"loss": x * 2, "acc": x / 2, "n": (x * 3).astype(jnp.int32)})
+    outs = []
+    for i in range(n):
+        outs.append(f(jnp.float32(i)))
+        if i % 8 == 7:
+            jax.block_until_ready(outs[-1])
+    return outs
+
+
+def test_device_rows_past_the_staging_flush_keep_every_value_and_dtype():
+    outs = _device_rows(_history.STAGE + 40)
+    s = jh.HistoryState()
+    for out in outs:
+        s = s.update(out)
+    n = len(outs)
+    assert s.values("loss").tolist() == [2.0 * i for i in range(n)]
+    assert s.values("n").tolist() == [3 * i for i in range(n)]
+    assert s.dtype("loss") == np.float32 and s.dtype("n") == np.int32
+    assert s.steps("acc").tolist() == list(range(n))
+
+
+def test_device_rows_that_change_are_checked_again_and_refused_cleanly():
+    outs = _device_rows(3)
+    s = jh.HistoryState()
+    for out in outs:
+        s = s.update(out)
+    bad = dict(outs[0], loss=jnp.zeros(3))  # a changed shape after fast-path rows
+    with pytest.raises(ValueError, match="'loss' changed shape"):
+        s.update(bad)
+    traced = []
+    with pytest.raises(TypeError, match="'loss' is a JAX tracer"):
+        jax.jit(lambda x: traced.append(s.update(dict(outs[0], loss=x))) or x)(1.0)
+    wider = dict(outs[0], loss=jnp.float64(1.5) if jax.config.x64_enabled else 1.5)
+    s2 = s.update(wider)  # another type: the checked path, recorded
+    assert s.values("loss").tolist() == [0.0, 2.0, 4.0]  # unchanged, still usable
+    assert s2.values("loss").tolist() == [0.0, 2.0, 4.0, 1.5]
+    assert s.update(outs[2]).values("loss").tolist() == [0.0, 2.0, 4.0, 4.0]
+
+
+def test_device_rows_at_an_old_step_are_refused_and_branches_stay_apart():
+    outs = _device_rows(4)
+    s = jh.HistoryState()
+    for out in outs[:2]:
+        s = s.update(out)
+    with pytest.raises(ValueError, match="already recorded at step 1"):
+        s.update(outs[2], step=1)
+    a = s.update(outs[2])
+    b = s.update(outs[3])  # an older state again: its own copy of the rows
+    a = a.update(outs[3])
+    assert a.values("loss").tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert b.values("loss").tolist() == [0.0, 2.0, 6.0]
+    assert s.values("loss").tolist() == [0.0, 2.0]
+
+
+def test_host_copies_start_only_for_arrays_off_cpu():
+    from jaxhistory._record import InFlight, needs_host_copy
+
+    cpu = jnp.ones(3)
+    assert not needs_host_copy([cpu])
+
+    class Device:
+        platform = "gpu"
+
+    class Sharding:
+        device_set = frozenset({Device()})
+
+    class Fake:
+        sharding = Sharding()
+        copies = 0
+
+        def copy_to_host_async(self):
+            Fake.copies += 1
+
+    assert needs_host_copy([cpu, Fake()])
+    queue = InFlight(8)
+    queue.add([Fake(), Fake()], copy=True)
+    queue.add([Fake()], copy=False)
+    assert Fake.copies == 2 and len(queue.updates) == 2
