@@ -733,3 +733,62 @@ def test_names_of_whitespace_alone_encode_for_netcdf(tmp_path):
     s = jh.HistoryState().update({n: 1.0 for n in names})
     export.to_netcdf(s, tmp_path / "d.nc")
     assert set(jh.HistoryState.from_netcdf(tmp_path / "d.nc").keys) == set(names)
+
+
+# ----- JSONL text: exact floats, whole columns at a time ---------------------------
+TRICKY = [0.1, -0.0, 5e-324, 1.7976931348623157e308, 1e-7, 2.0**53, 1 / 3, 1e22]
+
+
+def test_jsonl_floats_read_back_bit_for_bit_from_both_writers(tmp_path):
+    s, h = (
+        jh.HistoryState(),
+        jh.History(distributed_history=False, jsonl_path=tmp_path / "stream.jsonl"),
+    )
+    for i, x in enumerate(TRICKY):
+        row = {"x": x, "f32": np.float32(i / 3), "i": i, "big": 2**62 + i}
+        s = s.update(row)
+        h.update(row, summarize=False)
+    h.close()
+    for path in (export.to_jsonl(s, tmp_path / "a.jsonl"), tmp_path / "stream.jsonl"):
+        records = [_strict(line) for line in path.read_text().splitlines()]
+        xs = [r["metrics"]["x"] for r in records]
+        assert [np.float64(x).tobytes() for x in xs] == [
+            np.float64(x).tobytes() for x in TRICKY
+        ]
+        assert [r["metrics"]["big"] for r in records] == [
+            2**62 + i for i in range(len(TRICKY))
+        ]
+        back = jh.HistoryState.from_jsonl(path)
+        assert back.values("f32").tolist() == s.values("f32").astype(float).tolist()
+        assert back.dtype("big") == np.int64
+
+
+def test_jsonl_value_texts():
+    from jaxhistory.export._jsonl import jsonl_value
+
+    assert jsonl_value(0.1) == b"0.1"
+    assert jsonl_value(-math.inf) == b'"-Infinity"'
+    assert jsonl_value(2**70) == str(2**70).encode()
+    assert jsonl_value(np.bool_(True)) == b"true"
+    assert jsonl_value(jnp.bfloat16(1.5)) == b"1.5"
+    arr = np.array([[1.0, math.nan], [math.inf, 2.0]], np.float32)
+    assert json.loads(jsonl_value(arr)) == [[1.0, "NaN"], ["Infinity", 2.0]]
+    assert json.loads(jsonl_value(np.arange(6).reshape(2, 3)[:, ::2])) == [
+        [0, 2],
+        [3, 5],
+    ]
+
+
+def test_jsonl_columns_with_nonfinite_values_in_arrays_and_scalars(tmp_path):
+    s = jh.HistoryState()
+    for v in (1.0, math.nan, -math.inf):
+        s = s.update({"a": v, "w": np.array([v, 2.0])})
+    lines = export.to_jsonl(s, tmp_path / "r.jsonl", {1: 5.0}).read_text()
+    records = [_strict(line) for line in lines.splitlines()]
+    assert [r["metrics"]["a"] for r in records] == [1.0, "NaN", "-Infinity"]
+    assert [r["metrics"]["w"] for r in records] == [
+        [1.0, 2.0],
+        ["NaN", 2.0],
+        ["-Infinity", 2.0],
+    ]
+    assert [r["timestamp"] for r in records] == [None, 5.0, None]

@@ -1,19 +1,20 @@
 """The JSONL log: one strict-JSON line per update, streamed during the run.
 
-Each line is ``{"step": 42, "timestamp": 1732240000.123, "process_index": 0,
-"metrics": {...}, "aggregated": {...}}``: ``metrics`` holds what was recorded as
+Each line is ``{"step":42,"timestamp":1732240000.123,"process_index":0,
+"metrics":{...},"aggregated":{...}}``: ``metrics`` holds what was recorded as
 given, ``aggregated`` the cross-device statistics (``name/mean``, ``name/max``,
 ``name/min``, ``name/std``). NaN and infinities are written as the strings
 ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` (not bare tokens, which strict JSON
 parsers reject); :func:`from_jsonl` turns them back into floats. Array metrics are
-nested lists.
+nested lists. Floats are written exactly: the shortest text that reads back as the
+same float64 (orjson formats whole columns at a time).
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
-import json
+import itertools
 import math
 import os
 import threading
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+import orjson
 
 from jaxhistory._stats import STATS, Stats, stat_names
 
@@ -33,41 +35,77 @@ if TYPE_CHECKING:
 
 __all__ = ["JsonlStream", "from_jsonl", "jsonl_value", "to_jsonl"]
 
-_NONFINITE = {"nan": '"NaN"', "inf": '"Infinity"', "-inf": '"-Infinity"'}
+_NONFINITE = {"nan": b'"NaN"', "inf": b'"Infinity"', "-inf": b'"-Infinity"'}
 _FROM_TEXT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+_NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 
-def _float_text(x: float) -> str:
-    text = repr(x)
-    return _NONFINITE.get(text, text)
+def _nonfinite(x: float) -> bytes:
+    return _NONFINITE[repr(float(x))]
 
 
-def jsonl_value(value: Any) -> str:
-    """The JSON text of one metric value (numbers, NumPy/JAX scalars and arrays)."""
-    if type(value) is float:
-        return _float_text(value)
-    if type(value) is int:
-        return str(value)
+def _plain(value: Any) -> np.ndarray:
+    """``value`` as a NumPy array orjson can write: bool, int or float64."""
     arr = np.asarray(value)
-    if arr.ndim:
-        return "[" + ", ".join(jsonl_value(v) for v in arr) + "]"
-    if arr.dtype.kind == "b":
-        return "true" if arr else "false"
-    if arr.dtype.kind in "iu":
-        return str(int(arr))
-    return _float_text(float(arr))
+    # float32 and narrower, and ml_dtypes floats (bfloat16 and friends)
+    if arr.dtype.kind not in "biu" and arr.dtype != np.float64:
+        arr = arr.astype(np.float64)
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
-def _column_texts(values: np.ndarray) -> list[str]:
-    """JSON texts of a column of records, fast for scalar columns."""
-    if values.ndim == 1 and values.dtype.kind == "f":
-        texts = list(map(repr, values.astype(np.float64).tolist()))
-        if not np.isfinite(values).all():
-            texts = [_NONFINITE.get(t, t) for t in texts]
+def _nested(arr: np.ndarray) -> bytes:
+    """An array with non-finite values, as nested lists with them as strings."""
+    if arr.ndim == 0:
+        return orjson.dumps(arr.item()) if np.isfinite(arr) else _nonfinite(arr)
+    return b"[" + b",".join(_nested(a) for a in arr) + b"]"
+
+
+def jsonl_value(value: Any) -> bytes:
+    """The JSON text of one metric value (numbers, NumPy/JAX scalars and arrays).
+
+    Floats are written exactly (the shortest text that reads back as the same
+    float64); NaN and infinities as the strings ``"NaN"``, ``"Infinity"`` and
+    ``"-Infinity"``; arrays as nested lists.
+
+    Example:
+        >>> import numpy as np
+        >>> from jaxhistory.export._jsonl import jsonl_value
+        >>> jsonl_value(0.1), jsonl_value(np.array([1.5, np.nan])), jsonl_value(3)
+        (b'0.1', b'[1.5,"NaN"]', b'3')
+    """
+    if type(value) is float:
+        return orjson.dumps(value) if math.isfinite(value) else _nonfinite(value)
+    if type(value) is int:
+        return str(value).encode()
+    arr = _plain(value)
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        return _nested(arr)
+    if arr.ndim == 0:
+        return orjson.dumps(arr.item())
+    return orjson.dumps(arr, option=_NUMPY)
+
+
+def _column_texts(values: np.ndarray) -> list[bytes]:
+    """JSON texts of a column of records (one per row): whole columns at a time."""
+    arr = _plain(values)
+    if not len(arr):
+        return []
+    finite = None
+    if arr.dtype.kind == "f":
+        finite = np.isfinite(arr)
+        if finite.all():
+            finite = None
+        elif arr.ndim > 1:
+            return [_nested(a) for a in arr]
+        else:
+            arr = np.where(finite, arr, 0.0)
+    if arr.ndim == 1:
+        texts = orjson.dumps(arr, option=_NUMPY)[1:-1].split(b",")
+        if finite is not None:
+            for i in np.flatnonzero(~finite).tolist():
+                texts[i] = _nonfinite(values[i])
         return texts
-    if values.ndim == 1 and values.dtype.kind in "iu":
-        return list(map(str, values.tolist()))
-    return [jsonl_value(v) for v in values]
+    return [orjson.dumps(a, option=_NUMPY) for a in arr]
 
 
 def aggregated_names(names) -> set[str]:
@@ -81,22 +119,32 @@ def aggregated_names(names) -> set[str]:
     return out
 
 
-def _key(name: str) -> str:
+def _key(name: str) -> bytes:
     """A JSON key, ready for %-formatting templates."""
-    return json.dumps(name).replace("%", "%%")
+    return orjson.dumps(name).replace(b"%", b"%%")
 
 
-def _stamp(timestamp) -> str:
-    return "null" if timestamp is None else repr(float(timestamp))
+def _stamp(timestamp) -> bytes:
+    return b"null" if timestamp is None else orjson.dumps(float(timestamp))
 
 
-def _line(step, timestamp, process_index, metrics: str, aggregated: str) -> str:
-    ts = _stamp(timestamp)
-    step = step if isinstance(step, str) else int(step)
-    return (
-        f'{{"step": {step}, "timestamp": {ts}, "process_index": '
-        f'{process_index}, "metrics": {{{metrics}}}, "aggregated": {{{aggregated}}}}}\n'
-    )
+def _stamps(steps: list[int], timestamps: dict[int, float]) -> list[bytes]:
+    """The timestamp text of each step (``null`` where unknown), in one call."""
+    if not timestamps:
+        return [b"null"] * len(steps)
+    get = timestamps.get
+    times = np.array([get(step, math.nan) for step in steps], np.float64)
+    known = np.isfinite(times)
+    texts = orjson.dumps(np.where(known, times, 0.0), option=_NUMPY)[1:-1].split(b",")
+    for i in np.flatnonzero(~known).tolist():
+        texts[i] = b"null"
+    return texts
+
+
+_CHUNK = 4096  # lines formatted by one %-operation
+_LINE = (
+    b'{"step":%d,"timestamp":%s,"process_index":%d,"metrics":{%s},"aggregated":{%s}}\n'
+)
 
 
 def to_jsonl(
@@ -116,7 +164,8 @@ def to_jsonl(
     timestamps = timestamps or {}
     grouped = aggregated_names(state.keys)
     # One block per table: metrics recorded together share their steps, so each
-    # row's text comes from one template (much faster than value by value).
+    # row's text comes from one template, and each column is turned into text in
+    # one call (much faster than value by value).
     blocks = []
     for keys, (table, n) in state.data.tables.items():
         if not n:
@@ -124,21 +173,28 @@ def to_jsonl(
         steps, columns = table.view(n)
         order = [j for j, k in enumerate(keys) if k not in grouped]
         order += [j for j, k in enumerate(keys) if k in grouped]
-        m = ", ".join(f"{_key(keys[j])}: %s" for j in order if keys[j] not in grouped)
-        a = ", ".join(f"{_key(keys[j])}: %s" for j in order if keys[j] in grouped)
+        m = b",".join(_key(keys[j]) + b":%s" for j in order if keys[j] not in grouped)
+        a = b",".join(_key(keys[j]) + b":%s" for j in order if keys[j] in grouped)
         texts = [_column_texts(columns[j]) for j in order]
         cut = sum(1 for j in order if keys[j] not in grouped)
-        blocks.append((steps.tolist(), m, a, cut, list(zip(*texts, strict=True))))
+        blocks.append((steps.tolist(), m, a, cut, texts))
     if len(blocks) == 1:
-        steps, m, a, _, rows = blocks[0]
-        template = _line("%d", None, process_index, m, a).replace("null", "%s", 1)
-        lines = [
-            template % (step, _stamp(timestamps.get(step)), *row)
-            for step, row in zip(steps, rows, strict=True)
-        ]
+        steps, m, a, _, texts = blocks[0]
+        width = 2 + len(texts)  # step, timestamp, then the values
+        template = _LINE.replace(b"%d", b"%%d", 1).replace(b"%s", b"%%s", 1)
+        template = template % (process_index, m, a)
+        stamps = _stamps(steps, timestamps)
+        # One %-format per chunk of lines: no Python loop per line.
+        fields = zip(steps, stamps, *texts, strict=True)
+        flat = itertools.chain.from_iterable(fields)
+        lines = []
+        for start in range(0, len(steps), _CHUNK):
+            k = min(_CHUNK, len(steps) - start)
+            lines.append((template * k) % tuple(itertools.islice(flat, k * width)))
     else:
-        per_step: dict[int, list[list[str]]] = {}
-        for steps, m, a, cut, rows in blocks:
+        per_step: dict[int, list[list[bytes]]] = {}
+        for steps, m, a, cut, texts in blocks:
+            rows = zip(*texts, strict=True) if texts else [()] * len(steps)
             for step, row in zip(steps, rows, strict=True):
                 entry = per_step.get(step)
                 if entry is None:
@@ -148,8 +204,13 @@ def to_jsonl(
                 if a:
                     entry[1].append(a % row[cut:])
         lines = [
-            _line(
-                step, timestamps.get(step), process_index, ", ".join(mm), ", ".join(aa)
+            _LINE
+            % (
+                step,
+                _stamp(timestamps.get(step)),
+                process_index,
+                b",".join(mm),
+                b",".join(aa),
             )
             for step, (mm, aa) in sorted(per_step.items())
         ]
@@ -157,11 +218,11 @@ def to_jsonl(
     if overwrite:
         from jaxhistory.export._netcdf import atomic_write
 
-        atomic_write(path, lambda tmp: tmp.write_text("".join(lines)))
+        atomic_write(path, lambda tmp: tmp.write_bytes(b"".join(lines)))
     else:
-        with open(path, "a", encoding="utf-8") as f:
+        with open(path, "ab") as f:
             _end_partial_line(f, path)
-            f.write("".join(lines))
+            f.write(b"".join(lines))
     return path
 
 
@@ -172,7 +233,7 @@ def _end_partial_line(f, path: Path) -> None:
     with open(path, "rb") as r:
         r.seek(-1, os.SEEK_END)
         if r.read(1) != b"\n":
-            f.write("\n")
+            f.write(b"\n")
 
 
 def _decode(value: Any) -> Any:
@@ -209,7 +270,7 @@ def from_jsonl(path: str | os.PathLike) -> HistoryState:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = orjson.loads(line)
                 step = record["step"]
                 items = {**record.get("metrics", {}), **record.get("aggregated", {})}
                 if type(step) is not int:
@@ -265,7 +326,7 @@ class JsonlStream:
     def __init__(self, path: str | os.PathLike, overwrite: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w" if overwrite else "a", encoding="utf-8")  # noqa: SIM115
+        self._file = open(self.path, "wb" if overwrite else "ab")  # noqa: SIM115
         if not overwrite:
             _end_partial_line(self._file, self.path)
         self._pending: collections.deque[tuple] = collections.deque()
@@ -274,7 +335,7 @@ class JsonlStream:
         self._closed = False
         self._broken = False
         self._warned = False
-        self._keys: dict[str, str] = {}  # metric name -> its JSON text
+        self._keys: dict[str, bytes] = {}  # metric name -> its JSON text
         self.error: BaseException | None = None  # the last failed write
         self.process_index = jax.process_index()
         self._thread = threading.Thread(
@@ -313,9 +374,9 @@ class JsonlStream:
                 return
             try:
                 if self._broken:  # the last write may have stopped mid-line
-                    self._file.write("\n")
+                    self._file.write(b"\n")
                     self._broken = False
-                self._file.write("".join(lines))
+                self._file.write(b"".join(lines))
                 self._file.flush()
             except Exception as err:  # a full disk must not stop the training
                 self._broken = True
@@ -329,7 +390,7 @@ class JsonlStream:
                 f"JSONL log {self.path}: {text}", RuntimeWarning, stacklevel=3
             )
 
-    def _format(self, step, timestamp, metrics, aggregated) -> str:
+    def _format(self, step, timestamp, metrics, aggregated) -> bytes:
         items = metrics.items() if isinstance(metrics, dict) else metrics
         plain, stats = [], []
         for k, v in items:
@@ -347,10 +408,10 @@ class JsonlStream:
         keys = self._keys
         for k, _ in (*plain, *stats):
             if k not in keys:
-                keys[k] = json.dumps(k)  # each name is encoded once per log
-        m = ", ".join(f"{keys[k]}: {jsonl_value(v)}" for k, v in plain)
-        a = ", ".join(f"{keys[k]}: {jsonl_value(v)}" for k, v in stats)
-        return _line(step, timestamp, self.process_index, m, a)
+                keys[k] = orjson.dumps(k) + b":"  # each name encoded once per log
+        m = b",".join([keys[k] + jsonl_value(v) for k, v in plain])
+        a = b",".join([keys[k] + jsonl_value(v) for k, v in stats])
+        return _LINE % (step, _stamp(timestamp), self.process_index, m, a)
 
     def close(self) -> None:
         """Writes what is queued, stops the thread and closes the file."""
