@@ -121,3 +121,43 @@ def mismatched_names() -> str:
     except ValueError as err:
         return str(err)
     return "no error"
+
+
+def finalize_run(outdir: str, steps: int) -> dict:
+    """A distributed History with a shared and a per-process JSONL log, finalized.
+
+    Every process records and finalizes; only process 0 may write the shared files.
+    """
+    import os
+
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxhistory as jh
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+    shared = jh.History(
+        distributed_history=True, jsonl_path=os.path.join(outdir, "shared.jsonl")
+    )
+    mine = jh.History(
+        distributed_history=False,
+        jsonl_path=os.path.join(outdir, "rank{process_index}.jsonl"),
+    )
+    for step in range(steps):
+        data = global_data(step, 1, n)["m0"]
+        loss = jax.make_array_from_callback(
+            data.shape, sharding, lambda i, data=data: data[i]
+        )
+        shared.update({"loss": loss, "lr": 0.1}, summarize=False)
+        mine.update({"rank": float(jax.process_index()), "step": step})
+    ds = shared.finalize(os.path.join(outdir, "out"), plot=False)
+    mine.close()
+    return {
+        "process_index": jax.process_index(),
+        "variables": sorted(str(v) for v in ds.data_vars),
+        "loss_mean": [float(x) for x in ds["loss/mean"].values],
+        "process_count_attr": int(ds.attrs["process_count"]),
+    }

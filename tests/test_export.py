@@ -792,3 +792,35 @@ def test_jsonl_columns_with_nonfinite_values_in_arrays_and_scalars(tmp_path):
         ["-Infinity", 2.0],
     ]
     assert [r["timestamp"] for r in records] == [None, 5.0, None]
+
+
+@pytest.mark.slow
+def test_two_processes_finalize_writes_once_and_per_process_logs_split(tmp_path):
+    from mp_workers import global_data
+
+    results = jh.launch_local(
+        "mp_workers:finalize_run", 2, 2, args=(str(tmp_path), 4), timeout=240
+    )
+    assert [r["process_index"] for r in results] == [0, 1]
+    expected = [float(np.mean(global_data(s, 1, 4)["m0"])) for s in range(4)]
+    # Per-device loss and per-process host lr, both reduced across processes.
+    stats = [f"{m}/{s}" for m in ("loss", "lr") for s in jh.STATS]
+    for r in results:  # every process returns the same dataset
+        assert r["variables"] == sorted(stats)
+        np.testing.assert_allclose(r["loss_mean"], expected, rtol=1e-6)
+        assert r["process_count_attr"] == 2
+    out = tmp_path / "out"
+    # Only process 0 wrote the outputs: one dataset, one report, no stray files.
+    assert sorted(p.name for p in out.iterdir()) == ["dataset.nc", "report.md"]
+    shared = [_strict(x) for x in (tmp_path / "shared.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in shared] == [0, 1, 2, 3]
+    assert {r["process_index"] for r in shared} == {0}
+    assert set(shared[0]["aggregated"]) == set(stats)
+    assert shared[0]["aggregated"]["lr/std"] == 0.0
+    for rank in (0, 1):  # {process_index} in the path: one log per process
+        lines = (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()
+        records = [_strict(x) for x in lines]
+        assert [r["process_index"] for r in records] == [rank] * 4
+        assert [r["metrics"]["rank"] for r in records] == [float(rank)] * 4
+    back = jh.HistoryState.from_netcdf(out / "dataset.nc")
+    np.testing.assert_allclose(back.values("loss/mean"), expected, rtol=1e-6)
