@@ -145,12 +145,28 @@ class Table:
             # Their copies to the host were started when they were recorded, so
             # reading them is cheap; jax.device_get would start each copy again.
             asarray = np.asarray
+            lost: dict[int, list[str]] = {}
             for i in self.device_rows:
                 row = rows[i]
-                if type(row) is tuple:
-                    rows[i] = tuple([asarray(v) for v in row])
-                else:  # a packed row (one array for the whole row), in C order
-                    rows[i] = np.ravel(asarray(row))
+                try:
+                    if type(row) is tuple:
+                        rows[i] = tuple([asarray(v) for v in row])
+                    else:  # a packed row (one array for the whole row), in C order
+                        rows[i] = np.ravel(asarray(row))
+                except Exception:
+                    rows[i], lost[self.row_steps[i]] = self._unreadable(row)
+            if lost:
+                steps = ", ".join(map(str, list(lost)[:10]))
+                more = f" and {len(lost) - 10} more" if len(lost) > 10 else ""
+                names = sorted({n for ns in lost.values() for n in ns})
+                warnings.warn(
+                    f"device values recorded at step {steps}{more} could not be "
+                    f"read and are stored as NaN (0 for integers): {'; '.join(names)}"
+                    ". Keep recorded arrays alive (do not donate or delete them) "
+                    "until the history reads them",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         k = len(rows)
         self._reserve(self.fill + k)
         a, b = self.fill, self.fill + k
@@ -177,6 +193,22 @@ class Table:
                     dst[a:b] = [_coerce(name, v, dst.dtype) for v in column]
         self.fill = b
         self.rows, self.row_steps, self.device_rows = [], [], []
+
+    def _unreadable(self, row) -> tuple[tuple, list[str]]:
+        """A staged row whose device values cannot be read any more (deleted or
+        donated after it was recorded): those values become NaN (0 for integer
+        metrics); returns the row and what was lost."""
+        values = row if type(row) is tuple else (row,) * len(self.keys)
+        out, lost = [], []
+        for j, (name, value) in enumerate(zip(self.keys, values, strict=True)):
+            try:
+                v = np.asarray(value)
+                out.append(v if type(row) is tuple else v.reshape(-1)[j])
+            except Exception as err:
+                dtype, shape = self.dtypes[j], self.shapes[j]
+                out.append(np.full(shape, np.nan if dtype.kind == "f" else 0, dtype))
+                lost.append(f"{name!r} ({err})")
+        return tuple(out), lost
 
     def _reserve(self, need: int) -> None:
         cap = len(self.steps)

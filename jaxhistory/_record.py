@@ -252,6 +252,13 @@ class InFlight:
             # Wait for the oldest half; their copies to the host started long ago.
             # They leave the queue first, so a failed wait cannot jam it.
             cut = len(self.updates) - self.limit // 2
-            oldest = [a for u in self.updates[:cut] for a in u]
+            oldest = [a for u in self.updates[:cut] for a in u if not _deleted(a)]
             del self.updates[:cut]
+            # A deleted (donated) array has nothing to wait for; it is reported
+            # when its row is read.
             jax.block_until_ready(oldest)
+
+
+def _deleted(a) -> bool:
+    is_deleted = getattr(a, "is_deleted", None)
+    return is_deleted is not None and is_deleted()

@@ -650,3 +650,34 @@ def test_host_copies_start_only_for_arrays_off_cpu():
     queue.add([Fake(), Fake()], copy=True)
     queue.add([Fake()], copy=False)
     assert Fake.copies == 2 and len(queue.updates) == 2
+
+
+def test_a_recorded_array_deleted_later_loses_only_its_own_values():
+    outs = _device_rows(4)
+    s = jh.HistoryState()
+    for out in outs[:3]:
+        s = s.update(out)
+    s = s.update({"loss": outs[3]["loss"], "acc": 7.0, "n": outs[3]["n"]}, step=3)
+    outs[1]["loss"].delete()  # e.g. donated to a later step
+    outs[1]["n"].delete()
+    outs[3]["loss"].delete()
+    for i in range(_history.MAX_INFLIGHT + 2):  # waits skip the deleted arrays
+        s = s.update(_device_rows(1)[0], step=10 + i)
+    with pytest.warns(RuntimeWarning, match=r"could not be read.*'loss'") as seen:
+        loss = s.values("loss")
+    text = " ".join(str(w.message) for w in seen)
+    assert "step 1" in text and "3" in text and "'n'" in text
+    assert np.isnan(loss[1]) and np.isnan(loss[3])
+    assert loss[[0, 2]].tolist() == [0.0, 4.0]
+    assert s.values("n")[:3].tolist() == [0, 0, 6]  # integers: 0
+    assert s.values("acc")[:4].tolist() == [0.0, 0.5, 1.0, 7.0]
+    assert len(s.values("loss")) == 4 + _history.MAX_INFLIGHT + 2  # still usable
+
+
+def test_a_deleted_packed_row_becomes_nan():
+    table = jnp.arange(4.0)
+    s = jh.HistoryState().update_packed(("a", "b", "c", "d"), table)
+    s = s.update_packed(("a", "b", "c", "d"), jnp.arange(4.0) + 10)
+    table.delete()
+    with pytest.warns(RuntimeWarning, match="step 0 could not be read"):
+        assert np.isnan(s.values("c")[0]) and s.values("c")[1] == 12.0
