@@ -409,6 +409,22 @@ def test_png_names_and_array_plots(tmp_path):
         export.to_png(s, out, num_chains=0)
 
 
+def test_a_metric_named_like_an_array_plot_keeps_its_own_file(tmp_path):
+    s = jh.HistoryState()
+    for i in range(3):
+        s = s.update({"w": np.arange(4.0) + i, "w.ridge": float(i), "W.heatmap": 1.0})
+    paths = export.to_png(s, tmp_path)
+    names = sorted(p.name for p in paths)
+    assert len(set(names)) == len(paths) == 5  # nothing written twice
+    assert names == [
+        "W.heatmap.png",
+        "w.heatmap-1.png",
+        "w.png",
+        "w.ridge-1.png",
+        "w.ridge.png",
+    ]
+
+
 def test_bucket_keeps_spikes_and_gaps():
     from jaxhistory.export._units import bucket
 
@@ -609,6 +625,12 @@ def test_progress_bar_on_a_terminal():
     for _ in range(4):
         bar()
     assert "4/4" in tty.text and tty.text.endswith("\n")
+    bar.finish()  # already complete: nothing more
+    assert tty.text.count("4/4") == 1
+    short = _finalize.Progress(6, "plots", stream=tty)
+    short()
+    short.finish()  # plots skipped (warmup) still complete the bar
+    assert tty.text.endswith("6/6\n")
     quiet = _finalize.Progress(4, "plots", stream=io.StringIO())  # not a terminal
     quiet()
     assert not quiet.enabled
@@ -824,3 +846,36 @@ def test_two_processes_finalize_writes_once_and_per_process_logs_split(tmp_path)
         assert [r["metrics"]["rank"] for r in records] == [float(rank)] * 4
     back = jh.HistoryState.from_netcdf(out / "dataset.nc")
     np.testing.assert_allclose(back.values("loss/mean"), expected, rtol=1e-6)
+
+
+def test_markdown_escapes_names_that_would_render_as_something_else():
+    from jaxhistory.export._markdown import md_escape
+
+    assert md_escape("a&lt;b") == r"a\&lt;b"
+    assert md_escape("x|y*z\n[l](u)") == r"x\|y\*z \[l\](u)"
+
+
+def test_jsonl_stream_add_racing_close_never_drops_an_accepted_record(tmp_path):
+    import threading
+
+    from jaxhistory.export._jsonl import JsonlStream
+
+    for attempt in range(5):
+        stream = JsonlStream(tmp_path / f"r{attempt}.jsonl", overwrite=True)
+        accepted = []
+
+        def writer(stream=stream, accepted=accepted):
+            for i in range(10_000):
+                try:
+                    stream.add(i, [("a", float(i))])
+                except ValueError:  # closed: refused, not lost
+                    return
+                accepted.append(i)
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        time.sleep(0.01)
+        stream.close()
+        thread.join()
+        lines = stream.path.read_text().splitlines()
+        assert [_strict(x)["step"] for x in lines] == accepted

@@ -40,6 +40,12 @@ class Progress:
             self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total}{end}")
             self.stream.flush()
 
+    def finish(self) -> None:
+        """Completes the bar (array plots skipped because of warmup count as done)."""
+        if self.done < self.total:
+            self.done = self.total - 1
+            self()
+
 
 def finalize(
     state: HistoryState,
@@ -116,6 +122,7 @@ def finalize(
             state, outdir / "plots" / "mplot", warmup, num_chains, progress=progress
         )
         written = write_all(state, outdir / "plots" / "tplot", warmup, progress)
+        progress.finish()
         files += images + [path for _, path, _ in written]
         chosen = {u.title for u in summary_choice(units)}
         terminal = {u.title: text for u, _, text in written if u.title in chosen}

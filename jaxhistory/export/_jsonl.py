@@ -331,6 +331,7 @@ class JsonlStream:
             _end_partial_line(self._file, self.path)
         self._pending: collections.deque[tuple] = collections.deque()
         self._write_lock = threading.Lock()
+        self._add_lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
         self._broken = False
@@ -348,9 +349,10 @@ class JsonlStream:
     def add(self, step: int, metrics: Any, aggregated: Any = None) -> None:
         """Queues one record: ``metrics`` as (name, value) pairs, ``aggregated``
         as (names, packed values) or None."""
-        if self._closed:
-            raise ValueError(f"the JSONL log {self.path} is closed")
-        self._pending.append((step, time.time(), metrics, aggregated))
+        with self._add_lock:  # never after close() took the last records
+            if self._closed:
+                raise ValueError(f"the JSONL log {self.path} is closed")
+            self._pending.append((step, time.time(), metrics, aggregated))
 
     def _run(self) -> None:
         while not self._wake.wait(self.INTERVAL):
@@ -415,9 +417,10 @@ class JsonlStream:
 
     def close(self) -> None:
         """Writes what is queued, stops the thread and closes the file."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._add_lock:
+            if self._closed:
+                return
+            self._closed = True
         self._wake.set()
         if self._thread is not threading.current_thread():
             self._thread.join()

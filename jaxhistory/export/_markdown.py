@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["md_escape", "stats_table", "to_markdown"]
 
-_MD_SPECIAL = re.compile(r"([\\`*_\[\]|<>~#])")
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]|<>~#&])")
 TABLE_STATS = ("mean", "std", "median", "min", "max", "last", "nonfinite", "count")
 
 

@@ -200,6 +200,7 @@ def to_png(
     first = state._first_kept_step(warmup)
     units = plot_units(state)
     stems = file_stems(u.title for u in units)
+    taken = {stem.casefold() for stem in stems.values()}
     paths = []
     for unit in units:
         path = outdir / f"{stems[unit.title]}.png"
@@ -213,9 +214,20 @@ def to_png(
                 chains = y.reshape(len(y), -1)
                 chains = chains[:, _pick(chains.shape[1], num_chains)]
                 for kind, draw in (("ridge", _draw_ridge), ("heatmap", _draw_heatmap)):
-                    extra = outdir / f"{stems[unit.title]}.{kind}.png"
+                    stem = _extra_stem(stems[unit.title], kind, taken)
+                    extra = outdir / f"{stem}.png"
                     draw(unit.title, x, chains, extra)
                     paths.append(extra)
                     if progress:
                         progress(extra)
     return paths
+
+
+def _extra_stem(stem: str, kind: str, taken: set[str]) -> str:
+    """``{stem}.{kind}``, unless a metric's plot already has that name (a metric
+    called ``w.ridge`` beside an array metric ``w``): then a numbered variant."""
+    candidate, i = f"{stem}.{kind}", 1
+    while candidate.casefold() in taken:
+        candidate, i = f"{stem}.{kind}-{i}", i + 1
+    taken.add(candidate.casefold())
+    return candidate
