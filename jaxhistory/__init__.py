@@ -9,6 +9,11 @@ Reducers compute statistics across devices inside jitted train steps:
   :func:`reduce_mean_collective` and friends, :func:`all_gather`,
   :func:`distributed_stats_collective`; on the host, :func:`collect_from_devices`.
 
+Recording: :class:`HistoryState`, :class:`History`, :class:`MetricBuffer`; outputs
+in :mod:`jaxhistory.export`. End-of-stage reports: :func:`log_metrics`,
+:func:`metrics_format`, :func:`save_metrics`, :func:`save_state`,
+:class:`MemoryTracker`, :func:`device_memory`, :func:`compiled_memory`.
+
 ``import jaxhistory`` imports jax and numpy only.
 """
 
@@ -27,6 +32,14 @@ from jaxhistory._collective import (
 from jaxhistory._facade import History, distributed_default
 from jaxhistory._history import HistoryState, warmup_count
 from jaxhistory._hlo import collective_counts
+from jaxhistory._logging import log_metrics, metrics_format, save_metrics, save_state
+from jaxhistory._memory import (
+    MemorySample,
+    MemoryTracker,
+    compiled_memory,
+    device_memory,
+    live_array_bytes,
+)
 from jaxhistory._reduce import (
     reduce_custom,
     reduce_max,
@@ -51,17 +64,24 @@ __all__ = [
     "History",
     "HistoryState",
     "LaunchError",
+    "MemorySample",
+    "MemoryTracker",
     "MetricBuffer",
     "Stats",
     "__version__",
     "all_gather",
     "collect_from_devices",
     "collective_counts",
+    "compiled_memory",
+    "device_memory",
     "distributed_default",
     "distributed_stats",
     "distributed_stats_collective",
     "export",
     "launch_local",
+    "live_array_bytes",
+    "log_metrics",
+    "metrics_format",
     "per_shard",
     "reduce_custom",
     "reduce_custom_collective",
@@ -75,5 +95,7 @@ __all__ = [
     "reduce_std_collective",
     "reduce_sum",
     "reduce_sum_collective",
+    "save_metrics",
+    "save_state",
     "warmup_count",
 ]

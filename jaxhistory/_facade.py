@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxhistory import _memory
 from jaxhistory._history import HistoryState, _append_floats
 from jaxhistory._record import NESTED, STEP_KEYS, as_step, flatten
 from jaxhistory._stats import Stats, distributed_stats, stat_names
@@ -108,6 +109,13 @@ class History:
             the others record without waiting and return ``""``.
         run_name: the first part of ``run_id`` (``{run_name}-{YYYYmmdd-HHMMSS}``),
             which names the JSONL log and is recorded in the outputs.
+        memory: record memory with the metrics: True on every update, an int N
+            every N updates. Adds ``mem/host_rss`` (bytes, psutil),
+            ``mem/device_in_use`` and, where the backend reports it,
+            ``mem/device_peak`` (bytes over this process's devices, see
+            :func:`~jaxhistory.device_memory`) at the update's step, and a
+            ``memory=X.XX/Y.YYGiB`` token (current/peak) to the summary line:
+            device memory where the backend reports a peak, else host RSS.
 
     Example:
         >>> import jaxhistory as jh
@@ -128,6 +136,7 @@ class History:
         jsonl_overwrite: bool = False,
         log_every: int = 1,
         run_name: str | None = None,
+        memory: bool | int = False,
     ):
         if keys is not None and (
             isinstance(keys, str) or not all(isinstance(k, str) for k in keys)
@@ -139,6 +148,16 @@ class History:
             or log_every < 1
         ):
             raise ValueError(f"log_every must be a positive int, got {log_every!r}")
+        if memory is True or memory is False:
+            memory = int(memory)
+        elif isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
+            raise ValueError(
+                f"memory must be True/False or a positive int (every N updates), "
+                f"got {memory!r}"
+            )
+        self.memory_every = memory  # 0: off
+        self._mem_last_step: int | None = None
+        self._rss_peak = 0
         self.keys = tuple(keys or ())
         self.distributed_history = (
             distributed_default()
@@ -221,6 +240,7 @@ class History:
         self._updates += 1
         self._stamp_steps.append(step_used)
         self._stamp_times.append(time.time())
+        token = self._memory(step_used) if self.memory_every else ""
         if self._stream_path is None and (
             not summarize or (self._updates - 1) % self.log_every
         ):
@@ -232,7 +252,8 @@ class History:
         if not summarize or (self._updates - 1) % self.log_every:
             return ""
         order = [n for n, _ in items]
-        return self._line(order, items, (), None, (label, step_used), precision)
+        line = self._line(order, items, (), None, (label, step_used), precision)
+        return f"{line} {token}" if token else line
 
     def _simple(self, metrics: dict) -> bool:
         """A flat dict whose values need no cross-device or cross-process reduction."""
@@ -268,13 +289,34 @@ class History:
         self._updates += 1
         self._stamp_steps.append(step_used)
         self._stamp_times.append(time.time())
+        token = self._memory(step_used) if self.memory_every else ""
         if self._stream_path is not None:
             self._emit(step_used, plain, (names, packed) if reduce else None)
         if not summarize or (self._updates - 1) % self.log_every:
             return ""
         order = [n for n, _ in items]
         packed = packed if reduce else None
-        return self._line(order, plain, names, packed, (label, step_used), precision)
+        line = self._line(order, plain, names, packed, (label, step_used), precision)
+        return f"{line} {token}" if token else line
+
+    def _memory(self, step: int) -> str:
+        """Records ``mem/*`` at ``step`` every ``memory_every`` updates; returns the
+        summary token (``""`` when not due)."""
+        if (self._updates - 1) % self.memory_every:
+            return ""
+        if self._mem_last_step is not None and step <= self._mem_last_step:
+            return ""  # an update at an earlier step (another metric's cadence)
+        rss = _memory.host_rss()
+        self._rss_peak = max(self._rss_peak, rss)
+        sample = _memory.device_memory()
+        mem = {"mem/host_rss": rss, "mem/device_in_use": sample.in_use}
+        if sample.peak is not None:
+            mem["mem/device_peak"] = sample.peak
+        self.state = self.state.update(mem, step=step)
+        self._mem_last_step = step
+        if self._stream_path is not None:
+            self._emit(step, list(mem.items()))
+        return memory_token(sample, rss, self._rss_peak)
 
     # ----- outputs -----------------------------------------------------------------
     def _jsonl_target(self) -> Path | None:
@@ -468,6 +510,16 @@ class History:
         return " ".join(
             f"{k}={parts[k]}" for k in [*first, *(k for k in parts if k not in first)]
         )
+
+
+def memory_token(sample: _memory.MemorySample, rss: int, rss_peak: int = 0) -> str:
+    """``memory=X.XX/Y.YYGiB``: device memory in use and its peak where the backend
+    reports a peak, else host RSS and its peak over the updates so far."""
+    if sample.peak is not None:
+        now, peak = sample.in_use, sample.peak
+    else:
+        now, peak = rss, max(rss, rss_peak)
+    return f"memory={now / 2**30:.2f}/{peak / 2**30:.2f}GiB"
 
 
 def _per_process_array(name: str, value: Any, mesh: jax.sharding.Mesh) -> jax.Array:

@@ -80,6 +80,9 @@ def test_public_functions_have_runnable_examples():
         "_facade",
         "export._names",
         "export._netcdf",
+        "export._jsonl",
+        "_logging",
+        "_memory",
     ],
 )
 def test_docstring_examples_run(module):
