@@ -119,14 +119,19 @@ def main(argv: list[str] | None = None) -> None:
     xs, ys = make_dataset(args.seed)
     batch_rng = np.random.default_rng(args.seed + 1)
 
+    # Host RSS and device memory of each stage (on CPU devices: live array bytes).
+    tracker = jaxhistory.MemoryTracker()
     with jax.set_mesh(mesh):
         # Data parallel: arrays created under the mesh without a sharding of their
         # own are replicated, so every device holds a full copy of the parameters and
         # of the optimizer state; only the batch is split.
+        tracker.start("init")
         model = MLP(IN_FEATURES, HIDDEN, rngs=nnx.Rngs(args.seed))
         optimizer = nnx.Optimizer(
             model, optax.adamw(args.lr, weight_decay=1e-4), wrt=nnx.Param
         )
+        tracker.stop("init")
+        tracker.start("train")
         # Records every step; a JSONL log streams to the output folder meanwhile.
         history = jaxhistory.History(
             keys=["train/loss"],
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
                 # See MAX_STEPS_IN_FLIGHT: never let too many steps queue up.
                 jax.block_until_ready(out)
         elapsed = time.perf_counter() - start
+        tracker.stop("train")
 
     print(
         f"done: {n} devices, {args.steps} steps, batch {args.batch_size}, "
@@ -164,6 +170,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     # Dataset, JSONL log, plots and report; prints the terminal summary plot.
     history.finalize(args.outdir, warmup=0.05)
+    # End-of-training table and train_results.json / all_results.json.
+    results = {
+        "train_runtime": elapsed,
+        "train_steps_per_second": args.steps / elapsed,
+        "train_loss": history.state.last("train/loss/mean"),
+        **tracker.metrics(),
+    }
+    jaxhistory.log_metrics("train", results)
+    jaxhistory.save_metrics("train", results, args.outdir)
     print(f"outputs: {os.path.abspath(args.outdir)} (open report.md)")
 
 

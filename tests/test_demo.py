@@ -1,5 +1,6 @@
 """examples/demo.py runs end to end and prints sensible, decreasing loss statistics."""
 
+import json
 import os
 import re
 import subprocess
@@ -68,3 +69,11 @@ def test_demo_runs_and_loss_decreases(tmp_path):
     state = jh.HistoryState.from_netcdf(out / "dataset.nc")
     assert state.steps("train/loss/mean").tolist() == list(range(1, 31))
     assert state.count("grad_norm") == 30
+    # End-of-training report: the table on stdout and the result files.
+    assert "***** train metrics *****" in proc.stdout
+    assert re.search(r"  train_runtime +=  *\d+:\d\d:\d\d\.\d\d", proc.stdout)
+    assert re.search(r"  train_mem_device_peaked_delta += +n/a", proc.stdout)
+    results = json.loads((out / "all_results.json").read_text())
+    assert results == json.loads((out / "train_results.json").read_text())
+    assert results["init_mem_device_alloc_delta"] > 0  # parameters and Adam state
+    assert results["train_loss"] == float(state.last("train/loss/mean"))
