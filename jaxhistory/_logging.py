@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -155,18 +156,29 @@ def _check_split(split: str) -> None:
         raise ValueError(f"split must be a non-empty str, got {split!r}")
     if split in (".", "..") or any(c in split for c in "/\\\0"):
         raise ValueError(f"split {split!r} must be a plain name (it names a file)")
+    if split == "all":
+        raise ValueError("split 'all' is reserved: all_results.json holds every split")
 
 
 def _read_results(path: Path) -> dict[str, Any]:
     import orjson
 
+    raw = path.read_bytes()
     try:
-        data = orjson.loads(path.read_bytes())
-    except orjson.JSONDecodeError as err:
-        raise ValueError(
-            f"{path} is not valid JSON ({err}); it was left as it is: fix or remove "
-            "it, or pass combined=False"
-        ) from None
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        try:  # bare NaN/Infinity, as json.dump writes them: read, rewrite strict
+            data = json.loads(raw)
+        except ValueError as err:
+            raise ValueError(
+                f"{path} is not valid JSON ({err}); it was left as it is: fix or "
+                "remove it, or pass combined=False"
+            ) from None
+        data = (
+            {k: _json_value(k, v) for k, v in data.items()}
+            if (isinstance(data, dict))
+            else data
+        )
     if not isinstance(data, dict):
         raise ValueError(
             f"{path} holds a JSON {type(data).__name__}, not an object of results; "

@@ -72,10 +72,19 @@ class MemorySample:
     ``"memory_stats"``, ``"live_arrays"`` or ``"mixed"``.
     """
 
-    __slots__ = ("in_use", "peak", "source")
+    __slots__ = ("in_use", "peak", "per_device", "source")
 
-    def __init__(self, in_use: int, peak: int | None, source: str):
+    def __init__(
+        self,
+        in_use: int,
+        peak: int | None,
+        source: str,
+        per_device: tuple[tuple[int | None, int | None], ...] = (),
+    ):
         self.in_use, self.peak, self.source = in_use, peak, source
+        # (bytes_in_use, peak_bytes_in_use) as each device reported them (None
+        # where it did not): what the peaked delta is computed from, per device.
+        self.per_device = per_device
 
     def __repr__(self) -> str:
         return f"MemorySample(in_use={self.in_use}, peak={self.peak}, {self.source})"
@@ -106,7 +115,7 @@ def device_memory(devices: Sequence[Any] | None = None) -> MemorySample:
         ('live_arrays', None)
     """
     devices = list(jax.local_devices() if devices is None else devices)
-    in_use, peak, fallback, sources = 0, 0, [], set()
+    in_use, peak, fallback, sources, per_device = 0, 0, [], set(), []
     for device in devices:
         try:
             stats = device.memory_stats()
@@ -115,19 +124,23 @@ def device_memory(devices: Sequence[Any] | None = None) -> MemorySample:
         used = _stat(stats, "bytes_in_use")
         top = _stat(stats, "peak_bytes_in_use")
         if used is None:
+            # Live-array bytes and an allocator peak measure different things.
+            top = None
             fallback.append(device)
             sources.add("live_arrays")
         else:
             in_use += used
             sources.add("memory_stats")
-        if top is None or peak is None:
-            peak = None
-        else:
-            peak += max(top, used or 0)
+            if top is not None:
+                top = max(top, used)
+        per_device.append((used, top))
+        peak = None if top is None or peak is None else peak + top
     if fallback:
         in_use += live_array_bytes(fallback)
     source = sources.pop() if len(sources) == 1 else "mixed"
-    return MemorySample(in_use, peak, source if devices else "memory_stats")
+    return MemorySample(
+        in_use, peak, source if devices else "memory_stats", tuple(per_device)
+    )
 
 
 class _Stage:
@@ -161,11 +174,12 @@ class MemoryTracker:
     be missed.
 
     Device memory is summed over ``devices`` (default: this process's devices),
-    see :func:`device_memory`. JAX has no call to reset the peak, so the peaked
-    delta comes from the process-wide high-water mark ``peak_bytes_in_use``: if
-    the stage raised it, the stage's peak is that mark (exact); if not, the
-    stage's own peak cannot be seen and the larger of its start and end usage is
-    taken (a lower bound). Where devices report no statistics (CPU), the alloc
+    see :func:`device_memory`. JAX has no call to reset the peak, so each
+    device's peaked delta comes from its high-water mark ``peak_bytes_in_use``:
+    if the stage raised that device's mark, the device peaked at the mark
+    (exact); if not, its peak during the stage cannot be seen and the larger of
+    its start and end usage is taken (a lower bound). The device peaked delta is
+    the sum over devices. Where a device reports no statistics (CPU), the alloc
     delta counts the bytes of live JAX arrays and the peaked delta is None:
     unavailable, never a made-up 0.
 
@@ -214,33 +228,37 @@ class MemoryTracker:
         cpu = self._rss()
         record = _Stage(cpu, device_memory(self.devices))
         with self._lock:
+            if stage in self._active:  # started meanwhile by another thread
+                raise RuntimeError(f"stage {stage!r} is already running")
             self._active[stage] = record
             if self._thread is None:
-                self._wake.clear()
+                # Each sampler has its own stop event: a sampler being stopped
+                # can never be confused with a new one.
+                self._wake = threading.Event()
                 self._thread = threading.Thread(
-                    target=self._sample, name="jaxhistory-memory", daemon=True
+                    target=self._sample,
+                    args=(self._wake,),
+                    name="jaxhistory-memory",
+                    daemon=True,
                 )
                 self._thread.start()
 
     def stop(self, stage: str) -> dict[str, int | None]:
         """Stops measuring ``stage``; returns its four metrics."""
+        self._running_record(stage)  # raises if it is not running
+        # Measured before the stage is let go: if reading fails, it keeps running.
+        cpu = self._rss()
+        dev = device_memory(self.devices)
         with self._lock:
             record = self._active.pop(stage, None)
-            if record is None:
-                known = "it was already stopped" if stage in self._results else None
-                running = ", ".join(map(repr, self._active)) or "none"
-                raise RuntimeError(
-                    f"stage {stage!r} is not running ({known or 'it was never started'}"
-                    f"; running: {running})"
-                )
+            if record is None:  # stopped meanwhile by another thread
+                raise RuntimeError(f"stage {stage!r} is not running")
             thread = self._thread if not self._active else None
             if thread is not None:
                 self._thread = None
                 self._wake.set()
         if thread is not None:
             thread.join()
-        cpu = self._rss()
-        dev = device_memory(self.devices)
         cpu_peak = max(record.cpu_peak, cpu)
         out = {
             f"{stage}_mem_cpu_alloc_delta": cpu - record.cpu_start,
@@ -252,6 +270,18 @@ class MemoryTracker:
             self._results[stage] = out
         return dict(out)
 
+    def _running_record(self, stage: str) -> _Stage:
+        with self._lock:
+            record = self._active.get(stage)
+            if record is None:
+                known = "it was already stopped" if stage in self._results else None
+                running = ", ".join(map(repr, self._active)) or "none"
+                raise RuntimeError(
+                    f"stage {stage!r} is not running ({known or 'it was never started'}"
+                    f"; running: {running})"
+                )
+            return record
+
     @contextlib.contextmanager
     def stage(self, stage: str) -> Iterator[MemoryTracker]:
         """``with tracker.stage("eval"):`` measures the block (also if it raises)."""
@@ -261,8 +291,8 @@ class MemoryTracker:
         finally:
             self.stop(stage)
 
-    def _sample(self) -> None:
-        while not self._wake.wait(self.interval):
+    def _sample(self, wake: threading.Event) -> None:
+        while not wake.wait(self.interval):
             try:
                 rss = self._rss()
             except Exception:
@@ -292,13 +322,19 @@ class MemoryTracker:
 
 
 def _device_peaked(start: MemorySample, end: MemorySample) -> int | None:
+    """The sum over devices of each device's peaked delta (None if any device
+    has no peak): a device whose high-water mark rose during the stage peaked at
+    that mark; one whose mark did not rise peaked at least at the larger of its
+    start and end usage."""
     if start.peak is None or end.peak is None:
         return None
-    # The stage set a new high-water mark, or its own peak is not visible and the
-    # larger of its start and end usage is a lower bound.
-    raised = end.peak > start.peak
-    stage_peak = end.peak if raised else max(start.in_use, end.in_use)
-    return max(0, stage_peak - end.in_use)
+    total = 0
+    for (used0, peak0), (used1, peak1) in zip(
+        start.per_device, end.per_device, strict=True
+    ):
+        stage_peak = peak1 if peak1 > peak0 else max(used0, used1)
+        total += max(0, stage_peak - used1)
+    return total
 
 
 def compiled_memory(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, int]:

@@ -200,3 +200,18 @@ def test_save_state_of_an_empty_history_and_bad_input(tmp_path):
     assert doc == {"attrs": {}, "metrics": {}, "next_step": 0}
     with pytest.raises(TypeError, match="History or HistoryState"):
         jh.save_state({"loss": [1.0]}, tmp_path)
+
+
+def test_an_all_results_file_with_bare_nan_is_read_and_rewritten_strict(tmp_path):
+    (tmp_path / "all_results.json").write_text('{"old": NaN, "kept": 1}')
+    jh.save_metrics("eval", {"eval_loss": 0.5}, tmp_path)
+    assert json.loads((tmp_path / "all_results.json").read_text()) == {
+        "eval_loss": 0.5,
+        "kept": 1,
+        "old": None,
+    }
+
+
+def test_the_split_all_is_reserved(tmp_path):
+    with pytest.raises(ValueError, match="reserved"):
+        jh.save_metrics("all", {"a": 1.0}, tmp_path, combined=False)

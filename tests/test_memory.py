@@ -239,3 +239,75 @@ def test_memory_token_uses_device_stats_when_there_are_some():
     assert memory_token(_memory.MemorySample(0, None, "live_arrays"), 2**30, 2**31) == (
         "memory=1.00/2.00GiB"
     )
+
+
+# ----- regressions ----------------------------------------------------------------
+def test_stop_on_one_thread_and_start_on_another_never_hang():
+    def rss():
+        if threading.current_thread().name == "jaxhistory-memory":
+            time.sleep(0.05)  # a slow sample: the old sampler is mid-read
+        return 0
+
+    tracker = jh.MemoryTracker(devices=[FakeDevice(None)], rss=rss, interval=0.001)
+    tracker.start("a")
+    time.sleep(0.01)
+    stopper = threading.Thread(target=tracker.stop, args=("a",))
+    stopper.start()
+    tracker.start("b")
+    stopper.join(timeout=5)
+    assert not stopper.is_alive()
+    tracker.stop("b")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(
+        t.name == "jaxhistory-memory" for t in threading.enumerate()
+    ):
+        time.sleep(0.01)
+    assert not any(t.name == "jaxhistory-memory" for t in threading.enumerate())
+
+
+def test_device_peaked_delta_is_per_device_then_summed():
+    gib = 2**30
+    d0 = FakeDevice({"bytes_in_use": 1 * gib, "peak_bytes_in_use": 10 * gib})
+    d1 = FakeDevice({"bytes_in_use": 5 * gib, "peak_bytes_in_use": 5 * gib})
+    tracker = jh.MemoryTracker(devices=[d0, d1], rss=FakeRss(0))
+    tracker.start("train")
+    d1.stats = {"bytes_in_use": 5 * gib, "peak_bytes_in_use": 6 * gib}
+    out = tracker.stop("train")
+    # Device 1 rose to 6 GiB and ends at 5; device 0's old 10 GiB mark is not
+    # this stage's.
+    assert out["train_mem_device_peaked_delta"] == 1 * gib
+    assert out["train_mem_device_alloc_delta"] == 0
+
+
+def test_a_peak_without_bytes_in_use_is_not_used():
+    sample = jh.device_memory([FakeDevice({"peak_bytes_in_use": 3 * 2**30})])
+    assert sample.peak is None and sample.source == "live_arrays"
+
+
+def test_a_failing_measurement_at_stop_keeps_the_stage_running():
+    rss = FakeRss(0)
+    tracker = jh.MemoryTracker(devices=[FakeDevice(None)], rss=rss)
+    tracker.start("eval")
+
+    def broken():
+        raise OSError("no /proc")
+
+    tracker._rss = broken
+    with pytest.raises(OSError):
+        tracker.stop("eval")
+    assert tracker.running == ("eval",)
+    tracker._rss = rss
+    assert "eval_mem_cpu_alloc_delta" in tracker.stop("eval")
+
+
+def test_history_memory_goes_into_the_same_jsonl_line(tmp_path):
+    import json
+
+    path = tmp_path / "log.jsonl"
+    h = jh.History(distributed_history=False, memory=True, jsonl_path=path)
+    h.update({"loss": 0.5}, summarize=False)
+    h.update({"loss": 0.25}, summarize=False)
+    h.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1]
+    assert set(lines[0]["metrics"]) == {"loss", "mem/host_rss", "mem/device_in_use"}
