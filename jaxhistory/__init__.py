@@ -13,11 +13,14 @@ Recording: :class:`HistoryState`, :class:`History`, :class:`MetricBuffer`; outpu
 in :mod:`jaxhistory.export`. End-of-stage reports: :func:`log_metrics`,
 :func:`metrics_format`, :func:`save_metrics`, :func:`save_state`,
 :class:`MemoryTracker`, :func:`device_memory`, :func:`compiled_memory`.
+Publishing and timing: :mod:`jaxhistory.publish` (``put_metric``, ``@prof``),
+:class:`StopWatch`, :mod:`jaxhistory.trace` (Chrome traces), and
+:mod:`jaxhistory.sinks` (console, JSONL, TensorBoard, W&B).
 
 ``import jaxhistory`` imports jax and numpy only.
 """
 
-from jaxhistory import export
+from jaxhistory import export, publish, sinks, trace
 from jaxhistory._buffer import MetricBuffer
 from jaxhistory._collective import (
     all_gather,
@@ -55,6 +58,7 @@ from jaxhistory._stats import (
     distributed_stats_collective,
     per_shard,
 )
+from jaxhistory._timing import StopWatch
 from jaxhistory.launch import LaunchError, launch_local
 
 __version__ = "0.1.0"
@@ -68,6 +72,7 @@ __all__ = [
     "MemoryTracker",
     "MetricBuffer",
     "Stats",
+    "StopWatch",
     "__version__",
     "all_gather",
     "collect_from_devices",
@@ -83,6 +88,7 @@ __all__ = [
     "log_metrics",
     "metrics_format",
     "per_shard",
+    "publish",
     "reduce_custom",
     "reduce_custom_collective",
     "reduce_max",
@@ -97,5 +103,7 @@ __all__ = [
     "reduce_sum_collective",
     "save_metrics",
     "save_state",
+    "sinks",
+    "trace",
     "warmup_count",
 ]

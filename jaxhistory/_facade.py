@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxhistory import _memory
+from jaxhistory import _memory, _trace_state
 from jaxhistory._history import HistoryState, _append_floats
 from jaxhistory._record import NESTED, STEP_KEYS, as_step, flatten
 from jaxhistory._stats import Stats, distributed_stats, stat_names
@@ -109,6 +109,18 @@ class History:
             the others record without waiting and return ``""``.
         run_name: the first part of ``run_id`` (``{run_name}-{YYYYmmdd-HHMMSS}``),
             which names the JSONL log and is recorded in the outputs.
+        sinks: more places each update goes (:mod:`jaxhistory.sinks`: console,
+            JSONL, TensorBoard, W&B, or anything with ``write``/``flush``/``close``).
+            A background thread hands them each update as a
+            :class:`~jaxhistory.sinks.Record` once its device values are on the
+            host; ``update`` never waits for them. Process 0 only, unless a sink
+            has ``all_processes = True``. :meth:`flush` flushes them,
+            :meth:`close` closes them.
+        use_wandb: log to Weights & Biases through a
+            :class:`~jaxhistory.sinks.WandbSink` (metrics at each update; the
+            history as a ``wandb.Table`` and the PNGs as ``wandb.Image`` at
+            :meth:`finalize`). None: when a W&B run is active and
+            ``WANDB_DISABLED`` is not 1/true/yes. False never, True requires a run.
         memory: record memory with the metrics: True on every update, an int N
             every N updates. Adds ``mem/host_rss`` (bytes, psutil),
             ``mem/device_in_use`` and, where the backend reports it,
@@ -137,6 +149,8 @@ class History:
         log_every: int = 1,
         run_name: str | None = None,
         memory: bool | int = False,
+        sinks: Sequence[Any] = (),
+        use_wandb: bool | None = None,
     ):
         if keys is not None and (
             isinstance(keys, str) or not all(isinstance(k, str) for k in keys)
@@ -156,6 +170,7 @@ class History:
                 f"got {memory!r}"
             )
         self.memory_every = memory  # 0: off
+        self.sinks = _sinks_here(sinks, use_wandb)
         self._mem_last_step: int | None = None
         self._rss_peak = 0
         self.keys = tuple(keys or ())
@@ -240,15 +255,14 @@ class History:
         self._updates += 1
         self._stamp_steps.append(step_used)
         self._stamp_times.append(time.time())
-        token = self._memory(step_used) if self.memory_every else ""
-        if self._stream_path is None and (
-            not summarize or (self._updates - 1) % self.log_every
-        ):
+        token, mem = self._memory(step_used) if self.memory_every else ("", ())
+        fanout = self._fanout()
+        if not fanout and (not summarize or (self._updates - 1) % self.log_every):
             return ""
         # With an explicit step, a "step" entry (checked to agree) is not a metric.
         items = [(n, v) for n, v in metrics.items() if n != "step"]
-        if self._stream_path is not None:
-            self._emit(step_used, items)
+        if fanout:
+            self._emit(step_used, [*items, *mem])
         if not summarize or (self._updates - 1) % self.log_every:
             return ""
         order = [n for n, _ in items]
@@ -289,9 +303,9 @@ class History:
         self._updates += 1
         self._stamp_steps.append(step_used)
         self._stamp_times.append(time.time())
-        token = self._memory(step_used) if self.memory_every else ""
-        if self._stream_path is not None:
-            self._emit(step_used, plain, (names, packed) if reduce else None)
+        token, mem = self._memory(step_used) if self.memory_every else ("", ())
+        if self._fanout():
+            self._emit(step_used, [*plain, *mem], (names, packed) if reduce else None)
         if not summarize or (self._updates - 1) % self.log_every:
             return ""
         order = [n for n, _ in items]
@@ -299,13 +313,14 @@ class History:
         line = self._line(order, plain, names, packed, (label, step_used), precision)
         return f"{line} {token}" if token else line
 
-    def _memory(self, step: int) -> str:
+    def _memory(self, step: int) -> tuple[str, tuple]:
         """Records ``mem/*`` at ``step`` every ``memory_every`` updates; returns the
-        summary token (``""`` when not due)."""
+        summary token and the (name, value) pairs for the log (empty when not
+        due)."""
         if (self._updates - 1) % self.memory_every:
-            return ""
+            return "", ()
         if self._mem_last_step is not None and step <= self._mem_last_step:
-            return ""  # an update at an earlier step (another metric's cadence)
+            return "", ()  # an update at an earlier step (another metric's cadence)
         rss = _memory.host_rss()
         self._rss_peak = max(self._rss_peak, rss)
         sample = _memory.device_memory()
@@ -314,9 +329,7 @@ class History:
             mem["mem/device_peak"] = sample.peak
         self.state = self.state.update(mem, step=step)
         self._mem_last_step = step
-        if self._stream_path is not None:
-            self._emit(step, list(mem.items()))
-        return memory_token(sample, rss, self._rss_peak)
+        return memory_token(sample, rss, self._rss_peak), tuple(mem.items())
 
     # ----- outputs -----------------------------------------------------------------
     def _jsonl_target(self) -> Path | None:
@@ -348,10 +361,21 @@ class History:
                 self.mesh = mesh
                 return
 
+    def _fanout(self) -> bool:
+        """Whether updates go to the background writer: a JSONL log, sinks, or an
+        active Chrome trace handler (which draws the metrics as counters)."""
+        return (
+            self._stream_path is not None
+            or bool(self.sinks)
+            or _trace_state.active() is not None
+        )
+
     def _emit(self, step: int, plain, aggregated=None) -> None:
         if self._stream is None:
             try:
-                self._stream = JsonlStream(self._stream_path, self.jsonl_overwrite)
+                self._stream = JsonlStream(
+                    self._stream_path, self.jsonl_overwrite, sinks=self.sinks
+                )
             except OSError as err:  # the step is recorded; only the log stops
                 warnings.warn(
                     f"cannot write the JSONL log {self._stream_path} ({err}); "
@@ -361,8 +385,8 @@ class History:
                 )
                 self._stream_path = None
                 self._stream_failed = True
-                return
-            self._streamed = True
+                self._stream = JsonlStream(None, sinks=self.sinks)
+            self._streamed = self._stream_path is not None
             # Closes the log (writing what is queued) when this History goes.
             weakref.finalize(self, self._stream.close)
         self._stream.add(step, plain, aggregated)
@@ -370,18 +394,25 @@ class History:
             self._stream_failed = True
 
     def flush(self) -> None:
-        """Writes the queued JSONL lines now (waiting for their device values)."""
+        """Writes the queued JSONL lines and sink records now (waiting for their
+        device values), then flushes the sinks."""
         if self._stream is not None:
             self._stream.flush()
+        for sink in self.sinks:
+            sink.flush()
 
     def close(self) -> None:
-        """Writes the queued JSONL lines and closes the log; recording may go on
-        (a later update reopens it in append mode)."""
+        """Writes the queued JSONL lines, closes the log and closes the sinks (which
+        are then let go); recording may go on (a later update reopens the log in
+        append mode)."""
         if self._stream is not None:
             self._stream.close()
             self._stream_failed |= self._stream.error is not None
             self._stream = None
             self.jsonl_overwrite = False
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = ()
 
     def finalize(
         self,
@@ -412,7 +443,7 @@ class History:
         streamed = self._stream_path if self._streamed else None
         if self._stream_failed:
             streamed = None
-        return finalize(
+        ds = finalize(
             self.state,
             outdir,
             run_id=self.run_id,
@@ -426,6 +457,12 @@ class History:
             timestamps=None if streamed else self._timestamps(),
             mesh=self.mesh,
         )
+        for sink in self.sinks:  # e.g. W&B: the history table and the plots
+            log_outputs = getattr(sink, "log_outputs", None)
+            if log_outputs is not None:
+                mplot = Path(outdir) / "plots" / "mplot"
+                log_outputs(self.state, sorted(mplot.glob("*.png")) if plot else [])
+        return ds
 
     # ----- distributed history -------------------------------------------------
     def _split(self, items: list[tuple[str, Any]]):
@@ -510,6 +547,31 @@ class History:
         return " ".join(
             f"{k}={parts[k]}" for k in [*first, *(k for k in parts if k not in first)]
         )
+
+
+def _sinks_here(sinks: Sequence[Any], use_wandb: bool | None) -> tuple:
+    """The sinks this process writes to (process 0 only, unless a sink says
+    ``all_processes``), with a W&B sink added when ``use_wandb`` asks for one."""
+    from jaxhistory.sinks import WandbSink, is_sink
+    from jaxhistory.sinks._wandb import wandb_disabled, wandb_run
+
+    if isinstance(sinks, str) or not isinstance(sinks, Sequence):
+        raise TypeError(f"sinks must be a sequence of sinks, got {sinks!r}")
+    for sink in sinks:
+        if not is_sink(sink):
+            raise TypeError(
+                f"{type(sink).__name__} is not a sink: it needs write, flush and close"
+            )
+    if use_wandb not in (None, True, False):
+        raise ValueError(f"use_wandb must be True, False or None, got {use_wandb!r}")
+    out = list(sinks)
+    first = jax.process_index() == 0
+    wanted = use_wandb is True or (
+        use_wandb is None and wandb_run() is not None and not wandb_disabled()
+    )
+    if wanted and first and not any(isinstance(s, WandbSink) for s in out):
+        out.append(WandbSink())  # on process 0, where the run is
+    return tuple(s for s in out if first or getattr(s, "all_processes", False))
 
 
 def memory_token(sample: _memory.MemorySample, rss: int, rss_peak: int = 0) -> str:

@@ -15,8 +15,8 @@ _PIP_NAMES = {
     "plotext": "plotext",
     "flax": "'jaxhistory[nnx]'",
     "optax": "'jaxhistory[nnx]'",
-    "wandb": "wandb",
-    "tensorboardX": "tensorboardX",
+    "wandb": "'jaxhistory[wandb]'",
+    "tensorboardX": "'jaxhistory[tensorboard]'",
 }
 
 

@@ -2,7 +2,8 @@
 
 ``jaxhistory report RUN -o OUTDIR`` regenerates every output (dataset, plots,
 terminal plots, report, JSONL) from a run's JSONL log or ``dataset.nc``;
-``jaxhistory summary RUN`` prints its statistics table.
+``jaxhistory summary RUN`` prints its statistics table; ``jaxhistory merge-traces
+A.json B.json -o merged.json`` merges Chrome trace files onto one clock.
 """
 
 from __future__ import annotations
@@ -67,11 +68,34 @@ def _parser() -> argparse.ArgumentParser:
     summary = sub.add_parser("summary", help="print the statistics of a saved run")
     summary.add_argument("run", help="a run's JSONL log, dataset.nc or output folder")
     summary.add_argument("--warmup", type=_warmup, default=0.0)
+    merge = sub.add_parser(
+        "merge-traces", help="merge Chrome trace files onto one clock"
+    )
+    merge.add_argument("traces", nargs="+", help="trace files (.json or .json.gz)")
+    merge.add_argument("-o", "--output", required=True, help="the merged file")
     return parser
+
+
+def _merge(args) -> int:
+    from jaxhistory.trace import merge_traces
+
+    missing = [p for p in args.traces if not Path(p).is_file()]
+    if missing:
+        print(f"jaxhistory: no trace file {missing[0]}", file=sys.stderr)
+        return 2
+    try:
+        out = merge_traces(args.traces, args.output)
+    except (OSError, ValueError) as err:
+        print(f"jaxhistory: {err}", file=sys.stderr)
+        return 2
+    print(f"merged {len(args.traces)} trace file(s) into {out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "merge-traces":
+        return _merge(args)
     try:
         state, attrs = load_run(args.run)
     except (OSError, ValueError) as err:

@@ -18,7 +18,7 @@ import pytest
 
 import jaxhistory as jh
 from jaxhistory import export
-from jaxhistory.export import _finalize, _tplot
+from jaxhistory.export import _finalize, _jsonl, _tplot
 
 NAMES = [
     "loss",
@@ -741,13 +741,13 @@ def test_one_bad_record_does_not_lose_the_others(tmp_path):
     stream.add(0, [("a", 1.0)])
     stream.add(1, [("a", Unreadable())])
     stream.add(2, [("a", 3.0)])
-    with pytest.warns(RuntimeWarning, match="step 1 was dropped"):
+    with pytest.warns(RuntimeWarning, match="'a' at step 1 could not be read"):
         stream.flush()
     stream.close()
-    assert jh.HistoryState.from_jsonl(tmp_path / "s.jsonl").steps("a").tolist() == [
-        0,
-        2,
-    ]
+    back = jh.HistoryState.from_jsonl(tmp_path / "s.jsonl")
+    assert back.steps("a").tolist() == [0, 1, 2]  # only the unreadable value is lost
+    values = back.values("a")
+    assert values[0] == 1.0 and np.isnan(values[1]) and values[2] == 3.0
 
 
 def test_names_of_whitespace_alone_encode_for_netcdf(tmp_path):
@@ -879,3 +879,21 @@ def test_jsonl_stream_add_racing_close_never_drops_an_accepted_record(tmp_path):
         thread.join()
         lines = stream.path.read_text().splitlines()
         assert [_strict(x)["step"] for x in lines] == accepted
+
+
+def test_a_deleted_array_loses_only_its_value_in_the_streamed_log(tmp_path):
+    path = tmp_path / "log.jsonl"
+    h = jh.History(distributed_history=False, jsonl_path=path)
+    dev = jnp.arange(3.0) * 2
+    with mock.patch.object(_jsonl.JsonlStream, "INTERVAL", 3600):  # no early write
+        h.update({"w": dev, "lr": 0.1}, summarize=False)
+        dev.delete()
+        with pytest.warns(RuntimeWarning, match="'w' at step 0 could not be read"):
+            h.flush()
+    record = _strict(path.read_text().splitlines()[0])
+    assert record["metrics"] == {"w": ["NaN", "NaN", "NaN"], "lr": 0.1}
+    h.close()
+    with pytest.warns(RuntimeWarning, match="could not be read"):
+        back = jh.HistoryState.from_jsonl(path).values("w")
+        assert np.isnan(back).all() and back.shape == (1, 3)
+        assert np.isnan(h.state.values("w")).all()  # the history agrees

@@ -312,23 +312,65 @@ def from_jsonl(path: str | os.PathLike) -> HistoryState:
     return HistoryState(data=Tables(tables), next_step=next_step)
 
 
+def _host(value: Any) -> Any:
+    """A recorded value on the host: Python numbers stay, 0-d arrays become Python
+    numbers, arrays NumPy arrays (this is where device values are waited for)."""
+    if type(value) is float or type(value) is int:
+        return value
+    arr = np.asarray(value)
+    if arr.ndim == 0:
+        return arr.item() if arr.dtype.kind in "biuf" else float(arr)
+    return arr
+
+
+def record_line(record: Any, keys: dict[str, bytes] | None = None) -> bytes:
+    """The JSONL line of a :class:`~jaxhistory.sinks.Record` (``keys`` caches the
+    JSON text of names)."""
+    keys = {} if keys is None else keys
+    for k in (*record.metrics, *record.aggregated):
+        if k not in keys:
+            keys[k] = orjson.dumps(k) + b":"  # each name encoded once per log
+    m = b",".join([keys[k] + jsonl_value(v) for k, v in record.metrics.items()])
+    a = b",".join([keys[k] + jsonl_value(v) for k, v in record.aggregated.items()])
+    step = b"null" if record.step is None else str(int(record.step)).encode()
+    head = b'{"step":%s,"timestamp":%s,"process_index":%d' % (
+        step,
+        _stamp(record.timestamp),
+        record.process_index,
+    )
+    if record.group is not None:
+        head += b',"group":' + orjson.dumps(record.group)
+    return head + b',"metrics":{%s},"aggregated":{%s}}\n' % (m, a)
+
+
 class JsonlStream:
-    """Writes History's JSONL log from a background thread, about twice a second.
+    """History's background writer: the JSONL log and the sinks, about twice a second.
 
     ``add`` only queues the record (device values are not waited for); the thread
-    turns queued records into lines once their values are on the host, writes them
-    and flushes the file, so a process killed with SIGKILL loses at most about a
-    second of records and every complete line stays parseable.
+    turns queued records into host values once they are ready, writes their lines
+    and flushes the file (so a process killed with SIGKILL loses at most about a
+    second of records and every complete line stays parseable), then hands them
+    to each sink and, while one is active, to the Chrome trace handler (as
+    counters). ``path`` None: sinks only.
     """
 
     INTERVAL = 0.5  # seconds between writes
 
-    def __init__(self, path: str | os.PathLike, overwrite: bool = False):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "wb" if overwrite else "ab")  # noqa: SIM115
-        if not overwrite:
-            _end_partial_line(self._file, self.path)
+    def __init__(
+        self,
+        path: str | os.PathLike | None,
+        overwrite: bool = False,
+        sinks: Any = (),
+    ):
+        self.path = None if path is None else Path(path)
+        self._file = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "wb" if overwrite else "ab")  # noqa: SIM115
+            if not overwrite:
+                _end_partial_line(self._file, self.path)
+        self.sinks = list(sinks)
+        self._sink_warned: set[int] = set()
         self._pending: collections.deque[tuple] = collections.deque()
         self._write_lock = threading.Lock()
         self._add_lock = threading.Lock()
@@ -364,26 +406,50 @@ class JsonlStream:
         with self._write_lock:
             queue = self._pending  # appended to by add() without a lock
             pending = [queue.popleft() for _ in range(len(queue))]
-            if not pending or self._file.closed:
+            if not pending:
                 return
-            lines = []
-            for record in pending:
+            records = []
+            for raw in pending:
                 try:
-                    lines.append(self._format(*record))
+                    records.append(self._resolve(*raw))
                 except Exception as err:  # one bad record (a deleted array) only
-                    self._warn(f"a record at step {record[0]} was dropped: {err!r}")
-            if not lines:
-                return
+                    self._warn(f"a record at step {raw[0]} was dropped: {err!r}")
+            if self._file is not None and not self._file.closed and records:
+                self._write([record_line(r, self._keys) for r in records])
+            self._fan_out(records)
+
+    def _write(self, lines: list[bytes]) -> None:
+        try:
+            if self._broken:  # the last write may have stopped mid-line
+                self._file.write(b"\n")
+                self._broken = False
+            self._file.write(b"".join(lines))
+            self._file.flush()
+        except Exception as err:  # a full disk must not stop the training
+            self._broken = True
+            self.error = err
+            self._warn(f"writing failed: {err!r}")
+
+    def _fan_out(self, records: list) -> None:
+        from jaxhistory import _trace_state
+
+        targets = list(self.sinks)
+        handler = _trace_state.active()
+        if handler is not None:
+            targets.append(handler)
+        for sink in targets:
             try:
-                if self._broken:  # the last write may have stopped mid-line
-                    self._file.write(b"\n")
-                    self._broken = False
-                self._file.write(b"".join(lines))
-                self._file.flush()
-            except Exception as err:  # a full disk must not stop the training
-                self._broken = True
-                self.error = err
-                self._warn(f"writing failed: {err!r}")
+                for record in records:
+                    sink.write(record)
+                sink.flush()
+            except Exception as err:  # a failing sink must not stop the others
+                if id(sink) not in self._sink_warned:
+                    self._sink_warned.add(id(sink))
+                    warnings.warn(
+                        f"sink {type(sink).__name__} failed: {err!r}",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
 
     def _warn(self, text: str) -> None:
         if not self._warned:
@@ -392,31 +458,38 @@ class JsonlStream:
                 f"JSONL log {self.path}: {text}", RuntimeWarning, stacklevel=3
             )
 
-    def _format(self, step, timestamp, metrics, aggregated) -> bytes:
+    def _resolve(self, step, timestamp, metrics, aggregated):
+        from jaxhistory.sinks import Record
+
         items = metrics.items() if isinstance(metrics, dict) else metrics
-        plain, stats = [], []
+        plain, stats = {}, {}
         for k, v in items:
             if isinstance(v, Stats):  # statistics computed in the step
                 flat = np.asarray(v.table).reshape(-1).tolist()  # stat-major
-                stats += zip(
-                    stat_names(v.names, f"{k}/" if k else ""), flat, strict=True
-                )
+                names = stat_names(v.names, f"{k}/" if k else "")
+                stats.update(zip(names, flat, strict=True))
             else:
-                plain.append((k, v))
+                try:
+                    plain[k] = _host(v)
+                except Exception as err:  # deleted or donated since it was recorded
+                    kind = getattr(getattr(v, "dtype", None), "kind", "f")
+                    fill = 0 if kind in "biu" else math.nan
+                    shape = tuple(getattr(v, "shape", ()))
+                    plain[k] = np.full(shape, fill) if shape else fill
+                    self._warn(
+                        f"{k!r} at step {step} could not be read ({err}); written "
+                        "as NaN (0 for integers), as the history stores it"
+                    )
         if aggregated is not None:
             names, packed = aggregated
-            flat = np.asarray(packed).reshape(-1).tolist()
-            stats += zip(names, flat, strict=True)
-        keys = self._keys
-        for k, _ in (*plain, *stats):
-            if k not in keys:
-                keys[k] = orjson.dumps(k) + b":"  # each name encoded once per log
-        m = b",".join([keys[k] + jsonl_value(v) for k, v in plain])
-        a = b",".join([keys[k] + jsonl_value(v) for k, v in stats])
-        return _LINE % (step, _stamp(timestamp), self.process_index, m, a)
+            stats.update(
+                zip(names, np.asarray(packed).reshape(-1).tolist(), strict=True)
+            )
+        return Record(step, timestamp, plain, stats, self.process_index)
 
     def close(self) -> None:
-        """Writes what is queued, stops the thread and closes the file."""
+        """Writes what is queued, stops the thread and closes the file (not the
+        sinks: they belong to the caller)."""
         with self._add_lock:
             if self._closed:
                 return
@@ -425,4 +498,5 @@ class JsonlStream:
         if self._thread is not threading.current_thread():
             self._thread.join()
         self.flush()
-        self._file.close()
+        if self._file is not None:
+            self._file.close()

@@ -1,0 +1,148 @@
+"""StopWatch: time a block or a function, on the host and on the devices."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jaxhistory import _trace_state
+
+__all__ = ["StopWatch"]
+
+logger = logging.getLogger("jaxhistory")
+_UNSAFE = re.compile(r"\s+")
+
+
+class StopWatch:
+    """Times a block (``with``) or every call of a function (decorator).
+
+    On exit it logs ``"<msg> took X.XXX seconds"`` (INFO, logger ``jaxhistory``),
+    records the seconds into ``history`` as ``timing/<tag>`` (``tag`` is ``wbtag``
+    without a leading ``timing/``, else ``msg`` with spaces as ``_``), opens a
+    ``jax.profiler.TraceAnnotation`` for the span (so it shows in XProf and
+    TensorBoard profiles) and, while a :class:`~jaxhistory.trace.JSONTraceHandler`
+    is active, writes it as a Chrome trace ``X`` event.
+
+    JAX dispatches asynchronously: to time the device work and not just its
+    dispatch, pass the arrays to wait for as ``block=`` or hand them to
+    :meth:`wait` inside the block; as a decorator, ``block=True`` waits for the
+    function's result. The time is taken after they are ready.
+
+    The timing is recorded at ``step`` if given, else at the history's latest
+    step (``state.next_step - 1``), or one later if this timing already has a
+    record there; it never moves the history's own step counter.
+
+    Example:
+        >>> import jax.numpy as jnp, jaxhistory as jh
+        >>> h = jh.History(distributed_history=False)
+        >>> h.update({"loss": 0.5}, step=7)
+        'step=7 loss=0.500000'
+        >>> with jh.StopWatch("matmul", history=h) as sw:
+        ...     sw.wait(jnp.ones((256, 256)) @ jnp.ones((256, 256)))
+        >>> h.state.steps("timing/matmul").tolist(), sw.seconds > 0
+        ([7], True)
+    """
+
+    def __init__(
+        self,
+        msg: str,
+        wbtag: str | None = None,
+        history: Any = None,
+        block: Any = None,
+        step: int | None = None,
+    ):
+        if not isinstance(msg, str) or not msg.strip():
+            raise ValueError(f"msg must be a non-empty str, got {msg!r}")
+        if wbtag is not None and (not isinstance(wbtag, str) or not wbtag.strip()):
+            raise ValueError(f"wbtag must be a non-empty str or None, got {wbtag!r}")
+        if history is not None and not hasattr(history, "update"):
+            raise TypeError(f"history must be a History, got {type(history).__name__}")
+        self.msg = msg
+        tag = wbtag if wbtag is not None else _UNSAFE.sub("_", msg.strip())
+        self.tag = tag.removeprefix("timing/")
+        self.history = history
+        self.block = block
+        self.step = step
+        self.seconds: float | None = None
+        self._pending: list[Any] = []
+        self._start_ns = 0
+        self._annotation = None
+
+    @property
+    def name(self) -> str:
+        """The metric name the timing is recorded under."""
+        return f"timing/{self.tag}"
+
+    def wait(self, *arrays: Any) -> Any:
+        """Makes the stop watch wait for ``arrays`` (any pytrees) before it stops;
+        returns the (single) argument, so ``out = sw.wait(f(x))`` works."""
+        self._pending.extend(arrays)
+        return arrays[0] if len(arrays) == 1 else arrays
+
+    def __enter__(self) -> StopWatch:
+        self.seconds = None
+        self._pending = []
+        self._annotation = jax.profiler.TraceAnnotation(self.msg)
+        self._annotation.__enter__()
+        self._start_ns = time.perf_counter_ns()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            block = None if self.block is True else self.block
+            wait = [a for a in (block, *self._pending) if a is not None]
+            if wait and exc_type is None:
+                jax.block_until_ready(wait)
+        finally:
+            end_ns = time.perf_counter_ns()
+            self._annotation.__exit__(exc_type, exc, tb)
+        self.seconds = (end_ns - self._start_ns) / 1e9
+        handler = _trace_state.active()
+        if handler is not None:
+            args = {"seconds": self.seconds}
+            if exc_type is not None:
+                args["error"] = exc_type.__name__
+            handler.complete(
+                self.msg, self._start_ns, end_ns, cat="StopWatch", args=args
+            )
+        if exc_type is not None:
+            return  # nothing recorded or logged for a block that raised
+        logger.info("%s took %.3f seconds", self.msg, self.seconds)
+        if self.history is not None:
+            self._record()
+
+    def _record(self) -> None:
+        state = self.history.state
+        step = self.step
+        if step is None:
+            step = max(state.next_step - 1, 0)
+            last = state.last_step(self.name) if self.name in state else None
+            if last is not None and last >= step:
+                step = last + 1
+        self.history.update({self.name: self.seconds}, step=step, summarize=False)
+
+    def __call__(self, fn: Callable) -> Callable:
+        """As a decorator: a fresh stop watch times each call of ``fn``."""
+        if not callable(fn):
+            raise TypeError(f"StopWatch decorates a function, got {fn!r}")
+        settings = (self.msg, self.tag, self.history, self.block, self.step)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            msg, tag, history, block, step = settings
+            watch = StopWatch(msg, tag, history, None if block is True else block, step)
+            with watch:
+                out = fn(*args, **kwargs)
+                if block is True:
+                    watch.wait(out)
+            wrapper.last = watch.seconds
+            return out
+
+        wrapper.last = None
+        return wrapper

@@ -1,0 +1,338 @@
+"""Metric publishing: ``configure`` handlers per group, ``put_metric``, ``@prof``.
+
+The metrics API of torchelastic, carried over with its known flaws fixed:
+durations come from a monotonic clock in float milliseconds, a handler that
+raises never turns a success into a failure nor hides the caller's exception or
+return value, ``@prof("group")`` is a clear TypeError, and the registry is
+thread-safe and can be reset or scoped.
+
+Example:
+    >>> from jaxhistory import publish
+    >>> with publish.scoped():  # a private registry, restored afterwards
+    ...     publish.configure(publish.ConsoleMetricHandler(), group="app")
+    ...     publish.put_metric("queue_depth", 3, metric_group="app")
+    ...     publish.put_metric("ignored", 1)  # default group: the null handler
+    [...][app]: queue_depth=3
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import functools
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = [
+    "ConsoleMetricHandler",
+    "HistoryHandler",
+    "MetricData",
+    "MetricHandler",
+    "MetricStream",
+    "NullMetricHandler",
+    "SinkHandler",
+    "configure",
+    "get_stream",
+    "prof",
+    "put_metric",
+    "reset",
+    "scoped",
+]
+
+DEFAULT_GROUP = "jaxhistory"
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricData:
+    """One published value: wall-clock ``timestamp`` (seconds), its group, name."""
+
+    timestamp: float
+    group_name: str
+    name: str
+    value: Any
+
+
+class MetricHandler(abc.ABC):
+    """Where published metrics go: implement :meth:`emit`."""
+
+    @abc.abstractmethod
+    def emit(self, metric_data: MetricData) -> None:
+        """Receives one metric."""
+
+
+class ConsoleMetricHandler(MetricHandler):
+    """Prints ``[<timestamp>][<group>]: <name>=<value>`` to ``stream`` (stdout).
+
+    Example:
+        >>> from jaxhistory import publish
+        >>> publish.ConsoleMetricHandler().emit(
+        ...     publish.MetricData(1700000000.5, "app", "latency.ms", 1.25))
+        [1700000000.5][app]: latency.ms=1.25
+    """
+
+    def __init__(self, stream=None):
+        self.stream = stream
+
+    def emit(self, metric_data: MetricData) -> None:
+        d = metric_data
+        print(
+            f"[{d.timestamp}][{d.group_name}]: {d.name}={d.value}",
+            file=self.stream if self.stream is not None else sys.stdout,
+        )
+
+
+class NullMetricHandler(MetricHandler):
+    """Drops every metric (the default handler)."""
+
+    def emit(self, metric_data: MetricData) -> None:
+        return None
+
+
+class HistoryHandler(MetricHandler):
+    """Records published metrics into a :class:`~jaxhistory.History` as
+    ``{group}/{name}``, each at the history's next step.
+
+    Example:
+        >>> import jaxhistory as jh
+        >>> from jaxhistory import publish
+        >>> h = jh.History(distributed_history=False)
+        >>> with publish.scoped():
+        ...     publish.configure(publish.HistoryHandler(h), group="agent")
+        ...     publish.put_metric("restarts", 2, metric_group="agent")
+        >>> h.state.values("agent/restarts").tolist()
+        [2]
+    """
+
+    def __init__(self, history: Any):
+        self.history = history
+        self._lock = threading.Lock()
+
+    def emit(self, metric_data: MetricData) -> None:
+        name = f"{metric_data.group_name}/{metric_data.name}"
+        with self._lock:  # History is not thread-safe; handlers may be called
+            self.history.update({name: metric_data.value}, summarize=False)
+
+
+class SinkHandler(MetricHandler):
+    """Sends published metrics to a sink (``write``/``flush``/``close``) as
+    :class:`~jaxhistory.sinks.Record` values with ``group`` set and no step."""
+
+    def __init__(self, sink: Any):
+        self.sink = sink
+
+    def emit(self, metric_data: MetricData) -> None:
+        from jaxhistory.sinks import Record
+
+        self.sink.write(
+            Record(
+                step=None,
+                timestamp=metric_data.timestamp,
+                metrics={metric_data.name: metric_data.value},
+                group=metric_data.group_name,
+            )
+        )
+
+
+class MetricStream:
+    """A group's view of the registry: ``add_value(name, value)``."""
+
+    def __init__(self, group_name: str, registry: _Registry):
+        self.group_name = group_name
+        self._registry = registry
+
+    @property
+    def handler(self) -> MetricHandler:
+        """The handler this group's metrics go to now."""
+        return self._registry.handler(self.group_name)
+
+    def add_value(self, metric_name: str, metric_value: Any) -> None:
+        """Publishes one value to the group's current handler."""
+        self._registry.publish(self.group_name, metric_name, metric_value)
+
+
+class _Registry:
+    """Group -> handler, with a default; safe to use from several threads."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.default: MetricHandler = NullMetricHandler()
+        self.groups: dict[str, MetricHandler] = {}
+
+    def configure(self, handler: MetricHandler, group: str | None) -> None:
+        with self._lock:
+            if group is None:
+                self.default = handler
+            else:
+                self.groups[group] = handler
+
+    def handler(self, group: str) -> MetricHandler:
+        with self._lock:
+            return self.groups.get(group, self.default)
+
+    def publish(self, group: str, name: str, value: Any) -> None:
+        # Looked up at publish time: a handler configured late still gets metrics.
+        self.handler(group).emit(MetricData(time.time(), group, name, value))
+
+
+_state = threading.local()
+_global = _Registry()
+
+
+def _registry() -> _Registry:
+    stack = getattr(_state, "stack", None)
+    return stack[-1] if stack else _global
+
+
+def _as_handler(handler: Any) -> MetricHandler:
+    if isinstance(handler, MetricHandler):
+        return handler
+    if all(callable(getattr(handler, m, None)) for m in ("write", "flush", "close")):
+        return SinkHandler(handler)
+    raise TypeError(
+        f"configure needs a MetricHandler or a sink (write/flush/close), got "
+        f"{type(handler).__name__}"
+    )
+
+
+def configure(handler: Any, group: str | None = None) -> None:
+    """Sends metrics of ``group`` to ``handler``; ``group=None`` sets the default.
+
+    A group's own handler wins over the default, which starts as
+    :class:`NullMetricHandler`. ``handler`` may also be a sink (``write`` /
+    ``flush`` / ``close``), wrapped in :class:`SinkHandler`.
+
+    Example:
+        >>> from jaxhistory import publish
+        >>> with publish.scoped():
+        ...     publish.configure(publish.ConsoleMetricHandler())  # the default
+        ...     publish.put_metric("epochs", 1)
+        [...][jaxhistory]: epochs=1
+    """
+    if group is not None and (not isinstance(group, str) or not group):
+        raise ValueError(f"group must be a non-empty str or None, got {group!r}")
+    _registry().configure(_as_handler(handler), group)
+
+
+def get_stream(group: str = DEFAULT_GROUP) -> MetricStream:
+    """A :class:`MetricStream` publishing to ``group`` (its handler looked up at
+    each ``add_value``, so configuring later still takes effect).
+
+    Example:
+        >>> from jaxhistory import publish
+        >>> with publish.scoped():
+        ...     stream = publish.get_stream("io")
+        ...     publish.configure(publish.ConsoleMetricHandler(), group="io")
+        ...     stream.add_value("bytes", 4096)
+        [...][io]: bytes=4096
+    """
+    if not isinstance(group, str) or not group:
+        raise ValueError(f"group must be a non-empty str, got {group!r}")
+    return MetricStream(group, _registry())
+
+
+def put_metric(name: str, value: Any, metric_group: str = DEFAULT_GROUP) -> None:
+    """Publishes ``value`` as ``name`` in ``metric_group``.
+
+    Example:
+        >>> from jaxhistory import publish
+        >>> publish.put_metric("ready", 1)  # the null handler: nowhere
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"metric name must be a non-empty str, got {name!r}")
+    get_stream(metric_group).add_value(name, value)
+
+
+def reset() -> None:
+    """Restores the registry in use to its start: null default, no groups."""
+    registry = _registry()
+    with registry._lock:
+        registry.default = NullMetricHandler()
+        registry.groups = {}
+
+
+@contextlib.contextmanager
+def scoped() -> Iterator[None]:
+    """A fresh registry for the current thread inside the block (for tests)."""
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    stack.append(_Registry())
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _key(fn: Callable) -> str:
+    parts = getattr(fn, "__qualname__", fn.__name__).split(".")
+    if len(parts) >= 2 and parts[-2] != "<locals>":
+        return ".".join(parts[-2:])  # Class.method
+    module = getattr(fn, "__module__", None) or "__main__"
+    return f"{module.rsplit('.', 1)[-1]}.{fn.__name__}"
+
+
+def _publish_quietly(group: str, name: str, value: Any) -> None:
+    try:
+        put_metric(name, value, group)
+    except Exception as err:  # a broken handler must not change the call's outcome
+        warnings.warn(
+            f"metric handler for group {group!r} failed on {name!r}: {err!r}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def prof(fn: Callable | None = None, *, group: str = DEFAULT_GROUP):
+    """Publishes ``<key>.success`` or ``<key>.failure`` (1) and
+    ``<key>.duration.ms`` for each call of the decorated function.
+
+    ``<key>`` is the qualified name (``Class.method``) or ``leafmodule.func``.
+    Use bare (``@prof``) or with a keyword (``@prof(group="agent")``). The
+    duration is float milliseconds from a monotonic clock. A failing handler
+    gives a RuntimeWarning; it never changes the function's result or exception.
+
+    Example:
+        >>> from jaxhistory import publish
+        >>> with publish.scoped():
+        ...     publish.configure(publish.ConsoleMetricHandler(), group="agent")
+        ...     @publish.prof(group="agent")
+        ...     def step():
+        ...         return 42
+        ...     step()
+        [...][agent]: ....step.success=1
+        [...][agent]: ....step.duration.ms=...
+        42
+    """
+    if fn is not None and not callable(fn):
+        raise TypeError(
+            f"prof takes the group as a keyword: @prof(group={fn!r}), not @prof({fn!r})"
+        )
+    if not isinstance(group, str) or not group:
+        raise ValueError(f"group must be a non-empty str, got {group!r}")
+
+    def decorate(f: Callable) -> Callable:
+        key = _key(f)
+
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                result = f(*args, **kwargs)
+            except BaseException:
+                elapsed = (time.perf_counter() - start) * 1e3
+                _publish_quietly(group, f"{key}.failure", 1)
+                _publish_quietly(group, f"{key}.duration.ms", elapsed)
+                raise
+            elapsed = (time.perf_counter() - start) * 1e3
+            _publish_quietly(group, f"{key}.success", 1)
+            _publish_quietly(group, f"{key}.duration.ms", elapsed)
+            return result
+
+        return wrapper
+
+    return decorate if fn is None else decorate(fn)

@@ -1,0 +1,68 @@
+"""TensorBoard event files, written with tensorboardX (no TensorFlow)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from jaxhistory._optional import import_optional
+
+__all__ = ["TensorBoardSink"]
+
+
+class TensorBoardSink:
+    """Writes every scalar of each record (metrics and aggregated statistics) as a
+    TensorBoard scalar at the record's step; array metrics as histograms.
+
+    Records without a step (published metrics) are numbered per tag. Event files
+    go to ``logdir`` (view them with ``tensorboard --logdir``); no TensorFlow is
+    needed. Needs ``pip install 'jaxhistory[tensorboard]'``.
+
+    Example:
+        >>> import tempfile
+        >>> from jaxhistory.sinks import Record, TensorBoardSink
+        >>> sink = TensorBoardSink(tempfile.mkdtemp())
+        >>> sink.write(Record(step=0, timestamp=1.0, metrics={"loss": 0.5}))
+        >>> sink.close()
+    """
+
+    all_processes = False
+
+    def __init__(self, logdir: str | os.PathLike, flush_secs: int = 10):
+        tbx = import_optional("tensorboardX", "the TensorBoard sink")
+        self.logdir = os.fspath(logdir)
+        self._writer = tbx.SummaryWriter(self.logdir, flush_secs=flush_secs)
+        self._counts: dict[str, int] = {}
+
+    def _step(self, tag: str, step: int | None) -> int:
+        if step is not None:
+            return step
+        n = self._counts.get(tag, 0)
+        self._counts[tag] = n + 1
+        return n
+
+    def write(self, record: Any) -> None:
+        prefix = f"{record.group}/" if record.group else ""
+        for name, value in (*record.metrics.items(), *record.aggregated.items()):
+            tag = prefix + name
+            arr = np.asarray(value)
+            if arr.dtype.kind not in "biuf":
+                arr = arr.astype(np.float64)
+            step = self._step(tag, record.step)
+            if arr.ndim == 0:
+                self._writer.add_scalar(
+                    tag, float(arr), global_step=step, walltime=record.timestamp
+                )
+            elif arr.size and np.isfinite(arr).any():
+                finite = arr[np.isfinite(arr)].astype(np.float64)
+                self._writer.add_histogram(
+                    tag, finite, global_step=step, walltime=record.timestamp
+                )
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()

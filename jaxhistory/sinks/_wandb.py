@@ -1,0 +1,111 @@
+"""Weights & Biases: metrics per step, and the finished run's history and plots."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxhistory._optional import import_optional
+
+__all__ = ["WandbSink", "wandb_disabled", "wandb_run"]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+def wandb_disabled() -> bool:
+    """Whether ``WANDB_DISABLED`` is set to 1/true/yes/on (0/false/no/off or empty
+    mean not set; anything else is a ValueError naming the variable)."""
+    raw = os.environ.get("WANDB_DISABLED", "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"WANDB_DISABLED={raw!r}: expected 1/true/yes or 0/false/no")
+
+
+def wandb_run() -> Any:
+    """The active W&B run, if ``wandb`` was imported and a run is active (never
+    imports wandb itself)."""
+    wandb = sys.modules.get("wandb")
+    return getattr(wandb, "run", None) if wandb is not None else None
+
+
+class WandbSink:
+    """Logs each record's values to a W&B run with the record's step.
+
+    ``run`` defaults to the active run (``wandb.run``). Scalars are logged as
+    numbers, array metrics as ``wandb.Histogram``. W&B needs steps that never go
+    back: a record at an earlier step than one already logged is logged without
+    a step (W&B numbers it). :meth:`log_outputs` logs a finished history as a
+    ``wandb.Table`` and PNG plots as ``wandb.Image``. Needs
+    ``pip install 'jaxhistory[wandb]'``.
+    """
+
+    all_processes = False
+
+    def __init__(self, run: Any = None):
+        self.wandb = import_optional("wandb", "the Weights & Biases sink")
+        self.run = run if run is not None else self.wandb.run
+        if self.run is None:
+            raise ValueError("no active W&B run: call wandb.init() first or pass run=")
+        self._last_step: int | None = None
+
+    def write(self, record: Any) -> None:
+        prefix = f"{record.group}/" if record.group else ""
+        data = {}
+        for name, value in (*record.metrics.items(), *record.aggregated.items()):
+            arr = np.asarray(value)
+            if arr.dtype.kind not in "biuf":
+                arr = arr.astype(np.float64)
+            if arr.ndim == 0:
+                data[prefix + name] = arr.item()
+            elif arr.size:
+                data[prefix + name] = self.wandb.Histogram(arr[np.isfinite(arr)])
+        if not data:
+            return
+        step = record.step
+        if step is not None and (self._last_step is None or step >= self._last_step):
+            self._last_step = step
+            self.run.log(data, step=step)
+        else:
+            self.run.log(data)
+
+    def log_outputs(self, state: Any, images: Sequence[str | os.PathLike] = ()) -> None:
+        """Logs ``state`` (a HistoryState) as a ``wandb.Table`` named ``history``
+        (a ``step`` column and one per scalar metric, None where not recorded)
+        and each PNG as a ``wandb.Image`` under ``plots/{file stem}``."""
+        names = [k for k in state.keys if state.shape(k) == ()]
+        steps = state.all_steps()
+        columns = {}
+        for name in names:
+            column = np.full(len(steps), np.nan)
+            idx = np.searchsorted(steps, state.steps(name))
+            column[idx] = np.asarray(state.values(name), np.float64)
+            columns[name] = column
+        rows = [
+            [int(step), *(_cell(columns[n][i]) for n in names)]
+            for i, step in enumerate(steps.tolist())
+        ]
+        data: dict[str, Any] = {
+            "history": self.wandb.Table(columns=["step", *names], data=rows)
+        }
+        for path in images:
+            data[f"plots/{Path(path).stem}"] = self.wandb.Image(os.fspath(path))
+        self.run.log(data)
+
+    def flush(self) -> None:
+        return None  # wandb sends in the background
+
+    def close(self) -> None:
+        return None  # the run belongs to the caller: wandb.finish() ends it
+
+
+def _cell(value: float) -> float | None:
+    return None if np.isnan(value) else float(value)

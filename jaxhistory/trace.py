@@ -1,0 +1,627 @@
+"""Chrome traces (Trace Event Format, JSON) viewable in Perfetto and chrome://tracing.
+
+:class:`JSONTraceHandler` streams events to ``{folder}/{filename}`` while it is
+active: ``X`` complete events for :class:`~jaxhistory.StopWatch` spans (and
+:meth:`~JSONTraceHandler.complete`), ``C`` counters for the metrics a
+:class:`~jaxhistory.History` records (the loss shows as a track), ``i`` instants
+and ``M`` metadata (process and thread names, sort indices, the process index,
+and the clock sync). ``pid`` is the JAX process index. :func:`load_trace` reads
+complete and truncated files (``.gz`` too); :func:`merge_traces` (and the
+``jaxhistory merge-traces`` command) merges traces from several processes onto
+one clock.
+
+Example:
+    >>> import tempfile, jaxhistory as jh
+    >>> from jaxhistory import trace
+    >>> folder = tempfile.mkdtemp()
+    >>> with trace.JSONTraceHandler(folder=folder, merged_trace_filename=None) as t:
+    ...     with jh.StopWatch("load data"):
+    ...         pass
+    ...     t.instant("checkpoint saved")
+    >>> events = trace.load_trace(t.paths[0])
+    >>> sorted({e["ph"] for e in events})
+    ['M', 'X', 'i']
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import math
+import os
+import random
+import socket
+import string
+import threading
+import time
+import zlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxhistory import _trace_state
+
+__all__ = ["JSONTraceHandler", "load_trace", "merge_traces"]
+
+FOLDER_VARS = (
+    "run_name",
+    "rank",
+    "local_rank",
+    "world_size",
+    "local_world_size",
+    "node_rank",
+)
+FILE_VARS = (*FOLDER_VARS, "epoch", "batch", "step")
+_NONFINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+FLUSH_SECONDS = 0.5
+
+
+def _check_template(template: str, allowed: tuple[str, ...], what: str) -> None:
+    if not isinstance(template, str) or not template:
+        raise ValueError(f"{what} must be a non-empty str, got {template!r}")
+    for _, field, _spec, _conv in string.Formatter().parse(template):
+        if field is None:
+            continue
+        name = field.split(".")[0].split("[")[0]
+        if name not in allowed:
+            raise ValueError(
+                f"{what} {template!r} uses an unknown variable {{{field}}}; "
+                f"available: {', '.join('{' + v + '}' for v in allowed)}"
+            )
+
+
+def _sanitize(value: Any) -> Any:
+    """JSON-safe args: non-finite floats as strings, NumPy/JAX scalars as numbers."""
+    if isinstance(value, Mapping):
+        return {str(k): _sanitize(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_sanitize(v) for v in value]
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else _NONFINITE[repr(value)]
+    try:
+        import numpy as np
+
+        arr = np.asarray(value)
+        if arr.dtype.kind in "biuf" or arr.dtype.kind == "V":
+            return _sanitize(arr.astype(float).tolist() if arr.ndim else float(arr))
+    except Exception:
+        pass
+    return str(value)
+
+
+def _ranks() -> dict[str, int]:
+    """rank, world_size and the node layout: one all-gather of host names (which
+    is also the barrier the clock sync is taken at) when there are processes."""
+    rank, world = jax.process_index(), jax.process_count()
+    token = random.getrandbits(31)
+    host = zlib.crc32(socket.gethostname().encode())
+    if world == 1:
+        return {
+            "rank": 0,
+            "world_size": 1,
+            "local_rank": 0,
+            "local_world_size": 1,
+            "node_rank": 0,
+            "sync_id": token,
+        }
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    table = np.asarray(
+        multihost_utils.process_allgather(np.array([host, token], np.int64))
+    ).reshape(world, 2)
+    hosts = list(dict.fromkeys(table[:, 0].tolist()))
+    mine = [i for i in range(world) if table[i, 0] == host]
+    return {
+        "rank": rank,
+        "world_size": world,
+        "local_rank": mine.index(rank),
+        "local_world_size": len(mine),
+        "node_rank": hosts.index(host),
+        "sync_id": int(table[0, 1]),  # rank 0's token names this sync
+    }
+
+
+def _any_process(flag: bool) -> bool:
+    """Whether ``flag`` holds on any process (a barrier with several processes)."""
+    if jax.process_count() == 1:
+        return flag
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.array([int(flag)], np.int32))
+    return bool(np.asarray(flags).any())
+
+
+class JSONTraceHandler:
+    """Streams Chrome trace events to files while active (a context manager, or
+    :meth:`start` / :meth:`close`).
+
+    Args:
+        folder: format string of the folder; variables ``{run_name}``,
+            ``{rank}``, ``{local_rank}``, ``{world_size}``,
+            ``{local_world_size}``, ``{node_rank}``.
+        filename: format string of each trace file; the folder's variables plus
+            ``{epoch}``, ``{batch}``, ``{step}`` (given to :meth:`start` and
+            :meth:`rotate`). Include ``{rank}`` when several processes share a
+            folder. An unknown variable is a ValueError naming it.
+        merged_trace_filename: at :meth:`close`, local rank 0 of each node merges
+            every trace file in the folder into this file (same variables as
+            ``folder``); None to skip.
+        overwrite: if False, a folder holding files (hidden ones ignored) is a
+            FileExistsError at :meth:`start`.
+        num_traces_to_keep: keep only this process's newest N finished files
+            (-1 keeps all); older ones it wrote are deleted on :meth:`rotate`.
+        run_name: ``{run_name}``; default ``run-{YYYYmmdd-HHMMSS}``.
+
+    Every process must call :meth:`start` and :meth:`close` (each holds one small
+    all-gather in a multi-process run, the barrier the clocks are synced at).
+    Files are JSON arrays written one event per line and flushed about twice a
+    second, so a file cut off by a crash still loads (:func:`load_trace`, and
+    Perfetto, accept a missing ``]``). Times are microseconds on this process's
+    monotonic clock; the clock sync is recorded in an ``M`` event named
+    ``clock_sync``.
+    """
+
+    def __init__(
+        self,
+        folder: str = "{run_name}/traces",
+        filename: str = "ep{epoch}-ba{batch}-rank{rank}.json",
+        merged_trace_filename: str | None = "merged_trace.json",
+        overwrite: bool = False,
+        num_traces_to_keep: int = -1,
+        run_name: str | None = None,
+    ):
+        _check_template(folder, FOLDER_VARS, "folder")
+        _check_template(filename, FILE_VARS, "filename")
+        if merged_trace_filename is not None:
+            _check_template(merged_trace_filename, FOLDER_VARS, "merged_trace_filename")
+        if (
+            isinstance(num_traces_to_keep, bool)
+            or not isinstance(num_traces_to_keep, int)
+            or num_traces_to_keep < -1
+        ):
+            raise ValueError(
+                f"num_traces_to_keep must be -1 or a count >= 0, got "
+                f"{num_traces_to_keep!r}"
+            )
+        if run_name is None:
+            from jaxhistory.export._env import new_run_id
+
+            run_name = new_run_id(None)
+        self.folder_template, self.filename_template = folder, filename
+        self.merged_trace_filename = merged_trace_filename
+        self.overwrite = bool(overwrite)
+        self.num_traces_to_keep = num_traces_to_keep
+        self.run_name = run_name
+        self.paths: list[Path] = []  # every file this process wrote, oldest first
+        self.folder: Path | None = None
+        self.merged_path: Path | None = None
+        self._vars: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._file = None
+        self._first = True
+        self._last_flush = 0.0
+        self._threads: dict[int, tuple[int, str]] = {}
+        self._sync: dict[str, Any] = {}
+        self._counter_clock: tuple[float, int] = (0.0, 0)
+
+    # ----- life cycle --------------------------------------------------------------
+    def __enter__(self) -> JSONTraceHandler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def active(self) -> bool:
+        return self._file is not None
+
+    def start(self, epoch: int = 0, batch: int = 0, step: int = 0) -> Path:
+        """Syncs the clocks, opens the first file and activates the handler."""
+        if self.active:
+            raise RuntimeError("this trace handler is already started")
+        ranks = _ranks()  # one all-gather: ranks and the node layout
+        self._vars = {k: ranks[k] for k in FOLDER_VARS if k in ranks}
+        self._vars["run_name"] = self.run_name
+        folder = Path(self.folder_template.format(**self._vars))
+        problem = self._folder_problem(folder)
+        # Every process checks before anyone writes; all raise together (a
+        # process that raised alone would leave the others in the next barrier).
+        if _any_process(problem is not None):
+            raise FileExistsError(
+                problem
+                or "a trace folder of another process is "
+                "not empty; pass overwrite=True or use another folder"
+            )
+        sync_ns, sync_wall = time.perf_counter_ns(), time.time()  # after the barrier
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self._sync = {
+            "sync_ts": sync_ns / 1e3,
+            "sync_wall": sync_wall,
+            "sync_id": ranks["sync_id"],
+            "process_index": ranks["rank"],
+        }
+        self._counter_clock = (sync_wall, sync_ns)
+        path = self._open(epoch, batch, step)
+        _trace_state.activate(self)
+        return path
+
+    def _folder_problem(self, folder: Path) -> str | None:
+        if self.overwrite or not folder.is_dir():
+            return None
+        visible = [p for p in folder.iterdir() if not p.name.startswith(".")]
+        if visible:
+            return (
+                f"trace folder {folder} is not empty ({len(visible)} entries, e.g. "
+                f"{visible[0].name}); pass overwrite=True or use another folder"
+            )
+        return None
+
+    def rotate(
+        self,
+        epoch: int | None = None,
+        batch: int | None = None,
+        step: int | None = None,
+    ) -> Path:
+        """Finishes the current file and starts the next one (new ``{epoch}``,
+        ``{batch}``, ``{step}``); applies ``num_traces_to_keep``."""
+        if not self.active:
+            raise RuntimeError("the trace handler is not started")
+        with self._lock:
+            self._finish()
+        vars_ = self._vars
+        path = self._open(
+            vars_["epoch"] if epoch is None else epoch,
+            vars_["batch"] if batch is None else batch,
+            vars_["step"] if step is None else step,
+        )
+        self._prune()
+        return path
+
+    def close(self) -> None:
+        """Finishes the file, deactivates the handler and, on local rank 0 of each
+        node, merges the folder's traces into ``merged_trace_filename``."""
+        if not self.active:
+            return
+        _trace_state.deactivate(self)
+        with self._lock:
+            self._finish()
+        self._prune()
+        if self.merged_trace_filename is None:
+            return
+        if jax.process_count() > 1:  # every process has finished its files
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jaxhistory-trace-close")
+        if self._vars.get("local_rank", 0) == 0:
+            merged = self.folder / self.merged_trace_filename.format(**self._vars)
+            sources = [
+                p
+                for p in sorted(self.folder.iterdir())
+                if p != merged
+                and not p.name.startswith(".")
+                and p.name.endswith((".json", ".json.gz"))
+            ]
+            merge_traces(sources, merged)
+            self.merged_path = merged
+
+    # ----- files -------------------------------------------------------------------
+    def _open(self, epoch: int, batch: int, step: int) -> Path:
+        for name, value in (("epoch", epoch), ("batch", batch), ("step", step)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        self._vars.update(epoch=epoch, batch=batch, step=step)
+        path = self.folder / self.filename_template.format(**self._vars)
+        if path in self.paths or (path.exists() and not self.overwrite):
+            raise FileExistsError(
+                f"trace file {path} exists; give rotate() a new epoch, batch or step "
+                "(or a filename with {step})"
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115
+            self._first = True
+            self.paths.append(path)
+            self._write_metadata()
+        return path
+
+    def _write_metadata(self) -> None:
+        pid = self._sync["process_index"]
+        host = socket.gethostname()
+        world = self._vars.get("world_size", 1)
+        for name, args in (
+            ("process_name", {"name": f"process {pid} ({host})"}),
+            ("process_sort_index", {"sort_index": pid}),
+            ("process_labels", {"labels": f"rank {pid} of {world}"}),
+            ("clock_sync", dict(self._sync)),
+        ):
+            self._event({"name": name, "ph": "M", "pid": pid, "tid": 0, "args": args})
+        for tid, tname in self._threads.values():
+            self._thread_metadata(tid, tname)
+
+    def _thread_metadata(self, tid: int, tname: str) -> None:
+        pid = self._sync["process_index"]
+        self._event(
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": pid,
+                "tid": tid,
+                "args": {"name": tname},
+            }
+        )
+        self._event(
+            {
+                "name": "thread_sort_index",
+                "ph": "M",
+                "pid": pid,
+                "tid": tid,
+                "args": {"sort_index": tid},
+            }
+        )
+
+    def _event(self, event: dict) -> None:
+        """Writes one event line (the caller holds the lock)."""
+        if self._file is None:
+            return
+        text = json.dumps(event, allow_nan=False, separators=(",", ":"))
+        self._file.write(("[\n" if self._first else ",\n") + text)
+        self._first = False
+        now = time.monotonic()
+        if now - self._last_flush > FLUSH_SECONDS:
+            self._file.flush()
+            self._last_flush = now
+
+    def _finish(self) -> None:
+        if self._file is not None:
+            self._file.write("[\n]\n" if self._first else "\n]\n")
+            self._file.close()
+            self._file = None
+
+    def _prune(self) -> None:
+        keep = self.num_traces_to_keep
+        if keep < 0:
+            return
+        finished = self.paths[:-1] if self.active else list(self.paths)
+        for path in finished[: max(0, len(finished) - keep)]:
+            path.unlink(missing_ok=True)
+            self.paths.remove(path)
+
+    def _tid(self) -> int:
+        ident = threading.get_ident()
+        entry = self._threads.get(ident)
+        if entry is None:
+            entry = (len(self._threads) + 1, threading.current_thread().name)
+            self._threads[ident] = entry
+            self._thread_metadata(*entry)
+        return entry[0]
+
+    # ----- events ------------------------------------------------------------------
+    def complete(
+        self,
+        name: str,
+        start_ns: int,
+        end_ns: int,
+        cat: str = "span",
+        args: Mapping[str, Any] | None = None,
+    ) -> None:
+        """An ``X`` event from ``start_ns`` to ``end_ns`` (``time.perf_counter_ns``)."""
+        with self._lock:
+            event = {
+                "name": str(name),
+                "cat": cat,
+                "ph": "X",
+                "ts": start_ns / 1e3,
+                "dur": max(0, end_ns - start_ns) / 1e3,
+                "pid": self._sync.get("process_index", 0),
+                "tid": self._tid(),
+            }
+            if args:
+                event["args"] = _sanitize(args)
+            self._event(event)
+
+    def instant(
+        self, name: str, args: Mapping[str, Any] | None = None, scope: str = "t"
+    ) -> None:
+        """An ``i`` event now; ``scope`` ``"t"`` (thread), ``"p"`` or ``"g"``."""
+        if scope not in ("t", "p", "g"):
+            raise ValueError(f"scope must be 't', 'p' or 'g', got {scope!r}")
+        with self._lock:
+            event = {
+                "name": str(name),
+                "ph": "i",
+                "s": scope,
+                "ts": time.perf_counter_ns() / 1e3,
+                "pid": self._sync.get("process_index", 0),
+                "tid": self._tid(),
+            }
+            if args:
+                event["args"] = _sanitize(args)
+            self._event(event)
+
+    def counter(
+        self, name: str, values: Mapping[str, Any], timestamp: float | None = None
+    ) -> None:
+        """A ``C`` event: one track per key of ``values``. Non-finite values are
+        left out (a counter needs numbers); ``timestamp`` is wall-clock seconds."""
+        series = {}
+        for key, value in values.items():
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(number):
+                series[str(key)] = number
+        if not series:
+            return
+        with self._lock:
+            if timestamp is None:
+                ts = time.perf_counter_ns() / 1e3
+            else:  # wall clock -> this handler's monotonic clock
+                wall0, ns0 = self._counter_clock
+                ts = ns0 / 1e3 + (timestamp - wall0) * 1e6
+            self._event(
+                {
+                    "name": str(name),
+                    "ph": "C",
+                    "ts": ts,
+                    "pid": self._sync.get("process_index", 0),
+                    "args": series,
+                }
+            )
+
+    # ----- as a sink (History's records become counters) ---------------------------
+    all_processes = True  # every process traces its own metrics
+
+    def write(self, record: Any) -> None:
+        """Each scalar of a History record as a counter track at its time."""
+        from jaxhistory.sinks import scalars
+
+        for name, value in scalars(record).items():
+            self.counter(name, {name: value}, timestamp=record.timestamp)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.flush()
+                self._last_flush = time.monotonic()
+
+
+# ----- reading and merging ---------------------------------------------------------
+def load_trace(path: str | os.PathLike) -> list[dict]:
+    """The events of a trace file: a JSON array or ``{"traceEvents": [...]}``,
+    plain or ``.gz``, complete or cut off anywhere (a missing ``]``, a trailing
+    comma, half an event: the complete events before it are returned)."""
+    path = Path(path)
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except EOFError:  # a gzip stream cut off: what was written so far
+            raw = gzip.GzipFile(fileobj=__import__("io").BytesIO(raw)).read1(1 << 40)
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if isinstance(data, list):
+        return [e for e in data if isinstance(e, dict)]
+    if isinstance(data, dict):
+        events = data.get("traceEvents", [])
+        return [e for e in events if isinstance(e, dict)]
+    start = text.find(
+        "[", text.find('"traceEvents"') if text.lstrip().startswith("{") else 0
+    )
+    if start < 0:
+        raise ValueError(f"{path} is not a Chrome trace (no event array)")
+    decoder, pos, events = json.JSONDecoder(), start + 1, []
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            event, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            break  # cut off inside this event
+        if isinstance(event, dict):
+            events.append(event)
+    return events
+
+
+def _processes(events: list[dict]) -> dict[int, dict]:
+    syncs = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "clock_sync":
+            syncs[e.get("pid", 0)] = dict(e.get("args", {}))
+    return syncs
+
+
+def merge_traces(
+    paths: Iterable[str | os.PathLike], out_path: str | os.PathLike
+) -> Path:
+    """Merges trace files (from several processes, several rotations, or earlier
+    merges) into one file on one clock; returns its path.
+
+    Processes of one run (the same clock sync) are aligned at the barrier they
+    synced at; separate runs are placed by wall clock. Each process keeps one
+    pid (its process index, renumbered only where two runs share one).
+    Truncated inputs are read as far as they go.
+    """
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise ValueError("merge_traces needs at least one trace file")
+    loaded = []
+    for path in paths:
+        events = load_trace(path)
+        loaded.append((events, _processes(events)))
+    # A process is (sync_id, original pid); its shift puts its sync point on the
+    # merged clock: 0 for the earliest run, later runs by their wall-clock start.
+    walls: dict[Any, float] = {}
+    for _, syncs in loaded:
+        for sync in syncs.values():
+            run = sync.get("sync_id")
+            wall = sync.get("sync_wall", 0.0) - sync.get("sync_ts", 0.0) / 1e6
+            walls[run] = min(walls.get(run, math.inf), wall)
+    first_wall = min(walls.values(), default=0.0)
+    new_pid: dict[tuple, int] = {}
+    used: set[int] = set()
+    out_events, seen_meta = [], set()
+    for events, syncs in loaded:
+        for e in events:
+            pid = e.get("pid", 0)
+            sync = syncs.get(pid, {})
+            run = sync.get("sync_id")
+            key = (run, pid)
+            if key not in new_pid:
+                target = (
+                    pid
+                    if isinstance(pid, int) and pid not in used
+                    else max(used, default=-1) + 1
+                )
+                new_pid[key] = target
+                used.add(target)
+            shift = (
+                -sync.get("sync_ts", 0.0)
+                + (walls.get(run, first_wall) - first_wall) * 1e6
+            )
+            e = dict(e)
+            e["pid"] = new_pid[key]
+            if e.get("ph") == "M":
+                if e.get("name") == "clock_sync":
+                    args = dict(e.get("args", {}))
+                    args["sync_ts"] = args.get("sync_ts", 0.0) + shift
+                    e["args"] = args
+                ident = (e["pid"], e.get("tid"), e.get("name"))
+                if ident in seen_meta:
+                    continue  # one of each metadata event per process/thread
+                seen_meta.add(ident)
+            elif "ts" in e:
+                e["ts"] = e["ts"] + shift
+            out_events.append(e)
+    meta = [e for e in out_events if e.get("ph") == "M"]
+    rest = sorted((e for e in out_events if e.get("ph") != "M"), key=lambda e: e["ts"])
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    from jaxhistory.export._netcdf import atomic_write
+
+    lines = ",\n".join(
+        json.dumps(e, allow_nan=False, separators=(",", ":"))
+        for e in itertools.chain(meta, rest)
+    )
+    text = "[\n" + lines + "\n]\n"
+    if out_path.name.endswith(".gz"):
+        atomic_write(
+            out_path, lambda tmp: tmp.write_bytes(gzip.compress(text.encode()))
+        )
+    else:
+        atomic_write(out_path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    return out_path

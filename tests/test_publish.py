@@ -1,0 +1,192 @@
+"""jaxhistory.publish: handlers, groups, put_metric, prof."""
+
+import io
+import threading
+import time
+
+import pytest
+
+import jaxhistory as jh
+from jaxhistory import publish
+
+
+class Collect(publish.MetricHandler):
+    def __init__(self):
+        self.data = []
+        self.lock = threading.Lock()
+
+    def emit(self, metric_data):
+        with self.lock:
+            self.data.append(metric_data)
+
+    def names(self):
+        return [(d.group_name, d.name) for d in self.data]
+
+
+class Broken(publish.MetricHandler):
+    def emit(self, metric_data):
+        raise RuntimeError("handler down")
+
+
+@pytest.fixture(autouse=True)
+def private_registry():
+    with publish.scoped():
+        yield
+
+
+# ----- handlers and groups ----------------------------------------------------------
+def test_default_is_null_and_a_groups_own_handler_wins():
+    default, app = Collect(), Collect()
+    publish.put_metric("before", 1)  # the null default: dropped
+    publish.configure(default)
+    publish.configure(app, group="app")
+    publish.put_metric("a", 1)
+    publish.put_metric("b", 2, metric_group="app")
+    publish.put_metric("c", 3, metric_group="other")
+    assert default.names() == [("jaxhistory", "a"), ("other", "c")]
+    assert app.names() == [("app", "b")]
+    d = app.data[0]
+    assert d.value == 2 and abs(d.timestamp - time.time()) < 5
+
+
+def test_a_stream_taken_before_configure_follows_it():
+    stream = publish.get_stream("late")
+    handler = Collect()
+    publish.configure(handler, group="late")
+    stream.add_value("x", 1.5)
+    assert handler.names() == [("late", "x")] and stream.handler is handler
+
+
+def test_console_handler_format():
+    out = io.StringIO()
+    publish.ConsoleMetricHandler(stream=out).emit(
+        publish.MetricData(1574213883.4182858, "my_app", "my_metric", 7)
+    )
+    assert out.getvalue() == "[1574213883.4182858][my_app]: my_metric=7\n"
+
+
+def test_reset_and_scoped_registries():
+    handler = Collect()
+    publish.configure(handler, group="g")
+    with publish.scoped():
+        publish.put_metric("inner", 1, metric_group="g")  # fresh registry: null
+    publish.put_metric("outer", 1, metric_group="g")
+    publish.reset()
+    publish.put_metric("after_reset", 1, metric_group="g")
+    assert handler.names() == [("g", "outer")]
+
+
+def test_bad_configuration_and_names():
+    with pytest.raises(TypeError, match="MetricHandler or a sink"):
+        publish.configure(print)
+    with pytest.raises(ValueError, match="group"):
+        publish.configure(Collect(), group="")
+    with pytest.raises(ValueError, match="metric name"):
+        publish.put_metric("", 1)
+    with pytest.raises(ValueError, match="group"):
+        publish.get_stream(None)
+
+
+def test_many_threads_publish_and_configure_safely():
+    handler = Collect()
+    publish.configure(handler, group="t")
+    registry = publish._registry()
+
+    def work(i):
+        with publish.scoped():  # scopes are per thread: this one stays private
+            publish.put_metric("private", i, metric_group="t")
+        for j in range(200):
+            registry.publish("t", f"m{i}", j)
+            if j % 50 == 0:
+                registry.configure(handler, "t")  # late configure, same handler
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(handler.data) == 8 * 200
+    assert "private" not in {d.name for d in handler.data}
+
+
+def test_history_handler_records_group_metrics():
+    h = jh.History(distributed_history=False)
+    publish.configure(publish.HistoryHandler(h), group="agent")
+    publish.put_metric("restarts", 1, metric_group="agent")
+    publish.put_metric("restarts", 2, metric_group="agent")
+    assert h.state.values("agent/restarts").tolist() == [1, 2]
+
+
+def test_a_sink_can_be_configured_as_a_handler():
+    out = io.StringIO()
+    publish.configure(jh.sinks.ConsoleSink(stream=out), group="io")
+    publish.put_metric("bytes", 4096, metric_group="io")
+    assert out.getvalue() == "[io] bytes=4096\n"
+
+
+# ----- prof ------------------------------------------------------------------------
+def test_prof_bare_publishes_success_and_float_ms_duration():
+    handler = Collect()
+    publish.configure(handler)
+
+    @publish.prof
+    def quick():
+        return "done"
+
+    assert quick() == "done"
+    names = handler.names()
+    assert names == [
+        ("jaxhistory", "test_publish.quick.success"),
+        ("jaxhistory", "test_publish.quick.duration.ms"),
+    ]
+    duration = handler.data[1].value
+    assert isinstance(duration, float) and 0 < duration < 1000  # sub-ms is not 0
+
+
+def test_prof_with_a_group_keyword_on_a_method_and_a_failure():
+    handler = Collect()
+    publish.configure(handler, group="agent")
+
+    class Worker:
+        @publish.prof(group="agent")
+        def run(self, fail):
+            time.sleep(0.002)
+            if fail:
+                raise KeyError("boom")
+            return 1
+
+    assert Worker().run(False) == 1
+    with pytest.raises(KeyError, match="boom"):
+        Worker().run(True)
+    assert handler.names() == [
+        ("agent", "Worker.run.success"),
+        ("agent", "Worker.run.duration.ms"),
+        ("agent", "Worker.run.failure"),
+        ("agent", "Worker.run.duration.ms"),
+    ]
+    assert handler.data[1].value >= 2.0  # milliseconds, monotonic clock
+
+
+def test_a_raising_handler_never_changes_the_outcome():
+    publish.configure(Broken())
+
+    @publish.prof
+    def ok():
+        return 5
+
+    @publish.prof
+    def bad():
+        raise ValueError("user error")
+
+    with pytest.warns(RuntimeWarning, match="handler down"):
+        assert ok() == 5
+    with pytest.warns(RuntimeWarning), pytest.raises(ValueError, match="user error"):
+        bad()
+
+
+def test_prof_positional_group_is_a_clear_type_error():
+    with pytest.raises(TypeError, match=r"@prof\(group='agent'\)"):
+
+        @publish.prof("agent")
+        def f():
+            pass

@@ -1,0 +1,289 @@
+"""Sinks: one conformance suite over every sink, History fan-out, TensorBoard, W&B."""
+
+import io
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxhistory as jh
+from jaxhistory.sinks import (
+    ConsoleSink,
+    JsonlSink,
+    NullSink,
+    Record,
+    TensorBoardSink,
+    WandbSink,
+)
+
+RECORDS = [
+    Record(step=0, timestamp=100.0, metrics={"loss": 1.0, "tokens": 2**53 + 1}),
+    Record(
+        step=1,
+        timestamp=101.0,
+        metrics={"loss": math.nan, "w": np.array([1.0, 2.0, math.inf])},
+        aggregated={"g/mean": 0.5, "g/max": 1.0, "g/min": 0.0, "g/std": 0.25},
+    ),
+    Record(step=2, timestamp=102.0, metrics={}),  # empty
+    Record(step=None, timestamp=103.0, metrics={"lat.ms": 1.5}, group="agent"),
+    Record(step=3, timestamp=104.0, metrics={"b": np.float32(0.5), "flag": True}),
+]
+
+
+# ----- reading back what each sink wrote ----------------------------------------------
+def _read_jsonl(path):
+    return [json.loads(x) for x in Path(path).read_text().splitlines()]
+
+
+def _read_tensorboard(logdir):
+    from tensorboard.backend.event_processing.event_accumulator import (
+        EventAccumulator,
+    )
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    scalars = {
+        tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+        for tag in acc.Tags()["scalars"]
+    }
+    return scalars, acc.Tags()["histograms"]
+
+
+def _wandb_history(run_dir):
+    """History rows in an offline run file (a LevelDB-style log of protobufs)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = next(Path(run_dir).glob("run-*.wandb")).read_bytes()
+    block, pos, chunks, rows = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer: padding
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0:
+            break
+        chunks += chunk
+        if kind in (1, 4):  # FULL or LAST
+            record = pb.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append(
+                    {
+                        item.key or "/".join(item.nested_key): json.loads(
+                            item.value_json
+                        )
+                        for item in record.history.item
+                    }
+                )
+    return rows
+
+
+@pytest.fixture
+def wandb_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_DISABLED", raising=False)
+    import wandb
+
+    run = wandb.init(project="jaxhistory-tests", dir=str(tmp_path))
+    yield run
+    if wandb.run is not None:
+        wandb.finish()
+
+
+# ----- conformance: every sink on the same records ----------------------------------
+SINKS = ["null", "console", "jsonl", "tensorboard", "wandb"]
+
+
+def _make(kind, tmp_path, request):
+    if kind == "null":
+        return NullSink()
+    if kind == "console":
+        return ConsoleSink(stream=io.StringIO())
+    if kind == "jsonl":
+        return JsonlSink(tmp_path / "sink.jsonl")
+    if kind == "tensorboard":
+        return TensorBoardSink(tmp_path / "tb")
+    request.getfixturevalue("wandb_run")
+    return WandbSink()
+
+
+@pytest.mark.parametrize("kind", SINKS)
+def test_every_sink_takes_every_record_and_closes(kind, tmp_path, request):
+    sink = _make(kind, tmp_path, request)
+    assert isinstance(sink, jh.sinks.Sink) and jh.sinks.is_sink(sink)
+    for record in RECORDS:
+        sink.write(record)
+    sink.flush()
+    sink.close()
+    if kind == "console":
+        lines = sink.stream.getvalue().splitlines()
+        assert lines[0] == "step=0 loss=1.000000 tokens=9007199254740993"
+        assert lines[1].startswith("step=1 loss=nan w=[3 values] g/mean=0.500000")
+        assert lines[2] == "step=2" and lines[3] == "[agent] lat.ms=1.500000"
+        assert lines[4] == "step=3 b=0.500000 flag=True"
+    elif kind == "jsonl":
+        rows = _read_jsonl(tmp_path / "sink.jsonl")
+        assert [r["step"] for r in rows] == [0, 1, 2, None, 3]
+        assert rows[0]["metrics"]["tokens"] == 2**53 + 1  # exact
+        assert rows[1]["metrics"] == {"loss": "NaN", "w": [1.0, 2.0, "Infinity"]}
+        assert rows[1]["aggregated"]["g/std"] == 0.25
+        assert rows[3]["group"] == "agent" and "group" not in rows[0]
+    elif kind == "tensorboard":
+        scalars, histograms = _read_tensorboard(tmp_path / "tb")
+        assert scalars["loss"][0] == (0, 1.0) and math.isnan(scalars["loss"][1][1])
+        assert scalars["g/mean"] == [(1, 0.5)]
+        assert scalars["agent/lat.ms"] == [(0, 1.5)]  # no step: numbered per tag
+        assert scalars["b"] == [(3, 0.5)] and scalars["flag"] == [(3, 1.0)]
+        assert "w" in histograms
+    elif kind == "wandb":
+        import wandb
+
+        run_dir = Path(wandb.run.dir).parent
+        wandb.finish()
+        rows = _wandb_history(run_dir)
+        by_step = {r.get("_step"): r for r in rows}
+        assert by_step[0]["loss"] == 1.0 and by_step[0]["tokens"] == 2**53 + 1
+        assert by_step[1]["g/mean"] == 0.5 and by_step[3]["b"] == 0.5
+        assert any(r.get("agent/lat.ms") == 1.5 for r in rows)
+
+
+# ----- History fan-out ------------------------------------------------------------
+class Collect:
+    all_processes = False
+
+    def __init__(self):
+        self.records, self.flushes, self.closed = [], 0, False
+
+    def write(self, record):
+        self.records.append(record)
+
+    def flush(self):
+        self.flushes += 1
+
+    def close(self):
+        self.closed = True
+
+
+def test_history_hands_each_update_to_its_sinks_with_host_values():
+    sink = Collect()
+    h = jh.History(distributed_history=False, sinks=[sink])
+    f = jax.jit(lambda x: {"loss": x * 2, "acc": x / 4})
+    for i in range(3):
+        h.update({**f(jnp.float32(i)), "lr": 0.1}, summarize=False)
+    h.update({"eval/acc": 0.9}, step=10)
+    h.flush()
+    steps = [r.step for r in sink.records]
+    assert steps == [0, 1, 2, 10] and sink.flushes >= 1
+    assert sink.records[2].metrics == {"loss": 4.0, "acc": 0.5, "lr": 0.1}
+    assert type(sink.records[2].metrics["loss"]) is float  # on the host
+    h.close()
+    assert sink.closed and h.sinks == ()
+
+
+def test_history_gives_sinks_the_stats_from_the_step(mesh):
+    sink = Collect()
+    h = jh.History(sinks=[sink])
+    sharding = jax.sharding.NamedSharding(mesh, jax.P("data"))
+    loss = jax.device_put(np.arange(8.0, dtype=np.float32), sharding)
+    h.update({"loss": loss, "lr": 0.1}, summarize=False)
+    h.flush()
+    record = sink.records[0]
+    assert record.metrics == {"lr": 0.1}
+    assert record.aggregated["loss/mean"] == pytest.approx(3.5)
+    assert record.aggregated["loss/max"] == 7.0
+
+
+def test_a_failing_sink_warns_once_and_the_others_go_on(tmp_path):
+    class Failing(Collect):
+        def write(self, record):
+            raise OSError("disk gone")
+
+    good = Collect()
+    h = jh.History(
+        distributed_history=False,
+        sinks=[Failing(), good],
+        jsonl_path=tmp_path / "log.jsonl",
+    )
+    with pytest.warns(RuntimeWarning, match="sink Failing failed"):
+        h.update({"loss": 1.0})
+        h.flush()
+    h.update({"loss": 0.5})
+    h.flush()
+    assert [r.step for r in good.records] == [0, 1]
+    assert len(_read_jsonl(tmp_path / "log.jsonl")) == 2  # the log is unaffected
+    h.close()
+
+
+def test_sinks_are_checked_and_written_by_process_zero_only():
+    with pytest.raises(TypeError, match="not a sink"):
+        jh.History(sinks=[object()])
+    with pytest.raises(TypeError, match="sequence of sinks"):
+        jh.History(sinks=Collect())
+    everywhere = Collect()
+    everywhere.all_processes = True
+    with mock.patch.object(jax, "process_index", return_value=1):
+        h = jh.History(distributed_history=False, sinks=[Collect(), everywhere])
+    assert h.sinks == (everywhere,)
+
+
+# ----- W&B ------------------------------------------------------------------------
+def test_history_uses_an_active_wandb_run_and_logs_outputs_at_finalize(
+    wandb_run, tmp_path
+):
+    import wandb
+
+    h = jh.History(distributed_history=False)  # use_wandb=None: the run is active
+    assert any(isinstance(s, WandbSink) for s in h.sinks)
+    for i in range(4):
+        h.update({"loss": 1.0 / (i + 1), "lr": 0.1}, summarize=False)
+    h.finalize(tmp_path / "out", plot=True)
+    run_dir = Path(wandb.run.dir).parent
+    files = Path(wandb.run.dir)
+    wandb.finish()
+    rows = _wandb_history(run_dir)
+    losses = {r["_step"]: r["loss"] for r in rows if "loss" in r}
+    assert losses == {0: 1.0, 1: 0.5, 2: 1.0 / 3, 3: 0.25}
+    tables = list(files.glob("media/table/history_*.table.json"))
+    table = json.loads(tables[0].read_text())
+    assert table["columns"] == ["step", "loss", "lr"]
+    assert [row[0] for row in table["data"]] == [0, 1, 2, 3]
+    assert list(files.glob("media/images/plots/loss_*.png"))
+
+
+def test_wandb_switches(wandb_run, monkeypatch):
+    assert not any(isinstance(s, WandbSink) for s in jh.History(use_wandb=False).sinks)
+    monkeypatch.setenv("WANDB_DISABLED", "true")
+    assert jh.History().sinks == ()
+    monkeypatch.setenv("WANDB_DISABLED", "maybe")
+    with pytest.raises(ValueError, match="WANDB_DISABLED='maybe'"):
+        jh.History()
+    monkeypatch.setenv("WANDB_DISABLED", "0")
+    assert len(jh.History().sinks) == 1
+    with pytest.raises(ValueError, match="use_wandb"):
+        jh.History(use_wandb="yes")
+
+
+def test_wandb_sink_without_a_run_is_a_clear_error(monkeypatch):
+    import wandb
+
+    monkeypatch.setattr(wandb, "run", None)
+    with pytest.raises(ValueError, match="no active W&B run"):
+        WandbSink()
+    assert jh.History(use_wandb=None).sinks == ()  # nothing active: no sink
+
+
+def test_missing_extras_name_the_pip_install(monkeypatch, tmp_path):
+    monkeypatch.setitem(os.sys.modules, "tensorboardX", None)
+    with pytest.raises(ImportError, match=r"pip install 'jaxhistory\[tensorboard\]'"):
+        TensorBoardSink(tmp_path)
