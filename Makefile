@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_history.py --out benchmarks/results/history.md
 	$(BIN)/python benchmarks/bench_export.py --out benchmarks/results/export.md
 	$(BIN)/python benchmarks/bench_memory.py --out benchmarks/results/memory.md
+	$(BIN)/python benchmarks/bench_publish.py --out benchmarks/results/publish.md
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxhistory
+from jaxhistory import trace
 
 IN_FEATURES = 16
 HIDDEN = 64
@@ -139,11 +140,20 @@ def main(argv: list[str] | None = None) -> None:
             run_name=f"demo-seed{args.seed}",
         )
 
+        # A Chrome trace of the run (open traces/merged_trace.json in Perfetto):
+        # StopWatch spans, and the recorded metrics as counter tracks.
+        tracing = trace.JSONTraceHandler(
+            folder=os.path.join(args.outdir, "traces"),
+            overwrite=True,  # a rerun of the demo replaces its traces
+            run_name=f"demo-seed{args.seed}",
+        )
+        tracing.start()
         start = time.perf_counter()
         for step in range(1, args.steps + 1):
             idx = batch_rng.integers(0, NUM_EXAMPLES, size=args.batch_size)
-            x, y = jax.device_put((xs[idx], ys[idx]), batch_sharding)
-            out = train_step(model, optimizer, x, y)
+            with jaxhistory.StopWatch("dispatch step"):  # host time: jit is async
+                x, y = jax.device_put((xs[idx], ys[idx]), batch_sharding)
+                out = train_step(model, optimizer, x, y)
             stats, grad_norm = out
             # Stats are recorded as train/loss/mean|max|min|std; nothing waits here.
             history.update(
@@ -151,17 +161,20 @@ def main(argv: list[str] | None = None) -> None:
                 summarize=False,
             )
             if step % args.log_every == 0 or step == args.steps:
-                s, grad_norm = jax.device_get(out)  # one transfer for everything
-                print(
-                    f"step={step:4d}  loss mean={s['loss/mean']:.6f} "
-                    f"min={s['loss/min']:.6f} max={s['loss/max']:.6f} "
-                    f"std={s['loss/std']:.6f}  grad_norm={grad_norm:.4f}",
-                    flush=True,
-                )
+                with jaxhistory.StopWatch("wait and log", history=history):
+                    s, grad_norm = jax.device_get(out)  # one transfer for all
+                    print(
+                        f"step={step:4d}  loss mean={s['loss/mean']:.6f} "
+                        f"min={s['loss/min']:.6f} max={s['loss/max']:.6f} "
+                        f"std={s['loss/std']:.6f}  grad_norm={grad_norm:.4f}",
+                        flush=True,
+                    )
             elif step % MAX_STEPS_IN_FLIGHT == 0:
                 # See MAX_STEPS_IN_FLIGHT: never let too many steps queue up.
                 jax.block_until_ready(out)
         elapsed = time.perf_counter() - start
+        history.flush()  # the last metrics into the trace as well
+        tracing.close()
         tracker.stop("train")
 
     print(

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import orjson
 
 from jaxhistory import _trace_state
 
@@ -327,7 +328,7 @@ class JSONTraceHandler:
             )
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
-            self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115
+            self._file = open(path, "wb")  # noqa: SIM115
             self._first = True
             self.paths.append(path)
             self._write_metadata()
@@ -372,8 +373,8 @@ class JSONTraceHandler:
         """Writes one event line (the caller holds the lock)."""
         if self._file is None:
             return
-        text = json.dumps(event, allow_nan=False, separators=(",", ":"))
-        self._file.write(("[\n" if self._first else ",\n") + text)
+        # Values are sanitized (finite numbers, strings): orjson writes them as is.
+        self._file.write((b"[\n" if self._first else b",\n") + orjson.dumps(event))
         self._first = False
         now = time.monotonic()
         if now - self._last_flush > FLUSH_SECONDS:
@@ -382,7 +383,7 @@ class JSONTraceHandler:
 
     def _finish(self) -> None:
         if self._file is not None:
-            self._file.write("[\n]\n" if self._first else "\n]\n")
+            self._file.write(b"[\n]\n" if self._first else b"\n]\n")
             self._file.close()
             self._file = None
 
@@ -569,7 +570,7 @@ def merge_traces(
     for _, syncs in loaded:
         for sync in syncs.values():
             run = sync.get("sync_id")
-            wall = sync.get("sync_wall", 0.0) - sync.get("sync_ts", 0.0) / 1e6
+            wall = sync.get("sync_wall", 0.0)  # the barrier's wall-clock time
             walls[run] = min(walls.get(run, math.inf), wall)
     first_wall = min(walls.values(), default=0.0)
     new_pid: dict[tuple, int] = {}

@@ -161,3 +161,28 @@ def finalize_run(outdir: str, steps: int) -> dict:
         "loss_mean": [float(x) for x in ds["loss/mean"].values],
         "process_count_attr": int(ds.attrs["process_count"]),
     }
+
+
+def trace_run(folder: str) -> dict:
+    """Each process traces spans and a History's counters; local rank 0 merges."""
+    import time
+
+    import jax
+
+    import jaxhistory as jh
+    from jaxhistory import trace
+
+    handler = trace.JSONTraceHandler(folder=folder, run_name="mp")
+    handler.start()
+    history = jh.History(distributed_history=False)
+    for step in range(3):
+        with jh.StopWatch(f"step {step}"):
+            time.sleep(0.002 * (jax.process_index() + 1))
+        history.update({"loss": 1.0 / (step + 1)}, summarize=False)
+    history.flush()
+    handler.close()
+    return {
+        "paths": [str(p) for p in handler.paths],
+        "merged": None if handler.merged_path is None else str(handler.merged_path),
+        "vars": {k: handler._vars[k] for k in ("rank", "local_rank", "world_size")},
+    }

@@ -77,3 +77,9 @@ def test_demo_runs_and_loss_decreases(tmp_path):
     assert results == json.loads((out / "train_results.json").read_text())
     assert results["init_mem_device_alloc_delta"] > 0  # parameters and Adam state
     assert results["train_loss"] == float(state.last("train/loss/mean"))
+    assert state.count("timing/wait_and_log") == 3
+    events = jh.trace.load_trace(out / "traces" / "merged_trace.json")
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len([e for e in spans if e["name"] == "dispatch step"]) == 30
+    loss = [e for e in events if e["ph"] == "C" and e["name"] == "train/loss/mean"]
+    assert len(loss) == 30

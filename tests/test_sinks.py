@@ -102,7 +102,7 @@ def wandb_run(tmp_path, monkeypatch):
 
 
 # ----- conformance: every sink on the same records ----------------------------------
-SINKS = ["null", "console", "jsonl", "tensorboard", "wandb"]
+SINKS = ["null", "console", "jsonl", "tensorboard", "wandb", "trace"]
 
 
 def _make(kind, tmp_path, request):
@@ -114,6 +114,14 @@ def _make(kind, tmp_path, request):
         return JsonlSink(tmp_path / "sink.jsonl")
     if kind == "tensorboard":
         return TensorBoardSink(tmp_path / "tb")
+    if kind == "trace":
+        from jaxhistory.trace import JSONTraceHandler
+
+        handler = JSONTraceHandler(
+            folder=str(tmp_path / "tr"), merged_trace_filename=None
+        )
+        handler.start()
+        return handler
     request.getfixturevalue("wandb_run")
     return WandbSink()
 
@@ -146,6 +154,18 @@ def test_every_sink_takes_every_record_and_closes(kind, tmp_path, request):
         assert scalars["agent/lat.ms"] == [(0, 1.5)]  # no step: numbered per tag
         assert scalars["b"] == [(3, 0.5)] and scalars["flag"] == [(3, 1.0)]
         assert "w" in histograms
+    elif kind == "trace":
+        from jaxhistory.trace import load_trace
+
+        events = load_trace(sink.paths[0])
+        counters = {}
+        for e in events:
+            if e["ph"] == "C":
+                counters.setdefault(e["name"], []).extend(e["args"].values())
+        assert counters["loss"] == [1.0]  # NaN left out of the track
+        assert counters["tokens"] == [float(2**53 + 1)]
+        assert counters["agent/lat.ms"] == [1.5] and counters["g/std"] == [0.25]
+        assert "w" not in counters  # arrays are not counters
     elif kind == "wandb":
         import wandb
 

@@ -32,8 +32,13 @@ class TensorBoardSink:
 
     def __init__(self, logdir: str | os.PathLike, flush_secs: int = 10):
         tbx = import_optional("tensorboardX", "the TensorBoard sink")
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        self._summary = Summary
         self.logdir = os.fspath(logdir)
-        self._writer = tbx.SummaryWriter(self.logdir, flush_secs=flush_secs)
+        self._writer = tbx.SummaryWriter(
+            self.logdir, flush_secs=flush_secs, max_queue=1024
+        )
         self._counts: dict[str, int] = {}
 
     def _step(self, tag: str, step: int | None) -> int:
@@ -45,21 +50,39 @@ class TensorBoardSink:
 
     def write(self, record: Any) -> None:
         prefix = f"{record.group}/" if record.group else ""
+        Value = self._summary.Value
+        scalars = []  # one event for all the scalars of a record with a step
         for name, value in (*record.metrics.items(), *record.aggregated.items()):
             tag = prefix + name
-            arr = np.asarray(value)
-            if arr.dtype.kind not in "biuf":
-                arr = arr.astype(np.float64)
+            if type(value) is float or type(value) is int:
+                arr = None
+                number = float(value)
+            else:
+                arr = np.asarray(value)
+                if arr.dtype.kind not in "biuf":
+                    arr = arr.astype(np.float64)
+                number = float(arr) if arr.ndim == 0 else None
+            if number is not None:
+                if record.step is None:
+                    step = self._step(tag, None)
+                    self._add([Value(tag=tag, simple_value=number)], step, record)
+                else:
+                    scalars.append(Value(tag=tag, simple_value=number))
+                continue
             step = self._step(tag, record.step)
-            if arr.ndim == 0:
-                self._writer.add_scalar(
-                    tag, float(arr), global_step=step, walltime=record.timestamp
-                )
-            elif arr.size and np.isfinite(arr).any():
+            if arr.size and np.isfinite(arr).any():
                 finite = arr[np.isfinite(arr)].astype(np.float64)
                 self._writer.add_histogram(
                     tag, finite, global_step=step, walltime=record.timestamp
                 )
+
+        if scalars:
+            self._add(scalars, record.step, record)
+
+    def _add(self, values: list, step: int, record: Any) -> None:
+        self._writer._get_file_writer().add_summary(
+            self._summary(value=values), step, record.timestamp
+        )
 
     def flush(self) -> None:
         self._writer.flush()

@@ -1,0 +1,177 @@
+"""Benchmark: what publishing, timing, tracing and sinks cost per call.
+
+Each row is the median over repeats of the mean time per call, the rows of a
+table measured side by side in one run:
+
+1. ``put_metric`` to the null default handler and to a handler that keeps the
+   values; a ``@prof`` call of an empty function against the bare function.
+2. ``StopWatch`` around an empty block: no trace handler, and with an active
+   ``JSONTraceHandler`` (the span written as an ``X`` event); a trace
+   ``counter`` event.
+3. ``History.update`` of 10 Python floats on the training thread with no sinks,
+   with a ``JsonlSink``, and with a ``TensorBoardSink`` (the sinks are written by
+   History's background thread; the table also gives the time until every record
+   has been written and flushed, per record).
+
+Run: ``make bench`` or ``python benchmarks/bench_publish.py [--out PATH]``;
+``--quick`` is a smoke run.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+import jaxhistory
+from jaxhistory import publish, sinks, trace
+
+
+def machine_info() -> str:
+    return (
+        f"jax {jax.__version__}, python {platform.python_version()}, "
+        f"platform {jax.default_backend()}, os.cpu_count()={os.cpu_count()}"
+    )
+
+
+class Keep(publish.MetricHandler):
+    def __init__(self):
+        self.values = []
+
+    def emit(self, metric_data):
+        self.values.append(metric_data)
+
+
+def per_call(fn, calls: int, repeats: int) -> float:
+    """Median over repeats of the mean µs per call."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def bench_calls(calls: int, repeats: int, folder: Path) -> list[str]:
+    rows = ["| call | µs/call |", "|---|---:|"]
+    with publish.scoped():
+        rows.append(
+            f"| `put_metric` (null default handler) "
+            f"| {per_call(lambda: publish.put_metric('x', 1.0), calls, repeats):.2f} |"
+        )
+        publish.configure(Keep())
+        rows.append(
+            f"| `put_metric` (a handler that keeps values) "
+            f"| {per_call(lambda: publish.put_metric('x', 1.0), calls, repeats):.2f} |"
+        )
+
+        def empty():
+            return None
+
+        profiled = publish.prof(empty)
+        bare = per_call(empty, calls, repeats)
+        prof = per_call(profiled, calls, repeats)
+        rows.append(f"| empty function | {bare:.2f} |")
+        rows.append(f"| the same under `@prof` (3 metrics published) | {prof:.2f} |")
+
+    def span():
+        with jaxhistory.StopWatch("span"):
+            pass
+
+    rows.append(
+        f"| `StopWatch` span, no trace handler | {per_call(span, calls, repeats):.2f} |"
+    )
+    with trace.JSONTraceHandler(folder=str(folder), merged_trace_filename=None) as t:
+        traced = per_call(span, calls, repeats)
+        counter = per_call(lambda: t.counter("loss", {"loss": 0.5}), calls, repeats)
+    size = t.paths[0].stat().st_size
+    events = len(trace.load_trace(t.paths[0]))
+    rows.append(f"| `StopWatch` span, trace handler active | {traced:.2f} |")
+    rows.append(f"| trace `counter` event | {counter:.2f} |")
+    rows.append("")
+    rows.append(
+        f"Trace file: {events:,} events in {size / 2**20:.1f} MiB "
+        f"({size / events:.0f} bytes per event)."
+    )
+    return rows
+
+
+def bench_history(steps: int, repeats: int, folder: Path) -> list[str]:
+    rows = [
+        "| sinks | µs/update on the training thread | µs/record until written |",
+        "|---|---:|---:|",
+    ]
+    data = [{f"m{j}": float(i + j) for j in range(10)} for i in range(steps)]
+    makers = {
+        "none": lambda i: [],
+        "`JsonlSink`": lambda i: [sinks.JsonlSink(folder / f"s{i}.jsonl")],
+        "`TensorBoardSink`": lambda i: [sinks.TensorBoardSink(folder / f"tb{i}")],
+    }
+    results = {name: ([], []) for name in makers}
+    for r in range(repeats):
+        for name, make in makers.items():  # interleaved
+            history = jaxhistory.History(
+                distributed_history=False, sinks=make(f"{r}-{len(results[name][0])}")
+            )
+            start = time.perf_counter()
+            for row in data:
+                history.update(row, summarize=False)
+            on_thread = time.perf_counter() - start
+            history.flush()  # waits until the background thread has written all
+            until_written = time.perf_counter() - start
+            history.close()
+            results[name][0].append(on_thread / steps * 1e6)
+            results[name][1].append(until_written / steps * 1e6)
+    for name, (thread, written) in results.items():
+        rows.append(
+            f"| {name} | {statistics.median(thread):.1f} "
+            f"| {statistics.median(written):.1f} |"
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="also write the report here")
+    parser.add_argument("--quick", action="store_true", help="smoke run")
+    args = parser.parse_args(argv)
+    calls, steps, repeats = (500, 200, 2) if args.quick else (20_000, 5_000, 5)
+    info = machine_info()
+    print(info, flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        sections = [
+            "## 1. Publishing, timing and tracing",
+            "",
+            f"{calls:,} calls per timing, median of {repeats} repeats.",
+            "",
+            *bench_calls(calls, repeats, folder / "trace"),
+            "",
+            "## 2. History with sinks",
+            "",
+            f"{steps:,} updates of 10 Python floats per timing, median of {repeats} "
+            "repeats, settings interleaved.",
+            "",
+            *bench_history(steps, repeats, folder),
+        ]
+    mode = "--quick" if args.quick else "full run"
+    text = f"{info}\n{mode}\n\n" + "\n".join(sections)
+    print(text, flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""Chrome traces and StopWatch."""
+
+import gzip
+import json
+import logging
+import random
+import subprocess
+import sys
+import threading
+import time
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxhistory as jh
+from jaxhistory import trace
+
+REQUIRED = {
+    "X": {"name", "ph", "ts", "dur", "pid", "tid"},
+    "C": {"name", "ph", "ts", "pid", "args"},
+    "i": {"name", "ph", "ts", "pid", "tid", "s"},
+    "M": {"name", "ph", "pid", "args"},
+}
+
+
+def check_valid(events):
+    """Every event has its required fields, times are numbers, X events nest."""
+    for e in events:
+        assert REQUIRED[e["ph"]] <= set(e), e
+        if "ts" in e:
+            assert isinstance(e["ts"], int | float) and np.isfinite(e["ts"])
+    spans = {}
+    for e in events:
+        if e["ph"] == "X":
+            spans.setdefault((e["pid"], e["tid"]), []).append(
+                (e["ts"], e["ts"] + e["dur"])
+            )
+    for intervals in spans.values():
+        stack = []
+        for start, end in sorted(intervals, key=lambda se: (se[0], -se[1])):
+            while stack and stack[-1] <= start + 1e-3:
+                stack.pop()
+            if stack:
+                assert end <= stack[-1] + 1e-3, "X events overlap without nesting"
+            stack.append(end)
+    json.dumps(events, allow_nan=False)  # strict JSON: loads in Perfetto
+
+
+def record_some(handler, history=None):
+    with jh.StopWatch("outer"):
+        with jh.StopWatch("inner"):
+            time.sleep(0.001)
+        with jh.StopWatch("inner 2"):
+            pass
+    worker = threading.Thread(target=lambda: jh.StopWatch("on a thread")(lambda: 1)())
+    worker.start()
+    worker.join()
+    handler.instant("checkpoint", {"path": "/x", "loss": float("nan")})
+    handler.counter("queue", {"depth": 3, "bad": float("inf")})
+    if history is not None:
+        for i in range(3):
+            history.update(
+                {"loss": 1.0 / (i + 1), "nan": float("nan")}, summarize=False
+            )
+        history.flush()
+
+
+# ----- the handler ------------------------------------------------------------------
+def test_a_trace_has_every_event_kind_valid_and_nested(tmp_path):
+    h = jh.History(distributed_history=False)
+    with trace.JSONTraceHandler(folder=str(tmp_path), merged_trace_filename=None) as t:
+        record_some(t, h)
+    events = trace.load_trace(t.paths[0])
+    check_valid(events)
+    assert t.paths[0].name == "ep0-ba0-rank0.json"
+    kinds = {(e["ph"], e["name"]) for e in events}
+    assert {
+        ("X", "outer"),
+        ("X", "inner"),
+        ("X", "on a thread"),
+        ("i", "checkpoint"),
+    } <= kinds
+    assert {("M", "process_name"), ("M", "thread_name"), ("M", "clock_sync")} <= kinds
+    loss = [e for e in events if e["ph"] == "C" and e["name"] == "loss"]
+    assert [e["args"]["loss"] for e in loss] == [1.0, 0.5, 1.0 / 3]
+    assert not [e for e in events if e["ph"] == "C" and e["name"] == "nan"]
+    queue = next(e for e in events if e["name"] == "queue")
+    assert queue["args"] == {"depth": 3.0}  # the infinite series is left out
+    ckpt = next(e for e in events if e["name"] == "checkpoint")
+    assert ckpt["args"] == {"path": "/x", "loss": "NaN"}
+    threads = {e["tid"] for e in events if e["ph"] == "X"}
+    assert len(threads) == 2 and all(e["pid"] == 0 for e in events)
+
+
+def test_traces_are_only_written_while_a_handler_is_active(tmp_path):
+    t = trace.JSONTraceHandler(folder=str(tmp_path), merged_trace_filename=None)
+    with jh.StopWatch("before"):
+        pass
+    t.start()
+    with jh.StopWatch("during"):
+        pass
+    t.close()
+    with jh.StopWatch("after"):
+        pass
+    names = {e["name"] for e in trace.load_trace(t.paths[0]) if e["ph"] == "X"}
+    assert names == {"during"}
+
+
+def test_format_variables_and_unknown_ones(tmp_path):
+    t = trace.JSONTraceHandler(
+        folder=str(tmp_path / "{run_name}" / "w{world_size}"),
+        filename="s{step}-e{epoch}-b{batch}-r{rank}-l{local_rank}-n{node_rank}.json",
+        run_name="demo",
+        merged_trace_filename="node{node_rank}.json",
+    )
+    with t:
+        t.rotate(step=5, epoch=1)
+    assert [p.name for p in t.paths] == [
+        "s0-e0-b0-r0-l0-n0.json",
+        "s5-e1-b0-r0-l0-n0.json",
+    ]
+    assert t.paths[0].parent == tmp_path / "demo" / "w1"
+    assert t.merged_path.name == "node0.json"
+    with pytest.raises(ValueError, match=r"unknown variable \{epochs\}"):
+        trace.JSONTraceHandler(filename="ep{epochs}.json")
+    with pytest.raises(ValueError, match=r"unknown variable \{step\}"):
+        trace.JSONTraceHandler(folder="{step}")
+    with pytest.raises(ValueError, match="num_traces_to_keep"):
+        trace.JSONTraceHandler(num_traces_to_keep=-2)
+
+
+def test_overwrite_false_refuses_a_non_empty_folder_but_ignores_hidden_files(tmp_path):
+    (tmp_path / ".cache").write_text("x")
+    t = trace.JSONTraceHandler(folder=str(tmp_path), merged_trace_filename=None)
+    with t:
+        pass  # only a hidden file there: fine
+    with pytest.raises(FileExistsError, match="not empty"):
+        trace.JSONTraceHandler(folder=str(tmp_path)).start()
+    with trace.JSONTraceHandler(folder=str(tmp_path), overwrite=True) as again:
+        pass
+    assert again.paths[0].is_file()
+    assert trace._trace_state.active() is None
+
+
+def test_rotation_keeps_the_newest_files_of_this_process_only(tmp_path):
+    other = tmp_path / "ep0-ba0-rank1.json"  # another process's file
+    t = trace.JSONTraceHandler(
+        folder=str(tmp_path),
+        num_traces_to_keep=2,
+        overwrite=True,
+        merged_trace_filename=None,
+    )
+    other.write_text("[]")
+    with t:
+        for batch in range(1, 5):
+            with jh.StopWatch(f"b{batch}"):
+                pass
+            t.rotate(batch=batch)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["ep0-ba0-rank1.json", "ep0-ba3-rank0.json", "ep0-ba4-rank0.json"]
+    assert [p.name for p in t.paths] == ["ep0-ba3-rank0.json", "ep0-ba4-rank0.json"]
+    with pytest.raises(RuntimeError, match="not started"):
+        t.rotate(batch=9)
+
+
+def test_a_trace_cut_at_any_byte_still_loads(tmp_path):
+    with trace.JSONTraceHandler(folder=str(tmp_path), merged_trace_filename=None) as t:
+        record_some(t, jh.History(distributed_history=False))
+    data = t.paths[0].read_bytes()
+    full = trace.load_trace(t.paths[0])
+    rng = random.Random(0)
+    cut_file = tmp_path / "cut.json"
+    for cut in [1, 2, len(data) - 1, len(data) - 3, *rng.sample(range(len(data)), 40)]:
+        cut_file.write_bytes(data[:cut])
+        events = trace.load_trace(cut_file)
+        assert events == full[: len(events)]  # a prefix of the events, never garbage
+        check_valid(events)
+
+
+def test_load_trace_forms(tmp_path):
+    events = [{"name": "a", "ph": "X", "ts": 1.0, "dur": 2.0, "pid": 0, "tid": 1}]
+    (tmp_path / "obj.json").write_text(json.dumps({"traceEvents": events}))
+    (tmp_path / "comma.json").write_text("[" + json.dumps(events[0]) + ",\n")
+    (tmp_path / "gz.json.gz").write_bytes(gzip.compress(json.dumps(events).encode()))
+    for name in ("obj.json", "comma.json", "gz.json.gz"):
+        assert trace.load_trace(tmp_path / name) == events
+    (tmp_path / "bad.json").write_text("not a trace")
+    with pytest.raises(ValueError, match="not a Chrome trace"):
+        trace.load_trace(tmp_path / "bad.json")
+
+
+def test_a_process_killed_mid_run_leaves_a_loadable_file(tmp_path):
+    code = f"""
+import os, time, jaxhistory as jh
+from jaxhistory import trace
+t = trace.JSONTraceHandler(folder={str(tmp_path)!r}, merged_trace_filename=None)
+t.start()
+for i in range(50):
+    with jh.StopWatch(f"span {{i}}"):
+        pass
+time.sleep(1.2)  # past the flush interval
+t.instant("last")
+os.kill(os.getpid(), 9)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], timeout=120, check=False)
+    assert proc.returncode == -9
+    events = trace.load_trace(tmp_path / "ep0-ba0-rank0.json")
+    assert len([e for e in events if e["ph"] == "X"]) == 50
+    check_valid(events)
+
+
+# ----- merging -----------------------------------------------------------------------
+def _fake_process(tmp_path, pid, sync_ts, sync_id, wall=1000.0):
+    events = [
+        {
+            "name": "clock_sync",
+            "ph": "M",
+            "pid": pid,
+            "tid": 0,
+            "args": {
+                "sync_ts": sync_ts,
+                "sync_wall": wall,
+                "sync_id": sync_id,
+                "process_index": pid,
+            },
+        },
+        {
+            "name": "process_name",
+            "ph": "M",
+            "pid": pid,
+            "tid": 0,
+            "args": {"name": f"p{pid}"},
+        },
+        {
+            "name": "work",
+            "ph": "X",
+            "ts": sync_ts + 100.0,
+            "dur": 10.0,
+            "pid": pid,
+            "tid": 1,
+        },
+    ]
+    path = tmp_path / f"p{pid}-{sync_id}.json"
+    path.write_text(json.dumps(events))
+    return path
+
+
+def test_merge_aligns_processes_at_their_sync_and_keeps_one_pid_each(tmp_path):
+    a = _fake_process(tmp_path, 0, sync_ts=5_000.0, sync_id=7)
+    b = _fake_process(tmp_path, 1, sync_ts=9_000_000.0, sync_id=7)  # another clock
+    out = trace.merge_traces([a, b], tmp_path / "merged.json")
+    events = trace.load_trace(out)
+    work = {e["pid"]: e["ts"] for e in events if e["name"] == "work"}
+    assert work == {0: 100.0, 1: 100.0}  # both 100 µs after the shared barrier
+    # Re-merging the merged file with itself changes nothing but duplicates nothing.
+    again = trace.load_trace(trace.merge_traces([out], tmp_path / "again.json"))
+    assert sorted((e["pid"], e["ts"]) for e in again if e["name"] == "work") == [
+        (0, 100.0),
+        (1, 100.0),
+    ]
+    # A second run whose process 0 has the same pid gets a pid of its own, placed
+    # by wall clock (2 s later).
+    c = _fake_process(tmp_path, 0, sync_ts=1.0, sync_id=8, wall=1002.0)
+    merged = trace.load_trace(trace.merge_traces([out, c], tmp_path / "three.json"))
+    work = sorted((e["pid"], e["ts"]) for e in merged if e["name"] == "work")
+    assert work == [(0, 100.0), (1, 100.0), (2, 2_000_100.0)]
+    with pytest.raises(ValueError, match="at least one"):
+        trace.merge_traces([], tmp_path / "none.json")
+
+
+def test_merge_traces_command(tmp_path):
+    a = _fake_process(tmp_path, 0, 0.0, 1)
+    b = _fake_process(tmp_path, 1, 0.0, 1)
+    run = lambda *args: subprocess.run(
+        [sys.executable, "-m", "jaxhistory", "merge-traces", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    ok = run(a, b, "-o", tmp_path / "m.json.gz")
+    assert ok.returncode == 0, ok.stderr
+    assert {e["pid"] for e in trace.load_trace(tmp_path / "m.json.gz")} == {0, 1}
+    missing = run(tmp_path / "nope.json", "-o", tmp_path / "x.json")
+    assert missing.returncode == 2 and "no trace file" in missing.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_trace_sync_and_merge_with_distinct_pids(tmp_path):
+    results = jh.launch_local(
+        "mp_workers:trace_run", 2, 1, args=(str(tmp_path),), timeout=240
+    )
+    assert [r["vars"] for r in results] == [
+        {"rank": 0, "local_rank": 0, "world_size": 2},
+        {"rank": 1, "local_rank": 1, "world_size": 2},
+    ]
+    merged = results[0]["merged"]
+    assert merged is not None and results[1]["merged"] is None  # local rank 0 only
+    events = trace.load_trace(merged)
+    check_valid(events)
+    assert {e["pid"] for e in events} == {0, 1}
+    for pid in (0, 1):
+        spans = [e for e in events if e["pid"] == pid and e["ph"] == "X"]
+        assert [e["name"] for e in spans] == ["step 0", "step 1", "step 2"]
+        counters = [e for e in events if e["pid"] == pid and e["ph"] == "C"]
+        assert [e["args"]["loss"] for e in counters] == [1.0, 0.5, 1.0 / 3]
+    syncs = [e for e in events if e["name"] == "clock_sync"]
+    assert len(syncs) == 2 and len({e["args"]["sync_id"] for e in syncs}) == 1
+    # Both processes started together at the barrier: their first spans start
+    # within a fraction of a second of each other on the merged clock.
+    first = [
+        min(e["ts"] for e in events if e["pid"] == p and e["ph"] == "X") for p in (0, 1)
+    ]
+    assert abs(first[0] - first[1]) < 500_000
+
+
+# ----- StopWatch ---------------------------------------------------------------------
+def test_stopwatch_logs_records_and_annotates(caplog):
+    h = jh.History(distributed_history=False)
+    h.update({"loss": 1.0}, step=4)
+    with (
+        caplog.at_level(logging.INFO, logger="jaxhistory"),
+        mock.patch.object(
+            jax.profiler, "TraceAnnotation", wraps=jax.profiler.TraceAnnotation
+        ) as ann,
+        jh.StopWatch("forward pass", history=h) as sw,
+    ):
+        time.sleep(0.002)
+    assert ann.call_args.args == ("forward pass",)
+    assert sw.seconds >= 0.002
+    assert f"forward pass took {sw.seconds:.3f} seconds" in caplog.text
+    assert h.state.steps("timing/forward_pass").tolist() == [4]  # the latest step
+    assert h.state.next_step == 5  # the step counter did not move
+    with jh.StopWatch("forward pass", history=h):
+        pass
+    assert h.state.steps("timing/forward_pass").tolist() == [4, 5]
+    with jh.StopWatch("x", wbtag="timing/fwd", history=h, step=20):
+        pass
+    assert h.state.steps("timing/fwd").tolist() == [20]
+
+
+def test_stopwatch_waits_for_device_work():
+    x = jnp.ones((128, 128))
+    with mock.patch.object(jax, "block_until_ready", wraps=jax.block_until_ready) as b:
+        with jh.StopWatch("given", block=x):
+            pass
+        with jh.StopWatch("inside") as sw:
+            out = sw.wait(x @ x)
+        assert b.call_count == 2
+        assert b.call_args.args[0] == [out]
+
+        @jh.StopWatch("decorated", block=True)
+        def step(a):
+            return a * 2
+
+        result = step(x)
+        assert b.call_count == 3 and b.call_args.args[0] == [result]
+        assert step.last > 0
+
+
+def test_stopwatch_decorator_times_every_call_into_a_history():
+    h = jh.History(distributed_history=False)
+
+    @jh.StopWatch("load", history=h)
+    def load(i):
+        return i
+
+    assert [load(i) for i in range(3)] == [0, 1, 2]
+    assert h.state.count("timing/load") == 3
+
+
+def test_a_block_that_raises_is_traced_but_not_recorded(tmp_path):
+    h = jh.History(distributed_history=False)
+    with (
+        trace.JSONTraceHandler(folder=str(tmp_path), merged_trace_filename=None) as t,
+        pytest.raises(KeyError),
+        jh.StopWatch("fails", history=h),
+    ):
+        raise KeyError("x")
+    assert "timing/fails" not in h.state
+    span = next(e for e in trace.load_trace(t.paths[0]) if e["ph"] == "X")
+    assert span["args"]["error"] == "KeyError"
+
+
+def test_stopwatch_bad_arguments():
+    with pytest.raises(ValueError, match="msg"):
+        jh.StopWatch("")
+    with pytest.raises(ValueError, match="wbtag"):
+        jh.StopWatch("a", wbtag="  ")
+    with pytest.raises(TypeError, match="History"):
+        jh.StopWatch("a", history=[])
+    with pytest.raises(TypeError, match="decorates a function"):
+        jh.StopWatch("a")(3)
