@@ -21,7 +21,6 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX starts
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -30,16 +29,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import machine_info, report
 
 import jaxhistory
-
-
-def machine_info() -> str:
-    return (
-        f"jax {jax.__version__}, python {platform.python_version()}, "
-        f"{jax.device_count()} devices, platform {jax.default_backend()}, "
-        f"os.cpu_count()={os.cpu_count()}"
-    )
 
 
 def time_updates(memory, steps: int) -> float:
@@ -147,14 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *bench_sampler(repeats),
     ]
-    text = f"{info}\n{'--quick' if args.quick else 'full run'}\n\n" + "\n".join(
-        sections
-    )
-    print(text, flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-        print(f"\nwrote {args.out}")
+    report(info, args.quick, sections, args.out)
     return 0
 
 

@@ -22,24 +22,16 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import jax
+from _common import machine_info, report
 
 import jaxhistory
 from jaxhistory import publish, sinks, trace
-
-
-def machine_info() -> str:
-    return (
-        f"jax {jax.__version__}, python {platform.python_version()}, "
-        f"platform {jax.default_backend()}, os.cpu_count()={os.cpu_count()}"
-    )
 
 
 class Keep(publish.MetricHandler):
@@ -163,13 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             "",
             *bench_history(steps, repeats, folder),
         ]
-    mode = "--quick" if args.quick else "full run"
-    text = f"{info}\n{mode}\n\n" + "\n".join(sections)
-    print(text, flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-        print(f"\nwrote {args.out}")
+    report(info, args.quick, sections, args.out)
     return 0
 
 

@@ -28,16 +28,16 @@ __all__ = ["COUNTER_KEYS", "DISTRIBUTED_LIMIT", "History", "distributed_default"
 COUNTER_KEYS = ("step", "epoch", "iter")
 DISTRIBUTED_LIMIT = 384  # devices; above this the per-update all-reduce is off
 _OFF_VARS = ("JAXHISTORY_NO_DISTRIBUTED_HISTORY", "JAXHISTORY_LOCAL_HISTORY")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
 
 
 def _env_flag(name: str) -> bool:
+    """An on/off environment variable: 1/true/yes/on, or 0/false/no/off/empty (not
+    set); anything else is a ValueError naming the variable."""
     raw = os.environ.get(name, "")
     value = raw.strip().lower()
-    if value in _TRUE:
+    if value in ("1", "true", "yes", "on"):
         return True
-    if value in _FALSE:
+    if value in ("", "0", "false", "no", "off"):
         return False
     raise ValueError(f"{name}={raw!r}: expected 1/true/yes or 0/false/no")
 
@@ -553,7 +553,7 @@ def _sinks_here(sinks: Sequence[Any], use_wandb: bool | None) -> tuple:
     """The sinks this process writes to (process 0 only, unless a sink says
     ``all_processes``), with a W&B sink added when ``use_wandb`` asks for one."""
     from jaxhistory.sinks import WandbSink, is_sink
-    from jaxhistory.sinks._wandb import wandb_disabled, wandb_run
+    from jaxhistory.sinks._wandb import wandb_run
 
     if isinstance(sinks, str) or not isinstance(sinks, Sequence):
         raise TypeError(f"sinks must be a sequence of sinks, got {sinks!r}")
@@ -567,7 +567,9 @@ def _sinks_here(sinks: Sequence[Any], use_wandb: bool | None) -> tuple:
     out = list(sinks)
     first = jax.process_index() == 0
     wanted = use_wandb is True or (
-        use_wandb is None and wandb_run() is not None and not wandb_disabled()
+        use_wandb is None
+        and wandb_run() is not None
+        and not _env_flag("WANDB_DISABLED")
     )
     if wanted and first and not any(isinstance(s, WandbSink) for s in out):
         out.append(WandbSink())  # on process 0, where the run is

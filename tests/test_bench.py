@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/bench_reducers.py: a --quick run in a fresh process."""
+"""Smoke tests of the benchmarks: each script's --quick run, in a fresh process."""
 
 import os
 import re
@@ -9,32 +9,104 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "bench_reducers.py"
-HEADER = (
-    "| K | implementation | collectives | compile s | median µs/call | ratio vs fused |"
-)
+
+pytestmark = pytest.mark.slow
 
 
-@pytest.mark.slow
-def test_bench_reducers_quick():
+def run_quick(script: str, tmp_path: Path) -> tuple[str, str]:
+    """Runs ``benchmarks/{script} --quick --out FILE``; returns (stdout, FILE text)."""
     env = dict(os.environ)
     env["JAX_NUM_CPU_DEVICES"] = "8"  # the subprocess starts its own JAX
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT), env.get("PYTHONPATH")) if p
     )
+    out_file = tmp_path / f"{script}.md"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick"],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / script),
+            "--quick",
+            "--out",
+            out_file,
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         encoding="utf-8",
         timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert HEADER in proc.stdout
-    fused = re.findall(r"^\| (\d+) \| fused \| (\d+) \|", proc.stdout, re.MULTILINE)
-    assert [k for k, _ in fused] == ["1", "10", "100"], proc.stdout
+    return proc.stdout, out_file.read_text()
+
+
+def test_bench_reducers_quick(tmp_path):
+    out, _ = run_quick("bench_reducers.py", tmp_path)
+    header = (
+        "| K | implementation | collectives | compile s | median µs/call "
+        "| ratio vs fused |"
+    )
+    assert header in out
+    fused = re.findall(r"^\| (\d+) \| fused \| (\d+) \|", out, re.MULTILINE)
+    assert [k for k, _ in fused] == ["1", "10", "100"], out
     for k, collectives in fused:
         assert int(collectives) <= 2, f"fused uses {collectives} collectives at K={k}"
+
+
+def test_bench_history_quick(tmp_path):
+    out, _ = run_quick("bench_history.py", tmp_path)
+    for text in (
+        "## 1. Host recording speed",
+        "## 2. Memory",
+        "## 3. Train loop on 8 simulated CPU devices",
+        "| recorder | µs/step, 2k steps | µs/step, 20k steps |",
+        "| measurement | steps | metrics | MiB | bytes per float64 | target |",
+        "| variant | recording per step | steps/s | ms/step | ms/step range |",
+    ):
+        assert text in out, f"missing {text!r} in:\n{out}"
+    # | `HistoryState.nbytes()` | steps | metrics | MiB | bytes per float64 | target |
+    row = re.search(
+        r"^\| `HistoryState\.nbytes\(\)` \| [\d,]+ \| 16 \| [\d.]+ \| ([\d.]+) \|",
+        out,
+        re.MULTILINE,
+    )
+    assert row, out
+    assert float(row.group(1)) <= 12, row.group(0)
+    # Every train-loop variant has a positive rate; `history` recorded every step
+    # (the script fails otherwise).
+    for variant in ("baseline", "history", "history_per_device", "float_per_metric"):
+        rate = re.search(rf"^\| `{variant}` \| [^|]+ \| ([\d.]+) \|", out, re.MULTILINE)
+        assert rate and float(rate.group(1)) > 0, f"no steps/s for {variant}"
+
+
+def test_bench_export_quick(tmp_path):
+    _, text = run_quick("bench_export.py", tmp_path)
+    for part in (
+        "finalize(plot=False), JSONL streamed during the run",
+        "finalize(plot=False), JSONL written by finalize",
+        "finalize() with plots, JSONL streamed",
+        "to_jsonl",
+        "to_png (10 PNGs)",
+    ):
+        row = re.search(rf"\|\s+{re.escape(part)} \| ([\d.]+) \|", text)
+        assert row and float(row.group(1)) > 0, f"no time for {part}:\n{text}"
+    assert "| 100,000 x 16 | to_netcdf |" in text
+    assert "reads back exactly" in text
+
+
+def test_bench_memory_quick(tmp_path):
+    _, text = run_quick("bench_memory.py", tmp_path)
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|", text, re.M)
+    assert len(rows) == 2 and all(float(r[1]) > 0 for r in rows), text
+    assert re.search(r"start \+ stop \| [\d.]+ \|", text), text
+    assert re.search(r"inside `tracker.stage\(...\)` \| [\d.]+ \| [\d.]+ \|", text)
+
+
+def test_bench_publish_quick(tmp_path):
+    _, text = run_quick("bench_publish.py", tmp_path)
+    for part in ("`put_metric` (null default handler)", "trace `counter` event"):
+        assert re.search(rf"\| {re.escape(part)} \| [\d.]+ \|", text), text
+    for sink in ("none", "`JsonlSink`", "`TensorBoardSink`"):
+        assert re.search(rf"\| {re.escape(sink)} \| [\d.]+ \| [\d.]+ \|", text), text

@@ -12,22 +12,7 @@ import numpy as np
 
 from jaxhistory._optional import import_optional
 
-__all__ = ["WandbSink", "wandb_disabled", "wandb_run"]
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
-
-
-def wandb_disabled() -> bool:
-    """Whether ``WANDB_DISABLED`` is set to 1/true/yes/on (0/false/no/off or empty
-    mean not set; anything else is a ValueError naming the variable)."""
-    raw = os.environ.get("WANDB_DISABLED", "")
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"WANDB_DISABLED={raw!r}: expected 1/true/yes or 0/false/no")
+__all__ = ["WandbSink", "wandb_run"]
 
 
 def wandb_run() -> Any:
