@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import math
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -170,7 +171,10 @@ class History:
                 f"got {memory!r}"
             )
         self.memory_every = memory  # 0: off
+        self._attached: dict[str, Any] = {}  # values waiting for the next update
+        self._attach_lock = threading.Lock()
         self.sinks = _sinks_here(sinks, use_wandb)
+        self._sinks_open = True  # False after close(): nothing more is written
         self._mem_last_step: int | None = None
         self._rss_peak = 0
         self.keys = tuple(keys or ())
@@ -256,6 +260,8 @@ class History:
         self._stamp_steps.append(step_used)
         self._stamp_times.append(time.time())
         token, mem = self._memory(step_used) if self.memory_every else ("", ())
+        if self._attached:
+            mem = (*mem, *self._record_attached(step_used))
         fanout = self._fanout()
         if not fanout and (not summarize or (self._updates - 1) % self.log_every):
             return ""
@@ -304,6 +310,8 @@ class History:
         self._stamp_steps.append(step_used)
         self._stamp_times.append(time.time())
         token, mem = self._memory(step_used) if self.memory_every else ("", ())
+        if self._attached:
+            mem = (*mem, *self._record_attached(step_used))
         if self._fanout():
             self._emit(step_used, [*plain, *mem], (names, packed) if reduce else None)
         if not summarize or (self._updates - 1) % self.log_every:
@@ -312,6 +320,73 @@ class History:
         packed = packed if reduce else None
         line = self._line(order, plain, names, packed, (label, step_used), precision)
         return f"{line} {token}" if token else line
+
+    def attach(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Records host values of this process alone, never reduced across devices
+        or processes, so any process may call it at any time (from any thread).
+
+        With ``step`` None the values wait for the next :meth:`update` and are
+        recorded at its step (a name attached twice before it keeps the later
+        value), without moving the step counter; values still waiting at
+        :meth:`finalize` or :meth:`close` are recorded at the latest step (the
+        next one if one of them already has a record there).
+        With a ``step``, they are recorded now, at that step. This is how
+        :class:`~jaxhistory.StopWatch` timings and
+        :class:`~jaxhistory.publish.HistoryHandler` metrics arrive.
+
+        Example:
+            >>> import jaxhistory as jh
+            >>> h = jh.History(distributed_history=False)
+            >>> h.attach({"timing/data": 0.25})
+            >>> h.update({"loss": 0.5}, step=3)
+            'step=3 loss=0.500000'
+            >>> h.state.steps("timing/data").tolist()
+            [3]
+        """
+        if not isinstance(metrics, Mapping):
+            raise TypeError(f"metrics must be a mapping, got {type(metrics).__name__}")
+        if step is None:
+            with self._attach_lock:
+                self._attached.update(metrics)
+            return
+        with self._attach_lock:
+            self.state = self.state.update(dict(metrics), step=step)
+        if self._fanout():
+            self._emit(as_step("step", step), list(metrics.items()))
+
+    def _record_attached(self, step: int) -> tuple:
+        """Records the values waiting for an update at ``step``; returns them."""
+        with self._attach_lock:
+            waiting, self._attached = self._attached, {}
+            try:
+                self.state = self.state.update(waiting, step=step)
+            except (TypeError, ValueError) as err:  # e.g. already recorded there
+                warnings.warn(
+                    f"attached values {sorted(waiting)} were not recorded at step "
+                    f"{step}: {err}",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                return ()
+        return tuple(waiting.items())
+
+    def _record_leftover(self) -> None:
+        """Values still attached at finalize/close: recorded at the latest step
+        (no new step where the other metrics would be NaN), or at the next one
+        where one of them already has a record there."""
+        if self._attached:
+            state = self.state
+            step = max(state.next_step - 1, 0)
+            with self._attach_lock:
+                names = list(self._attached)
+            for name in names:
+                last = state.last_step(name) if name in state else None
+                if last is not None and last >= step:
+                    step = state.next_step
+                    break
+            items = self._record_attached(step)
+            if items and self._fanout():
+                self._emit(step, list(items))
 
     def _memory(self, step: int) -> tuple[str, tuple]:
         """Records ``mem/*`` at ``step`` every ``memory_every`` updates; returns the
@@ -366,7 +441,7 @@ class History:
         active Chrome trace handler (which draws the metrics as counters)."""
         return (
             self._stream_path is not None
-            or bool(self.sinks)
+            or (bool(self.sinks) and self._sinks_open)
             or _trace_state.active() is not None
         )
 
@@ -374,7 +449,7 @@ class History:
         if self._stream is None:
             try:
                 self._stream = JsonlStream(
-                    self._stream_path, self.jsonl_overwrite, sinks=self.sinks
+                    self._stream_path, self.jsonl_overwrite, sinks=self._live_sinks()
                 )
             except OSError as err:  # the step is recorded; only the log stops
                 warnings.warn(
@@ -385,7 +460,7 @@ class History:
                 )
                 self._stream_path = None
                 self._stream_failed = True
-                self._stream = JsonlStream(None, sinks=self.sinks)
+                self._stream = JsonlStream(None, sinks=self._live_sinks())
             self._streamed = self._stream_path is not None
             # Closes the log (writing what is queued) when this History goes.
             weakref.finalize(self, self._stream.close)
@@ -393,26 +468,32 @@ class History:
         if self._stream.error is not None:
             self._stream_failed = True
 
+    def _live_sinks(self) -> tuple:
+        return self.sinks if self._sinks_open else ()
+
     def flush(self) -> None:
         """Writes the queued JSONL lines and sink records now (waiting for their
         device values), then flushes the sinks."""
         if self._stream is not None:
             self._stream.flush()
-        for sink in self.sinks:
+        for sink in self._live_sinks():
             sink.flush()
 
     def close(self) -> None:
-        """Writes the queued JSONL lines, closes the log and closes the sinks (which
-        are then let go); recording may go on (a later update reopens the log in
-        append mode)."""
+        """Records values still attached, writes the queued JSONL lines, closes
+        the log and closes the sinks (nothing more is written to them; a W&B
+        sink still logs the outputs at :meth:`finalize`). Recording may go on (a
+        later update reopens the log in append mode)."""
+        self._record_leftover()
         if self._stream is not None:
             self._stream.close()
             self._stream_failed |= self._stream.error is not None
             self._stream = None
             self.jsonl_overwrite = False
-        for sink in self.sinks:
-            sink.close()
-        self.sinks = ()
+        if self._sinks_open:
+            for sink in self.sinks:
+                sink.close()
+            self._sinks_open = False
 
     def finalize(
         self,
@@ -435,6 +516,7 @@ class History:
             if self.report_dir is None:
                 raise ValueError("finalize needs an outdir (or a History report_dir)")
             outdir = self.report_dir
+        self._record_leftover()
         self.flush()
         if self._stream is not None and self._stream.error is not None:
             self._stream_failed = True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,17 +35,19 @@ class StopWatch:
     :meth:`wait` inside the block; as a decorator, ``block=True`` waits for the
     function's result. The time is taken after they are ready.
 
-    The timing is recorded at ``step`` if given, else at the history's latest
-    step (``state.next_step - 1``), or one later if this timing already has a
-    record there; it never moves the history's own step counter.
+    The timing is recorded with :meth:`History.attach`: on this process alone
+    (never reduced across processes, so only some processes may time a block),
+    at the step of the history's next update (a timing taken twice before it
+    keeps the later value), or at ``step`` if given; it never moves the
+    history's step counter.
 
     Example:
         >>> import jax.numpy as jnp, jaxhistory as jh
         >>> h = jh.History(distributed_history=False)
+        >>> with jh.StopWatch("matmul", history=h) as sw:
+        ...     out = sw.wait(jnp.ones((256, 256)) @ jnp.ones((256, 256)))
         >>> h.update({"loss": 0.5}, step=7)
         'step=7 loss=0.500000'
-        >>> with jh.StopWatch("matmul", history=h) as sw:
-        ...     sw.wait(jnp.ones((256, 256)) @ jnp.ones((256, 256)))
         >>> h.state.steps("timing/matmul").tolist(), sw.seconds > 0
         ([7], True)
     """
@@ -69,63 +72,61 @@ class StopWatch:
         self.history = history
         self.block = block
         self.step = step
-        self.seconds: float | None = None
-        self._pending: list[Any] = []
-        self._start_ns = 0
-        self._annotation = None
+        self.seconds: float | None = None  # of the latest finished span
+        self._local = threading.local()
 
     @property
     def name(self) -> str:
         """The metric name the timing is recorded under."""
         return f"timing/{self.tag}"
 
+    def _frames(self) -> list:
+        frames = getattr(self._local, "frames", None)
+        if frames is None:
+            frames = self._local.frames = []
+        return frames
+
     def wait(self, *arrays: Any) -> Any:
         """Makes the stop watch wait for ``arrays`` (any pytrees) before it stops;
         returns the (single) argument, so ``out = sw.wait(f(x))`` works."""
-        self._pending.extend(arrays)
+        frames = self._frames()
+        if not frames:
+            raise RuntimeError(f"StopWatch {self.msg!r} is not running")
+        frames[-1][2].extend(arrays)
         return arrays[0] if len(arrays) == 1 else arrays
 
     def __enter__(self) -> StopWatch:
-        self.seconds = None
-        self._pending = []
-        self._annotation = jax.profiler.TraceAnnotation(self.msg)
-        self._annotation.__enter__()
-        self._start_ns = time.perf_counter_ns()
+        # Per entry and per thread: one instance may be nested, reused
+        # recursively or shared between threads.
+        annotation = jax.profiler.TraceAnnotation(self.msg)
+        annotation.__enter__()
+        self._frames().append((time.perf_counter_ns(), annotation, []))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        start_ns, annotation, pending = self._frames().pop()
         try:
             block = None if self.block is True else self.block
-            wait = [a for a in (block, *self._pending) if a is not None]
+            wait = [a for a in (block, *pending) if a is not None]
             if wait and exc_type is None:
                 jax.block_until_ready(wait)
         finally:
             end_ns = time.perf_counter_ns()
-            self._annotation.__exit__(exc_type, exc, tb)
-        self.seconds = (end_ns - self._start_ns) / 1e9
+            annotation.__exit__(exc_type, exc, tb)
+        self.seconds = (end_ns - start_ns) / 1e9
         handler = _trace_state.active()
         if handler is not None:
             args = {"seconds": self.seconds}
             if exc_type is not None:
                 args["error"] = exc_type.__name__
-            handler.complete(
-                self.msg, self._start_ns, end_ns, cat="StopWatch", args=args
-            )
+            handler.complete(self.msg, start_ns, end_ns, cat="StopWatch", args=args)
         if exc_type is not None:
             return  # nothing recorded or logged for a block that raised
         logger.info("%s took %.3f seconds", self.msg, self.seconds)
         if self.history is not None:
-            self._record()
-
-    def _record(self) -> None:
-        state = self.history.state
-        step = self.step
-        if step is None:
-            step = max(state.next_step - 1, 0)
-            last = state.last_step(self.name) if self.name in state else None
-            if last is not None and last >= step:
-                step = last + 1
-        self.history.update({self.name: self.seconds}, step=step, summarize=False)
+            # This process alone, never reduced across processes (only some may
+            # time a block): at the next update's step, or at ``step``.
+            self.history.attach({self.name: self.seconds}, step=self.step)
 
     def __call__(self, fn: Callable) -> Callable:
         """As a decorator: a fresh stop watch times each call of ``fn``."""

@@ -3,12 +3,30 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
-__all__ = ["activate", "active", "deactivate"]
+__all__ = ["activate", "active", "deactivate", "drain", "register_stream"]
 
 _lock = threading.Lock()
 _stack: list[Any] = []
+_streams: weakref.WeakSet = weakref.WeakSet()  # History background writers
+
+
+def register_stream(stream: Any) -> None:
+    """Remembers a History background writer, so a closing trace handler can
+    have its queued records written first."""
+    with _lock:
+        _streams.add(stream)
+
+
+def drain() -> None:
+    """Writes the records every live History writer has queued (their counters
+    reach an active trace handler)."""
+    with _lock:
+        streams = list(_streams)
+    for stream in streams:
+        stream.flush()
 
 
 def active() -> Any:

@@ -21,6 +21,7 @@ import abc
 import contextlib
 import dataclasses
 import functools
+import logging
 import sys
 import threading
 import time
@@ -95,7 +96,10 @@ class NullMetricHandler(MetricHandler):
 
 class HistoryHandler(MetricHandler):
     """Records published metrics into a :class:`~jaxhistory.History` as
-    ``{group}/{name}``, each at the history's next step.
+    ``{group}/{name}``, with :meth:`History.attach <jaxhistory.History.attach>`:
+    at the step of the history's next update (a metric published twice before it
+    keeps the later value), on this process alone, from any thread, without
+    moving the step counter.
 
     Example:
         >>> import jaxhistory as jh
@@ -104,23 +108,29 @@ class HistoryHandler(MetricHandler):
         >>> with publish.scoped():
         ...     publish.configure(publish.HistoryHandler(h), group="agent")
         ...     publish.put_metric("restarts", 2, metric_group="agent")
+        >>> h.update({"loss": 0.5})
+        'step=0 loss=0.500000'
         >>> h.state.values("agent/restarts").tolist()
         [2]
     """
 
     def __init__(self, history: Any):
+        if not hasattr(history, "attach"):
+            raise TypeError(
+                f"HistoryHandler needs a History, got {type(history).__name__}"
+            )
         self.history = history
-        self._lock = threading.Lock()
 
     def emit(self, metric_data: MetricData) -> None:
         name = f"{metric_data.group_name}/{metric_data.name}"
-        with self._lock:  # History is not thread-safe; handlers may be called
-            self.history.update({name: metric_data.value}, summarize=False)
+        self.history.attach({name: metric_data.value})
 
 
 class SinkHandler(MetricHandler):
     """Sends published metrics to a sink (``write``/``flush``/``close``) as
-    :class:`~jaxhistory.sinks.Record` values with ``group`` set and no step."""
+    :class:`~jaxhistory.sinks.Record` values with ``group`` set and no step, and
+    flushes it. Like every sink, from process 0 only unless the sink has
+    ``all_processes = True``."""
 
     def __init__(self, sink: Any):
         self.sink = sink
@@ -128,6 +138,11 @@ class SinkHandler(MetricHandler):
     def emit(self, metric_data: MetricData) -> None:
         from jaxhistory.sinks import Record
 
+        if not getattr(self.sink, "all_processes", False):
+            import jax
+
+            if jax.process_index() != 0:
+                return
         self.sink.write(
             Record(
                 step=None,
@@ -136,6 +151,7 @@ class SinkHandler(MetricHandler):
                 group=metric_data.group_name,
             )
         )
+        self.sink.flush()
 
 
 class MetricStream:
@@ -280,11 +296,11 @@ def _publish_quietly(group: str, name: str, value: Any) -> None:
     try:
         put_metric(name, value, group)
     except Exception as err:  # a broken handler must not change the call's outcome
-        warnings.warn(
-            f"metric handler for group {group!r} failed on {name!r}: {err!r}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        text = f"metric handler for group {group!r} failed on {name!r}: {err!r}"
+        try:
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
+        except Exception:  # warnings turned into errors (-W error): log instead
+            logging.getLogger("jaxhistory").warning("%s", text)
 
 
 def prof(fn: Callable | None = None, *, group: str = DEFAULT_GROUP):

@@ -253,7 +253,28 @@ class JSONTraceHandler:
         self._counter_clock = (sync_wall, sync_ns)
         path = self._open(epoch, batch, step)
         _trace_state.activate(self)
+        # Flushes about twice a second even when no event comes (a hung job
+        # killed later still has every span that finished).
+        self._wake = threading.Event()
+        self._flusher = threading.Thread(
+            target=self._flush_loop,
+            args=(self._wake,),
+            name="jaxhistory-trace",
+            daemon=True,
+        )
+        self._flusher.start()
         return path
+
+    def _flush_loop(self, wake: threading.Event) -> None:
+        while not wake.wait(FLUSH_SECONDS):
+            self.flush()
+
+    def _stop_flusher(self) -> None:
+        flusher = getattr(self, "_flusher", None)
+        if flusher is not None:
+            self._wake.set()
+            flusher.join()
+            self._flusher = None
 
     def _folder_problem(self, folder: Path) -> str | None:
         if self.overwrite or not folder.is_dir():
@@ -276,14 +297,16 @@ class JSONTraceHandler:
         ``{batch}``, ``{step}``); applies ``num_traces_to_keep``."""
         if not self.active:
             raise RuntimeError("the trace handler is not started")
-        with self._lock:
-            self._finish()
         vars_ = self._vars
-        path = self._open(
+        nxt = (
             vars_["epoch"] if epoch is None else epoch,
             vars_["batch"] if batch is None else batch,
             vars_["step"] if step is None else step,
         )
+        self._next_path(*nxt)  # raises before anything is finished
+        with self._lock:
+            self._finish()
+        path = self._open(*nxt)
         self._prune()
         return path
 
@@ -292,7 +315,9 @@ class JSONTraceHandler:
         node, merges the folder's traces into ``merged_trace_filename``."""
         if not self.active:
             return
+        _trace_state.drain()  # counters History has queued reach this file first
         _trace_state.deactivate(self)
+        self._stop_flusher()
         with self._lock:
             self._finish()
         self._prune()
@@ -311,21 +336,27 @@ class JSONTraceHandler:
                 and not p.name.startswith(".")
                 and p.name.endswith((".json", ".json.gz"))
             ]
-            merge_traces(sources, merged)
-            self.merged_path = merged
+            if sources:  # num_traces_to_keep=0 may have deleted them all
+                merge_traces(sources, merged)
+                self.merged_path = merged
 
     # ----- files -------------------------------------------------------------------
-    def _open(self, epoch: int, batch: int, step: int) -> Path:
+    def _next_path(self, epoch: int, batch: int, step: int) -> Path:
         for name, value in (("epoch", epoch), ("batch", batch), ("step", step)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
-        self._vars.update(epoch=epoch, batch=batch, step=step)
-        path = self.folder / self.filename_template.format(**self._vars)
+        names = dict(self._vars, epoch=epoch, batch=batch, step=step)
+        path = self.folder / self.filename_template.format(**names)
         if path in self.paths or (path.exists() and not self.overwrite):
             raise FileExistsError(
                 f"trace file {path} exists; give rotate() a new epoch, batch or step "
                 "(or a filename with {step})"
             )
+        return path
+
+    def _open(self, epoch: int, batch: int, step: int) -> Path:
+        path = self._next_path(epoch, batch, step)
+        self._vars.update(epoch=epoch, batch=batch, step=step)
         path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             self._file = open(path, "wb")  # noqa: SIM115
@@ -506,9 +537,14 @@ def load_trace(path: str | os.PathLike) -> list[dict]:
     if raw[:2] == b"\x1f\x8b":
         try:
             raw = gzip.decompress(raw)
-        except EOFError:  # a gzip stream cut off: what was written so far
-            raw = gzip.GzipFile(fileobj=__import__("io").BytesIO(raw)).read1(1 << 40)
+        except (EOFError, OSError, zlib.error):  # cut off: what was written so far
+            try:
+                raw = zlib.decompressobj(wbits=31).decompress(raw)
+            except zlib.error:
+                raw = b""  # not even a complete gzip header
     text = raw.decode("utf-8", errors="replace")
+    if not text.strip():
+        return []  # cut off before the first byte of the array
     try:
         data = json.loads(text)
     except ValueError:
@@ -576,12 +612,14 @@ def merge_traces(
     new_pid: dict[tuple, int] = {}
     used: set[int] = set()
     out_events, seen_meta = [], set()
-    for events, syncs in loaded:
+    for index, (events, syncs) in enumerate(loaded):
         for e in events:
             pid = e.get("pid", 0)
             sync = syncs.get(pid, {})
             run = sync.get("sync_id")
-            key = (run, pid)
+            # A process without a clock sync (another tool's trace) is its own,
+            # per file, and keeps its times as they are.
+            key = (run, pid) if sync else ("file", index, pid)
             if key not in new_pid:
                 target = (
                     pid
@@ -593,6 +631,8 @@ def merge_traces(
             shift = (
                 -sync.get("sync_ts", 0.0)
                 + (walls.get(run, first_wall) - first_wall) * 1e6
+                if sync
+                else 0.0
             )
             e = dict(e)
             e["pid"] = new_pid[key]
@@ -605,17 +645,22 @@ def merge_traces(
                 if ident in seen_meta:
                     continue  # one of each metadata event per process/thread
                 seen_meta.add(ident)
-            elif "ts" in e:
+            elif isinstance(e.get("ts"), int | float):
                 e["ts"] = e["ts"] + shift
             out_events.append(e)
     meta = [e for e in out_events if e.get("ph") == "M"]
-    rest = sorted((e for e in out_events if e.get("ph") != "M"), key=lambda e: e["ts"])
+    timed = [e for e in out_events if e.get("ph") != "M"]
+    # Sorted by time; events without a time keep their order at the end.
+    rest = sorted(
+        timed,
+        key=lambda e: (0, e["ts"]) if isinstance(e.get("ts"), int | float) else (1, 0),
+    )
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     from jaxhistory.export._netcdf import atomic_write
 
     lines = ",\n".join(
-        json.dumps(e, allow_nan=False, separators=(",", ":"))
+        json.dumps(_sanitize(e), allow_nan=False, separators=(",", ":"))
         for e in itertools.chain(meta, rest)
     )
     text = "[\n" + lines + "\n]\n"

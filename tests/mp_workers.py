@@ -186,3 +186,18 @@ def trace_run(folder: str) -> dict:
         "merged": None if handler.merged_path is None else str(handler.merged_path),
         "vars": {k: handler._vars[k] for k in ("rank", "local_rank", "world_size")},
     }
+
+
+def timing_on_one_process() -> dict:
+    """Only process 0 times a block into a distributed History: no collective."""
+    import jax
+
+    import jaxhistory as jh
+
+    history = jh.History(distributed_history=True)
+    if jax.process_index() == 0:
+        with jh.StopWatch("checkpoint", history=history):
+            pass
+    history.update({"lr": 0.1})  # a host scalar: reduced across processes
+    state = history.state
+    return {k: state.steps(k).tolist() for k in state.keys}

@@ -3,6 +3,7 @@
 import io
 import threading
 import time
+from unittest import mock
 
 import pytest
 
@@ -109,12 +110,77 @@ def test_many_threads_publish_and_configure_safely():
     assert "private" not in {d.name for d in handler.data}
 
 
-def test_history_handler_records_group_metrics():
+def test_history_handler_attaches_metrics_to_the_next_update():
     h = jh.History(distributed_history=False)
     publish.configure(publish.HistoryHandler(h), group="agent")
+
+    @publish.prof(group="agent")
+    def checkpoint():
+        return "saved"
+
+    h.update({"loss": 1.0})
     publish.put_metric("restarts", 1, metric_group="agent")
-    publish.put_metric("restarts", 2, metric_group="agent")
-    assert h.state.values("agent/restarts").tolist() == [1, 2]
+    assert checkpoint() == "saved"
+    h.update({"loss": 0.5})
+    h.update({"loss": 0.25})
+    state = h.state
+    assert state.steps("loss").tolist() == [0, 1, 2]  # no step taken by them
+    assert state.steps("agent/restarts").tolist() == [1]
+    assert state.steps("agent/test_publish.checkpoint.success").tolist() == [1]
+    assert state.steps("agent/test_publish.checkpoint.duration.ms").tolist() == [1]
+    with pytest.raises(TypeError, match="needs a History"):
+        publish.HistoryHandler(object())
+
+
+def test_history_handler_from_another_thread_loses_nothing():
+    h = jh.History(distributed_history=False)
+    publish.configure(publish.HistoryHandler(h), group="loader")
+    registry = publish._registry()
+    stop = threading.Event()
+
+    def loader():
+        i = 0
+        while not stop.is_set():
+            registry.publish("loader", "batches", i)
+            i += 1
+
+    thread = threading.Thread(target=loader)
+    thread.start()
+    for i in range(300):
+        h.update({"loss": float(i)}, summarize=False)
+    stop.set()
+    thread.join()
+    h.close()
+    assert h.state.steps("loss").tolist() == list(range(300))
+    assert h.state.count("loader/batches") >= 1
+
+
+def test_a_raising_handler_under_warnings_as_errors_still_returns(caplog):
+    import warnings
+
+    publish.configure(Broken())
+
+    @publish.prof
+    def ok():
+        return 42
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ok() == 42
+    assert "handler down" in caplog.text
+
+
+def test_a_sink_handler_writes_from_process_zero_only():
+    out = io.StringIO()
+    sink = jh.sinks.ConsoleSink(stream=out)
+    handler = publish.SinkHandler(sink)
+    with mock.patch("jax.process_index", return_value=1):
+        handler.emit(publish.MetricData(1.0, "g", "x", 1))
+    assert out.getvalue() == ""
+    sink.all_processes = True
+    with mock.patch("jax.process_index", return_value=1):
+        handler.emit(publish.MetricData(1.0, "g", "x", 1))
+    assert out.getvalue() == "[g] x=1\n"
 
 
 def test_a_sink_can_be_configured_as_a_handler():

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import struct
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -56,12 +57,11 @@ def _read_tensorboard(logdir):
     return scalars, acc.Tags()["histograms"]
 
 
-def _wandb_history(run_dir):
-    """History rows in an offline run file (a LevelDB-style log of protobufs)."""
+def _wandb_records(data: bytes):
+    """The protobuf records of an offline run file (a LevelDB-style log)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data = next(Path(run_dir).glob("run-*.wandb")).read_bytes()
-    block, pos, chunks, rows = 32768, 7, b"", []
+    block, pos, chunks = 32768, 7, b""
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # block trailer: padding
             pos += block - pos % block
@@ -69,23 +69,35 @@ def _wandb_history(run_dir):
         length, kind = struct.unpack("<HB", data[pos + 4 : pos + 7])
         chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
-        if kind == 0:
+        if kind == 0 or len(chunk) < length:
             break
         chunks += chunk
         if kind in (1, 4):  # FULL or LAST
             record = pb.Record()
             record.ParseFromString(chunks)
             chunks = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append(
-                    {
-                        item.key or "/".join(item.nested_key): json.loads(
-                            item.value_json
-                        )
-                        for item in record.history.item
-                    }
-                )
-    return rows
+            yield record
+
+
+def _wandb_history(run_dir):
+    """History rows of an offline run, once wandb's service has written the run's
+    exit record (it finishes the file after wandb.finish() returns)."""
+    path = next(Path(run_dir).glob("run-*.wandb"))
+    deadline = time.monotonic() + 30
+    while True:
+        records = list(_wandb_records(path.read_bytes()))
+        kinds = {r.WhichOneof("record_type") for r in records}
+        if "exit" in kinds or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return [
+        {
+            item.key or "/".join(item.nested_key): json.loads(item.value_json)
+            for item in r.history.item
+        }
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
 
 
 @pytest.fixture
@@ -208,7 +220,11 @@ def test_history_hands_each_update_to_its_sinks_with_host_values():
     assert sink.records[2].metrics == {"loss": 4.0, "acc": 0.5, "lr": 0.1}
     assert type(sink.records[2].metrics["loss"]) is float  # on the host
     h.close()
-    assert sink.closed and h.sinks == ()
+    assert sink.closed
+    h.update({"loss": 1.0, "acc": 0.0, "lr": 0.1})  # recording goes on ...
+    h.flush()
+    assert len(sink.records) == 4  # ... but a closed sink gets nothing more
+    h.close()
 
 
 def test_history_gives_sinks_the_stats_from_the_step(mesh):
@@ -279,6 +295,33 @@ def test_history_uses_an_active_wandb_run_and_logs_outputs_at_finalize(
     assert table["columns"] == ["step", "loss", "lr"]
     assert [row[0] for row in table["data"]] == [0, 1, 2, 3]
     assert list(files.glob("media/images/plots/loss_*.png"))
+
+
+def test_close_before_finalize_still_logs_the_wandb_outputs(wandb_run, tmp_path):
+    import wandb
+
+    h = jh.History(distributed_history=False)
+    for i in range(3):
+        h.update({"loss": 1.0 / (i + 1)}, summarize=False)
+    h.close()
+    h.finalize(tmp_path / "out", plot=False)
+    files = Path(wandb.run.dir)
+    wandb.finish()
+    assert list(files.glob("media/table/history_*.table.json"))
+
+
+def test_wandb_sink_skips_steps_that_go_back(wandb_run):
+    import wandb
+
+    sink = WandbSink()
+    sink.write(Record(step=5, timestamp=0.0, metrics={"loss": 1.0}))
+    with pytest.warns(RuntimeWarning, match="cannot log step 3 after step 5"):
+        sink.write(Record(step=3, timestamp=0.0, metrics={"loss": 9.0}))
+    sink.write(Record(step=6, timestamp=0.0, metrics={"loss": 0.5}))
+    run_dir = Path(wandb.run.dir).parent
+    wandb.finish()
+    losses = {r["_step"]: r["loss"] for r in _wandb_history(run_dir) if "loss" in r}
+    assert losses == {5: 1.0, 6: 0.5}
 
 
 def test_wandb_switches(wandb_run, monkeypatch):

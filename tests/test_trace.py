@@ -320,7 +320,6 @@ def test_two_processes_trace_sync_and_merge_with_distinct_pids(tmp_path):
 # ----- StopWatch ---------------------------------------------------------------------
 def test_stopwatch_logs_records_and_annotates(caplog):
     h = jh.History(distributed_history=False)
-    h.update({"loss": 1.0}, step=4)
     with (
         caplog.at_level(logging.INFO, logger="jaxhistory"),
         mock.patch.object(
@@ -332,14 +331,62 @@ def test_stopwatch_logs_records_and_annotates(caplog):
     assert ann.call_args.args == ("forward pass",)
     assert sw.seconds >= 0.002
     assert f"forward pass took {sw.seconds:.3f} seconds" in caplog.text
-    assert h.state.steps("timing/forward_pass").tolist() == [4]  # the latest step
-    assert h.state.next_step == 5  # the step counter did not move
+    # Attached to the next update's step: training still starts at step 0.
+    h.update({"loss": 1.0})
+    assert h.state.steps("timing/forward_pass").tolist() == [0]
+    assert h.state.steps("loss").tolist() == [0]
     with jh.StopWatch("forward pass", history=h):
         pass
-    assert h.state.steps("timing/forward_pass").tolist() == [4, 5]
+    h.update({"loss": 0.5})
+    assert h.state.steps("timing/forward_pass").tolist() == [0, 1]
+    assert h.state.next_step == 2  # the step counter follows the updates only
     with jh.StopWatch("x", wbtag="timing/fwd", history=h, step=20):
         pass
     assert h.state.steps("timing/fwd").tolist() == [20]
+
+
+def test_timings_between_two_updates_keep_the_later_value_and_no_step_is_skipped():
+    h = jh.History(distributed_history=False)
+
+    @jh.StopWatch("load", history=h)
+    def load(seconds):
+        time.sleep(seconds)
+
+    h.update({"loss": 1.0})
+    load(0.001)
+    load(0.02)
+    h.update({"loss": 0.5})
+    assert h.state.steps("loss").tolist() == [0, 1]
+    assert h.state.steps("timing/load").tolist() == [1]
+    assert h.state.values("timing/load")[0] >= 0.02
+    load(0.001)  # nothing follows: recorded at finalize/close, at next_step
+    h.close()
+    assert h.state.steps("timing/load").tolist() == [1, 2]
+
+
+def test_one_stopwatch_nested_in_itself_and_on_threads():
+    watch = jh.StopWatch("reused")
+    with watch:
+        time.sleep(0.03)
+        with watch:
+            time.sleep(0.01)
+        inner = watch.seconds
+    assert 0.01 <= inner < 0.03 and watch.seconds >= 0.04
+    results = []
+
+    def work():
+        with watch:
+            time.sleep(0.02)
+        results.append(watch.seconds)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4 and min(results) >= 0.02
+    with pytest.raises(RuntimeError, match="not running"):
+        watch.wait(1)
 
 
 def test_stopwatch_waits_for_device_work():
@@ -368,8 +415,10 @@ def test_stopwatch_decorator_times_every_call_into_a_history():
     def load(i):
         return i
 
-    assert [load(i) for i in range(3)] == [0, 1, 2]
-    assert h.state.count("timing/load") == 3
+    for i in range(3):
+        assert load(i) == i
+        h.update({"loss": float(i)})  # each timing lands at the next update's step
+    assert h.state.steps("timing/load").tolist() == [0, 1, 2]
 
 
 def test_a_block_that_raises_is_traced_but_not_recorded(tmp_path):
@@ -394,3 +443,101 @@ def test_stopwatch_bad_arguments():
         jh.StopWatch("a", history=[])
     with pytest.raises(TypeError, match="decorates a function"):
         jh.StopWatch("a")(3)
+
+
+# ----- regressions -------------------------------------------------------------------
+def test_closing_the_handler_writes_the_counters_history_still_queued(tmp_path):
+    h = jh.History(distributed_history=False)
+    with trace.JSONTraceHandler(folder=str(tmp_path), merged_trace_filename=None) as t:
+        for i in range(10):
+            h.update({"loss": float(i)}, summarize=False)
+    counters = [e for e in trace.load_trace(t.paths[0]) if e["ph"] == "C"]
+    assert [e["args"]["loss"] for e in counters] == [float(i) for i in range(10)]
+
+
+def test_rotate_to_an_existing_name_keeps_the_handler_working(tmp_path):
+    t = trace.JSONTraceHandler(folder=str(tmp_path))
+    t.start()
+    with pytest.raises(FileExistsError, match="new epoch, batch or step"):
+        t.rotate()  # the same epoch/batch/step: the same file name
+    assert t.active and trace._trace_state.active() is t
+    with jh.StopWatch("still traced"):
+        pass
+    t.close()
+    assert t.merged_path is not None
+    names = {e["name"] for e in trace.load_trace(t.merged_path)}
+    assert "still traced" in names
+
+
+def test_keeping_no_traces_closes_cleanly(tmp_path):
+    with trace.JSONTraceHandler(folder=str(tmp_path), num_traces_to_keep=0) as t:
+        t.rotate(batch=1)
+    assert t.paths == [] and t.merged_path is None
+    assert not [p for p in tmp_path.iterdir()]
+
+
+def test_a_finished_span_is_on_disk_within_a_second(tmp_path):
+    t = trace.JSONTraceHandler(folder=str(tmp_path), merged_trace_filename=None)
+    t.start()
+    with jh.StopWatch("before a hang"):
+        pass
+    time.sleep(1.2)  # nothing else happens: the flusher writes it
+    names = {e["name"] for e in trace.load_trace(t.paths[0])}
+    t.close()
+    assert "before a hang" in names
+
+
+def test_merging_traces_of_other_tools_keeps_their_processes_apart(tmp_path):
+    for host in ("a", "b"):
+        (tmp_path / f"{host}.json").write_text(
+            json.dumps(
+                [
+                    {
+                        "name": "process_name",
+                        "ph": "M",
+                        "pid": 1,
+                        "args": {"name": host},
+                    },
+                    {
+                        "name": "work",
+                        "ph": "X",
+                        "ts": 10.0,
+                        "dur": 1.0,
+                        "pid": 1,
+                        "tid": 1,
+                    },
+                    {"name": "flow", "ph": "s", "pid": 1, "tid": 1, "id": 3},
+                ]
+            )
+        )
+    out = trace.merge_traces(
+        [tmp_path / "a.json", tmp_path / "b.json"], tmp_path / "m.json"
+    )
+    events = trace.load_trace(out)
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {1: "a", 2: "b"}
+    assert [e["ts"] for e in events if e["name"] == "work"] == [10.0, 10.0]
+    assert len([e for e in events if e["name"] == "flow"]) == 2  # no ts: kept
+
+
+def test_a_gzip_trace_cut_off_loads_its_complete_events(tmp_path):
+    events = [
+        {"name": f"e{i}", "ph": "X", "ts": float(i), "dur": 1.0, "pid": 0, "tid": 1}
+        for i in range(2000)
+    ]
+    data = gzip.compress(("[\n" + ",\n".join(map(json.dumps, events))).encode())
+    path = tmp_path / "t.json.gz"
+    for cut in (5, 12, 20, len(data) // 10, len(data) // 2, len(data) - 8):
+        path.write_bytes(data[:cut])
+        got = trace.load_trace(path)
+        assert got == events[: len(got)]
+    path.write_bytes(data[: len(data) // 2])
+    assert len(trace.load_trace(path)) > 100
+
+
+@pytest.mark.slow
+def test_a_timing_on_one_process_of_a_distributed_history_does_not_hang():
+    results = jh.launch_local("mp_workers:timing_on_one_process", 2, 1, timeout=120)
+    stats = {f"lr/{s}": [0] for s in jh.STATS}
+    assert results[0] == {**stats, "timing/checkpoint": [0]}
+    assert results[1] == stats

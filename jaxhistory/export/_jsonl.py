@@ -387,6 +387,9 @@ class JsonlStream:
         self._thread.start()
         ref = weakref.ref(self)
         atexit.register(lambda: (s := ref()) and s.close())
+        from jaxhistory import _trace_state
+
+        _trace_state.register_stream(self)
 
     def add(self, step: int, metrics: Any, aggregated: Any = None) -> None:
         """Queues one record: ``metrics`` as (name, value) pairs, ``aggregated``
@@ -438,18 +441,21 @@ class JsonlStream:
         if handler is not None:
             targets.append(handler)
         for sink in targets:
-            try:
-                for record in records:
-                    sink.write(record)
-                sink.flush()
-            except Exception as err:  # a failing sink must not stop the others
-                if id(sink) not in self._sink_warned:
-                    self._sink_warned.add(id(sink))
-                    warnings.warn(
-                        f"sink {type(sink).__name__} failed: {err!r}",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
+            for record in records:  # one bad record does not cost the rest
+                self._try(sink, sink.write, record)
+            self._try(sink, sink.flush)
+
+    def _try(self, sink: Any, call: Any, *args: Any) -> None:
+        try:
+            call(*args)
+        except Exception as err:  # a failing sink must not stop the others
+            if id(sink) not in self._sink_warned:
+                self._sink_warned.add(id(sink))
+                warnings.warn(
+                    f"sink {type(sink).__name__} failed: {err!r}",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
 
     def _warn(self, text: str) -> None:
         if not self._warned:

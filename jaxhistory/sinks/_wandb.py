@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,9 @@ class WandbSink:
 
     ``run`` defaults to the active run (``wandb.run``). Scalars are logged as
     numbers, array metrics as ``wandb.Histogram``. W&B needs steps that never go
-    back: a record at an earlier step than one already logged is logged without
-    a step (W&B numbers it). :meth:`log_outputs` logs a finished history as a
+    back: a record at an earlier step than one already logged is left out of W&B
+    (one RuntimeWarning). A record without a step (a published metric) joins the
+    next step W&B commits. :meth:`log_outputs` logs a finished history as a
     ``wandb.Table`` and PNG plots as ``wandb.Image``. Needs
     ``pip install 'jaxhistory[wandb]'``.
     """
@@ -41,6 +43,7 @@ class WandbSink:
         if self.run is None:
             raise ValueError("no active W&B run: call wandb.init() first or pass run=")
         self._last_step: int | None = None
+        self._warned = False
 
     def write(self, record: Any) -> None:
         prefix = f"{record.group}/" if record.group else ""
@@ -56,11 +59,19 @@ class WandbSink:
         if not data:
             return
         step = record.step
-        if step is not None and (self._last_step is None or step >= self._last_step):
+        if step is None:  # a published metric: joins the next step W&B commits
+            self.run.log(data, commit=False)
+        elif self._last_step is None or step >= self._last_step:
             self._last_step = step
             self.run.log(data, step=step)
-        else:
-            self.run.log(data)
+        elif not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"W&B cannot log step {step} after step {self._last_step}: such "
+                "records are left out of W&B (the history keeps them)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def log_outputs(self, state: Any, images: Sequence[str | os.PathLike] = ()) -> None:
         """Logs ``state`` (a HistoryState) as a ``wandb.Table`` named ``history``
