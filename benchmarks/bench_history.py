@@ -544,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         host_repeats, loop_repeats = args.repeats or 2, args.repeats or 3
     else:
         host, memory, traced, loop = (20_000, 200_000), 1_000_000, 200_000, (48, 16)
-        host_repeats, loop_repeats = args.repeats or 5, args.repeats or 32
+        host_repeats, loop_repeats = args.repeats or 5, args.repeats or 48
 
     info = machine_info()
     print(info, flush=True)
