@@ -23,7 +23,7 @@ _UNSAFE = re.compile(r"\s+")
 class StopWatch:
     """Times a block (``with``) or every call of a function (decorator).
 
-    On exit it logs ``"<msg> took X.XXX seconds"`` (INFO, logger ``jaxhistory``),
+    On exit it logs ``"<msg> took 1.234 seconds"`` (INFO, logger ``jaxhistory``),
     records the seconds into ``history`` as ``timing/<tag>`` (``tag`` is ``wbtag``
     without a leading ``timing/``, else ``msg`` with spaces as ``_``), opens a
     ``jax.profiler.TraceAnnotation`` for the span (so it shows in XProf and
