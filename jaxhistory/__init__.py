@@ -17,7 +17,7 @@ Publishing and timing: :mod:`jaxhistory.publish` (``put_metric``, ``@prof``),
 :class:`StopWatch`, :mod:`jaxhistory.trace` (Chrome traces), and
 :mod:`jaxhistory.sinks` (console, JSONL, TensorBoard, W&B).
 
-``import jaxhistory`` imports jax and numpy only.
+``import jaxhistory`` imports jax, numpy and orjson only.
 """
 
 from jaxhistory import export, publish, sinks, trace

@@ -172,6 +172,7 @@ class History:
             )
         self.memory_every = memory  # 0: off
         self._attached: dict[str, Any] = {}  # values waiting for the next update
+        self._attached_at: list[tuple[int, dict]] = []  # ... with steps of their own
         self._attach_lock = threading.Lock()
         self.sinks = _sinks_here(sinks, use_wandb)
         self._sinks_open = True  # False after close(): nothing more is written
@@ -199,6 +200,9 @@ class History:
         self._stamp_times = array.array("d")
         self._stream: JsonlStream | None = None
         self._stream_path = self._jsonl_target()
+        # Whether updates go to the background writer (a JSONL log or open sinks;
+        # an active trace handler is checked apart): one flag on the hot path.
+        self._writing = self._stream_path is not None or bool(self.sinks)
         self._streamed = False  # a log was opened at _stream_path
         self._stream_failed = False
 
@@ -256,24 +260,40 @@ class History:
             return self._update(metrics, precision, step, summarize, label)
         step_used = new.next_step - 1 if step is None else as_step("step", step)
         self.state = new
+        want_line = summarize and not (self._updates % self.log_every)
         self._updates += 1
+        now = time.time()
         self._stamp_steps.append(step_used)
-        self._stamp_times.append(time.time())
-        token, mem = self._memory(step_used) if self.memory_every else ("", ())
-        if self._attached:
-            mem = (*mem, *self._record_attached(step_used))
-        fanout = self._fanout()
-        if not fanout and (not summarize or (self._updates - 1) % self.log_every):
-            return ""
+        self._stamp_times.append(now)
+        side = self.memory_every or self._attached or self._attached_at
+        fanout = self._writing or _trace_state._stack
+        if not (side or fanout or want_line):
+            return ""  # the common case: recorded, nothing else to do
         # With an explicit step, a "step" entry (checked to agree) is not a metric.
         items = [(n, v) for n, v in metrics.items() if n != "step"]
-        if fanout:
-            self._emit(step_used, [*items, *mem])
-        if not summarize or (self._updates - 1) % self.log_every:
+        token = (
+            self._after_record(step_used, items, None, now) if (side or fanout) else ""
+        )
+        if not want_line:
             return ""
         order = [n for n, _ in items]
         line = self._line(order, items, (), None, (label, step_used), precision)
         return f"{line} {token}" if token else line
+
+    def _after_record(self, step: int, plain, aggregated, now: float) -> str:
+        """After an update is recorded: memory metrics and attached values (both
+        recorded locally, at ``step``), then the line for the log, the sinks and
+        an active trace handler. Returns the memory summary token, if any."""
+        token, side = self._memory(step) if self.memory_every else ("", ())
+        earlier = ()
+        if self._attached or self._attached_at:
+            now_items, earlier = self._record_attached(step)
+            side = (*side, *now_items)
+        if self._writing or _trace_state._stack:
+            for at, items in earlier:  # attached with a step of their own
+                self._emit(at, items)
+            self._emit(step, [*plain, *side], aggregated, now)
+        return token
 
     def _simple(self, metrics: dict) -> bool:
         """A flat dict whose values need no cross-device or cross-process reduction."""
@@ -307,13 +327,11 @@ class History:
             state = state.update_packed(names, packed, step=step_used)
         self.state = state
         self._updates += 1
+        now = time.time()
         self._stamp_steps.append(step_used)
-        self._stamp_times.append(time.time())
-        token, mem = self._memory(step_used) if self.memory_every else ("", ())
-        if self._attached:
-            mem = (*mem, *self._record_attached(step_used))
-        if self._fanout():
-            self._emit(step_used, [*plain, *mem], (names, packed) if reduce else None)
+        self._stamp_times.append(now)
+        aggregated = (names, packed) if reduce else None
+        token = self._after_record(step_used, plain, aggregated, now)
         if not summarize or (self._updates - 1) % self.log_every:
             return ""
         order = [n for n, _ in items]
@@ -321,72 +339,91 @@ class History:
         line = self._line(order, plain, names, packed, (label, step_used), precision)
         return f"{line} {token}" if token else line
 
-    def attach(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+    def attach(self, metrics: Any, step: int | None = None) -> None:
         """Records host values of this process alone, never reduced across devices
-        or processes, so any process may call it at any time (from any thread).
+        or processes, so any process may call it at any time, from any thread.
 
-        With ``step`` None the values wait for the next :meth:`update` and are
-        recorded at its step (a name attached twice before it keeps the later
-        value), without moving the step counter; values still waiting at
-        :meth:`finalize` or :meth:`close` are recorded at the latest step (the
-        next one if one of them already has a record there).
-        With a ``step``, they are recorded now, at that step. This is how
-        :class:`~jaxhistory.StopWatch` timings and
+        The values wait for the next :meth:`update` (or :meth:`flush`,
+        :meth:`finalize`, :meth:`close`), which records them on the thread that
+        records. With ``step`` None they are recorded at that update's step (a
+        name attached twice before it keeps the later value), without moving the
+        step counter; values still waiting at :meth:`finalize` or :meth:`close`
+        are recorded at the latest step (the next one if one of them already has
+        a record there). With a ``step``, at that step (which, as for
+        :meth:`update`, moves ``next_step`` past it). Nested dicts join names
+        with ``/``. This is how :class:`~jaxhistory.StopWatch` timings and
         :class:`~jaxhistory.publish.HistoryHandler` metrics arrive.
 
         Example:
             >>> import jaxhistory as jh
             >>> h = jh.History(distributed_history=False)
-            >>> h.attach({"timing/data": 0.25})
+            >>> h.attach({"timing": {"data": 0.25}})
             >>> h.update({"loss": 0.5}, step=3)
             'step=3 loss=0.500000'
             >>> h.state.steps("timing/data").tolist()
             [3]
         """
-        if not isinstance(metrics, Mapping):
-            raise TypeError(f"metrics must be a mapping, got {type(metrics).__name__}")
-        if step is None:
-            with self._attach_lock:
-                self._attached.update(metrics)
-            return
+        items = dict(flatten(metrics))
+        if step is not None:
+            step = as_step("step", step)
         with self._attach_lock:
-            self.state = self.state.update(dict(metrics), step=step)
-        if self._fanout():
-            self._emit(as_step("step", step), list(metrics.items()))
+            if step is None:
+                self._attached.update(items)
+            elif items:
+                self._attached_at.append((step, items))
 
-    def _record_attached(self, step: int) -> tuple:
-        """Records the values waiting for an update at ``step``; returns them."""
+    def _record_attached(self, step: int) -> tuple[tuple, list]:
+        """Records the attached values: those without a step at ``step``, the
+        others at theirs. Returns (pairs recorded at ``step``, [(step, pairs)])."""
         with self._attach_lock:
             waiting, self._attached = self._attached, {}
-            try:
-                self.state = self.state.update(waiting, step=step)
-            except (TypeError, ValueError) as err:  # e.g. already recorded there
-                warnings.warn(
-                    f"attached values {sorted(waiting)} were not recorded at step "
-                    f"{step}: {err}",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-                return ()
-        return tuple(waiting.items())
+            at, self._attached_at = self._attached_at, []
+        now_items: tuple = ()
+        if waiting and self._record_local(waiting, step):
+            now_items = tuple(waiting.items())
+        earlier = [(s, list(v.items())) for s, v in at if self._record_local(v, s)]
+        return now_items, earlier
 
-    def _record_leftover(self) -> None:
-        """Values still attached at finalize/close: recorded at the latest step
-        (no new step where the other metrics would be NaN), or at the next one
-        where one of them already has a record there."""
-        if self._attached:
-            state = self.state
-            step = max(state.next_step - 1, 0)
+    def _record_local(self, values: dict, step: int) -> bool:
+        try:
+            self.state = self.state.update(values, step=step)
+        except (TypeError, ValueError) as err:  # e.g. already recorded there
+            warnings.warn(
+                f"attached values {sorted(values)} were not recorded at step "
+                f"{step}: {err}",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+            return False
+        return True
+
+    def _record_leftover(self, with_step_only: bool = False) -> None:
+        """Values still attached (at flush: only those with a step of their own):
+        those without a step at the latest step (no new step where the other
+        metrics would be NaN), or at the next one where one of them already has
+        a record there."""
+        if not (self._attached or self._attached_at):
+            return
+        state = self.state
+        step = max(state.next_step - 1, 0)
+        with self._attach_lock:
+            names = list(self._attached)
+            if with_step_only:
+                held, self._attached = self._attached, {}
+        for name in names:
+            last = state.last_step(name) if name in state else None
+            if last is not None and last >= step:
+                step = state.next_step
+                break
+        now_items, earlier = self._record_attached(step)
+        if with_step_only:
             with self._attach_lock:
-                names = list(self._attached)
-            for name in names:
-                last = state.last_step(name) if name in state else None
-                if last is not None and last >= step:
-                    step = state.next_step
-                    break
-            items = self._record_attached(step)
-            if items and self._fanout():
-                self._emit(step, list(items))
+                self._attached = {**held, **self._attached}
+        if self._writing or _trace_state._stack:
+            for at, items in earlier:
+                self._emit(at, items)
+            if now_items:
+                self._emit(step, list(now_items))
 
     def _memory(self, step: int) -> tuple[str, tuple]:
         """Records ``mem/*`` at ``step`` every ``memory_every`` updates; returns the
@@ -436,16 +473,7 @@ class History:
                 self.mesh = mesh
                 return
 
-    def _fanout(self) -> bool:
-        """Whether updates go to the background writer: a JSONL log, sinks, or an
-        active Chrome trace handler (which draws the metrics as counters)."""
-        return (
-            self._stream_path is not None
-            or (bool(self.sinks) and self._sinks_open)
-            or _trace_state.active() is not None
-        )
-
-    def _emit(self, step: int, plain, aggregated=None) -> None:
+    def _emit(self, step: int, plain, aggregated=None, timestamp=None) -> None:
         if self._stream is None:
             try:
                 self._stream = JsonlStream(
@@ -460,11 +488,12 @@ class History:
                 )
                 self._stream_path = None
                 self._stream_failed = True
+                self._writing = bool(self._live_sinks())
                 self._stream = JsonlStream(None, sinks=self._live_sinks())
             self._streamed = self._stream_path is not None
             # Closes the log (writing what is queued) when this History goes.
             weakref.finalize(self, self._stream.close)
-        self._stream.add(step, plain, aggregated)
+        self._stream.add(step, plain, aggregated, timestamp)
         if self._stream.error is not None:
             self._stream_failed = True
 
@@ -474,6 +503,7 @@ class History:
     def flush(self) -> None:
         """Writes the queued JSONL lines and sink records now (waiting for their
         device values), then flushes the sinks."""
+        self._record_leftover(with_step_only=True)
         if self._stream is not None:
             self._stream.flush()
         for sink in self._live_sinks():
@@ -494,6 +524,7 @@ class History:
             for sink in self.sinks:
                 sink.close()
             self._sinks_open = False
+        self._writing = self._stream_path is not None
 
     def finalize(
         self,
@@ -516,6 +547,7 @@ class History:
             if self.report_dir is None:
                 raise ValueError("finalize needs an outdir (or a History report_dir)")
             outdir = self.report_dir
+        began = time.time() - 0.05  # file times are a little coarser
         self._record_leftover()
         self.flush()
         if self._stream is not None and self._stream.error is not None:
@@ -542,8 +574,12 @@ class History:
         for sink in self.sinks:  # e.g. W&B: the history table and the plots
             log_outputs = getattr(sink, "log_outputs", None)
             if log_outputs is not None:
+                # The PNGs this finalize wrote (not those of an earlier one).
                 mplot = Path(outdir) / "plots" / "mplot"
-                log_outputs(self.state, sorted(mplot.glob("*.png")) if plot else [])
+                images = [
+                    p for p in sorted(mplot.glob("*.png")) if p.stat().st_mtime >= began
+                ]
+                log_outputs(self.state, images if plot else [])
         return ds
 
     # ----- distributed history -------------------------------------------------
@@ -634,7 +670,7 @@ class History:
 def _sinks_here(sinks: Sequence[Any], use_wandb: bool | None) -> tuple:
     """The sinks this process writes to (process 0 only, unless a sink says
     ``all_processes``), with a W&B sink added when ``use_wandb`` asks for one."""
-    from jaxhistory.sinks import WandbSink, is_sink
+    from jaxhistory.sinks import WandbSink, is_sink, writes_here
     from jaxhistory.sinks._wandb import wandb_run
 
     if isinstance(sinks, str) or not isinstance(sinks, Sequence):
@@ -655,7 +691,7 @@ def _sinks_here(sinks: Sequence[Any], use_wandb: bool | None) -> tuple:
     )
     if wanted and first and not any(isinstance(s, WandbSink) for s in out):
         out.append(WandbSink())  # on process 0, where the run is
-    return tuple(s for s in out if first or getattr(s, "all_processes", False))
+    return tuple(s for s in out if writes_here(s))
 
 
 def memory_token(sample: _memory.MemorySample, rss: int, rss_peak: int = 0) -> str:

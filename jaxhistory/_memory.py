@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -20,15 +21,21 @@ __all__ = [
 ]
 
 
+_process: list = []  # (pid, psutil.Process), rebuilt after a fork
+
+
 def host_rss() -> int:
     """This process's resident set size in bytes (psutil)."""
-    try:
-        import psutil
-    except ImportError as err:  # a declared dependency, but say what to do
-        raise ImportError(
-            "memory reports need psutil: pip install psutil (or jaxhistory)"
-        ) from err
-    return int(psutil.Process().memory_info().rss)
+    pid = os.getpid()
+    if not _process or _process[0][0] != pid:
+        try:
+            import psutil
+        except ImportError as err:  # a declared dependency, but say what to do
+            raise ImportError(
+                "memory reports need psutil: pip install psutil (or jaxhistory)"
+            ) from err
+        _process[:] = [(pid, psutil.Process(pid))]
+    return int(_process[0][1].memory_info().rss)
 
 
 def live_array_bytes(devices: Sequence[Any]) -> int:

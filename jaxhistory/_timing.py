@@ -132,17 +132,14 @@ class StopWatch:
         """As a decorator: a fresh stop watch times each call of ``fn``."""
         if not callable(fn):
             raise TypeError(f"StopWatch decorates a function, got {fn!r}")
-        settings = (self.msg, self.tag, self.history, self.block, self.step)
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            msg, tag, history, block, step = settings
-            watch = StopWatch(msg, tag, history, None if block is True else block, step)
-            with watch:
+            with self:  # per call and per thread: safe to reuse
                 out = fn(*args, **kwargs)
-                if block is True:
-                    watch.wait(out)
-            wrapper.last = watch.seconds
+                if self.block is True:
+                    self.wait(out)
+            wrapper.last = self.seconds
             return out
 
         wrapper.last = None

@@ -136,13 +136,10 @@ class SinkHandler(MetricHandler):
         self.sink = sink
 
     def emit(self, metric_data: MetricData) -> None:
-        from jaxhistory.sinks import Record
+        from jaxhistory.sinks import Record, writes_here
 
-        if not getattr(self.sink, "all_processes", False):
-            import jax
-
-            if jax.process_index() != 0:
-                return
+        if not writes_here(self.sink):
+            return
         self.sink.write(
             Record(
                 step=None,
@@ -205,9 +202,11 @@ def _registry() -> _Registry:
 
 
 def _as_handler(handler: Any) -> MetricHandler:
+    from jaxhistory.sinks import is_sink
+
     if isinstance(handler, MetricHandler):
         return handler
-    if all(callable(getattr(handler, m, None)) for m in ("write", "flush", "close")):
+    if is_sink(handler):
         return SinkHandler(handler)
     raise TypeError(
         f"configure needs a MetricHandler or a sink (write/flush/close), got "

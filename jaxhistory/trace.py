@@ -304,9 +304,9 @@ class JSONTraceHandler:
             vars_["step"] if step is None else step,
         )
         self._next_path(*nxt)  # raises before anything is finished
-        with self._lock:
+        with self._lock:  # one hold: no event of another thread falls between
             self._finish()
-        path = self._open(*nxt)
+            path = self._open(*nxt, locked=True)
         self._prune()
         return path
 
@@ -354,16 +354,22 @@ class JSONTraceHandler:
             )
         return path
 
-    def _open(self, epoch: int, batch: int, step: int) -> Path:
+    def _open(self, epoch: int, batch: int, step: int, locked: bool = False) -> Path:
         path = self._next_path(epoch, batch, step)
         self._vars.update(epoch=epoch, batch=batch, step=step)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with self._lock:
-            self._file = open(path, "wb")  # noqa: SIM115
-            self._first = True
-            self.paths.append(path)
-            self._write_metadata()
+        if locked:  # the caller holds the lock
+            self._start_file(path)
+        else:
+            with self._lock:
+                self._start_file(path)
         return path
+
+    def _start_file(self, path: Path) -> None:
+        self._file = open(path, "wb")  # noqa: SIM115
+        self._first = True
+        self.paths.append(path)
+        self._write_metadata()
 
     def _write_metadata(self) -> None:
         pid = self._sync["process_index"]

@@ -216,3 +216,34 @@ def test_stat_names_are_stat_major_and_shared():
         "p/b/std",
     )
     assert stat_names(("",)) == ("mean", "max", "min", "std")
+
+
+def test_attach_from_another_thread_loses_nothing_and_flattens_names(tmp_path):
+    import json
+    import threading
+
+    path = tmp_path / "log.jsonl"
+    h = jh.History(distributed_history=False, jsonl_path=path)
+    stop = threading.Event()
+    sent = []
+
+    def publisher():
+        k = 0
+        while not stop.is_set() and k < 2000:
+            h.attach({"pub": {"x": float(k)}}, step=10_000 + k)
+            sent.append(k)
+            k += 1
+
+    thread = threading.Thread(target=publisher)
+    thread.start()
+    for i in range(500):
+        h.update({"loss": float(i)}, step=i, summarize=False)
+    stop.set()
+    thread.join()
+    h.close()
+    state = h.state
+    assert state.steps("loss").tolist() == list(range(500))
+    assert state.count("pub/x") == len(sent)  # nested names joined with "/"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    logged = [r["metrics"]["pub/x"] for r in lines if "pub/x" in r["metrics"]]
+    assert sorted(logged) == [float(k) for k in sent]

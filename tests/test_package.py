@@ -11,10 +11,20 @@ import pytest
 import jaxhistory
 from jaxhistory._optional import import_optional
 
-HEAVY = ("matplotlib", "xarray", "netCDF4", "plotext", "flax", "optax")
+HEAVY = (
+    "matplotlib",
+    "xarray",
+    "netCDF4",
+    "plotext",
+    "flax",
+    "optax",
+    "psutil",
+    "wandb",
+    "tensorboardX",
+)
 
 
-def test_import_pulls_in_jax_and_numpy_only():
+def test_import_pulls_in_no_optional_or_heavy_package():
     code = (
         "import sys, jaxhistory\n"
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"

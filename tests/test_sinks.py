@@ -310,6 +310,29 @@ def test_close_before_finalize_still_logs_the_wandb_outputs(wandb_run, tmp_path)
     assert list(files.glob("media/table/history_*.table.json"))
 
 
+def test_finalize_logs_only_the_pngs_it_wrote(wandb_run, tmp_path):
+    import wandb
+
+    out = tmp_path / "out"
+    stale = out / "plots" / "mplot" / "old_metric.png"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"not from this run")
+    os.utime(stale, (1_000_000_000, 1_000_000_000))
+    h = jh.History(distributed_history=False)
+    h.update({"loss": 1.0})
+    h.update({"loss": 0.5})
+    logged = []
+    sink = next(s for s in h.sinks if isinstance(s, WandbSink))
+    original = sink.log_outputs
+    sink.log_outputs = lambda state, images: (
+        logged.extend(images),
+        original(state, images),
+    )
+    h.finalize(out)
+    wandb.finish()
+    assert [p.name for p in logged] == ["loss.png"]
+
+
 def test_wandb_sink_skips_steps_that_go_back(wandb_run):
     import wandb
 

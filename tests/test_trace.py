@@ -342,7 +342,20 @@ def test_stopwatch_logs_records_and_annotates(caplog):
     assert h.state.next_step == 2  # the step counter follows the updates only
     with jh.StopWatch("x", wbtag="timing/fwd", history=h, step=20):
         pass
+    h.flush()  # values with a step of their own: at the next update or flush
     assert h.state.steps("timing/fwd").tolist() == [20]
+    assert h.state.next_step == 21
+
+
+def test_a_decorator_and_a_block_record_the_same_name():
+    h = jh.History(distributed_history=False)
+    watch = jh.StopWatch("m", wbtag="timing/timing/x", history=h)
+    with watch:
+        pass
+    h.update({"loss": 1.0})
+    watch(lambda: None)()
+    h.update({"loss": 0.5})
+    assert h.state.steps("timing/timing/x").tolist() == [0, 1]
 
 
 def test_timings_between_two_updates_keep_the_later_value_and_no_step_is_skipped():
@@ -541,3 +554,29 @@ def test_a_timing_on_one_process_of_a_distributed_history_does_not_hang():
     stats = {f"lr/{s}": [0] for s in jh.STATS}
     assert results[0] == {**stats, "timing/checkpoint": [0]}
     assert results[1] == stats
+
+
+def test_events_from_other_threads_during_a_rotate_are_all_written(tmp_path):
+    t = trace.JSONTraceHandler(folder=str(tmp_path), merged_trace_filename=None)
+    t.start()
+    stop = threading.Event()
+    sent = []
+
+    def spam():
+        i = 0
+        while not stop.is_set():
+            t.instant(f"e{i}")
+            sent.append(i)
+            i += 1
+
+    worker = threading.Thread(target=spam)
+    worker.start()
+    for batch in range(1, 30):
+        t.rotate(batch=batch)
+    stop.set()
+    worker.join()
+    t.close()
+    written = [
+        e["name"] for p in t.paths for e in trace.load_trace(p) if e["ph"] == "i"
+    ]
+    assert len(written) == len(sent)

@@ -391,13 +391,21 @@ class JsonlStream:
 
         _trace_state.register_stream(self)
 
-    def add(self, step: int, metrics: Any, aggregated: Any = None) -> None:
+    def add(
+        self,
+        step: int,
+        metrics: Any,
+        aggregated: Any = None,
+        timestamp: float | None = None,
+    ) -> None:
         """Queues one record: ``metrics`` as (name, value) pairs, ``aggregated``
-        as (names, packed values) or None."""
+        as (names, packed values) or None; ``timestamp`` defaults to now."""
+        if timestamp is None:
+            timestamp = time.time()
         with self._add_lock:  # never after close() took the last records
             if self._closed:
                 raise ValueError(f"the JSONL log {self.path} is closed")
-            self._pending.append((step, time.time(), metrics, aggregated))
+            self._pending.append((step, timestamp, metrics, aggregated))
 
     def _run(self) -> None:
         while not self._wake.wait(self.INTERVAL):

@@ -43,6 +43,7 @@ __all__ = [
     "WandbSink",
     "is_sink",
     "scalars",
+    "writes_here",
 ]
 
 
@@ -81,6 +82,16 @@ class Sink(Protocol):
 def is_sink(obj: Any) -> bool:
     """Whether ``obj`` has callable ``write``, ``flush`` and ``close``."""
     return all(callable(getattr(obj, m, None)) for m in ("write", "flush", "close"))
+
+
+def writes_here(sink: Any) -> bool:
+    """Whether ``sink`` writes from this process: process 0, or any process for a
+    sink with ``all_processes = True``."""
+    if getattr(sink, "all_processes", False):
+        return True
+    import jax
+
+    return jax.process_index() == 0
 
 
 def scalars(record: Record) -> dict[str, float | int]:
@@ -165,11 +176,16 @@ class JsonlSink:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "wb" if overwrite else "ab")  # noqa: SIM115
+        if not overwrite:  # a killed run's half line is ended, not joined
+            from jaxhistory.export._jsonl import _end_partial_line
+
+            _end_partial_line(self._file, self.path)
+        self._keys: dict[str, bytes] = {}
 
     def write(self, record: Record) -> None:
         from jaxhistory.export._jsonl import record_line
 
-        self._file.write(record_line(record))
+        self._file.write(record_line(record, self._keys))
 
     def flush(self) -> None:
         if not self._file.closed:
