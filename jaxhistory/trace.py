@@ -44,6 +44,7 @@ import jax
 import orjson
 
 from jaxhistory import _trace_state
+from jaxhistory.export._jsonl import NONFINITE_TEXT
 
 __all__ = ["JSONTraceHandler", "load_trace", "merge_traces"]
 
@@ -56,7 +57,6 @@ FOLDER_VARS = (
     "node_rank",
 )
 FILE_VARS = (*FOLDER_VARS, "epoch", "batch", "step")
-_NONFINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 FLUSH_SECONDS = 0.5
 
 
@@ -83,7 +83,7 @@ def _sanitize(value: Any) -> Any:
     if isinstance(value, bool | int | str) or value is None:
         return value
     if isinstance(value, float):
-        return value if math.isfinite(value) else _NONFINITE[repr(value)]
+        return value if math.isfinite(value) else NONFINITE_TEXT[repr(value)]
     try:
         import numpy as np
 

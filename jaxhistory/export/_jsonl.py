@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 
 __all__ = ["JsonlStream", "from_jsonl", "jsonl_value", "to_jsonl"]
 
-_NONFINITE = {"nan": b'"NaN"', "inf": b'"Infinity"', "-inf": b'"-Infinity"'}
+# repr(x) of a non-finite float -> its text in the logs (strict JSON has no NaN)
+NONFINITE_TEXT = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+_NONFINITE = {k: b'"' + v.encode() + b'"' for k, v in NONFINITE_TEXT.items()}
 _FROM_TEXT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 

@@ -27,7 +27,7 @@ import dataclasses
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -43,6 +43,7 @@ __all__ = [
     "WandbSink",
     "is_sink",
     "scalars",
+    "values",
     "writes_here",
 ]
 
@@ -94,18 +95,30 @@ def writes_here(sink: Any) -> bool:
     return jax.process_index() == 0
 
 
+def values(record: Record) -> Iterator[tuple[str, Any, np.ndarray | None]]:
+    """``(name, number, array)`` for each value of the record (metrics, then
+    aggregated): ``number`` is a Python int/float/bool for a scalar (else None),
+    ``array`` a bool/int/float NumPy array for an array metric (else None).
+    Group records prefix names with ``{group}/``. The one place sinks turn
+    values into numbers."""
+    prefix = f"{record.group}/" if record.group else ""
+    for name, value in (*record.metrics.items(), *record.aggregated.items()):
+        if type(value) is float or type(value) is int or type(value) is bool:
+            yield prefix + name, value, None  # History hands scalars over as these
+            continue
+        arr = np.asarray(value)
+        if arr.dtype.kind not in "biuf":  # bfloat16 and other ml_dtypes floats
+            arr = arr.astype(np.float64)
+        if arr.ndim == 0:
+            yield prefix + name, arr.item(), None
+        else:
+            yield prefix + name, None, arr
+
+
 def scalars(record: Record) -> dict[str, float | int]:
     """The record's scalar values (metrics and aggregated) by name; arrays left
     out. Group records prefix names with ``{group}/``."""
-    prefix = f"{record.group}/" if record.group else ""
-    out = {}
-    for name, value in (*record.metrics.items(), *record.aggregated.items()):
-        arr = np.asarray(value)
-        if arr.ndim == 0 and arr.dtype.kind in "biuf":
-            out[prefix + name] = arr.item()
-        elif arr.ndim == 0:  # bfloat16 and other ml_dtypes floats
-            out[prefix + name] = float(arr)
-    return out
+    return {name: number for name, number, _ in values(record) if number is not None}
 
 
 def _format(value: Any, precision: int) -> str:
@@ -148,13 +161,12 @@ class ConsoleSink:
         parts = [] if record.group is None else [f"[{record.group}]"]
         if record.step is not None:
             parts.append(f"step={record.step}")
-        for name, value in (*record.metrics.items(), *record.aggregated.items()):
-            arr = np.asarray(value)
-            if arr.ndim:
+        # The group is shown once, as [group], not as a prefix of every name.
+        for name, number, arr in values(dataclasses.replace(record, group=None)):
+            if arr is not None:
                 parts.append(f"{name}=[{arr.size} values]")
             else:
-                scalar = arr.item() if arr.dtype.kind in "biuf" else float(arr)
-                parts.append(f"{name}={_format(scalar, self.precision)}")
+                parts.append(f"{name}={_format(number, self.precision)}")
         print(" ".join(parts), file=self.stream or sys.stdout)
 
     def flush(self) -> None:

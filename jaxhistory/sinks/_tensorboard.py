@@ -49,19 +49,11 @@ class TensorBoardSink:
         return n
 
     def write(self, record: Any) -> None:
-        prefix = f"{record.group}/" if record.group else ""
+        from jaxhistory.sinks import values
+
         Value = self._summary.Value
         scalars = []  # one event for all the scalars of a record with a step
-        for name, value in (*record.metrics.items(), *record.aggregated.items()):
-            tag = prefix + name
-            if type(value) is float or type(value) is int:
-                arr = None
-                number = float(value)
-            else:
-                arr = np.asarray(value)
-                if arr.dtype.kind not in "biuf":
-                    arr = arr.astype(np.float64)
-                number = float(arr) if arr.ndim == 0 else None
+        for tag, number, arr in values(record):
             if number is not None:
                 if record.step is None:
                     step = self._step(tag, None)
@@ -70,8 +62,8 @@ class TensorBoardSink:
                     scalars.append(Value(tag=tag, simple_value=number))
                 continue
             step = self._step(tag, record.step)
-            if arr.size and np.isfinite(arr).any():
-                finite = arr[np.isfinite(arr)].astype(np.float64)
+            finite = arr[np.isfinite(arr)].astype(np.float64)
+            if finite.size:
                 self._writer.add_histogram(
                     tag, finite, global_step=step, walltime=record.timestamp
                 )

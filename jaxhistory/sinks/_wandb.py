@@ -46,16 +46,14 @@ class WandbSink:
         self._warned = False
 
     def write(self, record: Any) -> None:
-        prefix = f"{record.group}/" if record.group else ""
+        from jaxhistory.sinks import values
+
         data = {}
-        for name, value in (*record.metrics.items(), *record.aggregated.items()):
-            arr = np.asarray(value)
-            if arr.dtype.kind not in "biuf":
-                arr = arr.astype(np.float64)
-            if arr.ndim == 0:
-                data[prefix + name] = arr.item()
+        for name, number, arr in values(record):
+            if number is not None:
+                data[name] = number
             elif arr.size:
-                data[prefix + name] = self.wandb.Histogram(arr[np.isfinite(arr)])
+                data[name] = self.wandb.Histogram(arr[np.isfinite(arr)])
         if not data:
             return
         step = record.step
