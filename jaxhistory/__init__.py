@@ -32,10 +32,10 @@ from jaxhistory._collective import (
     reduce_std_collective,
     reduce_sum_collective,
 )
-from jaxhistory._facade import History, distributed_default
-from jaxhistory._history import HistoryState, warmup_count
+from jaxhistory._history import History, distributed_default
+from jaxhistory._history_state import HistoryState, warmup_count
 from jaxhistory._hlo import collective_counts
-from jaxhistory._logging import log_metrics, metrics_format, save_metrics, save_state
+from jaxhistory._results import log_metrics, metrics_format, save_metrics, save_state
 from jaxhistory._memory import (
     MemorySample,
     MemoryTracker,

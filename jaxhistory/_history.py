@@ -1,681 +1,723 @@
-"""HistoryState: an immutable, columnar record of per-step metrics on the host."""
+"""History: the stateful update() -> summary line object most users touch."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
+import array
 import math
-from collections.abc import Mapping
+import os
+import threading
+import time
+import warnings
+import weakref
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxhistory._column import STAGE, Table, Tables
-from jaxhistory._record import (
-    ALL_FLOATS,
-    FLOAT_ONLY,
-    INT64_MAX,
-    NESTED,
-    PY_SCALARS,
-    STEP_KEYS,
-    InFlight,
-    as_step,
-    check_ints,
-    device_signature,
-    device_storage_dtype,
-    flatten,
-    host_value,
-    needs_host_copy,
-    warmup_count,
-)
-from jaxhistory._stats import Stats, stat_names
+from jaxhistory import _memory, _trace_state
+from jaxhistory._history_state import HistoryState, _append_floats
+from jaxhistory._dtypes import NESTED, STEP_KEYS, as_step, flatten
+from jaxhistory._stats import Stats, distributed_stats, stat_names
+from jaxhistory.export._env import new_run_id
+from jaxhistory.export._jsonl import JsonlStream
 
-__all__ = ["STEP_KEYS", "HistoryState", "warmup_count"]
-# Updates whose device values may still be in flight; past this many the oldest are
-# waited for. This bounds how far the host runs ahead of the device (simulated CPU
-# devices deadlock when too many collective steps are queued).
-MAX_INFLIGHT = 8
-SUMMARY_STATS = (
-    "mean",
-    "std",
-    "median",
-    "p10",
-    "p90",
-    "min",
-    "max",
-    "last",
-    "count",
-    "nonfinite",
-)
+__all__ = ["COUNTER_KEYS", "DISTRIBUTED_LIMIT", "History", "distributed_default"]
+
+COUNTER_KEYS = ("step", "epoch", "iter")
+DISTRIBUTED_LIMIT = 384  # devices; above this the per-update all-reduce is off
+_OFF_VARS = ("JAXHISTORY_NO_DISTRIBUTED_HISTORY", "JAXHISTORY_LOCAL_HISTORY")
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class HistoryState:
-    """An immutable record of metrics: every record has an explicit step.
+def _env_flag(name: str) -> bool:
+    """An on/off environment variable: 1/true/yes/on, or 0/false/no/off/empty (not
+    set); anything else is a ValueError naming the variable."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: expected 1/true/yes or 0/false/no")
 
-    ``update`` returns a new state and never changes the old one: updating an old
-    state again starts an independent branch. Appends are amortized O(1): the newest
-    state appends in place to storage it shares with its ancestors, which only ever
-    see their own prefix of it (an old state that is updated again copies its rows
-    once). Metrics recorded together share one step array.
 
-    A JAX pytree whose leaves are step and value arrays (``next_step`` and
-    ``attrs`` are static), so it can be saved and restored with a train state.
+def distributed_default() -> bool:
+    """Whether distributed history is on when not set explicitly.
+
+    Off when ``JAXHISTORY_NO_DISTRIBUTED_HISTORY`` or ``JAXHISTORY_LOCAL_HISTORY``
+    is 1/true/yes, or when there are more than 384 devices (the all-reduce per
+    update costs too much there); on otherwise.
 
     Example:
         >>> import jaxhistory as jh
-        >>> s0 = jh.HistoryState()
-        >>> s1 = s0.update({"loss": 0.5, "lr": 1e-3})
-        >>> s2 = s1.update({"loss": 0.25})
-        >>> s2.values("loss").tolist(), s1.values("loss").tolist()
-        ([0.5, 0.25], [0.5])
-        >>> s3 = s2.update({"eval": {"acc": 0.9}}, step=100)
-        >>> s3.steps("eval/acc").tolist(), s3.next_step
-        ([100], 101)
+        >>> jh.distributed_default()  # 8 devices here, no variable set
+        True
     """
+    if any(_env_flag(v) for v in _OFF_VARS):
+        return False
+    return jax.device_count() <= DISTRIBUTED_LIMIT
 
-    data: Tables = dataclasses.field(default_factory=Tables)
-    next_step: int = dataclasses.field(default=0, metadata={"static": True})
-    attrs: tuple[tuple[str, Any], ...] = dataclasses.field(
-        default=(), metadata={"static": True}
+
+def _is_per_device(value: Any) -> bool:
+    return (
+        isinstance(value, jax.Array)
+        and value.ndim >= 1
+        and not value.sharding.is_fully_replicated
     )
 
-    def __post_init__(self):
-        object.__setattr__(self, "_inflight", InFlight(MAX_INFLIGHT))
 
-    def _derive(self, tables: dict, next_step: int, attrs=None) -> HistoryState:
-        data = _new_tables()
-        data.tables = tables
-        new = _new_state()
-        d = new.__dict__  # frozen: fill the new instance's dict directly
-        d["data"] = data
-        d["next_step"] = next_step
-        d["attrs"] = self.attrs if attrs is None else attrs
-        d["_inflight"] = self._inflight
-        return new
+def _format(value: Any, precision: int, counter: bool) -> str:
+    if type(value) is float and not counter:
+        return f"{value:.{precision}f}"
+    if type(value) is int:
+        return str(value)
+    arr = np.asarray(value)
+    if arr.ndim:
+        if arr.size <= 4:
+            return "[" + ",".join(_format(v, precision, counter) for v in arr) + "]"
+        return f"{_format(arr.mean(), precision, False)}(mean of {arr.size})"
+    if counter or arr.dtype.kind in "iub":
+        if arr.dtype.kind == "f" and not math.isfinite(float(arr)):
+            return str(float(arr))
+        return str(int(arr))
+    return f"{float(arr):.{precision}f}"
 
-    # ----- reading -------------------------------------------------------------
-    @property
-    def keys(self) -> tuple[str, ...]:
-        """Metric names, in the order they were first recorded."""
-        return tuple(dict.fromkeys(k for ks in self.data.tables for k in ks))
 
-    def __len__(self) -> int:
-        return len(self.keys)
+class History:
+    """Records metrics step by step and returns a one-line summary of each update.
 
-    def __contains__(self, name: object) -> bool:
-        return any(name in ks for ks in self.data.tables)
+    Args:
+        keys: metric names to show first, in this order, in the summary line.
+        distributed_history: reduce per-device values (sharded JAX arrays) and, with
+            several processes, per-process host scalars into ``name/mean``,
+            ``name/max``, ``name/min`` and ``name/std`` across all devices or
+            processes, in one fused jitted call per update (two all-reduces).
+            Every process must then call :meth:`update`. ``None`` picks
+            :func:`distributed_default`.
+        report_dir: the default ``outdir`` of :meth:`finalize`; the JSONL log is
+            streamed to ``{report_dir}/{run_id}.jsonl`` when no ``jsonl_path`` is
+            given.
+        report_enabled: whether :meth:`finalize` writes the markdown report.
+        jsonl_path: stream the JSONL log here during the run (one line per update,
+            written about twice a second from a background thread). Written by
+            process 0 only, unless the path holds ``{process_index}``, which gives
+            each process its own file.
+        jsonl_overwrite: truncate an existing JSONL log instead of appending to it
+            (appending continues a resumed run).
+        log_every: summarize (and so wait for device values) only every N updates;
+            the others record without waiting and return ``""``.
+        run_name: the first part of ``run_id`` (``{run_name}-{YYYYmmdd-HHMMSS}``),
+            which names the JSONL log and is recorded in the outputs.
+        sinks: more places each update goes (:mod:`jaxhistory.sinks`: console,
+            JSONL, TensorBoard, W&B, or anything with ``write``/``flush``/``close``).
+            A background thread hands them each update as a
+            :class:`~jaxhistory.sinks.Record` once its device values are on the
+            host; ``update`` never waits for them. Process 0 only, unless a sink
+            has ``all_processes = True``. :meth:`flush` flushes them,
+            :meth:`close` closes them.
+        use_wandb: log to Weights & Biases through a
+            :class:`~jaxhistory.sinks.WandbSink` (metrics at each update; the
+            history as a ``wandb.Table`` and the PNGs as ``wandb.Image`` at
+            :meth:`finalize`). None: when a W&B run is active and
+            ``WANDB_DISABLED`` is not 1/true/yes. False never, True requires a run.
+        memory: record memory with the metrics: True on every update, an int N
+            every N updates. Adds ``mem/host_rss`` (bytes, psutil),
+            ``mem/device_in_use`` and, where the backend reports it,
+            ``mem/device_peak`` (bytes over this process's devices, see
+            :func:`~jaxhistory.device_memory`) at the update's step, and a
+            ``memory=X.XX/Y.YYGiB`` token (current/peak) to the summary line:
+            device memory where the backend reports a peak, else host RSS.
 
-    def _parts(self, name: str) -> list[tuple[Table, int, int]]:
-        """(table, rows seen, column) of every table holding ``name``."""
-        parts = [
-            (t, n, ks.index(name))
-            for ks, (t, n) in self.data.tables.items()
-            if name in ks and n
-        ]
-        if not parts and name not in self:
-            known = ", ".join(self.keys) or "none"
-            raise KeyError(f"no metric {name!r}; recorded: {known}")
-        return parts
+    Example:
+        >>> import jaxhistory as jh
+        >>> h = jh.History(distributed_history=False)
+        >>> h.update({"step": 42, "loss": 0.1234567, "lr": 1e-3})
+        'step=42 loss=0.123457 lr=0.001000'
+        >>> h.state.steps("loss").tolist()
+        [42]
+    """
 
-    def _records(self, name: str) -> tuple[np.ndarray, np.ndarray]:
-        parts = self._parts(name)
-        if len(parts) == 1:
-            t, n, j = parts[0]
-            steps, values = t.view(n)
-            return steps, values[j]
-        if not parts:
-            ks = next(ks for ks in self.data.tables if name in ks)
-            t = self.data.tables[ks][0]
-            j = ks.index(name)
-            return t.view(0)[0], t.view(0)[1][j]
-        steps, values = [], []
-        for t, n, j in parts:
-            s, v = t.view(n)
-            steps.append(s)
-            values.append(v[j])
-        steps, values = np.concatenate(steps), np.concatenate(values)
-        order = np.argsort(steps, kind="stable")
-        steps, values = steps[order], values[order]
-        steps.flags.writeable = values.flags.writeable = False
-        return steps, values
-
-    def steps(self, name: str) -> np.ndarray:
-        """The steps at which ``name`` was recorded (read-only int64 array)."""
-        return self._records(name)[0]
-
-    def values(self, name: str) -> np.ndarray:
-        """The values of ``name``, one per step (read-only; waits for device values)."""
-        return self._records(name)[1]
-
-    def _meta(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
-        found = [
-            (t.dtypes[ks.index(name)], t.shapes[ks.index(name)])
-            for ks, (t, _) in self.data.tables.items()
-            if name in ks
-        ]
-        if not found:
-            raise KeyError(
-                f"no metric {name!r}; recorded: {', '.join(self.keys) or 'none'}"
+    def __init__(
+        self,
+        keys: Sequence[str] | None = None,
+        distributed_history: bool | None = None,
+        report_dir: str | os.PathLike | None = None,
+        report_enabled: bool = True,
+        jsonl_path: str | os.PathLike | None = None,
+        jsonl_overwrite: bool = False,
+        log_every: int = 1,
+        run_name: str | None = None,
+        memory: bool | int = False,
+        sinks: Sequence[Any] = (),
+        use_wandb: bool | None = None,
+    ):
+        if keys is not None and (
+            isinstance(keys, str) or not all(isinstance(k, str) for k in keys)
+        ):
+            raise TypeError(f"keys must be a sequence of metric names, got {keys!r}")
+        if (
+            isinstance(log_every, bool)
+            or not isinstance(log_every, int)
+            or log_every < 1
+        ):
+            raise ValueError(f"log_every must be a positive int, got {log_every!r}")
+        if memory is True or memory is False:
+            memory = int(memory)
+        elif isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
+            raise ValueError(
+                f"memory must be True/False or a positive int (every N updates), "
+                f"got {memory!r}"
             )
-        # Records in several tables read back promoted to one dtype (values()).
-        return np.result_type(*(d for d, _ in found)), found[0][1]
+        self.memory_every = memory  # 0: off
+        self._attached: dict[str, Any] = {}  # values waiting for the next update
+        self._attached_at: list[tuple[int, dict]] = []  # ... with steps of their own
+        self._attach_lock = threading.Lock()
+        self.sinks = _sinks_here(sinks, use_wandb)
+        self._sinks_open = True  # False after close(): nothing more is written
+        self._mem_last_step: int | None = None
+        self._rss_peak = 0
+        self.keys = tuple(keys or ())
+        self.distributed_history = (
+            distributed_default()
+            if distributed_history is None
+            else bool(distributed_history)
+        )
+        self.report_dir = None if report_dir is None else Path(report_dir)
+        self.report_enabled = bool(report_enabled)
+        self.jsonl_path = None if jsonl_path is None else Path(jsonl_path)
+        self.jsonl_overwrite = bool(jsonl_overwrite)
+        self.log_every = log_every
+        self.state = HistoryState()
+        self.run_id = new_run_id(run_name)
+        self.mesh = None  # the mesh of the per-device metrics, once one is seen
+        self._updates = 0
+        self._multi_process = jax.process_count() > 1
+        self._stats_fn = jax.jit(distributed_stats)
+        # (step, wall time) per update, in arrays: no objects for the GC to scan
+        self._stamp_steps = array.array("q")
+        self._stamp_times = array.array("d")
+        self._stream: JsonlStream | None = None
+        self._stream_path = self._jsonl_target()
+        # Whether updates go to the background writer (a JSONL log or open sinks;
+        # an active trace handler is checked apart): one flag on the hot path.
+        self._writing = self._stream_path is not None or bool(self.sinks)
+        self._streamed = False  # a log was opened at _stream_path
+        self._stream_failed = False
 
-    def dtype(self, name: str) -> np.dtype:
-        """The storage dtype of ``name``."""
-        return self._meta(name)[0]
+    def update(
+        self,
+        metrics: Mapping[str, Any],
+        precision: int = 6,
+        step: int | None = None,
+        summarize: bool = True,
+    ) -> str:
+        """Records ``metrics`` and returns the summary line for this step.
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        """The shape of one record of ``name``."""
-        return self._meta(name)[1]
+        Args:
+            metrics: a dict of Python, NumPy or JAX values (nested dicts join names
+                with ``/``). A ``step``/``iter`` entry sets the step.
+            precision: decimals in the summary line.
+            step: the step, overriding any entry in ``metrics``.
+            summarize: build the summary line. It needs the values, so it waits for
+                device values of this step; with False (or between ``log_every``
+                updates) nothing waits and ``""`` is returned.
 
-    def count(self, name: str) -> int:
-        """How many records ``name`` has."""
-        return sum(n for _, n, _ in self._parts(name))
+        Returns:
+            ``"step=42 loss=0.123457 lr=0.001000"``: counters (``step``, ``epoch``,
+            ``iter``) as integers; a distributed metric as its mean with the std
+            inlined, ``loss=0.123457(±0.002100)``.
 
-    def last(self, name: str) -> Any:
-        """The most recent value of ``name``."""
-        values = self.values(name)
-        if not len(values):
-            raise KeyError(f"metric {name!r} has no records")
-        return values[-1]
+        Raises:
+            TypeError, ValueError: bad values, as for :meth:`HistoryState.update`
+                (nothing is recorded then). With distributed history, processes
+                that pass different metric names all raise ValueError.
+        """
+        if type(precision) is not int or precision < 0:
+            raise ValueError(f"precision must be a non-negative int, got {precision!r}")
+        label = "step"
+        if type(metrics) is dict and step is None:
+            # A step entry is the step: parse it once, and record the rest (which
+            # lets rows with a step entry take the fast path).
+            for key in STEP_KEYS:
+                if key in metrics:
+                    label, step = key, as_step(key, metrics[key])
+                    metrics = {k: v for k, v in metrics.items() if k != key}
+                    break
+        new = None
+        if type(metrics) is dict:
+            if not (self._multi_process and self.distributed_history):
+                new = _append_floats(self.state, metrics, step)  # the common case
+            if new is None and self._simple(metrics):
+                # Nothing to reduce or flatten: record the dict as it is.
+                new = self.state.update(metrics, step=step)
+                if self.mesh is None and len(new.data.tables) > len(
+                    self.state.data.tables
+                ):  # a new key set: look for the mesh once
+                    self._note_mesh(metrics.values())
+        if new is None:
+            return self._update(metrics, precision, step, summarize, label)
+        step_used = new.next_step - 1 if step is None else as_step("step", step)
+        self.state = new
+        want_line = summarize and not (self._updates % self.log_every)
+        self._updates += 1
+        now = time.time()
+        self._stamp_steps.append(step_used)
+        self._stamp_times.append(now)
+        side = self.memory_every or self._attached or self._attached_at
+        fanout = self._writing or _trace_state._stack
+        if not (side or fanout or want_line):
+            return ""  # the common case: recorded, nothing else to do
+        # With an explicit step, a "step" entry (checked to agree) is not a metric.
+        items = [(n, v) for n, v in metrics.items() if n != "step"]
+        token = (
+            self._after_record(step_used, items, None, now) if (side or fanout) else ""
+        )
+        if not want_line:
+            return ""
+        order = [n for n, _ in items]
+        line = self._line(order, items, (), None, (label, step_used), precision)
+        return f"{line} {token}" if token else line
 
-    def last_step(self, name: str) -> int | None:
-        """The step of the most recent record of ``name`` (None if none)."""
-        steps = [t.step_at(n) for t, n, _ in self._parts(name)]
-        return max(steps) if steps else None
+    def _after_record(self, step: int, plain, aggregated, now: float) -> str:
+        """After an update is recorded: memory metrics and attached values (both
+        recorded locally, at ``step``), then the line for the log, the sinks and
+        an active trace handler. Returns the memory summary token, if any."""
+        token, side = self._memory(step) if self.memory_every else ("", ())
+        earlier = ()
+        if self._attached or self._attached_at:
+            now_items, earlier = self._record_attached(step)
+            side = (*side, *now_items)
+        if self._writing or _trace_state._stack:
+            for at, items in earlier:  # attached with a step of their own
+                self._emit(at, items)
+            self._emit(step, [*plain, *side], aggregated, now)
+        return token
 
-    def nbytes(self) -> int:
-        """Bytes of NumPy storage held for this state's tables."""
-        return sum(t.nbytes() for t, _ in self.data.tables.values())
+    def _simple(self, metrics: dict) -> bool:
+        """A flat dict whose values need no cross-device or cross-process reduction."""
+        types = set(map(type, metrics.values()))
+        if NESTED.intersection(types):
+            return False
+        if not self.distributed_history:
+            return True
+        if self._multi_process:
+            return False  # host values are reduced across processes
+        return not any(issubclass(t, jax.Array) for t in types) or not any(
+            _is_per_device(v) for v in metrics.values()
+        )
 
-    def select(self, *prefixes: str) -> HistoryState:
-        """Only the metrics named ``prefix`` or ``prefix/...``, for any prefix given.
+    def _update(self, metrics, precision, step, summarize, label="step") -> str:
+        items = flatten(metrics)
+        counters = {n: v for n, v in items if n in COUNTER_KEYS}
+        if step is None:
+            for key in STEP_KEYS:
+                if key in counters:
+                    step, label = as_step(key, counters[key]), key
+                    items = [(n, v) for n, v in items if n != key]
+                    break
+        plain, reduce = self._split(items)
+        state = self.state
+        state = state.update(dict(plain), step=step)
+        step_used = state.next_step - 1 if step is None else as_step("step", step)
+        names: tuple[str, ...] = ()
+        if reduce:
+            names, packed = self._reduce(reduce)
+            state = state.update_packed(names, packed, step=step_used)
+        self.state = state
+        self._updates += 1
+        now = time.time()
+        self._stamp_steps.append(step_used)
+        self._stamp_times.append(now)
+        aggregated = (names, packed) if reduce else None
+        token = self._after_record(step_used, plain, aggregated, now)
+        if not summarize or (self._updates - 1) % self.log_every:
+            return ""
+        order = [n for n, _ in items]
+        packed = packed if reduce else None
+        line = self._line(order, plain, names, packed, (label, step_used), precision)
+        return f"{line} {token}" if token else line
+
+    def attach(self, metrics: Any, step: int | None = None) -> None:
+        """Records host values of this process alone, never reduced across devices
+        or processes, so any process may call it at any time, from any thread.
+
+        The values wait for the next :meth:`update` (or :meth:`flush`,
+        :meth:`finalize`, :meth:`close`), which records them on the thread that
+        records. With ``step`` None they are recorded at that update's step (a
+        name attached twice before it keeps the later value), without moving the
+        step counter; values still waiting at :meth:`finalize` or :meth:`close`
+        are recorded at the latest step (the next one if one of them already has
+        a record there). With a ``step``, at that step (which, as for
+        :meth:`update`, moves ``next_step`` past it). Nested dicts join names
+        with ``/``. This is how :class:`~jaxhistory.StopWatch` timings and
+        :class:`~jaxhistory.publish.HistoryHandler` metrics arrive.
 
         Example:
             >>> import jaxhistory as jh
-            >>> s = jh.HistoryState().update({"train": {"loss": 1.0}, "eval/loss": 2.0})
-            >>> s.select("train").keys
-            ('train/loss',)
+            >>> h = jh.History(distributed_history=False)
+            >>> h.attach({"timing": {"data": 0.25}})
+            >>> h.update({"loss": 0.5}, step=3)
+            'step=3 loss=0.500000'
+            >>> h.state.steps("timing/data").tolist()
+            [3]
         """
-        heads = [p.rstrip("/") for p in prefixes]
+        items = dict(flatten(metrics))
+        if step is not None:
+            step = as_step("step", step)
+        with self._attach_lock:
+            if step is None:
+                self._attached.update(items)
+            elif items:
+                self._attached_at.append((step, items))
 
-        def wanted(k: str) -> bool:
-            return any(k == h or k.startswith(h + "/") for h in heads)
+    def _record_attached(self, step: int) -> tuple[tuple, list]:
+        """Records the attached values: those without a step at ``step``, the
+        others at theirs. Returns (pairs recorded at ``step``, [(step, pairs)])."""
+        with self._attach_lock:
+            waiting, self._attached = self._attached, {}
+            at, self._attached_at = self._attached_at, []
+        now_items: tuple = ()
+        if waiting and self._record_local(waiting, step):
+            now_items = tuple(waiting.items())
+        earlier = [(s, list(v.items())) for s, v in at if self._record_local(v, s)]
+        return now_items, earlier
 
-        tables = {}
-        for ks, (t, n) in self.data.tables.items():
-            idx = [j for j, k in enumerate(ks) if wanted(k)]
-            if len(idx) == len(ks):
-                tables[ks] = (t, n)
-            elif idx:
-                steps, values = t.view(n)
-                sub = tuple(ks[j] for j in idx)
-                cols = [np.array(values[j]) for j in idx]
-                tables[sub] = (Table.from_arrays(sub, np.array(steps), cols), n)
-        return self._derive(tables, self.next_step)
+    def _record_local(self, values: dict, step: int) -> bool:
+        try:
+            self.state = self.state.update(values, step=step)
+        except (TypeError, ValueError) as err:  # e.g. already recorded there
+            warnings.warn(
+                f"attached values {sorted(values)} were not recorded at step "
+                f"{step}: {err}",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+            return False
+        return True
 
-    # ----- writing -------------------------------------------------------------
-    def update(self, metrics: Any, step: int | None = None) -> HistoryState:
-        """Records ``metrics`` at one step; returns the new state.
+    def _record_leftover(self, with_step_only: bool = False) -> None:
+        """Values still attached (at flush: only those with a step of their own):
+        those without a step at the latest step (no new step where the other
+        metrics would be NaN), or at the next one where one of them already has
+        a record there."""
+        if not (self._attached or self._attached_at):
+            return
+        state = self.state
+        step = max(state.next_step - 1, 0)
+        with self._attach_lock:
+            names = list(self._attached)
+            if with_step_only:
+                held, self._attached = self._attached, {}
+        for name in names:
+            last = state.last_step(name) if name in state else None
+            if last is not None and last >= step:
+                step = state.next_step
+                break
+        now_items, earlier = self._record_attached(step)
+        if with_step_only:
+            with self._attach_lock:
+                self._attached = {**held, **self._attached}
+        if self._writing or _trace_state._stack:
+            for at, items in earlier:
+                self._emit(at, items)
+            if now_items:
+                self._emit(step, list(now_items))
 
-        Args:
-            metrics: a dict (or pytree) of Python, NumPy or JAX scalars and arrays;
-                nested names join with ``/``. JAX arrays are not waited for: their
-                copy to the host starts now and they are fetched in batches later.
-            step: the step. When None, a ``step`` (or ``iter``) entry of
-                ``metrics`` is the step (and is not stored as a metric); otherwise
-                ``next_step``, one past the latest step recorded.
+    def _memory(self, step: int) -> tuple[str, tuple]:
+        """Records ``mem/*`` at ``step`` every ``memory_every`` updates; returns the
+        summary token and the (name, value) pairs for the log (empty when not
+        due)."""
+        if (self._updates - 1) % self.memory_every:
+            return "", ()
+        if self._mem_last_step is not None and step <= self._mem_last_step:
+            return "", ()  # an update at an earlier step (another metric's cadence)
+        rss = _memory.host_rss()
+        self._rss_peak = max(self._rss_peak, rss)
+        sample = _memory.device_memory()
+        mem = {"mem/host_rss": rss, "mem/device_in_use": sample.in_use}
+        if sample.peak is not None:
+            mem["mem/device_peak"] = sample.peak
+        self.state = self.state.update(mem, step=step)
+        self._mem_last_step = step
+        return memory_token(sample, rss, self._rss_peak), tuple(mem.items())
 
-        Raises:
-            TypeError: a value is a string, an object or a JAX tracer.
-            ValueError: a metric changed shape, or was already recorded at this or
-                a later step: each metric's steps strictly increase, so a second
-                record of a key at the same step is refused (combine runs with
-                :meth:`merge`). The state is unchanged.
+    # ----- outputs -----------------------------------------------------------------
+    def _jsonl_target(self) -> Path | None:
+        """Where this process streams its JSONL log, or None.
+
+        ``jsonl_path`` if given (each process writes its own file when the path
+        holds ``{process_index}``, else only process 0 writes), else
+        ``{report_dir}/{run_id}.jsonl`` on process 0 when ``report_dir`` is given.
         """
-        if type(metrics) is dict:
-            new = _append_floats(self, metrics, step)
-            if new is not None:
-                return new
-        elif type(metrics) is Stats:  # not isinstance: Mapping's ABC check is slow
-            metrics = {"": metrics}
-        types = set(map(type, metrics.values())) if type(metrics) is dict else None
-        if types is not None and Stats in types:
-            return self._update_with_stats(metrics, step)
-        if types is not None and not NESTED.intersection(types):
-            if "step" in metrics or "iter" in metrics:
-                metrics, step = self._step_entry(metrics, step)
-            keys, row = tuple(metrics), tuple(metrics.values())
-        else:
-            items, step = self._step_entry(dict(flatten(metrics)), step)
-            keys, row = tuple(items), tuple(items.values())
-            types = None
-        step = as_step("step", self.next_step if step is None else step)
-        if not keys:
-            return self._derive(dict(self.data.tables), max(self.next_step, step + 1))
-        tables = self.data.tables
-        entry = tables.get(keys)
-        ptypes = ALL_FLOATS if types == FLOAT_ONLY else tuple(map(type, row))
-        if entry is not None and entry[0].ptypes == ptypes and step >= self.next_step:
-            # Fast path: same metrics, same Python scalar types as last time, and a
-            # step past everything recorded.
-            table, n = entry
-            if types is None or int in types:
-                check_ints(keys, row, table.dtypes)
-            if table.length != n:
-                table = table.prefix(n)
-                table.ptypes = ptypes
-        else:
-            dsig = None if entry is None else entry[0].dsig
-            if (
-                dsig is not None
-                and step >= self.next_step
-                and device_signature(row) == dsig
+        index = jax.process_index()
+        if self.jsonl_path is not None:
+            text = str(self.jsonl_path)
+            if "{process_index}" in text:
+                return Path(text.replace("{process_index}", str(index)))
+            return self.jsonl_path if index == 0 else None
+        if self.report_dir is not None and index == 0:
+            return self.report_dir / f"{self.run_id}.jsonl"
+        return None
+
+    def _timestamps(self) -> dict[int, float]:
+        return dict(zip(self._stamp_steps, self._stamp_times, strict=True))
+
+    def _note_mesh(self, values) -> None:
+        """Remembers the mesh of the first sharded value seen (for the outputs)."""
+        for value in values:
+            array = value.table if isinstance(value, Stats) else value
+            mesh = getattr(getattr(array, "sharding", None), "mesh", None)
+            if isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1:
+                self.mesh = mesh
+                return
+
+    def _emit(self, step: int, plain, aggregated=None, timestamp=None) -> None:
+        if self._stream is None:
+            try:
+                self._stream = JsonlStream(
+                    self._stream_path, self.jsonl_overwrite, sinks=self._live_sinks()
+                )
+            except OSError as err:  # the step is recorded; only the log stops
+                warnings.warn(
+                    f"cannot write the JSONL log {self._stream_path} ({err}); "
+                    "finalize will write it from the history instead",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                self._stream_path = None
+                self._stream_failed = True
+                self._writing = bool(self._live_sinks())
+                self._stream = JsonlStream(None, sinks=self._live_sinks())
+            self._streamed = self._stream_path is not None
+            # Closes the log (writing what is queued) when this History goes.
+            weakref.finalize(self, self._stream.close)
+        self._stream.add(step, plain, aggregated, timestamp)
+        if self._stream.error is not None:
+            self._stream_failed = True
+
+    def _live_sinks(self) -> tuple:
+        return self.sinks if self._sinks_open else ()
+
+    def flush(self) -> None:
+        """Writes the queued JSONL lines and sink records now (waiting for their
+        device values), then flushes the sinks."""
+        self._record_leftover(with_step_only=True)
+        if self._stream is not None:
+            self._stream.flush()
+        for sink in self._live_sinks():
+            sink.flush()
+
+    def close(self) -> None:
+        """Records values still attached, writes the queued JSONL lines, closes
+        the log and closes the sinks (nothing more is written to them; a W&B
+        sink still logs the outputs at :meth:`finalize`). Recording may go on (a
+        later update reopens the log in append mode)."""
+        self._record_leftover()
+        if self._stream is not None:
+            self._stream.close()
+            self._stream_failed |= self._stream.error is not None
+            self._stream = None
+            self.jsonl_overwrite = False
+        if self._sinks_open:
+            for sink in self.sinks:
+                sink.close()
+            self._sinks_open = False
+        self._writing = self._stream_path is not None
+
+    def finalize(
+        self,
+        outdir: str | os.PathLike | None = None,
+        run_name: str | None = None,
+        warmup: float = 0.0,
+        num_chains: int = 128,
+        plot: bool = True,
+        save: bool = True,
+    ):
+        """Writes every output of the run into ``outdir``; returns the dataset.
+
+        See :func:`jaxhistory.export.finalize` for what is written where. In a
+        multi-process run only process 0 writes; every process returns the
+        dataset. ``outdir`` defaults to ``report_dir``.
+        """
+        from jaxhistory.export._finalize import finalize
+
+        if outdir is None:
+            if self.report_dir is None:
+                raise ValueError("finalize needs an outdir (or a History report_dir)")
+            outdir = self.report_dir
+        began = time.time() - 0.05  # file times are a little coarser
+        self._record_leftover()
+        self.flush()
+        if self._stream is not None and self._stream.error is not None:
+            self._stream_failed = True
+        # The streamed log stays where it is (also after close()); one whose
+        # writing failed is written again from the state.
+        streamed = self._stream_path if self._streamed else None
+        if self._stream_failed:
+            streamed = None
+        ds = finalize(
+            self.state,
+            outdir,
+            run_id=self.run_id,
+            run_name=run_name,
+            warmup=warmup,
+            num_chains=num_chains,
+            plot=plot,
+            save=save,
+            report=self.report_enabled,
+            jsonl=streamed,
+            timestamps=None if streamed else self._timestamps(),
+            mesh=self.mesh,
+        )
+        for sink in self.sinks:  # e.g. W&B: the history table and the plots
+            log_outputs = getattr(sink, "log_outputs", None)
+            if log_outputs is not None:
+                # The PNGs this finalize wrote (not those of an earlier one).
+                mplot = Path(outdir) / "plots" / "mplot"
+                images = [
+                    p for p in sorted(mplot.glob("*.png")) if p.stat().st_mtime >= began
+                ]
+                log_outputs(self.state, images if plot else [])
+        return ds
+
+    # ----- distributed history -------------------------------------------------
+    def _split(self, items: list[tuple[str, Any]]):
+        """(recorded as they are, reduced across devices/processes)."""
+        if not self.distributed_history:
+            return items, []
+        multi = jax.process_count() > 1
+        plain, reduce = [], []
+        for name, value in items:
+            if name in COUNTER_KEYS:
+                plain.append((name, value))
+            elif _is_per_device(value) or (
+                multi and not isinstance(value, jax.Array) and np.ndim(value) == 0
             ):
-                # Device fast path: the same metrics as JAX arrays of the same
-                # types, dtypes, shapes and shardings as a row that passed the
-                # checks, at a step past everything recorded.
-                table, n = entry
-                if table.length != n:  # a branch
-                    copy = table.async_copy
-                    table = table.prefix(n)
-                    table.dsig, table.async_copy = dsig, copy
-                self._inflight.add(row, table.async_copy)
-                on_device = True
+                reduce.append((name, value))
             else:
-                table, n, row, on_device = self._prepare(keys, row, ptypes, step)
-                if on_device:
-                    arrays = [v for v in row if isinstance(v, jax.Array)]
-                    self._inflight.add(arrays, table.async_copy)
-            table.append(step, row, on_device)
-            new = tables.copy()
-            new[keys] = (table, n + 1)
-            return self._derive(new, max(self.next_step, step + 1))
-        table.rows.append(row)  # Table.append, inlined on the hot path
-        table.row_steps.append(step)
-        table.last_step = step
-        table.length += 1
-        if len(table.rows) >= STAGE:
-            table.flush()
-        new = tables.copy()
-        new[keys] = (table, n + 1)
-        return self._derive(new, step + 1)
+                plain.append((name, value))
+        return plain, reduce
+
+    def _reduce(self, items: list[tuple[str, Any]]) -> tuple[tuple[str, ...], Any]:
+        names = [n for n, _ in items]
+        if jax.process_count() > 1:
+            self._check_same_names(names)
+        meshes = [v.sharding.mesh for _, v in items if isinstance(v, jax.Array)]
+        mesh = meshes[0] if meshes else jax.sharding.Mesh(jax.devices(), ("devices",))
+        if meshes and self.mesh is None:
+            self.mesh = mesh
+        metrics = {}
+        for name, value in items:
+            if isinstance(value, jax.Array):
+                metrics[name] = value
+            else:
+                metrics[name] = _per_process_array(name, value, mesh)
+        stats = self._stats_fn(metrics)
+        # Stat-major, the order of the (4, K) table: a/mean, b/mean, ..., a/max, ...
+        return stat_names(stats.names), stats.table
 
     @staticmethod
-    def _step_entry(metrics: dict, step: Any) -> tuple[dict, Any]:
-        """Takes the ``step`` (or ``iter``) entry out of ``metrics`` as the step.
+    def _check_same_names(names: list[str]) -> None:
+        from jax.experimental import multihost_utils
 
-        With an explicit ``step`` too, a ``step`` entry must agree with it (it is
-        the coordinate of the record, never a metric of its own).
-        """
-        if step is None:
-            for key in STEP_KEYS:
-                if key in metrics:
-                    step = as_step(key, metrics[key])
-                    return {k: v for k, v in metrics.items() if k != key}, step
-            return metrics, None
-        if "step" in metrics:
-            entry = as_step("step", metrics["step"])
-            if entry != as_step("step", step):
-                raise ValueError(
-                    f"two steps given: step={step} and a 'step' entry of {entry}"
-                )
-            return {k: v for k, v in metrics.items() if k != "step"}, step
-        return metrics, step
-
-    def _check_append(self, names, shapes, step: int) -> dict[str, np.dtype]:
-        """Refuses recording ``names`` (records of ``shapes``) at ``step``.
-
-        Raises ValueError if one of them changes shape or already has a record at
-        ``step`` or later. Returns the stored dtype of each that has records. One
-        pass over the tables, whatever the number of names.
-        """
-        wanted = dict(zip(names, shapes, strict=True))
-        found = {}
-        for ks, (t, n) in self.data.tables.items():
-            if not n or wanted.keys().isdisjoint(ks):
-                continue
-            last = t.step_at(n)
-            for j, name in enumerate(ks):
-                if name not in wanted:
-                    continue
-                if t.shapes[j] != tuple(wanted[name]):
-                    raise ValueError(
-                        f"metric {name!r} changed shape from {t.shapes[j]} to "
-                        f"{tuple(wanted[name])}"
-                    )
-                if step <= last:
-                    raise ValueError(
-                        f"metric {name!r} was already recorded at step {last}; "
-                        f"step {step} must be later (merge() combines runs)"
-                    )
-                found[name] = t.dtypes[j]
-        return found
-
-    def _writable(self, keys, dtypes, shapes, capacity: int = 0) -> tuple[Table, int]:
-        """The table for ``keys`` that this state may append to, and its row count.
-
-        A new table if there is none; a copy of this state's rows if the table has
-        grown past them (a branch) or its dtypes must widen.
-        """
-        entry = self.data.tables.get(keys)
-        if entry is None:
-            return Table(keys, dtypes, shapes, capacity), 0
-        table, n = entry
-        wider = (
-            dtypes
-            if dtypes == table.dtypes
-            else tuple(
-                np.result_type(a, b) for a, b in zip(table.dtypes, dtypes, strict=True)
-            )
-        )
-        if wider != table.dtypes or table.length != n:
-            table = table.prefix(n, wider)
-        return table, n
-
-    def _update_with_stats(self, metrics: dict, step: int | None) -> HistoryState:
-        """update() for dicts holding :class:`~jaxhistory.Stats` values.
-
-        Each ``Stats`` is recorded as one packed row (its whole table, still on
-        device if it is), named ``{key}/{metric}/{stat}``.
-        """
-        rest, step = self._step_entry(
-            {k: v for k, v in metrics.items() if type(v) is not Stats}, step
-        )
-        used = as_step("step", self.next_step if step is None else step)
-        state = self.update(rest, used) if rest else self
-        for key, stats in metrics.items():
-            if type(stats) is Stats:
-                names = stat_names(stats.names, f"{key}/" if key else "")
-                state = state.update_packed(names, stats.table, step=used)
-        return state
-
-    def _prepare(self, keys, row, ptypes, step):
-        """The slow path of update: validates every value; returns the table."""
-        values, dtypes, shapes, on_device = [], [], [], False
-        for name, value in zip(keys, row, strict=True):
-            dtype = PY_SCALARS.get(type(value))
-            if dtype is None:
-                value, dtype, shape = host_value(name, value)
-                on_device = on_device or isinstance(value, jax.Array)
-            else:
-                shape = ()
-            values.append(value)
-            dtypes.append(dtype)
-            shapes.append(shape)
-        found = self._check_append(keys, shapes, step)
-        for i, value in enumerate(row):
-            if type(value) is int and keys[i] in found and found[keys[i]].kind == "f":
-                dtypes[i] = found[keys[i]]  # an int joins a float metric
-        table, n = self._writable(keys, tuple(dtypes), tuple(shapes))
-        if ptypes is not ALL_FLOATS and int in ptypes:
-            check_ints(keys, row, table.dtypes)
-        # Later rows with the same Python scalar types may skip these checks (not
-        # where an ``iter`` entry was stored as a metric: it may be the step).
-        if ptypes is ALL_FLOATS:
-            scalars = all(d == np.float64 for d in table.dtypes)
-        else:
-            scalars = all(t in PY_SCALARS for t in ptypes)
-        table.ptypes = ptypes if scalars and "iter" not in keys else None
-        table.dsig = None
-        if on_device:
-            arrays = [v for v in values if isinstance(v, jax.Array)]
-            table.async_copy = needs_host_copy(arrays)
-            if len(arrays) == len(values) and "iter" not in keys:
-                table.dsig = device_signature(tuple(values))
-        return table, n, tuple(values), on_device
-
-    def update_packed(
-        self, names: tuple[str, ...], vector: Any, step: int | None = None
-    ) -> HistoryState:
-        """Records ``len(names)`` scalars held in one array at one step.
-
-        The array may be a device array straight out of a jitted step: it is stored
-        without waiting and fetched with the other pending values, as one transfer
-        instead of one per scalar. This is how :class:`History` records
-        distributed statistics.
-        """
-        names = tuple(names)
-        if isinstance(vector, jax.core.Tracer):
-            host_value(names[0] if names else "<packed>", vector)  # raises
-        shape = tuple(np.shape(vector))
-        if math.prod(shape) != len(names):
+        digest = zlib.crc32("\0".join(sorted(names)).encode())
+        everyone = np.asarray(
+            multihost_utils.process_allgather(np.array([digest, len(names)], np.int64))
+        ).reshape(-1, 2)
+        if len(set(map(tuple, everyone.tolist()))) > 1:
             raise ValueError(
-                f"a packed row for {len(names)} metrics needs {len(names)} values "
-                f"(read in C order), got shape {shape}"
+                f"processes passed different metrics to History.update (process "
+                f"{jax.process_index()} has {sorted(names)}); every process must "
+                "record the same names for distributed history"
             )
-        if len(set(names)) != len(names):
-            raise ValueError("packed metric names must be unique")
-        step = as_step("step", self.next_step if step is None else step)
-        on_device = isinstance(vector, jax.Array)
-        label = names[0] if names else "<packed>"
-        if on_device:  # replicated statistics may span processes: read locally
-            dtype = device_storage_dtype(label, vector.dtype, 4)
-        else:
-            vector, dtype, _ = host_value(label, np.asarray(vector))
-        self._check_append(names, [()] * len(names), step)
-        table, n = self._writable(names, (dtype,) * len(names), ((),) * len(names))
-        table.ptypes = None
-        if on_device:
-            if not n:
-                table.async_copy = needs_host_copy([vector])
-            self._inflight.add([vector], table.async_copy)
-            table.append(step, vector, True)
-        else:
-            table.append(step, tuple(np.ravel(vector.astype(dtype))))
-        new = self.data.tables.copy()
-        new[names] = (table, n + 1)
-        return self._derive(new, max(self.next_step, step + 1))
 
-    def extend(self, steps: Any, values: Mapping[str, Any]) -> HistoryState:
-        """Records many steps at once from arrays (one host transfer for all).
-
-        Args:
-            steps: 1-D integers, strictly increasing.
-            values: metric name -> array whose first axis matches ``steps``.
-        """
-        values = dict(values)
-        if isinstance(steps, jax.Array) or any(
-            isinstance(v, jax.Array) for v in values.values()
-        ):
-            steps, values = jax.device_get((steps, values))  # one transfer for all
-        steps = np.asarray(steps, np.int64)
-        if steps.ndim != 1:
-            raise ValueError(f"steps must be 1-D, got shape {steps.shape}")
-        if len(steps) > 1 and np.any(np.diff(steps) <= 0):
-            raise ValueError("steps must be strictly increasing")
-        if not len(steps) or not values:
-            return self
-        keys = tuple(values)
-        columns, dtypes, shapes = [], [], []
-        for name in keys:
-            arr, dtype, shape = host_value(name, values[name])
-            if not shape or shape[0] != len(steps):
-                raise ValueError(
-                    f"metric {name!r} has {shape[0] if shape else 0} records for "
-                    f"{len(steps)} steps"
-                )
-            columns.append(np.asarray(arr, dtype))
-            dtypes.append(dtype)
-            shapes.append(shape[1:])
-        self._check_append(keys, shapes, int(steps[0]))
-        table, n = self._writable(keys, tuple(dtypes), tuple(shapes), len(steps))
-        table.extend(steps, columns)
-        new = self.data.tables.copy()
-        new[keys] = (table, n + len(steps))
-        return self._derive(new, max(self.next_step, int(steps[-1]) + 1))
-
-    def extend_from_buffer(self, buffer: Any) -> HistoryState:
-        """Appends a :class:`~jaxhistory.MetricBuffer` in one device-to-host copy."""
-        steps, values = buffer.to_host()
-        return self.extend(steps, values)
-
-    def merge(self, other: HistoryState) -> HistoryState:
-        """Combines two histories in step order (a resumed run, for example).
-
-        Where both record a metric at the same step, ``other``'s record wins.
-        """
-        new = {}
-        for name in dict.fromkeys((*self.keys, *other.keys)):
-            parts = [h._records(name) for h in (self, other) if name in h]
-            if len(parts) == 2 and parts[0][1].shape[1:] != parts[1][1].shape[1:]:
-                raise ValueError(
-                    f"metric {name!r} has shape {parts[0][1].shape[1:]} here and "
-                    f"{parts[1][1].shape[1:]} in the other history"
-                )
-            steps = np.concatenate([p[0] for p in parts])
-            values = np.concatenate([p[1] for p in parts])
-            order = np.argsort(steps, kind="stable")
-            steps, values = steps[order], values[order]
-            keep = np.ones(len(steps), bool)
-            keep[:-1] = steps[1:] != steps[:-1]  # the later (other's) one wins
-            steps, values = steps[keep], values[keep]
-            new[(name,)] = (Table.from_arrays((name,), steps, [values]), len(steps))
-        return self._derive(new, max(self.next_step, other.next_step))
-
-    def with_attrs(self, **attrs: Any) -> HistoryState:
-        """A state with run metadata ``attrs`` added (carried into exports)."""
-        merged = dict(self.attrs) | attrs
-        return self._derive(
-            dict(self.data.tables), self.next_step, tuple(sorted(merged.items()))
+    # ----- summary line ----------------------------------------------------------
+    def _line(self, order, plain, names, packed, step, precision) -> str:
+        values = dict(plain)
+        host_packed = None
+        if packed is not None:
+            host_packed = np.asarray(jax.device_get(packed))
+        device = {k: v for k, v in values.items() if isinstance(v, jax.Array | Stats)}
+        if device:
+            values.update(jax.device_get(device))
+        parts = {}
+        parts[step[0]] = str(step[1])
+        by_name = {}
+        if host_packed is not None:
+            by_name = dict(zip(names, host_packed.ravel().tolist(), strict=True))
+        for name in order:
+            if isinstance(values.get(name), Stats):  # statistics from the step
+                stats = values[name]
+                for metric in stats.names:
+                    key = f"{name}/{metric}" if metric else name
+                    mean = float(stats[f"{metric}/mean" if metric else "mean"])
+                    std = float(stats[f"{metric}/std" if metric else "std"])
+                    parts[key] = f"{mean:.{precision}f}(±{std:.{precision}f})"
+            elif name in values:
+                parts[name] = _format(values[name], precision, name in COUNTER_KEYS)
+            elif f"{name}/mean" in by_name:
+                mean, std = by_name[f"{name}/mean"], by_name[f"{name}/std"]
+                parts[name] = f"{mean:.{precision}f}(±{std:.{precision}f})"
+        first = [k for k in ("step", "epoch", "iter") if k in parts]
+        first += [k for k in self.keys if k in parts and k not in first]
+        return " ".join(
+            f"{k}={parts[k]}" for k in [*first, *(k for k in parts if k not in first)]
         )
 
-    # ----- analysis -----------------------------------------------------------
-    def all_steps(self) -> np.ndarray:
-        """The sorted union of every metric's steps (read-only; computed once)."""
-        cached = self.__dict__.get("_all_steps")
-        if cached is not None:
-            return cached
-        parts = [t.view(n)[0] for t, n in self.data.tables.values() if n]
-        if not parts:
-            steps = np.zeros(0, np.int64)
-        elif len(parts) == 1:
-            steps = parts[0]  # a table's steps strictly increase already
-        else:
-            steps = np.sort(np.concatenate(parts))  # faster than np.unique here
-            keep = np.ones(len(steps), bool)
-            keep[1:] = steps[1:] != steps[:-1]
-            steps = steps[keep]
-        steps.flags.writeable = False
-        self.__dict__["_all_steps"] = steps  # the state never changes
-        return steps
 
-    def summary(self, warmup: float = 0) -> dict[str, dict[str, float]]:
-        """Run-level statistics of every metric after ``warmup``.
+def _sinks_here(sinks: Sequence[Any], use_wandb: bool | None) -> tuple:
+    """The sinks this process writes to (process 0 only, unless a sink says
+    ``all_processes``), with a W&B sink added when ``use_wandb`` asks for one."""
+    from jaxhistory.sinks import WandbSink, is_sink, writes_here
+    from jaxhistory.sinks._wandb import wandb_run
 
-        For each metric: mean, std, median, p10, p90, min and max of its finite
-        values (all elements of array metrics), the last value (last element of the
-        last record's mean for arrays), how many values were recorded and how many
-        of them are NaN or infinite.
-        """
-        first = self._first_kept_step(warmup)
-        out = {}
-        for name in self.keys:
-            keep = self.steps(name) >= first
-            values = np.asarray(self.values(name)[keep], np.float64)
-            flat = values.reshape(-1)
-            finite = flat[np.isfinite(flat)]
-            stats = dict.fromkeys(SUMMARY_STATS, math.nan)
-            if finite.size:
-                p10, median, p90 = np.percentile(finite, [10, 50, 90])
-                stats.update(
-                    mean=float(finite.mean()),
-                    std=float(finite.std()),
-                    median=float(median),
-                    p10=float(p10),
-                    p90=float(p90),
-                    min=float(finite.min()),
-                    max=float(finite.max()),
-                )
-            if len(values):
-                stats["last"] = float(np.mean(values[-1]))
-            stats["count"] = int(flat.size)
-            stats["nonfinite"] = int(flat.size - finite.size)
-            out[name] = stats
-        return out
-
-    def _first_kept_step(self, warmup: float) -> int:
-        steps = self.all_steps()
-        k = warmup_count(warmup, len(steps))
-        if k >= len(steps):
-            return np.iinfo(np.int64).max if len(steps) else 0
-        return int(steps[k])
-
-    def to_xarray(self, warmup: float = 0):
-        """The history as an ``xarray.Dataset`` (see :mod:`jaxhistory._xarray`)."""
-        from jaxhistory._xarray import to_xarray
-
-        return to_xarray(self, warmup)
-
-    @classmethod
-    def from_xarray(cls, ds) -> HistoryState:
-        """Rebuilds a state from :meth:`to_xarray`'s output, exactly."""
-        from jaxhistory._xarray import from_xarray
-
-        return from_xarray(ds)
-
-    @classmethod
-    def from_netcdf(cls, path) -> HistoryState:
-        """The state saved in a dataset file by :func:`jaxhistory.export.to_netcdf`."""
-        from jaxhistory.export._netcdf import from_netcdf
-
-        return from_netcdf(path)
-
-    @classmethod
-    def from_jsonl(cls, path) -> HistoryState:
-        """The state in a JSONL log (see :func:`jaxhistory.export.from_jsonl`)."""
-        from jaxhistory.export._jsonl import from_jsonl
-
-        return from_jsonl(path)
-
-    def __repr__(self) -> str:
-        return f"HistoryState({len(self)} metrics, next_step={self.next_step})"
+    if isinstance(sinks, str) or not isinstance(sinks, Sequence):
+        raise TypeError(f"sinks must be a sequence of sinks, got {sinks!r}")
+    for sink in sinks:
+        if not is_sink(sink):
+            raise TypeError(
+                f"{type(sink).__name__} is not a sink: it needs write, flush and close"
+            )
+    if use_wandb not in (None, True, False):
+        raise ValueError(f"use_wandb must be True, False or None, got {use_wandb!r}")
+    out = list(sinks)
+    first = jax.process_index() == 0
+    wanted = use_wandb is True or (
+        use_wandb is None
+        and wandb_run() is not None
+        and not _env_flag("WANDB_DISABLED")
+    )
+    if wanted and first and not any(isinstance(s, WandbSink) for s in out):
+        out.append(WandbSink())  # on process 0, where the run is
+    return tuple(s for s in out if writes_here(s))
 
 
-# Bound once: _derive runs on every update.
-def _append_floats(state: HistoryState, metrics: dict, step: Any) -> Any:
-    """The fast path of update, or None where it does not apply.
+def memory_token(sample: _memory.MemorySample, rss: int, rss_peak: int = 0) -> str:
+    """``memory=X.XX/Y.YYGiB``: device memory in use and its peak where the backend
+    reports a peak, else host RSS and its peak over the updates so far."""
+    if sample.peak is not None:
+        now, peak = sample.in_use, sample.peak
+    else:
+        now, peak = rss, max(rss, rss_peak)
+    return f"memory={now / 2**30:.2f}/{peak / 2**30:.2f}GiB"
 
-    It applies to a flat dict with the same keys as an earlier update whose values
-    were all Python floats, when the new values are Python floats or ints again
-    (``sum`` returns an exact float only for those, and otherwise dispatches to
-    the values' own arithmetic without converting them) and the step is past
-    everything recorded.
+
+def _per_process_array(name: str, value: Any, mesh: jax.sharding.Mesh) -> jax.Array:
+    """A global array over ``mesh`` holding this process's scalar on its devices.
+
+    Each process fills the entries of its own devices with its value, so with the
+    same number of devices per process, statistics over the array are statistics
+    over processes. Sharing the per-device metrics' mesh keeps one fused call.
     """
-    if step is None:
-        step = state.next_step
-    elif type(step) is not int or step < state.next_step:
-        return None
-    if step > INT64_MAX:
-        return None  # the checked path raises
-    keys = tuple(metrics)
-    tables = state.data.tables
-    entry = tables.get(keys)
-    if entry is None or entry[0].ptypes is not ALL_FLOATS:
-        return None
-    row = tuple(metrics.values())
-    try:
-        if type(sum(row, 0.0)) is not float:
-            return None
-    except Exception:  # strings, nested dicts, ints too large for a float
-        return None
-    table, n = entry
-    if table.length != n:  # an older state, updated again: a branch
-        table = table.prefix(n)
-        table.ptypes = ALL_FLOATS
-    table.rows.append(row)  # Table.append, inlined
-    table.row_steps.append(step)
-    table.last_step = step
-    table.length += 1
-    if len(table.rows) >= STAGE:
-        table.flush()
-    tables = tables.copy()
-    tables[keys] = (table, n + 1)
-    return state._derive(tables, step + 1)
-
-
-_new_tables = functools.partial(object.__new__, Tables)
-_new_state = functools.partial(object.__new__, HistoryState)
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(f"metric {name!r} is not numeric ({type(value).__name__})")
+    sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names))
+    )
+    local = np.float32(arr)
+    return jax.make_array_from_callback(
+        (mesh.size,), sharding, lambda index: np.full(mesh.size, local)[index]
+    )

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from jaxhistory._column import Table, Tables
+from jaxhistory._table import Table, Tables
 from jaxhistory._optional import import_optional
 
 if TYPE_CHECKING:
-    from jaxhistory._history import HistoryState
+    from jaxhistory._history_state import HistoryState
 
 __all__ = ["from_xarray", "to_xarray"]
 
@@ -86,7 +86,7 @@ def to_xarray(state: HistoryState, warmup: float = 0):
 
 
 def from_xarray(ds) -> HistoryState:
-    from jaxhistory._history import HistoryState
+    from jaxhistory._history_state import HistoryState
 
     if "step" not in ds.coords:
         raise ValueError("the dataset has no 'step' coordinate")

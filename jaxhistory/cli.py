@@ -35,7 +35,7 @@ def load_run(path: str | Path):
     """The HistoryState in a JSONL log (``.jsonl``), a dataset file (``.nc``) or a
     folder holding ``dataset.nc``, and the run's recorded attributes (run id,
     environment; none for a JSONL log)."""
-    from jaxhistory._history import HistoryState
+    from jaxhistory._history_state import HistoryState
     from jaxhistory.export._netcdf import read_netcdf
 
     path = _run_file(path)

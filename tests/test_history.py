@@ -1,4 +1,4 @@
-"""HistoryState: value semantics, steps, dtypes, bad input, device values, export."""
+"""History: summary lines, distributed history, settings."""
 
 from unittest import mock
 
@@ -6,678 +6,244 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from mp_workers import global_data
 
 import jaxhistory as jh
-from jaxhistory import _history
 
 
-def test_empty_state():
-    s = jh.HistoryState()
-    assert s.keys == () and len(s) == 0 and s.next_step == 0
-    assert s.all_steps().size == 0
-    assert s.summary() == {}
-
-
-def test_update_returns_a_new_state_and_never_changes_the_old_one():
-    s0 = jh.HistoryState()
-    s1 = s0.update({"loss": 1.0})
-    s2 = s1.update({"loss": 2.0})
-    assert s0.keys == ()
-    assert s1.values("loss").tolist() == [1.0]
-    assert s2.values("loss").tolist() == [1.0, 2.0]
-
-
-def test_updating_an_old_state_gives_an_independent_branch():
-    base = jh.HistoryState()
-    for i in range(300):  # past the staging size, so arrays are shared too
-        base = base.update({"loss": float(i)})
-    a = base.update({"loss": -1.0})
-    b = base.update({"loss": -2.0}).update({"loss": -3.0})
-    a2 = a.update({"loss": -4.0})
-    assert base.count("loss") == 300
-    assert a.values("loss")[-1] == -1.0 and a.count("loss") == 301
-    assert b.values("loss")[-2:].tolist() == [-2.0, -3.0]
-    assert a2.values("loss")[-2:].tolist() == [-1.0, -4.0]
-    assert base.values("loss")[-1] == 299.0
-
-
-def test_step_comes_from_argument_metrics_or_counter():
-    s = jh.HistoryState().update({"loss": 1.0})  # step 0
-    s = s.update({"loss": 2.0, "step": 10})  # from the metrics, not stored
-    s = s.update({"loss": 3.0, "iter": 12})
-    s = s.update({"loss": 4.0}, step=20)
-    s = s.update({"loss": 5.0})  # next_step
-    assert s.steps("loss").tolist() == [0, 10, 12, 20, 21]
-    assert "step" not in s and "iter" not in s
-    assert s.next_step == 22
-
-
-def test_metrics_at_different_cadences_keep_their_true_steps():
-    s = jh.HistoryState()
-    for step in range(1, 301):
-        s = s.update({"train": {"loss": 1.0 / step}}, step=step)
-        if step % 100 == 0:
-            s = s.update({"eval": {"loss": 2.0 / step}}, step=step)
-    assert s.steps("eval/loss").tolist() == [100, 200, 300]
-    assert s.count("train/loss") == 300
-    assert s.select("eval").keys == ("eval/loss",)
-    assert s.select("train/").keys == ("train/loss",)
-
-
-def test_same_metrics_in_different_groupings_merge_in_step_order():
-    s = jh.HistoryState().update({"a": 1.0, "b": 1.0}, step=0)
-    s = s.update({"a": 2.0}, step=1)
-    s = s.update({"a": 3.0, "b": 3.0}, step=2)
-    assert s.steps("a").tolist() == [0, 1, 2]
-    assert s.values("a").tolist() == [1.0, 2.0, 3.0]
-    assert s.steps("b").tolist() == [0, 2]
-    assert s.keys == ("a", "b")
-
-
-def test_dtypes_are_kept():
-    big = 2**53 + 1
-    s = jh.HistoryState().update(
-        {
-            "tokens": big,
-            "loss": 0.5,
-            "f32": np.float32(1.5),
-            "half": jnp.asarray(0.5, jnp.bfloat16),
-            "ok": True,
-            "vec": np.arange(3, dtype=np.int32),
-        }
+def per_device(mesh, values):
+    return jax.device_put(
+        np.asarray(values, np.float32), NamedSharding(mesh, P("data"))
     )
-    assert s.dtype("tokens") == np.int64 and int(s.values("tokens")[0]) == big
-    assert s.dtype("loss") == np.float64
-    assert s.dtype("f32") == np.float32
-    assert s.dtype("half") == np.float32 and s.values("half")[0] == 0.5
-    assert s.dtype("ok") == np.bool_
-    assert s.shape("vec") == (3,) and s.dtype("vec") == np.int32
 
 
-def test_integer_metric_widens_to_float_when_a_float_arrives():
-    s = jh.HistoryState().update({"epoch": 1}).update({"epoch": 1.5})
-    assert s.dtype("epoch") == np.float64
-    assert s.values("epoch").tolist() == [1.0, 1.5]
+def test_summary_line_formats_counters_and_floats():
+    h = jh.History(distributed_history=False)
+    line = h.update({"step": 42, "epoch": 3, "loss": 0.1234567, "lr": 1e-3})
+    assert line == "step=42 epoch=3 loss=0.123457 lr=0.001000"
+    assert h.update({"iter": 43, "loss": 0.5}, precision=2) == "iter=43 loss=0.50"
+    assert h.state.steps("loss").tolist() == [42, 43]
+    assert "step" not in h.state and "epoch" in h.state
 
 
-def test_nan_and_inf_are_stored_and_counted():
-    s = jh.HistoryState()
-    for v in (1.0, np.nan, np.inf, 3.0):
-        s = s.update({"loss": v})
-    np.testing.assert_array_equal(s.values("loss"), [1.0, np.nan, np.inf, 3.0])
-    summary = s.summary()["loss"]
-    assert summary["nonfinite"] == 2 and summary["count"] == 4
-    assert summary["mean"] == 2.0 and summary["last"] == 3.0
+def test_steps_auto_increment_and_keys_order_the_line():
+    h = jh.History(keys=["lr"], distributed_history=False)
+    assert h.update({"loss": 1.0, "lr": 0.5}) == "step=0 lr=0.500000 loss=1.000000"
+    assert h.update({"loss": 2.0, "lr": 0.5}).startswith("step=1 ")
+    assert h.update({"loss": 3.0}, step=10).startswith("step=10 ")
 
 
-@pytest.mark.parametrize(
-    ("bad", "error", "match"),
-    [
-        ({"loss": 1.0, "name": "run-1"}, TypeError, "'name' is str"),
-        ({"loss": 1.0, "obj": object()}, TypeError, "'obj'"),
-        ({"loss": 1.0, "none": None}, TypeError, "'none'"),
-        ({"loss": 1.0, "vec": np.zeros(4)}, ValueError, "'vec' changed shape"),
-        ({"loss": 1.0}, ValueError, "'loss' was already recorded at step 3"),
-    ],
-    ids=["string", "object", "none", "shape", "same-step"],
-)
-def test_bad_input_names_the_key_and_loses_nothing(bad, error, match):
-    s = jh.HistoryState()
-    for step in range(4):
-        s = s.update({"loss": float(step), "vec": np.zeros(3)}, step=step)
-    with pytest.raises(error, match=match):
-        s.update(bad, step=3 if "same-step" in match or "recorded" in match else 4)
-    assert s.values("loss").tolist() == [0.0, 1.0, 2.0, 3.0]
-    s2 = s.update({"loss": 4.0, "vec": np.ones(3)})
-    assert s2.count("loss") == 5 and s.count("loss") == 4
+def test_distributed_metrics_inline_their_std(mesh):
+    h = jh.History(distributed_history=True)
+    line = h.update({"loss": per_device(mesh, np.arange(8.0)), "lr": 1e-3})
+    std = np.std(np.arange(8.0))
+    assert line == f"step=0 loss=3.500000(±{std:.6f}) lr=0.001000"
+    assert set(h.state.keys) == {"lr", *(f"loss/{s}" for s in jh.STATS)}
+    assert h.state.values("loss/max").tolist() == [7.0]
 
 
-def test_an_earlier_step_is_refused():
-    s = jh.HistoryState().update({"loss": 1.0}, step=10)
-    with pytest.raises(ValueError, match="merge"):
-        s.update({"loss": 0.0}, step=5)
+def test_one_fused_call_per_update(mesh):
+    h = jh.History(distributed_history=True)
+    metrics = {f"m{i}": per_device(mesh, np.arange(8.0) + i) for i in range(10)}
+    h.update(metrics)
+    counts = jh.collective_counts(h._stats_fn, metrics)
+    assert sum(counts.values()) <= 2
 
 
-def test_a_tracer_points_to_the_metric_buffer():
-    s = jh.HistoryState()
-
-    @jax.jit
-    def step(x):
-        s.update({"loss": x})
-        return x
-
-    with pytest.raises(TypeError, match="'loss' is a JAX tracer.*MetricBuffer"):
-        step(1.0)
-    assert s.keys == ()
+def test_replicated_arrays_and_scalars_are_recorded_as_they_are(mesh):
+    h = jh.History(distributed_history=True)
+    h.update({"acc": jnp.arange(3.0), "lr": jnp.float32(0.5)})
+    assert h.state.shape("acc") == (3,) and "lr" in h.state
 
 
-def test_step_must_be_a_whole_number():
-    with pytest.raises(ValueError, match="whole number"):
-        jh.HistoryState().update({"loss": 1.0, "step": 1.5})
+def test_distributed_history_off_records_per_device_arrays_whole(mesh):
+    h = jh.History(distributed_history=False)
+    line = h.update({"loss": per_device(mesh, np.arange(8.0))})
+    assert h.state.shape("loss") == (8,)
+    assert "loss=3.500000(mean of 8)" in line
 
 
-def test_values_are_read_only():
-    s = jh.HistoryState().update({"loss": 1.0})
-    with pytest.raises(ValueError, match="read-only"):
-        s.values("loss")[0] = 2.0
-    with pytest.raises(ValueError, match="read-only"):
-        s.steps("loss")[0] = 2
-
-
-def test_unknown_metric_is_named():
-    with pytest.raises(KeyError, match="'lss'.*loss"):
-        jh.HistoryState().update({"loss": 1.0}).values("lss")
-
-
-def test_device_values_do_not_block_and_reading_starts_no_new_copies():
-    f = jax.jit(lambda x: {"loss": x * 2, "acc": x / 2})
-    outs = [f(jnp.float32(i)) for i in range(5)]
-    s = jh.HistoryState()
-    with (
-        mock.patch.object(jax, "device_get", wraps=jax.device_get) as get,
-        mock.patch.object(
-            jax, "block_until_ready", wraps=jax.block_until_ready
-        ) as block,
-    ):
-        for out in outs:
-            s = s.update(out)
-        assert get.call_count == 0 and block.call_count == 0
-    array_type = type(outs[0]["loss"])  # the concrete jax.Array class
-    with mock.patch.object(
-        array_type, "copy_to_host_async", autospec=True, side_effect=AssertionError
-    ) as copy:
-        # Reading needs no new copies: they were all started by update().
-        assert s.values("loss").tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
-        assert s.values("acc").tolist() == [0.0, 0.5, 1.0, 1.5, 2.0]
-        assert copy.call_count == 0
-
-
-def test_too_many_unresolved_device_updates_are_waited_for():
-    f = jax.jit(lambda x: x + 1)
-    s = jh.HistoryState()
-    with mock.patch.object(
-        jax, "block_until_ready", wraps=jax.block_until_ready
-    ) as block:
-        for i in range(_history.MAX_INFLIGHT):
-            s = s.update({"x": f(jnp.float32(i))})
-        assert block.call_count == 0
-        s = s.update({"x": f(jnp.float32(99))})
-        assert block.call_count == 1
-    assert s.values("x")[-1] == 100.0
-
-
-def test_per_device_array_metric_keeps_its_shape(mesh):
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
-    s = jh.HistoryState().update({"loss": x}).update({"loss": x + 1})
-    assert s.shape("loss") == (8,)
-    np.testing.assert_array_equal(s.values("loss")[1], np.arange(8.0) + 1)
-
-
-def test_pytree_round_trip_through_leaves():
-    s = jh.HistoryState().update({"a": 1.0, "b": np.arange(2.0)})
-    s = s.update({"a": 2.0}).with_attrs(run="r1")
-    leaves, treedef = jax.tree_util.tree_flatten(s)
-    assert all(isinstance(leaf, np.ndarray) for leaf in leaves)
-    back = jax.tree_util.tree_unflatten(treedef, [np.array(x) for x in leaves])
-    for name in s.keys:
-        np.testing.assert_array_equal(back.steps(name), s.steps(name))
-        np.testing.assert_array_equal(back.values(name), s.values(name))
-    assert back.next_step == s.next_step and back.attrs == s.attrs
-    more = back.update({"a": 3.0})
-    assert more.values("a").tolist() == [1.0, 2.0, 3.0]
-    shapes = jax.tree.map(np.shape, s)  # placeholders survive tree transformations
-    assert jax.tree.leaves(shapes)
-
-
-def test_extend_records_many_steps_at_once():
-    s = jh.HistoryState().update({"loss": 0.0}, step=0)
-    s = s.extend(np.arange(1, 5), {"loss": np.arange(1.0, 5.0), "lr": np.ones(4)})
-    assert s.steps("loss").tolist() == [0, 1, 2, 3, 4]
-    assert s.count("lr") == 4 and s.next_step == 5
-    with pytest.raises(ValueError, match="strictly increasing"):
-        s.extend([7, 6], {"loss": np.ones(2)})
-    with pytest.raises(ValueError, match="'loss' has 2 records for 3 steps"):
-        s.extend([7, 8, 9], {"loss": np.ones(2)})
-    with pytest.raises(ValueError, match="'loss' was already recorded"):
-        s.extend([4, 5], {"loss": np.ones(2)})
-
-
-def test_merge_combines_a_resumed_run_in_step_order():
-    first = jh.HistoryState()
-    for step in range(6):
-        first = first.update({"loss": float(step)}, step=step)
-    resumed = jh.HistoryState()
-    for step in range(4, 8):  # restarted from a checkpoint at step 4
-        resumed = resumed.update({"loss": 10.0 + step, "lr": 0.1}, step=step)
-    merged = first.merge(resumed)
-    assert merged.steps("loss").tolist() == list(range(8))
-    assert merged.values("loss").tolist() == [0, 1, 2, 3, 14, 15, 16, 17]
-    assert merged.steps("lr").tolist() == [4, 5, 6, 7]
-    assert merged.next_step == 8
-    with pytest.raises(ValueError, match="'loss' has shape"):
-        first.merge(jh.HistoryState().update({"loss": np.zeros(2)}))
-
-
-def test_summary_statistics():
-    values = np.array([5.0, 1.0, 2.0, 3.0, 4.0, np.nan])
-    s = jh.HistoryState()
-    for v in values:
-        s = s.update({"x": v})
-    got = s.summary()["x"]
-    finite = values[np.isfinite(values)]
-    assert got["mean"] == finite.mean() and got["std"] == finite.std()
-    assert got["median"] == 3.0 and got["min"] == 1.0 and got["max"] == 5.0
-    assert got["p10"] == np.percentile(finite, 10)
-    assert got["p90"] == np.percentile(finite, 90)
-    assert np.isnan(got["last"]) and got["count"] == 6 and got["nonfinite"] == 1
-    assert s.summary(warmup=2)["x"]["count"] == 4
-    assert s.summary(warmup=0.5)["x"]["count"] == 3
-
-
-@pytest.mark.parametrize(
-    ("warmup", "n", "dropped"),
-    [(0, 10, 0), (0.05, 100, 5), (0.999, 10, 9), (1, 10, 1), (3, 10, 3), (50, 10, 10)],
-)
-def test_warmup_is_a_fraction_below_one_and_a_count_above(warmup, n, dropped):
-    assert jh.warmup_count(warmup, n) == dropped
-
-
-@pytest.mark.parametrize("bad", [-1, float("nan"), "5", True])
-def test_bad_warmup(bad):
-    with pytest.raises((ValueError, TypeError), match="warmup"):
-        jh.warmup_count(bad, 10)
-
-
-class TestXarray:
-    def make(self):
-        s = jh.HistoryState().with_attrs(run="demo")
-        for step in range(10):
-            m = {"train": {"loss": 1.0 / (step + 1)}, "vec": np.full(2, step)}
-            s = s.update(m, step=step)
-            if step % 5 == 4:
-                s = s.update({"eval/acc": np.nan if step == 4 else 0.5}, step=step)
-        return s.update({"tokens": 2**53 + 1}, step=3 * 0 + 10)
-
-    def test_layout(self):
-        ds = self.make().to_xarray()
-        assert ds["step"].values.tolist() == list(range(11))
-        assert {"train/loss", "vec", "eval/acc", "tokens"} <= set(ds.data_vars)
-        assert ds["vec"].dims == ("step", "vec_dim_0")
-        assert np.isnan(ds["train/loss"].values[10])
-        assert ds.attrs["run"] == "demo"
-        acc = ds["eval/acc"].values
-        assert np.isnan(acc[0]) and np.isnan(acc[4]) and acc[9] == 0.5
-
-    def test_round_trip_is_exact(self):
-        s = self.make()
-        back = jh.HistoryState.from_xarray(s.to_xarray())
-        assert set(back.keys) == set(s.keys)
-        for name in s.keys:
-            np.testing.assert_array_equal(back.steps(name), s.steps(name))
-            np.testing.assert_array_equal(back.values(name), s.values(name))
-            assert back.dtype(name) == s.dtype(name)
-        assert int(back.values("tokens")[0]) == 2**53 + 1
-        assert back.next_step == s.next_step and dict(back.attrs) == {"run": "demo"}
-
-    def test_warmup_drops_leading_steps(self):
-        ds = self.make().to_xarray(warmup=0.5)
-        assert ds["step"].values.tolist() == [5, 6, 7, 8, 9, 10]
-        assert self.make().to_xarray(warmup=3)["step"].values[0] == 3
-
-    def test_from_xarray_needs_a_step_coordinate(self):
-        import xarray as xr
-
-        with pytest.raises(ValueError, match="'step'"):
-            jh.HistoryState.from_xarray(xr.Dataset({"a": ("x", [1.0])}))
-
-
-def test_a_scan_loop_buffer_is_appended_with_one_transfer():
-    def inner(buf, i):
-        loss = 1.0 / (i + 1.0)
-        return buf.write(i, {"loss": loss, "grad": {"norm": 2.0 * loss}}), None
-
-    @jax.jit
-    def run(buf, start):
-        buf, _ = jax.lax.scan(inner, buf.reset(), start + jnp.arange(10))
-        return buf
-
-    example = {"loss": jnp.float32(0), "grad": {"norm": jnp.float32(0)}}
-    buf = jh.MetricBuffer.create(16, example)
-    s = jh.HistoryState().update({"loss": 5.0}, step=-1)
+def test_summarize_false_and_log_every_do_not_wait(mesh):
+    f = jax.jit(lambda x: x * 2)
+    x = per_device(mesh, np.arange(8.0))
+    h = jh.History(distributed_history=True)
     with mock.patch.object(jax, "device_get", wraps=jax.device_get) as get:
-        for chunk in range(3):
-            buf = run(buf, chunk * 10)
-            s = s.extend_from_buffer(buf)
-        assert get.call_count == 3
-    assert s.steps("loss").tolist() == list(range(-1, 30))
-    np.testing.assert_allclose(s.values("grad/norm"), 2.0 / (np.arange(30) + 1))
-
-
-def test_stats_from_a_jitted_step_are_recorded_without_waiting(mesh):
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    step = jax.jit(lambda x: {"dist": jh.distributed_stats({"loss": x}), "lr": 0.1})
-    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
-    s = jh.HistoryState()
-    with mock.patch.object(jax, "device_get", wraps=jax.device_get) as get:
-        for i in range(3):
-            s = s.update(step(x + i))
+        assert h.update({"loss": f(x)}, summarize=False) == ""
         assert get.call_count == 0
-    assert s.values("dist/loss/max").tolist() == [7.0, 8.0, 9.0]
-    assert s.steps("dist/loss/std").tolist() == [0, 1, 2]
-    assert s.values("lr").tolist() == pytest.approx([0.1] * 3)
-    bare = jh.HistoryState().update(jh.distributed_stats({"a": jnp.arange(4.0)}))
-    assert set(bare.keys) == {f"a/{stat}" for stat in jh.STATS}
+    every3 = jh.History(distributed_history=True, log_every=3)
+    with mock.patch.object(jax, "device_get", wraps=jax.device_get) as get:
+        lines = [every3.update({"loss": f(x)}) for _ in range(6)]
+        assert get.call_count == 2  # only the two summarized updates waited
+    assert [bool(line) for line in lines] == [True, False, False, True, False, False]
+    assert every3.state.count("loss/mean") == 6
+    assert every3.state.values("loss/max").tolist() == [14.0] * 6
 
 
-def test_packed_rows_check_their_size():
-    with pytest.raises(ValueError, match="needs 2 values"):
-        jh.HistoryState().update_packed(("a", "b"), np.zeros(3))
-    s = jh.HistoryState().update_packed(("a", "b"), np.array([[1.0], [2.0]]))
-    assert s.values("b").tolist() == [2.0]
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, True),
+        ({"JAXHISTORY_NO_DISTRIBUTED_HISTORY": "1"}, False),
+        ({"JAXHISTORY_LOCAL_HISTORY": "yes"}, False),
+        ({"JAXHISTORY_LOCAL_HISTORY": "TRUE"}, False),
+        ({"JAXHISTORY_NO_DISTRIBUTED_HISTORY": "0"}, True),
+        ({"JAXHISTORY_LOCAL_HISTORY": ""}, True),
+        ({"JAXHISTORY_LOCAL_HISTORY": "false"}, True),
+    ],
+)
+def test_environment_turns_distributed_history_off(env, expected, monkeypatch):
+    for name in ("JAXHISTORY_NO_DISTRIBUTED_HISTORY", "JAXHISTORY_LOCAL_HISTORY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert jh.distributed_default() is expected
+    assert jh.History().distributed_history is expected
+    assert jh.History(distributed_history=True).distributed_history is True
 
 
-def test_python_ints_outside_int64_are_refused_and_nothing_breaks():
-    s = jh.HistoryState().update({"t": 1})
-    with pytest.raises(ValueError, match="'t' is 9223372036854775808, outside int64"):
-        s.update({"t": 2**63})
-    assert s.values("t").tolist() == [1]
-    assert s.update({"t": 2}).values("t").tolist() == [1, 2]
+def test_unclear_environment_value_is_an_error(monkeypatch):
+    monkeypatch.setenv("JAXHISTORY_LOCAL_HISTORY", "maybe")
+    with pytest.raises(ValueError, match="JAXHISTORY_LOCAL_HISTORY='maybe'"):
+        jh.distributed_default()
 
 
-def test_stats_land_at_the_requested_step():
-    st = jh.distributed_stats({"x": jnp.arange(8.0)})
-    s = jh.HistoryState().update({"b": 1.0}, step=9)
-    s2 = s.update({"a": 1.0, "d": st}, step=5)
-    assert s2.steps("a").tolist() == s2.steps("d/x/mean").tolist() == [5]
-    s3 = jh.HistoryState().update({"z": 1.0}, step=50)
-    s3 = s3.update({"step": 7, "lr": 0.1, "d": st})
-    assert s3.steps("lr").tolist() == s3.steps("d/x/max").tolist() == [7]
+def test_more_than_384_devices_turn_it_off(monkeypatch):
+    monkeypatch.setattr(jax, "device_count", lambda: 385)
+    assert jh.distributed_default() is False
 
 
-def test_packed_rows_keep_integer_dtypes_and_widen_half_floats():
-    s = jh.HistoryState().update_packed(
-        ("a", "b"), jnp.array([2**24 + 1, 3], jnp.int32)
+def test_bad_settings_and_input():
+    with pytest.raises(TypeError, match="keys"):
+        jh.History(keys="loss")
+    with pytest.raises(ValueError, match="log_every"):
+        jh.History(log_every=0)
+    h = jh.History(distributed_history=False)
+    h.update({"loss": 1.0})
+    with pytest.raises(TypeError, match="'name'"):
+        h.update({"loss": 2.0, "name": "x"})
+    with pytest.raises(ValueError, match="precision"):
+        h.update({"loss": 2.0}, precision=-1)
+    assert h.state.values("loss").tolist() == [1.0]
+    assert h.update({"loss": 3.0}) == "step=1 loss=3.000000"
+
+
+@pytest.mark.slow
+def test_two_processes_record_the_same_distributed_history_as_one():
+    two = jh.launch_local("mp_workers:distributed_history_run", 2, 2, args=(3,))
+    one = jh.launch_local("mp_workers:distributed_history_run", 1, 4, args=(3,))
+    assert two[0]["records"] == two[1]["records"]
+    assert two[0]["lines"] == two[1]["lines"]
+    for stat in jh.STATS:
+        key = f"loss/{stat}"
+        np.testing.assert_allclose(
+            two[0]["records"][key], one[0]["records"][key], rtol=1e-6, err_msg=key
+        )
+        for step in range(3):
+            want = getattr(np, stat)(global_data(step, 1, 4)["m0"].astype(np.float64))
+            np.testing.assert_allclose(two[0]["records"][key][step], want, rtol=1e-5)
+    # Host scalars: reduced across the 2 processes, recorded as is with one.
+    np.testing.assert_allclose(two[0]["records"]["host/mean"], [1.5, 3.0, 4.5])
+    np.testing.assert_allclose(two[0]["records"]["host/std"], [0.5, 1.0, 1.5])
+    assert one[0]["records"]["host"] == [1.0, 2.0, 3.0]
+    assert two[0]["steps"]["lr/mean"] == one[0]["steps"]["lr"] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_processes_with_different_names_all_get_a_clear_error():
+    results = jh.launch_local("mp_workers:mismatched_names", 2, 1, timeout=120)
+    assert all("different metrics" in r for r in results), results
+
+
+def test_stats_from_the_step_are_recorded_and_summarized(mesh):
+    step = jax.jit(lambda x: {"dist": jh.distributed_stats({"loss": x}), "lr": 0.5})
+    h = jh.History()
+    line = h.update(step(per_device(mesh, np.arange(8.0))))
+    std = np.std(np.arange(8.0))
+    assert line == f"step=0 dist/loss=3.500000(±{std:.6f}) lr=0.500000"
+    assert h.state.values("dist/loss/max").tolist() == [7.0]
+
+
+def test_the_line_shows_the_step_that_was_recorded(mesh):
+    h = jh.History()
+    h.update({"eval/loss": 1.0}, step=100)
+    assert h.update({"step": 50, "train/loss": 2.0}) == "step=50 train/loss=2.000000"
+    line = h.update({"step": np.int64(60), "loss": per_device(mesh, np.ones(8))})
+    assert line.startswith("step=60 loss=1.000000(")
+    assert h.state.steps("loss/mean").tolist() == [60]
+
+
+def test_counters_print_step_epoch_iter_in_that_order():
+    h = jh.History(distributed_history=False)
+    line = h.update({"iter": 7, "epoch": 1, "lr": 0.5}, step=7)
+    assert line == "step=7 epoch=1 iter=7 lr=0.500000"
+
+
+def test_step_entries_are_parsed_once_and_rows_with_them_take_the_float_path():
+    h = jh.History(distributed_history=False)
+    for i in range(3):
+        line = h.update({"iter": 10 + i, "loss": 1.0 / (i + 1)})
+        assert line.startswith(f"iter={10 + i} ")
+    assert h.state.steps("loss").tolist() == [10, 11, 12]
+    assert "iter" not in h.state
+    ((table, _),) = h.state.data.tables.values()
+    assert table.ptypes is not None  # the float fast path's table signature
+
+
+def test_stat_names_are_stat_major_and_shared():
+    names = jh.Stats(("a", "b"), np.zeros((4, 2))).keys()
+    assert list(names) == [
+        "a/mean",
+        "a/max",
+        "a/min",
+        "a/std",
+        "b/mean",
+        "b/max",
+        "b/min",
+        "b/std",
+    ]
+    from jaxhistory._stats import stat_names
+
+    assert stat_names(("a", "b"), "p/") == (
+        "p/a/mean",
+        "p/b/mean",
+        "p/a/max",
+        "p/b/max",
+        "p/a/min",
+        "p/b/min",
+        "p/a/std",
+        "p/b/std",
     )
-    assert s.dtype("a") == np.int32 and int(s.values("a")[0]) == 2**24 + 1
-    half = jh.HistoryState().update_packed(("a",), np.array([1.5], np.float16))
-    assert half.dtype("a") == np.float32
-    with pytest.raises(TypeError, match="'a'"):
-        jh.HistoryState().update_packed(("a",), np.array(["x"]))
+    assert stat_names(("",)) == ("mean", "max", "min", "std")
 
 
-def test_a_step_entry_is_never_a_metric():
-    s = jh.HistoryState().update({"step": 3, "loss": 1.0}, step=3)
-    assert s.keys == ("loss",)
-    assert "step" in s.to_xarray().coords
-    with pytest.raises(ValueError, match="two steps given"):
-        s.update({"step": 9, "loss": 0.5}, step=20)
-    assert s.count("loss") == 1
+def test_attach_from_another_thread_loses_nothing_and_flattens_names(tmp_path):
+    import json
+    import threading
 
+    path = tmp_path / "log.jsonl"
+    h = jh.History(distributed_history=False, jsonl_path=path)
+    stop = threading.Event()
+    sent = []
 
-# ----- the float fast path: every kind of value that can reach it -----------------
-def _floats(n=1):
-    s = jh.HistoryState()
-    for i in range(n):
-        s = s.update({"a": float(i), "b": 1.0})
-    return s
+    def publisher():
+        k = 0
+        while not stop.is_set() and k < 2000:
+            h.attach({"pub": {"x": float(k)}}, step=10_000 + k)
+            sent.append(k)
+            k += 1
 
-
-def test_fast_path_stores_ints_and_bools_in_a_float_metric_as_float64():
-    s = _floats().update({"a": 3, "b": True}).update({"a": 2**70, "b": 0.5})
-    assert s.dtype("a") == np.float64 and s.dtype("b") == np.float64
-    assert s.values("a").tolist() == [0.0, 3.0, float(2**70)]
-    assert s.values("b").tolist() == [1.0, 1.0, 0.5]
-    # the slow path (a new key set) agrees: an int into an existing float metric
-    s2 = _floats().update({"a": 2**70})
-    assert s2.values("a").tolist() == [0.0, float(2**70)]
-
-
-def test_ints_too_large_for_float64_are_refused_on_both_paths():
-    s = _floats(2)
-    with pytest.raises(ValueError, match="'a' is an int too large for float64"):
-        s.update({"a": 10**400, "b": 1.0})
-    with pytest.raises(ValueError, match="'a' is an int too large for float64"):
-        s.update({"a": 10**400})
-    assert s.values("a").tolist() == [0.0, 1.0]
-    assert s.update({"a": 2.0, "b": 1.0}).values("a").tolist() == [0.0, 1.0, 2.0]
-
-
-def test_fast_path_refuses_strings_none_and_nested_values_like_the_slow_path():
-    s = _floats(2)
-    with pytest.raises(TypeError, match="'a' is str"):
-        s.update({"a": "x", "b": 1.0})
-    with pytest.raises(TypeError, match="'b' is NoneType"):
-        s.update({"a": 1.0, "b": None})
-    nested = s.update({"a": 2.0, "b": {"c": 1.0}})
-    assert nested.keys == ("a", "b", "b/c")
-    assert s.values("a").tolist() == [0.0, 1.0]
-
-
-def test_real_numbers_are_stored_as_float64():
-    import fractions
-
-    s = jh.HistoryState().update({"a": fractions.Fraction(1, 4)})
-    assert s.dtype("a") == np.float64 and s.values("a").tolist() == [0.25]
-    s = _floats().update({"a": fractions.Fraction(1, 2), "b": 1.0})
-    assert s.values("a").tolist() == [0.0, 0.5]
-
-
-def test_numpy_and_jax_values_after_floats_keep_their_meaning():
-    s = _floats().update({"a": np.float32(1.5), "b": jnp.float32(2.5)})
-    s = s.update({"a": np.float64(3.0), "b": jnp.asarray(4.0)})
-    assert s.values("a").tolist() == [0.0, 1.5, 3.0]
-    assert s.values("b").tolist() == [1.0, 2.5, 4.0]
-    with pytest.raises(ValueError, match="changed shape"):
-        s.update({"a": np.zeros(3), "b": 1.0})
-
-
-def test_an_object_that_only_acts_like_a_number_becomes_nan_with_a_warning():
-    class AddsLikeAFloat:
-        def __radd__(self, other):
-            return other + 1.0
-
-    s = _floats().update({"a": AddsLikeAFloat(), "b": 2.0})
-    with pytest.warns(RuntimeWarning, match="metric 'a': AddsLikeAFloat value"):
-        values = s.values("a")
-    assert values[0] == 0.0 and np.isnan(values[1])
-    assert s.values("b").tolist() == [1.0, 2.0]
-    # on its own (no float metric to join) it is refused outright
-    with pytest.raises(TypeError, match="'a' is not numeric"):
-        jh.HistoryState().update({"a": AddsLikeAFloat()})
-
-
-def test_fast_path_with_explicit_steps_and_branches():
-    s = _floats(2).update({"a": 5.0, "b": 5.0}, step=10)
-    assert s.steps("a").tolist() == [0, 1, 10] and s.next_step == 11
-    with pytest.raises(ValueError, match="already recorded at step 10"):
-        s.update({"a": 1.0, "b": 1.0}, step=10)
-    left = s.update({"a": 6.0, "b": 6.0})
-    right = s.update({"a": 7.0, "b": 7.0})
-    assert left.values("a").tolist() == [0.0, 1.0, 5.0, 6.0]
-    assert right.values("a").tolist() == [0.0, 1.0, 5.0, 7.0]
-    assert s.values("a").tolist() == [0.0, 1.0, 5.0]
-
-
-def test_an_iter_metric_stored_with_an_explicit_step_stays_a_step_entry_later():
-    s = jh.HistoryState().update({"iter": 1.0, "x": 2.0}, step=0)
-    s = s.update({"iter": 5.0, "x": 3.0})
-    assert s.steps("x").tolist() == [0, 5] and s.steps("iter").tolist() == [0]
-
-
-def test_many_fast_path_rows_cross_the_staging_flush():
-    s = jh.HistoryState()
-    n = 3 * _history.STAGE + 5
-    for i in range(n):
-        s = s.update({"a": float(i), "b": i % 2})
-    assert s.values("a").tolist() == [float(i) for i in range(n)]
-    assert s.values("b").tolist() == [float(i % 2) for i in range(n)]
-
-
-# ----- review fixes ---------------------------------------------------------------
-def test_a_reused_numpy_buffer_is_copied_when_recorded():
-    buf = np.zeros(3)
-    s = jh.HistoryState()
-    for i in range(5):
-        buf[:] = i
-        s = s.update({"v": buf})
-    assert s.values("v").tolist() == [[float(i)] * 3 for i in range(5)]
-
-
-def test_dtype_of_a_metric_in_several_tables_is_what_values_returns():
-    s = jh.HistoryState().update({"a": 1}).update({"a": 1.5, "b": 2.0})
-    assert s.values("a").dtype == s.dtype("a") == np.float64
-    back = jh.HistoryState.from_xarray(s.to_xarray())
-    assert back.values("a").tolist() == [1.0, 1.5]
-
-
-@pytest.mark.parametrize("step", [2**63, -(2**63) - 1, float("inf"), float("nan")])
-def test_steps_outside_int64_are_refused_and_nothing_breaks(step):
-    s = jh.HistoryState().update({"a": 1.0})
-    with pytest.raises(ValueError, match="step"):
-        s.update({"a": 2.0}, step=step)
-    with pytest.raises(ValueError, match="step"):
-        s.update({"step": step, "a": 2.0})
-    assert s.update({"a": 3.0}).values("a").tolist() == [1.0, 3.0]
-
-
-def test_the_last_int64_step_is_the_last_one():
-    s = jh.HistoryState().update({"a": 1.0}, step=2**63 - 1)
-    assert s.steps("a").tolist() == [2**63 - 1]
-    with pytest.raises(ValueError, match="outside the int64 range"):
-        s.update({"a": 2.0})
-
-
-def test_a_failed_wait_for_device_values_does_not_jam_later_updates():
-    inflight = _history.InFlight(2)
-
-    class Broken:
-        def copy_to_host_async(self):
-            pass
-
-    inflight.add([Broken()])
-    inflight.add([Broken()])
-    broken = mock.patch.object(
-        jax, "block_until_ready", side_effect=RuntimeError("deleted")
-    )
-    with broken, pytest.raises(RuntimeError, match="deleted"):
-        inflight.add([Broken()])
-    assert len(inflight.updates) <= 2
-    inflight.add([jnp.zeros(())])  # works again
-
-
-# ----- device rows: checked once, then a signature match --------------------------
-def _device_rows(n, mesh=None):
-    f = jax.jit(lambda x: {"loss": x * 2, "acc": x / 2, "n": (x * 3).astype(jnp.int32)})
-    outs = []
-    for i in range(n):
-        outs.append(f(jnp.float32(i)))
-        if i % 8 == 7:
-            jax.block_until_ready(outs[-1])
-    return outs
-
-
-def test_device_rows_past_the_staging_flush_keep_every_value_and_dtype():
-    outs = _device_rows(_history.STAGE + 40)
-    s = jh.HistoryState()
-    for out in outs:
-        s = s.update(out)
-    n = len(outs)
-    assert s.values("loss").tolist() == [2.0 * i for i in range(n)]
-    assert s.values("n").tolist() == [3 * i for i in range(n)]
-    assert s.dtype("loss") == np.float32 and s.dtype("n") == np.int32
-    assert s.steps("acc").tolist() == list(range(n))
-
-
-def test_device_rows_that_change_are_checked_again_and_refused_cleanly():
-    outs = _device_rows(3)
-    s = jh.HistoryState()
-    for out in outs:
-        s = s.update(out)
-    bad = dict(outs[0], loss=jnp.zeros(3))  # a changed shape after fast-path rows
-    with pytest.raises(ValueError, match="'loss' changed shape"):
-        s.update(bad)
-    traced = []
-    with pytest.raises(TypeError, match="'loss' is a JAX tracer"):
-        jax.jit(lambda x: traced.append(s.update(dict(outs[0], loss=x))) or x)(1.0)
-    wider = dict(outs[0], loss=jnp.float64(1.5) if jax.config.x64_enabled else 1.5)
-    s2 = s.update(wider)  # another type: the checked path, recorded
-    assert s.values("loss").tolist() == [0.0, 2.0, 4.0]  # unchanged, still usable
-    assert s2.values("loss").tolist() == [0.0, 2.0, 4.0, 1.5]
-    assert s.update(outs[2]).values("loss").tolist() == [0.0, 2.0, 4.0, 4.0]
-
-
-def test_device_rows_at_an_old_step_are_refused_and_branches_stay_apart():
-    outs = _device_rows(4)
-    s = jh.HistoryState()
-    for out in outs[:2]:
-        s = s.update(out)
-    with pytest.raises(ValueError, match="already recorded at step 1"):
-        s.update(outs[2], step=1)
-    a = s.update(outs[2])
-    b = s.update(outs[3])  # an older state again: its own copy of the rows
-    a = a.update(outs[3])
-    assert a.values("loss").tolist() == [0.0, 2.0, 4.0, 6.0]
-    assert b.values("loss").tolist() == [0.0, 2.0, 6.0]
-    assert s.values("loss").tolist() == [0.0, 2.0]
-
-
-def test_host_copies_start_only_for_arrays_off_cpu():
-    from jaxhistory._record import InFlight, needs_host_copy
-
-    cpu = jnp.ones(3)
-    assert not needs_host_copy([cpu])
-
-    class Device:
-        platform = "gpu"
-
-    class Sharding:
-        device_set = frozenset({Device()})
-
-    class Fake:
-        sharding = Sharding()
-        copies = 0
-
-        def copy_to_host_async(self):
-            Fake.copies += 1
-
-    assert needs_host_copy([cpu, Fake()])
-    queue = InFlight(8)
-    queue.add([Fake(), Fake()], copy=True)
-    queue.add([Fake()], copy=False)
-    assert Fake.copies == 2 and len(queue.updates) == 2
-
-
-def test_a_recorded_array_deleted_later_loses_only_its_own_values():
-    outs = _device_rows(4)
-    s = jh.HistoryState()
-    for out in outs[:3]:
-        s = s.update(out)
-    s = s.update({"loss": outs[3]["loss"], "acc": 7.0, "n": outs[3]["n"]}, step=3)
-    outs[1]["loss"].delete()  # e.g. donated to a later step
-    outs[1]["n"].delete()
-    outs[3]["loss"].delete()
-    for i in range(_history.MAX_INFLIGHT + 2):  # waits skip the deleted arrays
-        s = s.update(_device_rows(1)[0], step=10 + i)
-    with pytest.warns(RuntimeWarning, match=r"could not be read.*'loss'") as seen:
-        loss = s.values("loss")
-    text = " ".join(str(w.message) for w in seen)
-    assert "step 1" in text and "3" in text and "'n'" in text
-    assert np.isnan(loss[1]) and np.isnan(loss[3])
-    assert loss[[0, 2]].tolist() == [0.0, 4.0]
-    assert s.values("n")[:3].tolist() == [0, 0, 6]  # integers: 0
-    assert s.values("acc")[:4].tolist() == [0.0, 0.5, 1.0, 7.0]
-    assert len(s.values("loss")) == 4 + _history.MAX_INFLIGHT + 2  # still usable
-
-
-def test_a_deleted_packed_row_becomes_nan():
-    table = jnp.arange(4.0)
-    s = jh.HistoryState().update_packed(("a", "b", "c", "d"), table)
-    s = s.update_packed(("a", "b", "c", "d"), jnp.arange(4.0) + 10)
-    table.delete()
-    with pytest.warns(RuntimeWarning, match="step 0 could not be read"):
-        assert np.isnan(s.values("c")[0]) and s.values("c")[1] == 12.0
+    thread = threading.Thread(target=publisher)
+    thread.start()
+    for i in range(500):
+        h.update({"loss": float(i)}, step=i, summarize=False)
+    stop.set()
+    thread.join()
+    h.close()
+    state = h.state
+    assert state.steps("loss").tolist() == list(range(500))
+    assert state.count("pub/x") == len(sent)  # nested names joined with "/"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    logged = [r["metrics"]["pub/x"] for r in lines if "pub/x" in r["metrics"]]
+    assert sorted(logged) == [float(k) for k in sent]

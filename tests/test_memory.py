@@ -230,7 +230,7 @@ def test_history_memory_every_n_updates_and_bad_settings():
 
 
 def test_memory_token_uses_device_stats_when_there_are_some():
-    from jaxhistory._facade import memory_token
+    from jaxhistory._history import memory_token
 
     assert memory_token(_memory.MemorySample(2**30, 3 * 2**30, "memory_stats"), 0) == (
         "memory=1.00/3.00GiB"

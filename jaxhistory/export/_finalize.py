@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from jaxhistory._record import warmup_count
+from jaxhistory._dtypes import warmup_count
 from jaxhistory.export._env import environment as run_environment
 from jaxhistory.export._env import netcdf_attrs, new_run_id
 from jaxhistory.export._jsonl import to_jsonl
@@ -17,7 +17,7 @@ from jaxhistory.export._markdown import to_markdown
 from jaxhistory.export._netcdf import to_netcdf
 
 if TYPE_CHECKING:
-    from jaxhistory._history import HistoryState
+    from jaxhistory._history_state import HistoryState
 
 __all__ = ["Progress", "finalize"]
 

@@ -31,7 +31,7 @@ import orjson
 from jaxhistory._stats import STATS, Stats, stat_names
 
 if TYPE_CHECKING:
-    from jaxhistory._history import HistoryState
+    from jaxhistory._history_state import HistoryState
 
 __all__ = ["JsonlStream", "from_jsonl", "jsonl_value", "to_jsonl"]
 
@@ -259,8 +259,8 @@ def from_jsonl(path: str | os.PathLike) -> HistoryState:
     run resumed from an earlier checkpoint), the later line wins. Integers come
     back as int64, other numbers as float64.
     """
-    from jaxhistory._column import Table, Tables
-    from jaxhistory._history import HistoryState
+    from jaxhistory._table import Table, Tables
+    from jaxhistory._history_state import HistoryState
 
     path = Path(path)
     if not path.is_file():

@@ -9,12 +9,12 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from jaxhistory._record import warmup_count
+from jaxhistory._dtypes import warmup_count
 from jaxhistory.export._env import ENV_LABELS
 from jaxhistory.export._netcdf import atomic_write
 
 if TYPE_CHECKING:
-    from jaxhistory._history import HistoryState
+    from jaxhistory._history_state import HistoryState
 
 __all__ = ["md_escape", "stats_table", "to_markdown"]
 

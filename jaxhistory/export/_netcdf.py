@@ -14,7 +14,7 @@ from jaxhistory.export._env import netcdf_attrs
 from jaxhistory.export._names import decode_netcdf, encode_netcdf
 
 if TYPE_CHECKING:
-    from jaxhistory._history import HistoryState
+    from jaxhistory._history_state import HistoryState
 
 __all__ = ["from_netcdf", "read_netcdf", "to_netcdf"]
 
@@ -98,7 +98,7 @@ def read_netcdf(path: str | os.PathLike):
 
 def from_netcdf(path: str | os.PathLike) -> HistoryState:
     """The HistoryState saved by :func:`to_netcdf`, exactly."""
-    from jaxhistory._history import HistoryState
+    from jaxhistory._history_state import HistoryState
 
     ds = read_netcdf(path)
     for name in ds.data_vars:

@@ -30,7 +30,7 @@ from jaxhistory.export._names import file_stems
 from jaxhistory.export._units import PlotUnit, bucket, plot_units, row_stats, series
 
 if TYPE_CHECKING:
-    from jaxhistory._history import HistoryState
+    from jaxhistory._history_state import HistoryState
 
 __all__ = ["settings", "summary_plots", "to_terminal"]
 

@@ -11,7 +11,7 @@ from jaxhistory._stats import STATS
 from jaxhistory.export._jsonl import aggregated_names
 
 if TYPE_CHECKING:
-    from jaxhistory._history import HistoryState
+    from jaxhistory._history_state import HistoryState
 
 __all__ = ["MAX_POINTS", "PlotUnit", "bucket", "plot_units", "row_stats", "series"]
 

@@ -248,7 +248,7 @@ def save_state(history: Any, output_dir: str | os.PathLike) -> Path | None:
     """
     import orjson
 
-    from jaxhistory._history import HistoryState
+    from jaxhistory._history_state import HistoryState
     from jaxhistory.export._netcdf import atomic_write
 
     state = getattr(history, "state", history)

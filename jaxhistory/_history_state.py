@@ -1,0 +1,681 @@
+"""HistoryState: an immutable, columnar record of per-step metrics on the host."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxhistory._table import STAGE, Table, Tables
+from jaxhistory._dtypes import (
+    ALL_FLOATS,
+    FLOAT_ONLY,
+    INT64_MAX,
+    NESTED,
+    PY_SCALARS,
+    STEP_KEYS,
+    InFlight,
+    as_step,
+    check_ints,
+    device_signature,
+    device_storage_dtype,
+    flatten,
+    host_value,
+    needs_host_copy,
+    warmup_count,
+)
+from jaxhistory._stats import Stats, stat_names
+
+__all__ = ["STEP_KEYS", "HistoryState", "warmup_count"]
+# Updates whose device values may still be in flight; past this many the oldest are
+# waited for. This bounds how far the host runs ahead of the device (simulated CPU
+# devices deadlock when too many collective steps are queued).
+MAX_INFLIGHT = 8
+SUMMARY_STATS = (
+    "mean",
+    "std",
+    "median",
+    "p10",
+    "p90",
+    "min",
+    "max",
+    "last",
+    "count",
+    "nonfinite",
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HistoryState:
+    """An immutable record of metrics: every record has an explicit step.
+
+    ``update`` returns a new state and never changes the old one: updating an old
+    state again starts an independent branch. Appends are amortized O(1): the newest
+    state appends in place to storage it shares with its ancestors, which only ever
+    see their own prefix of it (an old state that is updated again copies its rows
+    once). Metrics recorded together share one step array.
+
+    A JAX pytree whose leaves are step and value arrays (``next_step`` and
+    ``attrs`` are static), so it can be saved and restored with a train state.
+
+    Example:
+        >>> import jaxhistory as jh
+        >>> s0 = jh.HistoryState()
+        >>> s1 = s0.update({"loss": 0.5, "lr": 1e-3})
+        >>> s2 = s1.update({"loss": 0.25})
+        >>> s2.values("loss").tolist(), s1.values("loss").tolist()
+        ([0.5, 0.25], [0.5])
+        >>> s3 = s2.update({"eval": {"acc": 0.9}}, step=100)
+        >>> s3.steps("eval/acc").tolist(), s3.next_step
+        ([100], 101)
+    """
+
+    data: Tables = dataclasses.field(default_factory=Tables)
+    next_step: int = dataclasses.field(default=0, metadata={"static": True})
+    attrs: tuple[tuple[str, Any], ...] = dataclasses.field(
+        default=(), metadata={"static": True}
+    )
+
+    def __post_init__(self):
+        object.__setattr__(self, "_inflight", InFlight(MAX_INFLIGHT))
+
+    def _derive(self, tables: dict, next_step: int, attrs=None) -> HistoryState:
+        data = _new_tables()
+        data.tables = tables
+        new = _new_state()
+        d = new.__dict__  # frozen: fill the new instance's dict directly
+        d["data"] = data
+        d["next_step"] = next_step
+        d["attrs"] = self.attrs if attrs is None else attrs
+        d["_inflight"] = self._inflight
+        return new
+
+    # ----- reading -------------------------------------------------------------
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Metric names, in the order they were first recorded."""
+        return tuple(dict.fromkeys(k for ks in self.data.tables for k in ks))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __contains__(self, name: object) -> bool:
+        return any(name in ks for ks in self.data.tables)
+
+    def _parts(self, name: str) -> list[tuple[Table, int, int]]:
+        """(table, rows seen, column) of every table holding ``name``."""
+        parts = [
+            (t, n, ks.index(name))
+            for ks, (t, n) in self.data.tables.items()
+            if name in ks and n
+        ]
+        if not parts and name not in self:
+            known = ", ".join(self.keys) or "none"
+            raise KeyError(f"no metric {name!r}; recorded: {known}")
+        return parts
+
+    def _records(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        parts = self._parts(name)
+        if len(parts) == 1:
+            t, n, j = parts[0]
+            steps, values = t.view(n)
+            return steps, values[j]
+        if not parts:
+            ks = next(ks for ks in self.data.tables if name in ks)
+            t = self.data.tables[ks][0]
+            j = ks.index(name)
+            return t.view(0)[0], t.view(0)[1][j]
+        steps, values = [], []
+        for t, n, j in parts:
+            s, v = t.view(n)
+            steps.append(s)
+            values.append(v[j])
+        steps, values = np.concatenate(steps), np.concatenate(values)
+        order = np.argsort(steps, kind="stable")
+        steps, values = steps[order], values[order]
+        steps.flags.writeable = values.flags.writeable = False
+        return steps, values
+
+    def steps(self, name: str) -> np.ndarray:
+        """The steps at which ``name`` was recorded (read-only int64 array)."""
+        return self._records(name)[0]
+
+    def values(self, name: str) -> np.ndarray:
+        """The values of ``name``, one per step (read-only; waits for device values)."""
+        return self._records(name)[1]
+
+    def _meta(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
+        found = [
+            (t.dtypes[ks.index(name)], t.shapes[ks.index(name)])
+            for ks, (t, _) in self.data.tables.items()
+            if name in ks
+        ]
+        if not found:
+            raise KeyError(
+                f"no metric {name!r}; recorded: {', '.join(self.keys) or 'none'}"
+            )
+        # Records in several tables read back promoted to one dtype (values()).
+        return np.result_type(*(d for d, _ in found)), found[0][1]
+
+    def dtype(self, name: str) -> np.dtype:
+        """The storage dtype of ``name``."""
+        return self._meta(name)[0]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of one record of ``name``."""
+        return self._meta(name)[1]
+
+    def count(self, name: str) -> int:
+        """How many records ``name`` has."""
+        return sum(n for _, n, _ in self._parts(name))
+
+    def last(self, name: str) -> Any:
+        """The most recent value of ``name``."""
+        values = self.values(name)
+        if not len(values):
+            raise KeyError(f"metric {name!r} has no records")
+        return values[-1]
+
+    def last_step(self, name: str) -> int | None:
+        """The step of the most recent record of ``name`` (None if none)."""
+        steps = [t.step_at(n) for t, n, _ in self._parts(name)]
+        return max(steps) if steps else None
+
+    def nbytes(self) -> int:
+        """Bytes of NumPy storage held for this state's tables."""
+        return sum(t.nbytes() for t, _ in self.data.tables.values())
+
+    def select(self, *prefixes: str) -> HistoryState:
+        """Only the metrics named ``prefix`` or ``prefix/...``, for any prefix given.
+
+        Example:
+            >>> import jaxhistory as jh
+            >>> s = jh.HistoryState().update({"train": {"loss": 1.0}, "eval/loss": 2.0})
+            >>> s.select("train").keys
+            ('train/loss',)
+        """
+        heads = [p.rstrip("/") for p in prefixes]
+
+        def wanted(k: str) -> bool:
+            return any(k == h or k.startswith(h + "/") for h in heads)
+
+        tables = {}
+        for ks, (t, n) in self.data.tables.items():
+            idx = [j for j, k in enumerate(ks) if wanted(k)]
+            if len(idx) == len(ks):
+                tables[ks] = (t, n)
+            elif idx:
+                steps, values = t.view(n)
+                sub = tuple(ks[j] for j in idx)
+                cols = [np.array(values[j]) for j in idx]
+                tables[sub] = (Table.from_arrays(sub, np.array(steps), cols), n)
+        return self._derive(tables, self.next_step)
+
+    # ----- writing -------------------------------------------------------------
+    def update(self, metrics: Any, step: int | None = None) -> HistoryState:
+        """Records ``metrics`` at one step; returns the new state.
+
+        Args:
+            metrics: a dict (or pytree) of Python, NumPy or JAX scalars and arrays;
+                nested names join with ``/``. JAX arrays are not waited for: their
+                copy to the host starts now and they are fetched in batches later.
+            step: the step. When None, a ``step`` (or ``iter``) entry of
+                ``metrics`` is the step (and is not stored as a metric); otherwise
+                ``next_step``, one past the latest step recorded.
+
+        Raises:
+            TypeError: a value is a string, an object or a JAX tracer.
+            ValueError: a metric changed shape, or was already recorded at this or
+                a later step: each metric's steps strictly increase, so a second
+                record of a key at the same step is refused (combine runs with
+                :meth:`merge`). The state is unchanged.
+        """
+        if type(metrics) is dict:
+            new = _append_floats(self, metrics, step)
+            if new is not None:
+                return new
+        elif type(metrics) is Stats:  # not isinstance: Mapping's ABC check is slow
+            metrics = {"": metrics}
+        types = set(map(type, metrics.values())) if type(metrics) is dict else None
+        if types is not None and Stats in types:
+            return self._update_with_stats(metrics, step)
+        if types is not None and not NESTED.intersection(types):
+            if "step" in metrics or "iter" in metrics:
+                metrics, step = self._step_entry(metrics, step)
+            keys, row = tuple(metrics), tuple(metrics.values())
+        else:
+            items, step = self._step_entry(dict(flatten(metrics)), step)
+            keys, row = tuple(items), tuple(items.values())
+            types = None
+        step = as_step("step", self.next_step if step is None else step)
+        if not keys:
+            return self._derive(dict(self.data.tables), max(self.next_step, step + 1))
+        tables = self.data.tables
+        entry = tables.get(keys)
+        ptypes = ALL_FLOATS if types == FLOAT_ONLY else tuple(map(type, row))
+        if entry is not None and entry[0].ptypes == ptypes and step >= self.next_step:
+            # Fast path: same metrics, same Python scalar types as last time, and a
+            # step past everything recorded.
+            table, n = entry
+            if types is None or int in types:
+                check_ints(keys, row, table.dtypes)
+            if table.length != n:
+                table = table.prefix(n)
+                table.ptypes = ptypes
+        else:
+            dsig = None if entry is None else entry[0].dsig
+            if (
+                dsig is not None
+                and step >= self.next_step
+                and device_signature(row) == dsig
+            ):
+                # Device fast path: the same metrics as JAX arrays of the same
+                # types, dtypes, shapes and shardings as a row that passed the
+                # checks, at a step past everything recorded.
+                table, n = entry
+                if table.length != n:  # a branch
+                    copy = table.async_copy
+                    table = table.prefix(n)
+                    table.dsig, table.async_copy = dsig, copy
+                self._inflight.add(row, table.async_copy)
+                on_device = True
+            else:
+                table, n, row, on_device = self._prepare(keys, row, ptypes, step)
+                if on_device:
+                    arrays = [v for v in row if isinstance(v, jax.Array)]
+                    self._inflight.add(arrays, table.async_copy)
+            table.append(step, row, on_device)
+            new = tables.copy()
+            new[keys] = (table, n + 1)
+            return self._derive(new, max(self.next_step, step + 1))
+        table.rows.append(row)  # Table.append, inlined on the hot path
+        table.row_steps.append(step)
+        table.last_step = step
+        table.length += 1
+        if len(table.rows) >= STAGE:
+            table.flush()
+        new = tables.copy()
+        new[keys] = (table, n + 1)
+        return self._derive(new, step + 1)
+
+    @staticmethod
+    def _step_entry(metrics: dict, step: Any) -> tuple[dict, Any]:
+        """Takes the ``step`` (or ``iter``) entry out of ``metrics`` as the step.
+
+        With an explicit ``step`` too, a ``step`` entry must agree with it (it is
+        the coordinate of the record, never a metric of its own).
+        """
+        if step is None:
+            for key in STEP_KEYS:
+                if key in metrics:
+                    step = as_step(key, metrics[key])
+                    return {k: v for k, v in metrics.items() if k != key}, step
+            return metrics, None
+        if "step" in metrics:
+            entry = as_step("step", metrics["step"])
+            if entry != as_step("step", step):
+                raise ValueError(
+                    f"two steps given: step={step} and a 'step' entry of {entry}"
+                )
+            return {k: v for k, v in metrics.items() if k != "step"}, step
+        return metrics, step
+
+    def _check_append(self, names, shapes, step: int) -> dict[str, np.dtype]:
+        """Refuses recording ``names`` (records of ``shapes``) at ``step``.
+
+        Raises ValueError if one of them changes shape or already has a record at
+        ``step`` or later. Returns the stored dtype of each that has records. One
+        pass over the tables, whatever the number of names.
+        """
+        wanted = dict(zip(names, shapes, strict=True))
+        found = {}
+        for ks, (t, n) in self.data.tables.items():
+            if not n or wanted.keys().isdisjoint(ks):
+                continue
+            last = t.step_at(n)
+            for j, name in enumerate(ks):
+                if name not in wanted:
+                    continue
+                if t.shapes[j] != tuple(wanted[name]):
+                    raise ValueError(
+                        f"metric {name!r} changed shape from {t.shapes[j]} to "
+                        f"{tuple(wanted[name])}"
+                    )
+                if step <= last:
+                    raise ValueError(
+                        f"metric {name!r} was already recorded at step {last}; "
+                        f"step {step} must be later (merge() combines runs)"
+                    )
+                found[name] = t.dtypes[j]
+        return found
+
+    def _writable(self, keys, dtypes, shapes, capacity: int = 0) -> tuple[Table, int]:
+        """The table for ``keys`` that this state may append to, and its row count.
+
+        A new table if there is none; a copy of this state's rows if the table has
+        grown past them (a branch) or its dtypes must widen.
+        """
+        entry = self.data.tables.get(keys)
+        if entry is None:
+            return Table(keys, dtypes, shapes, capacity), 0
+        table, n = entry
+        wider = (
+            dtypes
+            if dtypes == table.dtypes
+            else tuple(
+                np.result_type(a, b) for a, b in zip(table.dtypes, dtypes, strict=True)
+            )
+        )
+        if wider != table.dtypes or table.length != n:
+            table = table.prefix(n, wider)
+        return table, n
+
+    def _update_with_stats(self, metrics: dict, step: int | None) -> HistoryState:
+        """update() for dicts holding :class:`~jaxhistory.Stats` values.
+
+        Each ``Stats`` is recorded as one packed row (its whole table, still on
+        device if it is), named ``{key}/{metric}/{stat}``.
+        """
+        rest, step = self._step_entry(
+            {k: v for k, v in metrics.items() if type(v) is not Stats}, step
+        )
+        used = as_step("step", self.next_step if step is None else step)
+        state = self.update(rest, used) if rest else self
+        for key, stats in metrics.items():
+            if type(stats) is Stats:
+                names = stat_names(stats.names, f"{key}/" if key else "")
+                state = state.update_packed(names, stats.table, step=used)
+        return state
+
+    def _prepare(self, keys, row, ptypes, step):
+        """The slow path of update: validates every value; returns the table."""
+        values, dtypes, shapes, on_device = [], [], [], False
+        for name, value in zip(keys, row, strict=True):
+            dtype = PY_SCALARS.get(type(value))
+            if dtype is None:
+                value, dtype, shape = host_value(name, value)
+                on_device = on_device or isinstance(value, jax.Array)
+            else:
+                shape = ()
+            values.append(value)
+            dtypes.append(dtype)
+            shapes.append(shape)
+        found = self._check_append(keys, shapes, step)
+        for i, value in enumerate(row):
+            if type(value) is int and keys[i] in found and found[keys[i]].kind == "f":
+                dtypes[i] = found[keys[i]]  # an int joins a float metric
+        table, n = self._writable(keys, tuple(dtypes), tuple(shapes))
+        if ptypes is not ALL_FLOATS and int in ptypes:
+            check_ints(keys, row, table.dtypes)
+        # Later rows with the same Python scalar types may skip these checks (not
+        # where an ``iter`` entry was stored as a metric: it may be the step).
+        if ptypes is ALL_FLOATS:
+            scalars = all(d == np.float64 for d in table.dtypes)
+        else:
+            scalars = all(t in PY_SCALARS for t in ptypes)
+        table.ptypes = ptypes if scalars and "iter" not in keys else None
+        table.dsig = None
+        if on_device:
+            arrays = [v for v in values if isinstance(v, jax.Array)]
+            table.async_copy = needs_host_copy(arrays)
+            if len(arrays) == len(values) and "iter" not in keys:
+                table.dsig = device_signature(tuple(values))
+        return table, n, tuple(values), on_device
+
+    def update_packed(
+        self, names: tuple[str, ...], vector: Any, step: int | None = None
+    ) -> HistoryState:
+        """Records ``len(names)`` scalars held in one array at one step.
+
+        The array may be a device array straight out of a jitted step: it is stored
+        without waiting and fetched with the other pending values, as one transfer
+        instead of one per scalar. This is how :class:`History` records
+        distributed statistics.
+        """
+        names = tuple(names)
+        if isinstance(vector, jax.core.Tracer):
+            host_value(names[0] if names else "<packed>", vector)  # raises
+        shape = tuple(np.shape(vector))
+        if math.prod(shape) != len(names):
+            raise ValueError(
+                f"a packed row for {len(names)} metrics needs {len(names)} values "
+                f"(read in C order), got shape {shape}"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError("packed metric names must be unique")
+        step = as_step("step", self.next_step if step is None else step)
+        on_device = isinstance(vector, jax.Array)
+        label = names[0] if names else "<packed>"
+        if on_device:  # replicated statistics may span processes: read locally
+            dtype = device_storage_dtype(label, vector.dtype, 4)
+        else:
+            vector, dtype, _ = host_value(label, np.asarray(vector))
+        self._check_append(names, [()] * len(names), step)
+        table, n = self._writable(names, (dtype,) * len(names), ((),) * len(names))
+        table.ptypes = None
+        if on_device:
+            if not n:
+                table.async_copy = needs_host_copy([vector])
+            self._inflight.add([vector], table.async_copy)
+            table.append(step, vector, True)
+        else:
+            table.append(step, tuple(np.ravel(vector.astype(dtype))))
+        new = self.data.tables.copy()
+        new[names] = (table, n + 1)
+        return self._derive(new, max(self.next_step, step + 1))
+
+    def extend(self, steps: Any, values: Mapping[str, Any]) -> HistoryState:
+        """Records many steps at once from arrays (one host transfer for all).
+
+        Args:
+            steps: 1-D integers, strictly increasing.
+            values: metric name -> array whose first axis matches ``steps``.
+        """
+        values = dict(values)
+        if isinstance(steps, jax.Array) or any(
+            isinstance(v, jax.Array) for v in values.values()
+        ):
+            steps, values = jax.device_get((steps, values))  # one transfer for all
+        steps = np.asarray(steps, np.int64)
+        if steps.ndim != 1:
+            raise ValueError(f"steps must be 1-D, got shape {steps.shape}")
+        if len(steps) > 1 and np.any(np.diff(steps) <= 0):
+            raise ValueError("steps must be strictly increasing")
+        if not len(steps) or not values:
+            return self
+        keys = tuple(values)
+        columns, dtypes, shapes = [], [], []
+        for name in keys:
+            arr, dtype, shape = host_value(name, values[name])
+            if not shape or shape[0] != len(steps):
+                raise ValueError(
+                    f"metric {name!r} has {shape[0] if shape else 0} records for "
+                    f"{len(steps)} steps"
+                )
+            columns.append(np.asarray(arr, dtype))
+            dtypes.append(dtype)
+            shapes.append(shape[1:])
+        self._check_append(keys, shapes, int(steps[0]))
+        table, n = self._writable(keys, tuple(dtypes), tuple(shapes), len(steps))
+        table.extend(steps, columns)
+        new = self.data.tables.copy()
+        new[keys] = (table, n + len(steps))
+        return self._derive(new, max(self.next_step, int(steps[-1]) + 1))
+
+    def extend_from_buffer(self, buffer: Any) -> HistoryState:
+        """Appends a :class:`~jaxhistory.MetricBuffer` in one device-to-host copy."""
+        steps, values = buffer.to_host()
+        return self.extend(steps, values)
+
+    def merge(self, other: HistoryState) -> HistoryState:
+        """Combines two histories in step order (a resumed run, for example).
+
+        Where both record a metric at the same step, ``other``'s record wins.
+        """
+        new = {}
+        for name in dict.fromkeys((*self.keys, *other.keys)):
+            parts = [h._records(name) for h in (self, other) if name in h]
+            if len(parts) == 2 and parts[0][1].shape[1:] != parts[1][1].shape[1:]:
+                raise ValueError(
+                    f"metric {name!r} has shape {parts[0][1].shape[1:]} here and "
+                    f"{parts[1][1].shape[1:]} in the other history"
+                )
+            steps = np.concatenate([p[0] for p in parts])
+            values = np.concatenate([p[1] for p in parts])
+            order = np.argsort(steps, kind="stable")
+            steps, values = steps[order], values[order]
+            keep = np.ones(len(steps), bool)
+            keep[:-1] = steps[1:] != steps[:-1]  # the later (other's) one wins
+            steps, values = steps[keep], values[keep]
+            new[(name,)] = (Table.from_arrays((name,), steps, [values]), len(steps))
+        return self._derive(new, max(self.next_step, other.next_step))
+
+    def with_attrs(self, **attrs: Any) -> HistoryState:
+        """A state with run metadata ``attrs`` added (carried into exports)."""
+        merged = dict(self.attrs) | attrs
+        return self._derive(
+            dict(self.data.tables), self.next_step, tuple(sorted(merged.items()))
+        )
+
+    # ----- analysis -----------------------------------------------------------
+    def all_steps(self) -> np.ndarray:
+        """The sorted union of every metric's steps (read-only; computed once)."""
+        cached = self.__dict__.get("_all_steps")
+        if cached is not None:
+            return cached
+        parts = [t.view(n)[0] for t, n in self.data.tables.values() if n]
+        if not parts:
+            steps = np.zeros(0, np.int64)
+        elif len(parts) == 1:
+            steps = parts[0]  # a table's steps strictly increase already
+        else:
+            steps = np.sort(np.concatenate(parts))  # faster than np.unique here
+            keep = np.ones(len(steps), bool)
+            keep[1:] = steps[1:] != steps[:-1]
+            steps = steps[keep]
+        steps.flags.writeable = False
+        self.__dict__["_all_steps"] = steps  # the state never changes
+        return steps
+
+    def summary(self, warmup: float = 0) -> dict[str, dict[str, float]]:
+        """Run-level statistics of every metric after ``warmup``.
+
+        For each metric: mean, std, median, p10, p90, min and max of its finite
+        values (all elements of array metrics), the last value (last element of the
+        last record's mean for arrays), how many values were recorded and how many
+        of them are NaN or infinite.
+        """
+        first = self._first_kept_step(warmup)
+        out = {}
+        for name in self.keys:
+            keep = self.steps(name) >= first
+            values = np.asarray(self.values(name)[keep], np.float64)
+            flat = values.reshape(-1)
+            finite = flat[np.isfinite(flat)]
+            stats = dict.fromkeys(SUMMARY_STATS, math.nan)
+            if finite.size:
+                p10, median, p90 = np.percentile(finite, [10, 50, 90])
+                stats.update(
+                    mean=float(finite.mean()),
+                    std=float(finite.std()),
+                    median=float(median),
+                    p10=float(p10),
+                    p90=float(p90),
+                    min=float(finite.min()),
+                    max=float(finite.max()),
+                )
+            if len(values):
+                stats["last"] = float(np.mean(values[-1]))
+            stats["count"] = int(flat.size)
+            stats["nonfinite"] = int(flat.size - finite.size)
+            out[name] = stats
+        return out
+
+    def _first_kept_step(self, warmup: float) -> int:
+        steps = self.all_steps()
+        k = warmup_count(warmup, len(steps))
+        if k >= len(steps):
+            return np.iinfo(np.int64).max if len(steps) else 0
+        return int(steps[k])
+
+    def to_xarray(self, warmup: float = 0):
+        """The history as an ``xarray.Dataset`` (see :mod:`jaxhistory._xarray`)."""
+        from jaxhistory._xarray import to_xarray
+
+        return to_xarray(self, warmup)
+
+    @classmethod
+    def from_xarray(cls, ds) -> HistoryState:
+        """Rebuilds a state from :meth:`to_xarray`'s output, exactly."""
+        from jaxhistory._xarray import from_xarray
+
+        return from_xarray(ds)
+
+    @classmethod
+    def from_netcdf(cls, path) -> HistoryState:
+        """The state saved in a dataset file by :func:`jaxhistory.export.to_netcdf`."""
+        from jaxhistory.export._netcdf import from_netcdf
+
+        return from_netcdf(path)
+
+    @classmethod
+    def from_jsonl(cls, path) -> HistoryState:
+        """The state in a JSONL log (see :func:`jaxhistory.export.from_jsonl`)."""
+        from jaxhistory.export._jsonl import from_jsonl
+
+        return from_jsonl(path)
+
+    def __repr__(self) -> str:
+        return f"HistoryState({len(self)} metrics, next_step={self.next_step})"
+
+
+# Bound once: _derive runs on every update.
+def _append_floats(state: HistoryState, metrics: dict, step: Any) -> Any:
+    """The fast path of update, or None where it does not apply.
+
+    It applies to a flat dict with the same keys as an earlier update whose values
+    were all Python floats, when the new values are Python floats or ints again
+    (``sum`` returns an exact float only for those, and otherwise dispatches to
+    the values' own arithmetic without converting them) and the step is past
+    everything recorded.
+    """
+    if step is None:
+        step = state.next_step
+    elif type(step) is not int or step < state.next_step:
+        return None
+    if step > INT64_MAX:
+        return None  # the checked path raises
+    keys = tuple(metrics)
+    tables = state.data.tables
+    entry = tables.get(keys)
+    if entry is None or entry[0].ptypes is not ALL_FLOATS:
+        return None
+    row = tuple(metrics.values())
+    try:
+        if type(sum(row, 0.0)) is not float:
+            return None
+    except Exception:  # strings, nested dicts, ints too large for a float
+        return None
+    table, n = entry
+    if table.length != n:  # an older state, updated again: a branch
+        table = table.prefix(n)
+        table.ptypes = ALL_FLOATS
+    table.rows.append(row)  # Table.append, inlined
+    table.row_steps.append(step)
+    table.last_step = step
+    table.length += 1
+    if len(table.rows) >= STAGE:
+        table.flush()
+    tables = tables.copy()
+    tables[keys] = (table, n + 1)
+    return state._derive(tables, step + 1)
+
+
+_new_tables = functools.partial(object.__new__, Tables)
+_new_state = functools.partial(object.__new__, HistoryState)
