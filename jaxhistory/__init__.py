@@ -20,7 +20,7 @@ Publishing and timing: :mod:`jaxhistory.publish` (``put_metric``, ``@prof``),
 ``import jaxhistory`` imports jax, numpy and orjson only.
 """
 
-from jaxhistory import export, publish, sinks, trace
+from jaxhistory import _version, export, publish, sinks, trace
 from jaxhistory._buffer import MetricBuffer
 from jaxhistory._collective import (
     all_gather,
@@ -32,10 +32,10 @@ from jaxhistory._collective import (
     reduce_std_collective,
     reduce_sum_collective,
 )
-from jaxhistory._history import History, distributed_default
+from jaxhistory._distributed import distributed_default
+from jaxhistory._history import History
 from jaxhistory._history_state import HistoryState, warmup_count
 from jaxhistory._hlo import collective_counts
-from jaxhistory._results import log_metrics, metrics_format, save_metrics, save_state
 from jaxhistory._memory import (
     MemorySample,
     MemoryTracker,
@@ -51,6 +51,7 @@ from jaxhistory._reduce import (
     reduce_std,
     reduce_sum,
 )
+from jaxhistory._results import log_metrics, metrics_format, save_metrics, save_state
 from jaxhistory._stats import (
     STATS,
     Stats,
@@ -61,7 +62,7 @@ from jaxhistory._stats import (
 from jaxhistory._timing import StopWatch
 from jaxhistory.launch import LaunchError, launch_local
 
-__version__ = "0.1.0"
+__version__ = _version.__version__
 
 __all__ = [
     "STATS",

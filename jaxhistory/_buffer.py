@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxhistory._tree import path_name
+from jaxhistory._names import path_name
 
 __all__ = ["MetricBuffer"]
 

@@ -19,7 +19,8 @@ import numpy as np
 from jax import lax
 
 from jaxhistory import _ops
-from jaxhistory._tree import Leaf, acc_dtype, flatten_metrics, path_name
+from jaxhistory._names import path_name
+from jaxhistory._tree import Leaf, acc_dtype, flatten_metrics
 
 __all__ = [
     "all_gather",

@@ -1,18 +1,18 @@
-"""Turning what users pass to update() into named, checked values."""
+"""Dtype rules for recorded values: what a value is stored as, the int64 range of
+steps and integer metrics, and the checks that refuse what cannot be stored."""
 
 from __future__ import annotations
 
 import functools
 import math
 import numbers
-from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhistory._tree import path_name
+from jaxhistory._names import STEP_KEYS
 
 __all__ = [
     "ALL_FLOATS",
@@ -21,17 +21,11 @@ __all__ = [
     "NESTED",
     "PY_SCALARS",
     "STEP_KEYS",
-    "InFlight",
     "as_step",
     "check_ints",
-    "device_signature",
-    "flatten",
     "host_value",
-    "needs_host_copy",
     "warmup_count",
 ]
-
-STEP_KEYS = ("step", "iter")
 
 
 def warmup_count(warmup: float, n: int) -> int:
@@ -122,38 +116,6 @@ def host_value(name: str, value: Any) -> tuple[Any, np.dtype, tuple[int, ...]]:
     return arr, arr.dtype, arr.shape
 
 
-def items_of(metrics: Mapping, prefix: str = ""):
-    for key, value in metrics.items():
-        name = f"{prefix}{key}"
-        if type(value) is dict:
-            yield from items_of(value, name + "/")
-        else:
-            yield name, value
-
-
-def flatten(metrics: Any) -> list[tuple[str, Any]]:
-    """Named leaves of ``metrics``; plain nested dicts take a fast path."""
-    if isinstance(metrics, Mapping):
-        out = list(items_of(metrics))
-        if any(type(v) in CONTAINERS for _, v in out):
-            out = None
-    else:
-        out = None
-    if out is None:
-        pairs = jax.tree_util.tree_flatten_with_path(metrics)[0]
-        out = [(path_name(path), value) for path, value in pairs]
-        if any(not name for name, _ in out):
-            raise TypeError("metrics must be a dict (or other pytree) of named values")
-    if len({name for name, _ in out}) != len(out):
-        seen = set()
-        for name, _ in out:
-            if name in seen:
-                raise ValueError(f"two metrics are both named {name!r}")
-            seen.add(name)
-    return out
-
-
-CONTAINERS = (list, tuple)
 NESTED = frozenset({dict, list, tuple})
 PY_SCALARS = {float: np.dtype(np.float64), int: np.dtype(np.int64)}
 FLOAT_ONLY = frozenset({float})
@@ -208,57 +170,3 @@ def as_step(name: str, value: Any) -> int:
     if not INT64_MIN <= value <= INT64_MAX:
         raise ValueError(f"{name!r} is {value}, outside the int64 range of steps")
     return value
-
-
-def device_signature(row: tuple) -> tuple | None:
-    """(type, dtype, shape, sharding) of each value, or None unless every value is a
-    JAX array. Rows with the signature of a checked row need no checks again."""
-    try:
-        return tuple([(type(v), v.dtype, v.shape, v.sharding) for v in row])
-    except Exception:  # host values have no sharding; tracers may raise anything
-        return None
-
-
-def needs_host_copy(arrays) -> bool:
-    """Whether starting copies to the host helps: not for arrays on CPU devices."""
-    for a in arrays:
-        devices = getattr(a.sharding, "device_set", ())
-        if any(d.platform != "cpu" for d in devices):
-            return True
-    return False
-
-
-class InFlight:
-    """Bounds how many updates with device values may be unresolved at once."""
-
-    __slots__ = ("limit", "updates")
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.updates: list[list[jax.Array]] = []
-
-    def add(self, arrays: list[jax.Array], copy: bool = True) -> None:
-        """Queues one update's device arrays, starting their copies to the host
-        when ``copy`` (pointless for CPU devices, whose buffers are host memory:
-        there it only costs host time)."""
-        if copy:
-            for a in arrays:
-                try:  # noqa: SIM105 (no context manager per metric per step)
-                    a.copy_to_host_async()
-                except (AttributeError, RuntimeError):
-                    pass
-        self.updates.append(arrays)
-        if len(self.updates) > self.limit:
-            # Wait for the oldest half; their copies to the host started long ago.
-            # They leave the queue first, so a failed wait cannot jam it.
-            cut = len(self.updates) - self.limit // 2
-            oldest = [a for u in self.updates[:cut] for a in u if not _deleted(a)]
-            del self.updates[:cut]
-            # A deleted (donated) array has nothing to wait for; it is reported
-            # when its row is read.
-            jax.block_until_ready(oldest)
-
-
-def _deleted(a) -> bool:
-    is_deleted = getattr(a, "is_deleted", None)
-    return is_deleted is not None and is_deleted()

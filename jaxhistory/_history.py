@@ -3,86 +3,36 @@
 from __future__ import annotations
 
 import array
-import math
 import os
 import threading
 import time
 import warnings
 import weakref
-import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxhistory import _memory, _trace_state
-from jaxhistory._history_state import HistoryState, _append_floats
-from jaxhistory._dtypes import NESTED, STEP_KEYS, as_step, flatten
-from jaxhistory._stats import Stats, distributed_stats, stat_names
-from jaxhistory.export._env import new_run_id
-from jaxhistory.export._jsonl import JsonlStream
+from jaxhistory._distributed import Reducer, distributed_default, is_per_device
+from jaxhistory._dtypes import as_step
+from jaxhistory._env import env_flag, new_run_id
+from jaxhistory._history_state import HistoryState
+from jaxhistory._names import STEP_KEYS, flatten
+from jaxhistory._stats import Stats
+from jaxhistory._summary import SummaryLine, memory_token
+from jaxhistory._writer import Writer
+from jaxhistory.export._finalize import write_outputs
+from jaxhistory.sinks import WandbSink, is_sink, writes_here
+from jaxhistory.sinks._jsonl import JsonlSink
+from jaxhistory.sinks._wandb import wandb_run
 
-__all__ = ["COUNTER_KEYS", "DISTRIBUTED_LIMIT", "History", "distributed_default"]
+__all__ = ["History", "distributed_default", "memory_token"]
 
-COUNTER_KEYS = ("step", "epoch", "iter")
-DISTRIBUTED_LIMIT = 384  # devices; above this the per-update all-reduce is off
-_OFF_VARS = ("JAXHISTORY_NO_DISTRIBUTED_HISTORY", "JAXHISTORY_LOCAL_HISTORY")
-
-
-def _env_flag(name: str) -> bool:
-    """An on/off environment variable: 1/true/yes/on, or 0/false/no/off/empty (not
-    set); anything else is a ValueError naming the variable."""
-    raw = os.environ.get(name, "")
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={raw!r}: expected 1/true/yes or 0/false/no")
-
-
-def distributed_default() -> bool:
-    """Whether distributed history is on when not set explicitly.
-
-    Off when ``JAXHISTORY_NO_DISTRIBUTED_HISTORY`` or ``JAXHISTORY_LOCAL_HISTORY``
-    is 1/true/yes, or when there are more than 384 devices (the all-reduce per
-    update costs too much there); on otherwise.
-
-    Example:
-        >>> import jaxhistory as jh
-        >>> jh.distributed_default()  # 8 devices here, no variable set
-        True
-    """
-    if any(_env_flag(v) for v in _OFF_VARS):
-        return False
-    return jax.device_count() <= DISTRIBUTED_LIMIT
-
-
-def _is_per_device(value: Any) -> bool:
-    return (
-        isinstance(value, jax.Array)
-        and value.ndim >= 1
-        and not value.sharding.is_fully_replicated
-    )
-
-
-def _format(value: Any, precision: int, counter: bool) -> str:
-    if type(value) is float and not counter:
-        return f"{value:.{precision}f}"
-    if type(value) is int:
-        return str(value)
-    arr = np.asarray(value)
-    if arr.ndim:
-        if arr.size <= 4:
-            return "[" + ",".join(_format(v, precision, counter) for v in arr) + "]"
-        return f"{_format(arr.mean(), precision, False)}(mean of {arr.size})"
-    if counter or arr.dtype.kind in "iub":
-        if arr.dtype.kind == "f" and not math.isfinite(float(arr)):
-            return str(float(arr))
-        return str(int(arr))
-    return f"{float(arr):.{precision}f}"
+_PY_NUMBERS = frozenset({float, int})
+_FLOATS = frozenset({float})
+_NESTED = frozenset({dict, list, tuple})
 
 
 class History:
@@ -101,7 +51,9 @@ class History:
             given.
         report_enabled: whether :meth:`finalize` writes the markdown report.
         jsonl_path: stream the JSONL log here during the run (one line per update,
-            written about twice a second from a background thread). Written by
+            written from a background thread at least five times a second and
+            never more than a bounded number of updates behind; see
+            :meth:`update`). Written by
             process 0 only, unless the path holds ``{process_index}``, which gives
             each process its own file.
         jsonl_overwrite: truncate an existing JSONL log instead of appending to it
@@ -129,6 +81,10 @@ class History:
             :func:`~jaxhistory.device_memory`) at the update's step, and a
             ``memory=X.XX/Y.YYGiB`` token (current/peak) to the summary line:
             device memory where the backend reports a peak, else host RSS.
+
+    Every method may be called from any thread: updates from several threads are
+    all recorded (each thread's in its order), and ``attach``, ``flush`` and
+    ``close`` may run beside them.
 
     Example:
         >>> import jaxhistory as jh
@@ -171,9 +127,11 @@ class History:
                 f"got {memory!r}"
             )
         self.memory_every = memory  # 0: off
+        # One lock for everything below: update, attach, flush and close may run
+        # on several threads at once.
+        self._lock = threading.RLock()
         self._attached: dict[str, Any] = {}  # values waiting for the next update
         self._attached_at: list[tuple[int, dict]] = []  # ... with steps of their own
-        self._attach_lock = threading.Lock()
         self.sinks = _sinks_here(sinks, use_wandb)
         self._sinks_open = True  # False after close(): nothing more is written
         self._mem_last_step: int | None = None
@@ -193,18 +151,19 @@ class History:
         self.run_id = new_run_id(run_name)
         self.mesh = None  # the mesh of the per-device metrics, once one is seen
         self._updates = 0
-        self._multi_process = jax.process_count() > 1
-        self._stats_fn = jax.jit(distributed_stats)
+        self._reducer = Reducer()
+        self._line = SummaryLine(self.keys)
         # (step, wall time) per update, in arrays: no objects for the GC to scan
         self._stamp_steps = array.array("q")
         self._stamp_times = array.array("d")
-        self._stream: JsonlStream | None = None
-        self._stream_path = self._jsonl_target()
-        # Whether updates go to the background writer (a JSONL log or open sinks;
-        # an active trace handler is checked apart): one flag on the hot path.
-        self._writing = self._stream_path is not None or bool(self.sinks)
-        self._streamed = False  # a log was opened at _stream_path
-        self._stream_failed = False
+        self._writer: Writer | None = None  # started by the first update it needs
+        self._log: JsonlSink | None = None  # the JSONL log, one of its sinks
+        self._log_path = self._jsonl_target()
+        # Whether updates go to the writer (a JSONL log or open sinks; an active
+        # trace handler is checked apart): one flag on the hot path.
+        self._writing = self._log_path is not None or bool(self.sinks)
+        self._streamed = False  # a log was opened at _log_path
+        self._log_failed = False  # then finalize writes it again from the state
 
     def update(
         self,
@@ -233,111 +192,103 @@ class History:
             TypeError, ValueError: bad values, as for :meth:`HistoryState.update`
                 (nothing is recorded then). With distributed history, processes
                 that pass different metric names all raise ValueError.
+
+        The JSONL log and the sinks are written by one background thread, at least
+        five times a second. It is never more than a few thousand updates (and,
+        unless a sink hangs, well under a second) behind: when it cannot keep up,
+        ``update`` waits for it.
         """
         if type(precision) is not int or precision < 0:
             raise ValueError(f"precision must be a non-negative int, got {precision!r}")
         label = "step"
         if type(metrics) is dict and step is None:
-            # A step entry is the step: parse it once, and record the rest (which
-            # lets rows with a step entry take the fast path).
+            # A step entry is the step: parse it once, and record the rest.
             for key in STEP_KEYS:
                 if key in metrics:
                     label, step = key, as_step(key, metrics[key])
                     metrics = {k: v for k, v in metrics.items() if k != key}
                     break
-        new = None
-        if type(metrics) is dict:
-            if not (self._multi_process and self.distributed_history):
-                new = _append_floats(self.state, metrics, step)  # the common case
-            if new is None and self._simple(metrics):
-                # Nothing to reduce or flatten: record the dict as it is.
-                new = self.state.update(metrics, step=step)
-                if self.mesh is None and len(new.data.tables) > len(
-                    self.state.data.tables
-                ):  # a new key set: look for the mesh once
-                    self._note_mesh(metrics.values())
-        if new is None:
-            return self._update(metrics, precision, step, summarize, label)
-        step_used = new.next_step - 1 if step is None else as_step("step", step)
-        self.state = new
-        want_line = summarize and not (self._updates % self.log_every)
-        self._updates += 1
-        now = time.time()
-        self._stamp_steps.append(step_used)
-        self._stamp_times.append(now)
-        side = self.memory_every or self._attached or self._attached_at
-        fanout = self._writing or _trace_state._stack
-        if not (side or fanout or want_line):
-            return ""  # the common case: recorded, nothing else to do
-        # With an explicit step, a "step" entry (checked to agree) is not a metric.
-        items = [(n, v) for n, v in metrics.items() if n != "step"]
-        token = (
-            self._after_record(step_used, items, None, now) if (side or fanout) else ""
-        )
+        with self._lock:
+            names, row, host, step_used = self._record_dict(metrics, step)
+            if names is None:  # nested, a pytree, or values to reduce
+                items = flatten(metrics)
+                if step is None:
+                    for key in STEP_KEYS:
+                        found = [v for n, v in items if n == key]
+                        if found:
+                            label, step = key, as_step(key, found[0])
+                            items = [(n, v) for n, v in items if n != key]
+                            break
+                names, row, step_used = self._record_items(items, step)
+            want_line = summarize and not (self._updates % self.log_every)
+            self._updates += 1
+            now = time.time()
+            self._stamp_steps.append(step_used)
+            self._stamp_times.append(now)
+            token, side = "", ()
+            if self.memory_every or self._attached or self._attached_at:
+                token, side = self._side_values(step_used)
+            if self._writing or _trace_state._stack:
+                self._emit(step_used, now, names, row, side, host)
         if not want_line:
             return ""
-        order = [n for n, _ in items]
-        line = self._line(order, items, (), None, (label, step_used), precision)
+        line = self._line.format(label, step_used, names, row, precision, host)
         return f"{line} {token}" if token else line
 
-    def _after_record(self, step: int, plain, aggregated, now: float) -> str:
-        """After an update is recorded: memory metrics and attached values (both
-        recorded locally, at ``step``), then the line for the log, the sinks and
-        an active trace handler. Returns the memory summary token, if any."""
-        token, side = self._memory(step) if self.memory_every else ("", ())
-        earlier = ()
-        if self._attached or self._attached_at:
-            now_items, earlier = self._record_attached(step)
-            side = (*side, *now_items)
-        if self._writing or _trace_state._stack:
-            for at, items in earlier:  # attached with a step of their own
-                self._emit(at, items)
-            self._emit(step, [*plain, *side], aggregated, now)
-        return token
-
-    def _simple(self, metrics: dict) -> bool:
-        """A flat dict whose values need no cross-device or cross-process reduction."""
+    def _record_dict(self, metrics: Any, step: int | None):
+        """Records a flat dict that needs no reduction as it is (the common case).
+        Returns (its names, their values, whether every value is a Python
+        number, the step), or Nones where this does not apply."""
+        if type(metrics) is not dict:
+            return None, None, False, None
         types = set(map(type, metrics.values()))
-        if NESTED.intersection(types):
-            return False
-        if not self.distributed_history:
-            return True
-        if self._multi_process:
-            return False  # host values are reduced across processes
-        return not any(issubclass(t, jax.Array) for t in types) or not any(
-            _is_per_device(v) for v in metrics.values()
-        )
-
-    def _update(self, metrics, precision, step, summarize, label="step") -> str:
-        items = flatten(metrics)
-        counters = {n: v for n, v in items if n in COUNTER_KEYS}
+        host = 2 if types == _FLOATS else 1 if types <= _PY_NUMBERS else 0
+        if not host:
+            if _NESTED.intersection(types) or Stats in types:
+                return None, None, False, None
+            if self.distributed_history and (
+                self._reducer.multi_process
+                or any(is_per_device(v) for v in metrics.values())
+            ):
+                return None, None, False, None
+        elif self.distributed_history and self._reducer.multi_process:
+            return None, None, False, None  # host scalars are reduced across processes
+        new = self.state.update(metrics, step=step)
+        if not host and self.mesh is None:
+            self._note_mesh(metrics.values())
+        self.state = new
         if step is None:
-            for key in STEP_KEYS:
-                if key in counters:
-                    step, label = as_step(key, counters[key]), key
-                    items = [(n, v) for n, v in items if n != key]
-                    break
-        plain, reduce = self._split(items)
-        state = self.state
-        state = state.update(dict(plain), step=step)
-        step_used = state.next_step - 1 if step is None else as_step("step", step)
-        names: tuple[str, ...] = ()
+            step_used = new.next_step - 1
+        else:
+            step_used = step if type(step) is int else as_step("step", step)
+            if "step" in metrics:  # checked to agree with step: not a metric
+                metrics = {k: v for k, v in metrics.items() if k != "step"}
+        return tuple(metrics), tuple(metrics.values()), host, step_used
+
+    def _record_items(self, items: list[tuple[str, Any]], step: int | None):
+        """Records flattened items, reducing across devices (and processes) what
+        needs it, as one :class:`~jaxhistory.Stats` named ``{name}/{stat}``.
+        Returns the recorded items and the step."""
+        plain, reduce = (
+            self._reducer.split(items) if self.distributed_history else (items, [])
+        )
+        record = dict(plain)
         if reduce:
-            names, packed = self._reduce(reduce)
-            state = state.update_packed(names, packed, step=step_used)
-        self.state = state
-        self._updates += 1
-        now = time.time()
-        self._stamp_steps.append(step_used)
-        self._stamp_times.append(now)
-        aggregated = (names, packed) if reduce else None
-        token = self._after_record(step_used, plain, aggregated, now)
-        if not summarize or (self._updates - 1) % self.log_every:
-            return ""
-        order = [n for n, _ in items]
-        packed = packed if reduce else None
-        line = self._line(order, plain, names, packed, (label, step_used), precision)
-        return f"{line} {token}" if token else line
+            stats, mesh = self._reducer.reduce(reduce)
+            if mesh is not None and self.mesh is None:
+                self.mesh = mesh
+            # Where the first reduced value was, so the summary keeps the order.
+            first = next(i for i, (n, _) in enumerate(items) if n == reduce[0][0])
+            kept = [(n, v) for n, v in items[:first] if n in record]
+            record = {**dict(kept), "": stats, **record}
+        new = self.state.update(record, step=step)
+        if self.mesh is None:
+            self._note_mesh(record.values())
+        self.state = new
+        step_used = new.next_step - 1 if step is None else as_step("step", step)
+        if step is not None:
+            record.pop("step", None)  # checked to agree with step: not a metric
+        return tuple(record), tuple(record.values()), step_used
 
     def attach(self, metrics: Any, step: int | None = None) -> None:
         """Records host values of this process alone, never reduced across devices
@@ -366,18 +317,30 @@ class History:
         items = dict(flatten(metrics))
         if step is not None:
             step = as_step("step", step)
-        with self._attach_lock:
+        with self._lock:
             if step is None:
                 self._attached.update(items)
             elif items:
                 self._attached_at.append((step, items))
 
+    def _side_values(self, step: int) -> tuple[str, tuple]:
+        """Memory metrics and attached values, recorded locally at ``step`` (or at
+        their own steps, emitted apart). Returns the memory token and the
+        (name, value) pairs that join this update's log line."""
+        token, side = self._memory(step) if self.memory_every else ("", ())
+        if self._attached or self._attached_at:
+            now_items, earlier = self._record_attached(step)
+            side = (*side, *now_items)
+            if self._writing or _trace_state._stack:
+                for at, pairs in earlier:  # attached with a step of their own
+                    self._emit(at, time.time(), (), (), pairs)
+        return token, side
+
     def _record_attached(self, step: int) -> tuple[tuple, list]:
         """Records the attached values: those without a step at ``step``, the
         others at theirs. Returns (pairs recorded at ``step``, [(step, pairs)])."""
-        with self._attach_lock:
-            waiting, self._attached = self._attached, {}
-            at, self._attached_at = self._attached_at, []
+        waiting, self._attached = self._attached, {}
+        at, self._attached_at = self._attached_at, []
         now_items: tuple = ()
         if waiting and self._record_local(waiting, step):
             now_items = tuple(waiting.items())
@@ -401,29 +364,27 @@ class History:
         """Values still attached (at flush: only those with a step of their own):
         those without a step at the latest step (no new step where the other
         metrics would be NaN), or at the next one where one of them already has
-        a record there."""
+        a record there. The caller holds the lock."""
         if not (self._attached or self._attached_at):
             return
+        held: dict[str, Any] = {}
+        if with_step_only:
+            held, self._attached = self._attached, {}
         state = self.state
         step = max(state.next_step - 1, 0)
-        with self._attach_lock:
-            names = list(self._attached)
-            if with_step_only:
-                held, self._attached = self._attached, {}
-        for name in names:
+        for name in self._attached:
             last = state.last_step(name) if name in state else None
             if last is not None and last >= step:
                 step = state.next_step
                 break
         now_items, earlier = self._record_attached(step)
-        if with_step_only:
-            with self._attach_lock:
-                self._attached = {**held, **self._attached}
+        self._attached = held
         if self._writing or _trace_state._stack:
-            for at, items in earlier:
-                self._emit(at, items)
+            now = time.time()
+            for at, pairs in earlier:
+                self._emit(at, now, (), (), pairs)
             if now_items:
-                self._emit(step, list(now_items))
+                self._emit(step, now, (), (), now_items)
 
     def _memory(self, step: int) -> tuple[str, tuple]:
         """Records ``mem/*`` at ``step`` every ``memory_every`` updates; returns the
@@ -473,29 +434,46 @@ class History:
                 self.mesh = mesh
                 return
 
-    def _emit(self, step: int, plain, aggregated=None, timestamp=None) -> None:
-        if self._stream is None:
+    def _emit(self, step, now, names, row, side=(), host=0) -> None:
+        """Queues one log line for the writer (the caller holds the lock):
+        ``names`` and ``row`` as recorded (Stats among them are written as
+        aggregated values), then the (name, value) pairs of ``side``. ``host``:
+        every value is a Python number."""
+        if self._writer is None:
+            self._start_writer()
+        stats: tuple = ()
+        if not host and Stats in set(map(type, row)):
+            pairs = list(zip(names, row, strict=True))
+            stats = tuple(
+                (f"{n}/" if n else "", v) for n, v in pairs if type(v) is Stats
+            )
+            names = tuple(n for n, v in pairs if type(v) is not Stats)
+            row = tuple(v for _, v in pairs if type(v) is not Stats)
+        if side:
+            names = (*names, *(n for n, _ in side))
+            row = (*row, *(v for _, v in side))
+            host = 0
+        self._writer.add(step, now, names, row, stats, host)
+
+    def _start_writer(self) -> None:
+        if self._log_path is not None and self._log is None:
             try:
-                self._stream = JsonlStream(
-                    self._stream_path, self.jsonl_overwrite, sinks=self._live_sinks()
-                )
+                self._log = JsonlSink(self._log_path, overwrite=self.jsonl_overwrite)
+                self._streamed = True
             except OSError as err:  # the step is recorded; only the log stops
                 warnings.warn(
-                    f"cannot write the JSONL log {self._stream_path} ({err}); "
+                    f"cannot write the JSONL log {self._log_path} ({err}); "
                     "finalize will write it from the history instead",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=5,
                 )
-                self._stream_path = None
-                self._stream_failed = True
+                self._log_path = None
+                self._log_failed = True
                 self._writing = bool(self._live_sinks())
-                self._stream = JsonlStream(None, sinks=self._live_sinks())
-            self._streamed = self._stream_path is not None
-            # Closes the log (writing what is queued) when this History goes.
-            weakref.finalize(self, self._stream.close)
-        self._stream.add(step, plain, aggregated, timestamp)
-        if self._stream.error is not None:
-            self._stream_failed = True
+        sinks = [s for s in (self._log, *self._live_sinks()) if s is not None]
+        self._writer = Writer(sinks)
+        # Writes what is queued when this History goes (or at exit).
+        weakref.finalize(self, self._writer.close)
 
     def _live_sinks(self) -> tuple:
         return self.sinks if self._sinks_open else ()
@@ -503,9 +481,11 @@ class History:
     def flush(self) -> None:
         """Writes the queued JSONL lines and sink records now (waiting for their
         device values), then flushes the sinks."""
-        self._record_leftover(with_step_only=True)
-        if self._stream is not None:
-            self._stream.flush()
+        with self._lock:
+            self._record_leftover(with_step_only=True)
+            writer = self._writer
+        if writer is not None:
+            writer.flush()
         for sink in self._live_sinks():
             sink.flush()
 
@@ -514,17 +494,23 @@ class History:
         the log and closes the sinks (nothing more is written to them; a W&B
         sink still logs the outputs at :meth:`finalize`). Recording may go on (a
         later update reopens the log in append mode)."""
-        self._record_leftover()
-        if self._stream is not None:
-            self._stream.close()
-            self._stream_failed |= self._stream.error is not None
-            self._stream = None
-            self.jsonl_overwrite = False
-        if self._sinks_open:
-            for sink in self.sinks:
-                sink.close()
-            self._sinks_open = False
-        self._writing = self._stream_path is not None
+        with self._lock:
+            self._record_leftover()
+            if self._writer is not None:
+                self._writer.close()
+                if self._writer.dropped:
+                    self._log_failed = True
+                self._writer = None
+            if self._log is not None:
+                self._log.close()
+                self._log_failed |= self._log.error is not None
+                self._log = None
+                self.jsonl_overwrite = False
+            if self._sinks_open:
+                for sink in self.sinks:
+                    sink.close()
+                self._sinks_open = False
+            self._writing = self._log_path is not None
 
     def finalize(
         self,
@@ -541,24 +527,30 @@ class History:
         multi-process run only process 0 writes; every process returns the
         dataset. ``outdir`` defaults to ``report_dir``.
         """
-        from jaxhistory.export._finalize import finalize
-
         if outdir is None:
             if self.report_dir is None:
                 raise ValueError("finalize needs an outdir (or a History report_dir)")
             outdir = self.report_dir
-        began = time.time() - 0.05  # file times are a little coarser
-        self._record_leftover()
         self.flush()
-        if self._stream is not None and self._stream.error is not None:
-            self._stream_failed = True
-        # The streamed log stays where it is (also after close()); one whose
-        # writing failed is written again from the state.
-        streamed = self._stream_path if self._streamed else None
-        if self._stream_failed:
-            streamed = None
-        ds = finalize(
-            self.state,
+        with self._lock:
+            self._record_leftover()
+            writer = self._writer
+        if writer is not None:
+            writer.flush()
+        with self._lock:
+            state = self.state
+            if self._log is not None and self._log.error is not None:
+                self._log_failed = True
+            if writer is not None and writer.dropped:
+                self._log_failed = True
+            # The streamed log stays where it is (also after close()); one whose
+            # writing failed is written again from the state.
+            streamed = self._log_path if self._streamed else None
+            if self._log_failed:
+                streamed = None
+            stamps = None if streamed else self._timestamps()
+        ds, files = write_outputs(
+            state,
             outdir,
             run_id=self.run_id,
             run_name=run_name,
@@ -568,111 +560,20 @@ class History:
             save=save,
             report=self.report_enabled,
             jsonl=streamed,
-            timestamps=None if streamed else self._timestamps(),
+            timestamps=stamps,
             mesh=self.mesh,
         )
+        images = [p for p in files if p.suffix == ".png"]
         for sink in self.sinks:  # e.g. W&B: the history table and the plots
             log_outputs = getattr(sink, "log_outputs", None)
             if log_outputs is not None:
-                # The PNGs this finalize wrote (not those of an earlier one).
-                mplot = Path(outdir) / "plots" / "mplot"
-                images = [
-                    p for p in sorted(mplot.glob("*.png")) if p.stat().st_mtime >= began
-                ]
-                log_outputs(self.state, images if plot else [])
+                log_outputs(state, images)
         return ds
-
-    # ----- distributed history -------------------------------------------------
-    def _split(self, items: list[tuple[str, Any]]):
-        """(recorded as they are, reduced across devices/processes)."""
-        if not self.distributed_history:
-            return items, []
-        multi = jax.process_count() > 1
-        plain, reduce = [], []
-        for name, value in items:
-            if name in COUNTER_KEYS:
-                plain.append((name, value))
-            elif _is_per_device(value) or (
-                multi and not isinstance(value, jax.Array) and np.ndim(value) == 0
-            ):
-                reduce.append((name, value))
-            else:
-                plain.append((name, value))
-        return plain, reduce
-
-    def _reduce(self, items: list[tuple[str, Any]]) -> tuple[tuple[str, ...], Any]:
-        names = [n for n, _ in items]
-        if jax.process_count() > 1:
-            self._check_same_names(names)
-        meshes = [v.sharding.mesh for _, v in items if isinstance(v, jax.Array)]
-        mesh = meshes[0] if meshes else jax.sharding.Mesh(jax.devices(), ("devices",))
-        if meshes and self.mesh is None:
-            self.mesh = mesh
-        metrics = {}
-        for name, value in items:
-            if isinstance(value, jax.Array):
-                metrics[name] = value
-            else:
-                metrics[name] = _per_process_array(name, value, mesh)
-        stats = self._stats_fn(metrics)
-        # Stat-major, the order of the (4, K) table: a/mean, b/mean, ..., a/max, ...
-        return stat_names(stats.names), stats.table
-
-    @staticmethod
-    def _check_same_names(names: list[str]) -> None:
-        from jax.experimental import multihost_utils
-
-        digest = zlib.crc32("\0".join(sorted(names)).encode())
-        everyone = np.asarray(
-            multihost_utils.process_allgather(np.array([digest, len(names)], np.int64))
-        ).reshape(-1, 2)
-        if len(set(map(tuple, everyone.tolist()))) > 1:
-            raise ValueError(
-                f"processes passed different metrics to History.update (process "
-                f"{jax.process_index()} has {sorted(names)}); every process must "
-                "record the same names for distributed history"
-            )
-
-    # ----- summary line ----------------------------------------------------------
-    def _line(self, order, plain, names, packed, step, precision) -> str:
-        values = dict(plain)
-        host_packed = None
-        if packed is not None:
-            host_packed = np.asarray(jax.device_get(packed))
-        device = {k: v for k, v in values.items() if isinstance(v, jax.Array | Stats)}
-        if device:
-            values.update(jax.device_get(device))
-        parts = {}
-        parts[step[0]] = str(step[1])
-        by_name = {}
-        if host_packed is not None:
-            by_name = dict(zip(names, host_packed.ravel().tolist(), strict=True))
-        for name in order:
-            if isinstance(values.get(name), Stats):  # statistics from the step
-                stats = values[name]
-                for metric in stats.names:
-                    key = f"{name}/{metric}" if metric else name
-                    mean = float(stats[f"{metric}/mean" if metric else "mean"])
-                    std = float(stats[f"{metric}/std" if metric else "std"])
-                    parts[key] = f"{mean:.{precision}f}(±{std:.{precision}f})"
-            elif name in values:
-                parts[name] = _format(values[name], precision, name in COUNTER_KEYS)
-            elif f"{name}/mean" in by_name:
-                mean, std = by_name[f"{name}/mean"], by_name[f"{name}/std"]
-                parts[name] = f"{mean:.{precision}f}(±{std:.{precision}f})"
-        first = [k for k in ("step", "epoch", "iter") if k in parts]
-        first += [k for k in self.keys if k in parts and k not in first]
-        return " ".join(
-            f"{k}={parts[k]}" for k in [*first, *(k for k in parts if k not in first)]
-        )
 
 
 def _sinks_here(sinks: Sequence[Any], use_wandb: bool | None) -> tuple:
     """The sinks this process writes to (process 0 only, unless a sink says
     ``all_processes``), with a W&B sink added when ``use_wandb`` asks for one."""
-    from jaxhistory.sinks import WandbSink, is_sink, writes_here
-    from jaxhistory.sinks._wandb import wandb_run
-
     if isinstance(sinks, str) or not isinstance(sinks, Sequence):
         raise TypeError(f"sinks must be a sequence of sinks, got {sinks!r}")
     for sink in sinks:
@@ -685,39 +586,8 @@ def _sinks_here(sinks: Sequence[Any], use_wandb: bool | None) -> tuple:
     out = list(sinks)
     first = jax.process_index() == 0
     wanted = use_wandb is True or (
-        use_wandb is None
-        and wandb_run() is not None
-        and not _env_flag("WANDB_DISABLED")
+        use_wandb is None and wandb_run() is not None and not env_flag("WANDB_DISABLED")
     )
     if wanted and first and not any(isinstance(s, WandbSink) for s in out):
         out.append(WandbSink())  # on process 0, where the run is
     return tuple(s for s in out if writes_here(s))
-
-
-def memory_token(sample: _memory.MemorySample, rss: int, rss_peak: int = 0) -> str:
-    """``memory=X.XX/Y.YYGiB``: device memory in use and its peak where the backend
-    reports a peak, else host RSS and its peak over the updates so far."""
-    if sample.peak is not None:
-        now, peak = sample.in_use, sample.peak
-    else:
-        now, peak = rss, max(rss, rss_peak)
-    return f"memory={now / 2**30:.2f}/{peak / 2**30:.2f}GiB"
-
-
-def _per_process_array(name: str, value: Any, mesh: jax.sharding.Mesh) -> jax.Array:
-    """A global array over ``mesh`` holding this process's scalar on its devices.
-
-    Each process fills the entries of its own devices with its value, so with the
-    same number of devices per process, statistics over the array are statistics
-    over processes. Sharing the per-device metrics' mesh keeps one fused call.
-    """
-    arr = np.asarray(value)
-    if arr.dtype.kind not in "biuf":
-        raise TypeError(f"metric {name!r} is not numeric ({type(value).__name__})")
-    sharding = jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names))
-    )
-    local = np.float32(arr)
-    return jax.make_array_from_callback(
-        (mesh.size,), sharding, lambda index: np.full(mesh.size, local)[index]
-    )

@@ -5,13 +5,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from jaxhistory._table import STAGE, Table, Tables
+from jaxhistory import _codec, _xarray
 from jaxhistory._dtypes import (
     ALL_FLOATS,
     FLOAT_ONLY,
@@ -19,17 +22,22 @@ from jaxhistory._dtypes import (
     NESTED,
     PY_SCALARS,
     STEP_KEYS,
-    InFlight,
     as_step,
     check_ints,
-    device_signature,
     device_storage_dtype,
-    flatten,
     host_value,
-    needs_host_copy,
     warmup_count,
 )
-from jaxhistory._stats import Stats, stat_names
+from jaxhistory._names import flatten, stat_names
+from jaxhistory._stats import Stats
+from jaxhistory._table import (
+    STAGE,
+    InFlight,
+    Table,
+    Tables,
+    device_signature,
+    needs_host_copy,
+)
 
 __all__ = ["STEP_KEYS", "HistoryState", "warmup_count"]
 # Updates whose device values may still be in flight; past this many the oldest are
@@ -61,8 +69,18 @@ class HistoryState:
     see their own prefix of it (an old state that is updated again copies its rows
     once). Metrics recorded together share one step array.
 
-    A JAX pytree whose leaves are step and value arrays (``next_step`` and
-    ``attrs`` are static), so it can be saved and restored with a train state.
+    Safe to share between threads: a state never sees rows recorded after it, and
+    two branches (or two threads extending one state) never see each other's rows.
+
+    A JAX pytree whose leaves are each table's step and value arrays and
+    ``next_step`` (``attrs`` and the metric names are its static structure, so the
+    structure stays the same while the same metrics are recorded). Flattening
+    never waits for the device: rows whose device values are not computed yet
+    flatten to :class:`~jaxhistory._table.PendingColumn` leaves that read them
+    when converted with ``np.asarray``. Good for ``jax.device_get(state)`` (all
+    leaves as NumPy arrays), ``jax.tree.map`` over a state or two states of one
+    run, ``jax.tree.unflatten`` back into a state, and checkpointing beside a
+    train state (orbax ``StandardSave`` of ``jax.device_get(state)``).
 
     Example:
         >>> import jaxhistory as jh
@@ -77,13 +95,20 @@ class HistoryState:
     """
 
     data: Tables = dataclasses.field(default_factory=Tables)
-    next_step: int = dataclasses.field(default=0, metadata={"static": True})
+    next_step: int = 0
     attrs: tuple[tuple[str, Any], ...] = dataclasses.field(
         default=(), metadata={"static": True}
     )
 
     def __post_init__(self):
         object.__setattr__(self, "_inflight", InFlight(MAX_INFLIGHT))
+        step = self.next_step
+        if type(step) is not int and np.ndim(step) == 0:
+            try:  # a leaf brought back as a NumPy integer (tree_unflatten)
+                if np.asarray(step).dtype.kind in "iu":
+                    object.__setattr__(self, "next_step", int(step))
+            except Exception:  # a tracer or a placeholder: kept as it is
+                pass
 
     def _derive(self, tables: dict, next_step: int, attrs=None) -> HistoryState:
         data = _new_tables()
@@ -265,9 +290,6 @@ class HistoryState:
             table, n = entry
             if types is None or int in types:
                 check_ints(keys, row, table.dtypes)
-            if table.length != n:
-                table = table.prefix(n)
-                table.ptypes = ptypes
         else:
             dsig = None if entry is None else entry[0].dsig
             if (
@@ -279,10 +301,6 @@ class HistoryState:
                 # types, dtypes, shapes and shardings as a row that passed the
                 # checks, at a step past everything recorded.
                 table, n = entry
-                if table.length != n:  # a branch
-                    copy = table.async_copy
-                    table = table.prefix(n)
-                    table.dsig, table.async_copy = dsig, copy
                 self._inflight.add(row, table.async_copy)
                 on_device = True
             else:
@@ -290,16 +308,11 @@ class HistoryState:
                 if on_device:
                     arrays = [v for v in row if isinstance(v, jax.Array)]
                     self._inflight.add(arrays, table.async_copy)
-            table.append(step, row, on_device)
+            table = _append(table, n, step, row, on_device)
             new = tables.copy()
             new[keys] = (table, n + 1)
             return self._derive(new, max(self.next_step, step + 1))
-        table.rows.append(row)  # Table.append, inlined on the hot path
-        table.row_steps.append(step)
-        table.last_step = step
-        table.length += 1
-        if len(table.rows) >= STAGE:
-            table.flush()
+        table = _append(table, n, step, row)
         new = tables.copy()
         new[keys] = (table, n + 1)
         return self._derive(new, step + 1)
@@ -463,9 +476,9 @@ class HistoryState:
             if not n:
                 table.async_copy = needs_host_copy([vector])
             self._inflight.add([vector], table.async_copy)
-            table.append(step, vector, True)
+            table = _append(table, n, step, vector, True)
         else:
-            table.append(step, tuple(np.ravel(vector.astype(dtype))))
+            table = _append(table, n, step, tuple(np.ravel(vector.astype(dtype))))
         new = self.data.tables.copy()
         new[names] = (table, n + 1)
         return self._derive(new, max(self.next_step, step + 1))
@@ -503,7 +516,10 @@ class HistoryState:
             shapes.append(shape[1:])
         self._check_append(keys, shapes, int(steps[0]))
         table, n = self._writable(keys, tuple(dtypes), tuple(shapes), len(steps))
-        table.extend(steps, columns)
+        with table.lock:
+            if table.length != n:  # a branch, or another thread got there first
+                table = table.prefix_locked(n)
+            table.extend(steps, columns)
         new = self.data.tables.copy()
         new[keys] = (table, n + len(steps))
         return self._derive(new, max(self.next_step, int(steps[-1]) + 1))
@@ -605,37 +621,107 @@ class HistoryState:
         return int(steps[k])
 
     def to_xarray(self, warmup: float = 0):
-        """The history as an ``xarray.Dataset`` (see :mod:`jaxhistory._xarray`)."""
-        from jaxhistory._xarray import to_xarray
+        """The history as an ``xarray.Dataset`` (layout: :mod:`jaxhistory._xarray`).
 
-        return to_xarray(self, warmup)
+        ``warmup`` (a fraction below 1 or a number of steps) drops the first
+        steps.
+        """
+        first = self._first_kept_step(warmup)
+        steps = self.all_steps()
+        steps = steps[steps >= first]
+        columns = []
+        for name in self.keys:
+            col_steps, values = self._records(name)
+            keep = col_steps >= first
+            dtype, shape = self._meta(name)
+            columns.append((name, col_steps[keep], values[keep], dtype, shape))
+        return _xarray.to_dataset(columns, steps, dict(self.attrs), self.next_step)
 
     @classmethod
     def from_xarray(cls, ds) -> HistoryState:
         """Rebuilds a state from :meth:`to_xarray`'s output, exactly."""
-        from jaxhistory._xarray import from_xarray
-
-        return from_xarray(ds)
+        columns, next_step, attrs = _xarray.from_dataset(ds)
+        return cls._from_columns(columns, next_step, attrs)
 
     @classmethod
     def from_netcdf(cls, path) -> HistoryState:
         """The state saved in a dataset file by :func:`jaxhistory.export.to_netcdf`."""
-        from jaxhistory.export._netcdf import from_netcdf
-
-        return from_netcdf(path)
+        ds = _xarray.read_netcdf(path)
+        for name in ds.data_vars:
+            ds[name].attrs.pop("long_name", None)
+        return cls.from_xarray(ds)
 
     @classmethod
-    def from_jsonl(cls, path) -> HistoryState:
-        """The state in a JSONL log (see :func:`jaxhistory.export.from_jsonl`)."""
-        from jaxhistory.export._jsonl import from_jsonl
+    def from_jsonl(cls, path: str | os.PathLike) -> HistoryState:
+        """The history in a JSONL log written by History or
+        :func:`jaxhistory.export.to_jsonl`.
 
-        return from_jsonl(path)
+        Lines that are not complete JSON records (the last line of a killed run,
+        or one cut off before a resumed run appended) are skipped with a warning;
+        every other record is kept. Where several lines record a metric at the
+        same step (a run resumed from an earlier checkpoint), the later line wins.
+        Integers come back as int64, other numbers as float64.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no JSONL log at {path}")
+        raw, bad = _codec.read_columns(path)
+        if bad:
+            shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
+            warnings.warn(
+                f"{path}: skipped {len(bad)} incomplete line(s) (line {shown})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        columns = {}
+        for name, (steps, values) in raw.items():
+            steps_arr = np.asarray(steps, np.int64)
+            try:
+                arr = np.asarray(values)
+            except ValueError:
+                raise ValueError(f"{path}: metric {name!r} changes shape") from None
+            if arr.dtype.kind not in "biuf":
+                raise ValueError(f"{path}: metric {name!r} has non-numeric values")
+            if arr.dtype.kind == "f":
+                arr = arr.astype(np.float64)
+            order = np.argsort(steps_arr, kind="stable")
+            steps_arr, arr = steps_arr[order], arr[order]
+            keep = np.ones(len(steps_arr), bool)
+            keep[:-1] = steps_arr[1:] != steps_arr[:-1]  # the later line wins
+            columns[name] = (steps_arr[keep], arr[keep])
+        next_step = max((int(s[-1]) + 1 for s, _ in columns.values()), default=0)
+        return cls._from_columns(columns, next_step)
+
+    @classmethod
+    def _from_columns(
+        cls, columns: dict[str, tuple], next_step: int, attrs: dict | None = None
+    ) -> HistoryState:
+        """A state of one table per metric from ``{name: (steps, values)}``."""
+        tables = {
+            (name,): (Table.from_arrays((name,), steps, [values]), len(steps))
+            for name, (steps, values) in columns.items()
+        }
+        state = cls(data=Tables(tables), next_step=next_step)
+        return state.with_attrs(**attrs) if attrs else state
 
     def __repr__(self) -> str:
         return f"HistoryState({len(self)} metrics, next_step={self.next_step})"
 
 
-# Bound once: _derive runs on every update.
+def _append(table: Table, n: int, step: int, row: Any, on_device: bool = False):
+    """Appends ``row`` after the first ``n`` rows of ``table``; returns the table
+    appended to: ``table`` itself when no state has rows past ``n`` in it, else a
+    new table holding a copy of the ``n`` rows (a branch)."""
+    with table.lock:
+        if table.length == n:
+            table.append(step, row, on_device)
+            return table
+        new = table.prefix_locked(n)
+    new.ptypes, new.dsig, new.async_copy = table.ptypes, table.dsig, table.async_copy
+    new.append(step, row, on_device)
+    return new
+
+
 def _append_floats(state: HistoryState, metrics: dict, step: Any) -> Any:
     """The fast path of update, or None where it does not apply.
 
@@ -663,15 +749,19 @@ def _append_floats(state: HistoryState, metrics: dict, step: Any) -> Any:
     except Exception:  # strings, nested dicts, ints too large for a float
         return None
     table, n = entry
-    if table.length != n:  # an older state, updated again: a branch
-        table = table.prefix(n)
-        table.ptypes = ALL_FLOATS
-    table.rows.append(row)  # Table.append, inlined
-    table.row_steps.append(step)
-    table.last_step = step
-    table.length += 1
-    if len(table.rows) >= STAGE:
-        table.flush()
+    with table.lock:
+        if table.length == n:  # this state owns the table's end: append in place
+            table.rows.append(row)  # Table.append, inlined
+            table.row_steps.append(step)
+            table.last_step = step
+            table.length = n + 1
+            if len(table.rows) >= STAGE:
+                table.move_stage()
+            appended = True
+        else:
+            appended = False
+    if not appended:  # an older state updated again, or another thread first
+        table = _append(table, n, step, row)
     tables = tables.copy()
     tables[keys] = (table, n + 1)
     return state._derive(tables, step + 1)

@@ -12,6 +12,10 @@ from typing import Any
 
 import jax
 import numpy as np
+import orjson
+
+from jaxhistory._files import atomic_write
+from jaxhistory._history_state import HistoryState
 
 __all__ = ["log_metrics", "metrics_format", "save_metrics", "save_state"]
 
@@ -146,8 +150,6 @@ def _json_value(key: str, value: Any) -> Any:
 
 
 def _dumps(obj: Any) -> bytes:
-    import orjson
-
     return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
 
 
@@ -161,8 +163,6 @@ def _check_split(split: str) -> None:
 
 
 def _read_results(path: Path) -> dict[str, Any]:
-    import orjson
-
     raw = path.read_bytes()
     try:
         data = orjson.loads(raw)
@@ -208,8 +208,6 @@ def save_metrics(
         >>> [p.name for p in jh.save_metrics("eval", {"eval_loss": 0.25}, out)]
         ['eval_results.json', 'all_results.json']
     """
-    from jaxhistory.export._netcdf import atomic_write
-
     _check_split(split)
     if not isinstance(metrics, Mapping):
         raise TypeError(f"metrics must be a mapping, got {type(metrics).__name__}")
@@ -246,11 +244,6 @@ def save_state(history: Any, output_dir: str | os.PathLike) -> Path | None:
         >>> json.loads(path.read_text())["metrics"]["loss"]["values"]
         [0.5, 0.25]
     """
-    import orjson
-
-    from jaxhistory._history_state import HistoryState
-    from jaxhistory.export._netcdf import atomic_write
-
     state = getattr(history, "state", history)
     if not isinstance(state, HistoryState):
         raise TypeError(

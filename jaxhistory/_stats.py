@@ -16,7 +16,6 @@ exactly, where the textbook ``E[x^2] - E[x]^2`` gives 2.83.
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -28,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from jaxhistory._collective import AxisName, bound_axis_size, check_axis_name
+from jaxhistory._names import STATS
 from jaxhistory._tree import Leaf, acc_dtype, flatten_metrics
 
 __all__ = [
@@ -37,8 +37,6 @@ __all__ = [
     "distributed_stats_collective",
     "per_shard",
 ]
-
-STATS = ("mean", "max", "min", "std")
 
 
 def _check_nonempty(leaves: list[Leaf]) -> None:
@@ -85,17 +83,6 @@ def _finish(c: jax.Array, ext: jax.Array, sums: jax.Array, counts: Any) -> jax.A
             jnp.where(has_nan, jnp.nan, mn),
             jnp.sqrt(var),
         ]
-    )
-
-
-@functools.lru_cache(maxsize=512)
-def stat_names(names: tuple[str, ...], prefix: str = "") -> tuple[str, ...]:
-    """``{prefix}{name}/{stat}`` for each cell of a ``(4, K)`` statistics table, in
-    C order (all means, then all maxes, ...); an empty name gives
-    ``{prefix}{stat}``. Cached: History and the JSONL log ask for the same names
-    every step."""
-    return tuple(
-        f"{prefix}{n}/{s}" if n else f"{prefix}{s}" for s in STATS for n in names
     )
 
 

@@ -11,17 +11,32 @@ grown past it, first copies its ``n`` rows into a new table, so every state keep
 exactly the rows it had. Device values are staged as they are (their copy to the
 host already started, except on CPU devices, whose buffers are host memory) and
 read when the stage is moved into the arrays.
+
+Every table has a lock: appending, moving the stage and reading past the moved
+rows hold it, so states on different threads (or branches of one state) never see
+each other's rows and never lose one. Only the state whose row count equals the
+table's length may append in place, and it checks that under the lock.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import warnings
+from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["STAGE", "Table", "Tables"]
+__all__ = [
+    "STAGE",
+    "InFlight",
+    "PendingColumn",
+    "Table",
+    "Tables",
+    "device_signature",
+    "needs_host_copy",
+]
 
 STAGE = 256  # rows staged before a bulk move into NumPy
 _MIN_CAPACITY = 64
@@ -57,6 +72,7 @@ class Table:
         "keys",
         "last_step",
         "length",
+        "lock",
         "ptypes",
         "row_steps",
         "rows",
@@ -74,6 +90,7 @@ class Table:
         capacity: int = 0,
     ):
         cap = max(capacity, _MIN_CAPACITY)
+        self.lock = threading.Lock()
         self.keys = keys
         self.dtypes = tuple(np.dtype(d) for d in dtypes)
         self.shapes = shapes
@@ -99,6 +116,7 @@ class Table:
         cls, keys: tuple[str, ...], steps: np.ndarray, values: list[np.ndarray]
     ) -> Table:
         table = cls.__new__(cls)
+        table.lock = threading.Lock()
         table.keys = keys
         table.dtypes = tuple(v.dtype for v in values)
         table.shapes = tuple(v.shape[1:] for v in values)
@@ -113,6 +131,8 @@ class Table:
         return table
 
     def append(self, step: int, row: tuple, on_device: bool = False) -> None:
+        """Stages one row (the caller holds :attr:`lock` and owns the table's end:
+        its state sees all ``length`` rows)."""
         if on_device:
             self.device_rows.append(len(self.rows))
         self.rows.append(row)
@@ -120,11 +140,12 @@ class Table:
         self.last_step = step
         self.length += 1
         if len(self.rows) >= STAGE:
-            self.flush()
+            self.move_stage()
 
     def extend(self, steps: np.ndarray, columns: list[np.ndarray]) -> None:
-        """Appends many rows at once from host arrays, one per key."""
-        self.flush()
+        """Appends many rows at once from host arrays, one per key (the caller
+        holds :attr:`lock`)."""
+        self.move_stage()
         k = len(steps)
         self._reserve(self.fill + k)
         self.steps[self.fill : self.fill + k] = steps
@@ -137,6 +158,11 @@ class Table:
 
     def flush(self) -> None:
         """Moves the staged rows into the arrays, fetching device values."""
+        with self.lock:
+            self.move_stage()
+
+    def move_stage(self) -> None:
+        """:meth:`flush` for a caller that holds :attr:`lock`."""
         if not self.rows:
             return
         rows = self.rows
@@ -231,15 +257,22 @@ class Table:
         """The step of row ``n - 1``, the last one a view of ``n`` rows sees."""
         if n == 0:
             return None
-        if n == self.length:
-            return self.last_step
-        if n <= self.fill:
-            return int(self.steps[n - 1])
-        return self.row_steps[n - 1 - self.fill]
+        with self.lock:
+            if n <= self.fill:
+                return int(self.steps[n - 1])
+            return self.row_steps[n - 1 - self.fill]
 
     def prefix(self, n: int, dtypes: tuple[np.dtype, ...] | None = None) -> Table:
         """A new table holding a copy of the first ``n`` rows (optionally retyped)."""
-        self.flush()
+        with self.lock:
+            return self.prefix_locked(n, dtypes)
+
+    def prefix_locked(
+        self, n: int, dtypes: tuple[np.dtype, ...] | None = None
+    ) -> Table:
+        """:meth:`prefix` for a caller that holds :attr:`lock`."""
+        if n > self.fill:
+            self.move_stage()
         new = Table(self.keys, dtypes or self.dtypes, self.shapes, 2 * n)
         new.steps[:n] = self.steps[:n]
         for dst, src in zip(new.values, self.values, strict=True):
@@ -250,12 +283,45 @@ class Table:
 
     def view(self, n: int) -> tuple[np.ndarray, list[np.ndarray]]:
         """Read-only arrays of the first ``n`` steps and of each key's values."""
-        if n > self.fill:
-            self.flush()
-        out = [self.steps[:n].view(), *(v[:n].view() for v in self.values)]
+        with self.lock:
+            if n > self.fill:
+                self.move_stage()
+            out = [self.steps[:n].view(), *(v[:n].view() for v in self.values)]
         for a in out:
             a.flags.writeable = False
         return out[0], out[1:]
+
+    def leaves(self, n: int) -> list[Any]:
+        """The pytree leaves of a view of ``n`` rows (steps, then each key's
+        values), without waiting for device values: NumPy arrays where every row
+        is on the host (or ready), else :class:`PendingColumn` placeholders that
+        read the rows when converted with ``np.asarray``."""
+        with self.lock:
+            if n > self.fill:
+                if not self._stage_ready(n - self.fill):
+                    return [
+                        PendingColumn(self, n, j) for j in range(-1, len(self.keys))
+                    ]
+                self.move_stage()
+            steps, values = self.steps[:n].view(), [v[:n].view() for v in self.values]
+        for a in (steps, *values):
+            a.flags.writeable = False
+        return [steps, *values]
+
+    def _stage_ready(self, k: int) -> bool:
+        """Whether the device values of the first ``k`` staged rows are computed."""
+        for i in self.device_rows:
+            if i >= k:
+                break
+            row = self.rows[i]
+            for v in row if type(row) is tuple else (row,):
+                is_ready = getattr(v, "is_ready", None)
+                try:
+                    if is_ready is not None and not is_ready():
+                        return False
+                except Exception:  # deleted: reading it will say so, not block
+                    continue
+        return True
 
     def nbytes(self) -> int:
         return self.steps.nbytes + sum(v.nbytes for v in self.values)
@@ -284,8 +350,7 @@ class Tables:
         leaves = []
         for table, n in self.tables.values():
             if isinstance(table, Table):
-                steps, values = table.view(n)
-                leaves += [steps, *values]
+                leaves += table.leaves(n)
             else:  # placeholders from a tree transformation
                 leaves += list(table)
         return leaves, tuple(self.tables)
@@ -297,9 +362,124 @@ class Tables:
             steps, values = leaves[i], list(leaves[i + 1 : i + 1 + len(keys)])
             i += 1 + len(keys)
             arrays = [steps, *values]
-            if all(isinstance(a, np.ndarray) for a in arrays):
+            source = _pending_source(arrays)
+            if source is not None:  # flattened and rebuilt as it was
+                tables[keys] = source
+            elif all(isinstance(a, np.ndarray) for a in arrays):
                 steps = np.asarray(steps, np.int64)
                 tables[keys] = (Table.from_arrays(keys, steps, values), len(steps))
             else:
                 tables[keys] = (tuple(arrays), None)
         return cls(tables)
+
+
+class PendingColumn:
+    """A leaf of a flattened history whose rows hold device values not computed
+    yet: it reads them (waiting for the device) when converted with
+    ``np.asarray``, as ``jax.device_get`` does. ``shape`` and ``dtype`` are
+    known without waiting."""
+
+    __slots__ = ("column", "n", "table")
+
+    def __init__(self, table: Table, n: int, column: int):
+        self.table, self.n, self.column = table, n, column
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.int64) if self.column < 0 else self.table.dtypes[self.column]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.column < 0:
+            return (self.n,)
+        return (self.n, *self.table.shapes[self.column])
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        steps, values = self.table.view(self.n)
+        arr = steps if self.column < 0 else values[self.column]
+        if dtype is not None and np.dtype(dtype) != arr.dtype:
+            return arr.astype(dtype)
+        return np.array(arr) if copy else arr
+
+    def __repr__(self) -> str:
+        return f"PendingColumn(shape={self.shape}, dtype={self.dtype})"
+
+
+def _pending_source(leaves: list) -> tuple[Table, int] | None:
+    """(table, n) when ``leaves`` are all the placeholders of one table view."""
+    first = leaves[0]
+    if type(first) is not PendingColumn:
+        return None
+    for j, leaf in enumerate(leaves):
+        if (
+            type(leaf) is not PendingColumn
+            or leaf.table is not first.table
+            or leaf.n != first.n
+            or leaf.column != j - 1
+        ):
+            return None
+    return first.table, first.n
+
+
+def device_signature(row: tuple) -> tuple | None:
+    """(type, dtype, shape, sharding) of each value, or None unless every value is a
+    JAX array. Rows with the signature of a checked row need no checks again."""
+    try:
+        return tuple([(type(v), v.dtype, v.shape, v.sharding) for v in row])
+    except Exception:  # host values have no sharding; tracers may raise anything
+        return None
+
+
+def needs_host_copy(arrays) -> bool:
+    """Whether starting copies to the host helps: not for arrays on CPU devices."""
+    for a in arrays:
+        devices = getattr(a.sharding, "device_set", ())
+        if any(d.platform != "cpu" for d in devices):
+            return True
+    return False
+
+
+class InFlight:
+    """Bounds how many updates with device values may be unresolved at once."""
+
+    __slots__ = ("limit", "lock", "updates")
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.lock = threading.Lock()
+        self.updates: list[list[jax.Array]] = []
+
+    def add(self, arrays: list[jax.Array], copy: bool = True) -> None:
+        """Queues one update's device arrays, starting their copies to the host
+        when ``copy`` (pointless for CPU devices, whose buffers are host memory:
+        there it only costs host time)."""
+        if copy:
+            for a in arrays:
+                try:  # noqa: SIM105 (no context manager per metric per step)
+                    a.copy_to_host_async()
+                except (AttributeError, RuntimeError):
+                    pass
+        with self.lock:
+            self.updates.append(arrays)
+            if len(self.updates) <= self.limit:
+                return
+            # Wait for the oldest half; their copies to the host started long ago.
+            # They leave the queue first, so a failed wait cannot jam it.
+            cut = len(self.updates) - self.limit // 2
+            oldest = [a for u in self.updates[:cut] for a in u if not _deleted(a)]
+            del self.updates[:cut]
+            # A deleted (donated) array has nothing to wait for; it is reported
+            # when its row is read.
+            jax.block_until_ready(oldest)
+
+
+def _deleted(a) -> bool:
+    is_deleted = getattr(a, "is_deleted", None)
+    return is_deleted is not None and is_deleted()

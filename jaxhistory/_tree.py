@@ -14,31 +14,16 @@ Every reducer in jaxhistory treats a metrics pytree the same way:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Leaf", "acc_dtype", "flatten_metrics", "path_name"]
+from jaxhistory._names import named_leaves
 
-
-def _key_name(key: Any) -> str:
-    if isinstance(key, jax.tree_util.DictKey):
-        return str(key.key)
-    if isinstance(key, jax.tree_util.SequenceKey):
-        return str(key.idx)
-    if isinstance(key, jax.tree_util.GetAttrKey):
-        return key.name
-    if isinstance(key, jax.tree_util.FlattenedIndexKey):
-        return str(key.key)
-    return str(key)
-
-
-def path_name(path: Sequence[Any]) -> str:
-    """Returns the ``/``-joined name of a pytree key path (``""`` for a bare leaf)."""
-    return "/".join(_key_name(k) for k in path)
+__all__ = ["Leaf", "acc_dtype", "flatten_metrics"]
 
 
 class Leaf:
@@ -117,16 +102,8 @@ def flatten_metrics(
         TypeError: a leaf is not numeric; the message names its path.
         ValueError: two leaves share a name (``{"a/b": x, "a": {"b": y}}``).
     """
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(metrics)
-    leaves = []
-    seen: set[str] = set()
-    for path, value in pairs:
-        name = path_name(path)
-        if name in seen:
-            raise ValueError(f"two metrics are both named {name!r}")
-        seen.add(name)
-        leaves.append(Leaf(name, _as_numeric(name, value)))
-    return leaves, treedef
+    pairs, treedef = named_leaves(metrics)
+    return [Leaf(name, _as_numeric(name, value)) for name, value in pairs], treedef
 
 
 def acc_dtype(dtype: Any) -> np.dtype:

@@ -11,18 +11,22 @@ recorded NaN from a missing record.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxhistory._table import Table, Tables
+from jaxhistory._names import decode_netcdf
 from jaxhistory._optional import import_optional
+from jaxhistory._version import __version__
 
-if TYPE_CHECKING:
-    from jaxhistory._history_state import HistoryState
+__all__ = ["MASK", "MASK_DIM", "from_dataset", "read_netcdf", "to_dataset"]
 
-__all__ = ["from_xarray", "to_xarray"]
+# A column: (name, steps, values, storage dtype, record shape)
+Column = tuple[str, np.ndarray, np.ndarray, np.dtype, tuple[int, ...]]
 
 DTYPE_ATTR = "jaxhistory_dtype"
 GAPS_ATTR = "jaxhistory_gaps"
@@ -36,21 +40,16 @@ def _fill_dtype(dtype: np.dtype) -> np.dtype:
     return dtype if dtype.kind == "f" else np.dtype(np.float64)
 
 
-def to_xarray(state: HistoryState, warmup: float = 0):
+def to_dataset(
+    columns: Iterable[Column], steps: np.ndarray, attrs: dict[str, Any], next_step: int
+):
+    """The dataset of ``columns`` over the sorted union of their ``steps``."""
     xr = import_optional("xarray", "HistoryState.to_xarray")
-    from jaxhistory import __version__
-
-    first = state._first_kept_step(warmup)
-    steps = state.all_steps()
-    steps = steps[steps >= first]
     data_vars, masks = {}, {}
-    for name in state.keys:
-        dtype, shape = state.dtype(name), state.shape(name)
-        keep = state.steps(name) >= first
-        col_steps, values = state.steps(name)[keep], state.values(name)[keep]
+    for name, col_steps, values, dtype, shape in columns:
         dims = ("step", *(f"{name}_dim_{i}" for i in range(len(shape))))
         gaps = len(col_steps) < len(steps)
-        attrs = {DTYPE_ATTR: str(dtype), GAPS_ATTR: int(gaps)}
+        attrs_ = {DTYPE_ATTR: str(dtype), GAPS_ATTR: int(gaps)}
         if not gaps:
             full = np.array(values)
         else:
@@ -67,17 +66,17 @@ def to_xarray(state: HistoryState, warmup: float = 0):
                 if dtype.kind == "f" and np.isnan(values).any():
                     masks[name] = recorded
             full[where] = values
-        data_vars[name] = xr.Variable(dims, full, attrs=attrs)
+        data_vars[name] = xr.Variable(dims, full, attrs=attrs_)
     coords = {"step": ("step", steps)}
     if masks:
         coords[MASK_DIM] = (MASK_DIM, list(masks))
         data_vars[MASK] = xr.Variable(
             ("step", MASK_DIM), np.stack(list(masks.values()), axis=1)
         )
-    attrs = dict(state.attrs)
+    attrs = dict(attrs)
     attrs.update(
         {
-            NEXT_STEP_ATTR: state.next_step,
+            NEXT_STEP_ATTR: next_step,
             "jaxhistory_version": __version__,
             "jax_version": jax.__version__,
         }
@@ -85,9 +84,9 @@ def to_xarray(state: HistoryState, warmup: float = 0):
     return xr.Dataset(data_vars, coords=coords, attrs=attrs)
 
 
-def from_xarray(ds) -> HistoryState:
-    from jaxhistory._history_state import HistoryState
-
+def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
+    """The columns ``{name: (steps, values)}``, next step and run attrs of a
+    dataset made by :func:`to_dataset`."""
     if "step" not in ds.coords:
         raise ValueError("the dataset has no 'step' coordinate")
     steps = np.asarray(ds["step"].values, np.int64)
@@ -114,12 +113,35 @@ def from_xarray(ds) -> HistoryState:
         else:
             recorded = np.ones(len(steps), bool)
         kept = np.array(steps[recorded])
-        key = (str(name),)
-        columns[key] = (
-            Table.from_arrays(key, kept, [values[recorded].astype(dtype)]),
-            len(kept),
-        )
+        columns[str(name)] = (kept, values[recorded].astype(dtype))
     attrs = {k: v for k, v in ds.attrs.items() if k not in _GENERATED_ATTRS}
     next_step = int(ds.attrs.get(NEXT_STEP_ATTR, steps[-1] + 1 if len(steps) else 0))
-    state = HistoryState(data=Tables(columns), next_step=next_step)
-    return state.with_attrs(**attrs) if attrs else state
+    return columns, next_step, attrs
+
+
+def read_netcdf(path: str | os.PathLike):
+    """The dataset in a file written by :func:`jaxhistory.export.to_netcdf`, with
+    metric names decoded.
+
+    The file is read into memory and closed.
+    """
+    xr = import_optional("xarray", "read_netcdf")
+    import_optional("netCDF4", "read_netcdf")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no dataset file at {path}")
+    with xr.open_dataset(path, engine="netcdf4") as ds:
+        ds = ds.load()
+    ds.attrs = {
+        k: v.item() if isinstance(v, np.generic) else v for k, v in ds.attrs.items()
+    }
+    return renamed(ds, decode_netcdf)
+
+
+def renamed(ds, fn):
+    """``ds`` with its metric variables and dimensions renamed by ``fn``."""
+    names = {}
+    for name in (*ds.data_vars, *ds.dims):
+        if name not in ("step", MASK, MASK_DIM) and fn(str(name)) != name:
+            names[name] = fn(str(name))
+    return ds.rename(names) if names else ds

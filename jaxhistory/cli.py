@@ -13,7 +13,12 @@ import shutil
 import sys
 from pathlib import Path
 
-from jaxhistory.export._env import ENV_LABELS
+from jaxhistory._env import ENV_LABELS
+from jaxhistory._history_state import HistoryState
+from jaxhistory._xarray import read_netcdf
+from jaxhistory.export._finalize import finalize
+from jaxhistory.export._markdown import stats_table
+from jaxhistory.trace import merge_traces
 
 __all__ = ["load_run", "main"]
 
@@ -35,9 +40,6 @@ def load_run(path: str | Path):
     """The HistoryState in a JSONL log (``.jsonl``), a dataset file (``.nc``) or a
     folder holding ``dataset.nc``, and the run's recorded attributes (run id,
     environment; none for a JSONL log)."""
-    from jaxhistory._history_state import HistoryState
-    from jaxhistory.export._netcdf import read_netcdf
-
     path = _run_file(path)
     if path.suffix == ".jsonl":
         return HistoryState.from_jsonl(path), {}
@@ -77,8 +79,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _merge(args) -> int:
-    from jaxhistory.trace import merge_traces
-
     missing = [p for p in args.traces if not Path(p).is_file()]
     if missing:
         print(f"jaxhistory: no trace file {missing[0]}", file=sys.stderr)
@@ -102,12 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxhistory: {err}", file=sys.stderr)
         return 2
     if args.command == "summary":
-        from jaxhistory.export._markdown import stats_table
-
         print("\n".join(stats_table(state, args.warmup)))
         return 0
-    from jaxhistory.export._finalize import finalize
-
     source = _run_file(args.run)
     outdir = Path(args.outdir)
     if source.suffix == ".jsonl":

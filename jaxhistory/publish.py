@@ -29,6 +29,9 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from jaxhistory._record import Record
+from jaxhistory.sinks._base import is_sink, writes_here
+
 __all__ = [
     "ConsoleMetricHandler",
     "HistoryHandler",
@@ -136,8 +139,6 @@ class SinkHandler(MetricHandler):
         self.sink = sink
 
     def emit(self, metric_data: MetricData) -> None:
-        from jaxhistory.sinks import Record, writes_here
-
         if not writes_here(self.sink):
             return
         self.sink.write(
@@ -202,8 +203,6 @@ def _registry() -> _Registry:
 
 
 def _as_handler(handler: Any) -> MetricHandler:
-    from jaxhistory.sinks import is_sink
-
     if isinstance(handler, MetricHandler):
         return handler
     if is_sink(handler):

@@ -44,7 +44,10 @@ import jax
 import orjson
 
 from jaxhistory import _trace_state
-from jaxhistory.export._jsonl import NONFINITE_TEXT
+from jaxhistory._codec import NONFINITE_TEXT
+from jaxhistory._env import new_run_id
+from jaxhistory._files import atomic_write
+from jaxhistory.sinks._base import scalars
 
 __all__ = ["JSONTraceHandler", "load_trace", "merge_traces"]
 
@@ -192,8 +195,6 @@ class JSONTraceHandler:
                 f"{num_traces_to_keep!r}"
             )
         if run_name is None:
-            from jaxhistory.export._env import new_run_id
-
             run_name = new_run_id(None)
         self.folder_template, self.filename_template = folder, filename
         self.merged_trace_filename = merged_trace_filename
@@ -521,8 +522,6 @@ class JSONTraceHandler:
 
     def write(self, record: Any) -> None:
         """Each scalar of a History record as a counter track at its time."""
-        from jaxhistory.sinks import scalars
-
         for name, value in scalars(record).items():
             self.counter(name, {name: value}, timestamp=record.timestamp)
 
@@ -663,8 +662,6 @@ def merge_traces(
     )
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    from jaxhistory.export._netcdf import atomic_write
-
     lines = ",\n".join(
         json.dumps(_sanitize(e), allow_nan=False, separators=(",", ":"))
         for e in itertools.chain(meta, rest)

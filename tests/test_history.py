@@ -48,7 +48,7 @@ def test_one_fused_call_per_update(mesh):
     h = jh.History(distributed_history=True)
     metrics = {f"m{i}": per_device(mesh, np.arange(8.0) + i) for i in range(10)}
     h.update(metrics)
-    counts = jh.collective_counts(h._stats_fn, metrics)
+    counts = jh.collective_counts(h._reducer._stats_fn, metrics)
     assert sum(counts.values()) <= 2
 
 
@@ -203,7 +203,7 @@ def test_stat_names_are_stat_major_and_shared():
         "b/min",
         "b/std",
     ]
-    from jaxhistory._stats import stat_names
+    from jaxhistory._names import stat_names
 
     assert stat_names(("a", "b"), "p/") == (
         "p/a/mean",

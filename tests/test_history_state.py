@@ -220,8 +220,10 @@ def test_pytree_round_trip_through_leaves():
     s = jh.HistoryState().update({"a": 1.0, "b": np.arange(2.0)})
     s = s.update({"a": 2.0}).with_attrs(run="r1")
     leaves, treedef = jax.tree_util.tree_flatten(s)
-    assert all(isinstance(leaf, np.ndarray) for leaf in leaves)
+    assert all(isinstance(leaf, np.ndarray) for leaf in leaves[:-1])
+    assert leaves[-1] == s.next_step == 2  # next_step is data, not structure
     back = jax.tree_util.tree_unflatten(treedef, [np.array(x) for x in leaves])
+    assert type(back.next_step) is int
     for name in s.keys:
         np.testing.assert_array_equal(back.steps(name), s.steps(name))
         np.testing.assert_array_equal(back.values(name), s.values(name))
@@ -627,7 +629,7 @@ def test_device_rows_at_an_old_step_are_refused_and_branches_stay_apart():
 
 
 def test_host_copies_start_only_for_arrays_off_cpu():
-    from jaxhistory._dtypes import InFlight, needs_host_copy
+    from jaxhistory._table import InFlight, needs_host_copy
 
     cpu = jnp.ones(3)
     assert not needs_host_copy([cpu])

@@ -5,21 +5,22 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
 from jaxhistory._dtypes import warmup_count
-from jaxhistory.export._env import environment as run_environment
-from jaxhistory.export._env import netcdf_attrs, new_run_id
+from jaxhistory._env import environment as run_environment
+from jaxhistory._env import netcdf_attrs, new_run_id
+from jaxhistory._history_state import HistoryState
 from jaxhistory.export._jsonl import to_jsonl
 from jaxhistory.export._markdown import to_markdown
+from jaxhistory.export._mpl import to_png
 from jaxhistory.export._netcdf import to_netcdf
+from jaxhistory.export._tplot import summary_choice, write_all
+from jaxhistory.export._units import plot_units
 
-if TYPE_CHECKING:
-    from jaxhistory._history_state import HistoryState
-
-__all__ = ["Progress", "finalize"]
+__all__ = ["Progress", "finalize", "write_outputs"]
 
 
 class Progress:
@@ -83,6 +84,27 @@ def finalize(
     ``environment`` replaces the description of this process's environment (the
     ``jaxhistory report`` command passes the one recorded with the run).
     """
+    return write_outputs(**locals())[0]
+
+
+def write_outputs(
+    state: HistoryState,
+    outdir: str | os.PathLike,
+    run_id: str | None = None,
+    run_name: str | None = None,
+    warmup: float = 0.0,
+    num_chains: int = 128,
+    plot: bool = True,
+    save: bool = True,
+    report: bool = True,
+    jsonl: str | os.PathLike | None = None,
+    timestamps: dict[int, float] | None = None,
+    mesh: Any = None,
+    echo: bool = True,
+    environment: dict[str, Any] | None = None,
+) -> tuple[Any, list[Path]]:
+    """:func:`finalize`, returning the dataset and the files written (empty on
+    processes other than 0)."""
     if run_id is None:
         run_id = new_run_id(run_name)
     env = dict(environment) if environment is not None else run_environment(mesh)
@@ -93,7 +115,7 @@ def finalize(
     if jax.process_index() != 0:
         ds = state.to_xarray()
         ds.attrs.update(netcdf_attrs(attrs))
-        return ds
+        return ds, []
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     files: list[Path] = []
@@ -111,10 +133,6 @@ def finalize(
     images: list[Path] = []
     terminal: dict[str, str] = {}
     if plot:
-        from jaxhistory.export._mpl import to_png
-        from jaxhistory.export._tplot import summary_choice, write_all
-        from jaxhistory.export._units import plot_units
-
         units = plot_units(state)
         arrays = sum(1 for u in units if u.raw is not None and state.shape(u.raw))
         progress = Progress(2 * len(units) + 2 * arrays, "finalize: plots")
@@ -142,4 +160,4 @@ def finalize(
             terminal_plots=terminal,
             files=files,
         )
-    return ds
+    return ds, files

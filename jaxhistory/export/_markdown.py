@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jaxhistory._dtypes import warmup_count
-from jaxhistory.export._env import ENV_LABELS
-from jaxhistory.export._netcdf import atomic_write
+from jaxhistory._env import ENV_LABELS
+from jaxhistory._files import atomic_write
 
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState

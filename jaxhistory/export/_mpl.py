@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxhistory._names import file_stems
 from jaxhistory._optional import import_optional
-from jaxhistory.export._names import file_stems
 from jaxhistory.export._units import PlotUnit, bucket, plot_units, row_stats, series
 
 if TYPE_CHECKING:

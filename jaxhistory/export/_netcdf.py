@@ -4,41 +4,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
-
+from jaxhistory import _xarray
+from jaxhistory._env import netcdf_attrs
+from jaxhistory._files import atomic_write
+from jaxhistory._history_state import HistoryState
+from jaxhistory._names import encode_netcdf
 from jaxhistory._optional import import_optional
-from jaxhistory._xarray import MASK, MASK_DIM
-from jaxhistory.export._env import netcdf_attrs
-from jaxhistory.export._names import decode_netcdf, encode_netcdf
-
-if TYPE_CHECKING:
-    from jaxhistory._history_state import HistoryState
 
 __all__ = ["from_netcdf", "read_netcdf", "to_netcdf"]
-
-_OURS = ("step", MASK, MASK_DIM)
-
-
-def _renamed(ds, fn):
-    names = {}
-    for name in (*ds.data_vars, *ds.dims):
-        if name not in _OURS and fn(str(name)) != name:
-            names[name] = fn(str(name))
-    return ds.rename(names) if names else ds
-
-
-def atomic_write(path: Path, write) -> None:
-    """Calls ``write(tmp)`` then renames ``tmp`` to ``path``: never half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def to_netcdf(
@@ -73,7 +48,7 @@ def to_netcdf(
     ds.attrs = netcdf_attrs(ds.attrs)
     for name in state.keys:
         ds[name].attrs["long_name"] = name
-    out = _renamed(ds, encode_netcdf)
+    out = _xarray.renamed(ds, encode_netcdf)
     atomic_write(Path(path), lambda tmp: out.to_netcdf(tmp, engine="netcdf4"))
     return ds
 
@@ -83,24 +58,9 @@ def read_netcdf(path: str | os.PathLike):
 
     The file is read into memory and closed.
     """
-    xr = import_optional("xarray", "read_netcdf")
-    import_optional("netCDF4", "read_netcdf")
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no dataset file at {path}")
-    with xr.open_dataset(path, engine="netcdf4") as ds:
-        ds = ds.load()
-    ds.attrs = {
-        k: v.item() if isinstance(v, np.generic) else v for k, v in ds.attrs.items()
-    }
-    return _renamed(ds, decode_netcdf)
+    return _xarray.read_netcdf(path)
 
 
 def from_netcdf(path: str | os.PathLike) -> HistoryState:
     """The HistoryState saved by :func:`to_netcdf`, exactly."""
-    from jaxhistory._history_state import HistoryState
-
-    ds = read_netcdf(path)
-    for name in ds.data_vars:
-        ds[name].attrs.pop("long_name", None)
-    return HistoryState.from_xarray(ds)
+    return HistoryState.from_netcdf(path)

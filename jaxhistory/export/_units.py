@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxhistory._stats import STATS
-from jaxhistory.export._jsonl import aggregated_names
+from jaxhistory._names import STATS, aggregated_names
 
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState

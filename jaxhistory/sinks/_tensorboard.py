@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from jaxhistory._optional import import_optional
+from jaxhistory.sinks._base import values
 
 __all__ = ["TensorBoardSink"]
 
@@ -49,8 +50,6 @@ class TensorBoardSink:
         return n
 
     def write(self, record: Any) -> None:
-        from jaxhistory.sinks import values
-
         Value = self._summary.Value
         scalars = []  # one event for all the scalars of a record with a step
         for tag, number, arr in values(record):

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from jaxhistory._optional import import_optional
+from jaxhistory.sinks._base import values
 
 __all__ = ["WandbSink", "wandb_run"]
 
@@ -46,8 +47,6 @@ class WandbSink:
         self._warned = False
 
     def write(self, record: Any) -> None:
-        from jaxhistory.sinks import values
-
         data = {}
         for name, number, arr in values(record):
             if number is not None:

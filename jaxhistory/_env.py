@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["ENV_LABELS", "environment", "netcdf_attrs", "new_run_id"]
+__all__ = ["ENV_LABELS", "env_flag", "environment", "netcdf_attrs", "new_run_id"]
 
 # The keys of environment() that describe a run, with their labels in the report.
 ENV_LABELS = {
@@ -94,3 +94,15 @@ def netcdf_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
             except (TypeError, ValueError):
                 out[str(key)] = str(value)
     return out
+
+
+def env_flag(name: str) -> bool:
+    """An on/off environment variable: 1/true/yes/on, or 0/false/no/off/empty (not
+    set); anything else is a ValueError naming the variable."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: expected 1/true/yes or 0/false/no")

@@ -1,0 +1,203 @@
+"""Metric names: one flatten for everything the host records, name rules, and
+names in places that restrict them (netCDF variables, file names).
+
+A metric's name is the ``/``-joined path of its leaf in what the user passed
+(``{"train": {"loss": x}}`` gives ``"train/loss"``; list items are named by their
+index). Cross-device statistics of a metric are ``{name}/{stat}`` for each stat in
+:data:`STATS`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import urllib.parse
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+__all__ = [
+    "COUNTER_KEYS",
+    "STATS",
+    "STEP_KEYS",
+    "aggregated_names",
+    "decode_netcdf",
+    "encode_netcdf",
+    "file_stems",
+    "flatten",
+    "named_leaves",
+    "path_name",
+    "stat_names",
+]
+
+STATS = ("mean", "max", "min", "std")
+STEP_KEYS = ("step", "iter")  # an entry with one of these names is the step
+COUNTER_KEYS = ("step", "epoch", "iter")  # shown first, as integers
+_CONTAINERS = (list, tuple)
+
+
+def _key_name(key: Any) -> str:
+    if isinstance(key, jax.tree_util.DictKey):
+        return str(key.key)
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return key.name
+    if isinstance(key, jax.tree_util.FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def path_name(path: Sequence[Any]) -> str:
+    """The ``/``-joined name of a pytree key path (``""`` for a bare leaf)."""
+    return "/".join(_key_name(k) for k in path)
+
+
+def _check_unique(pairs: list[tuple[str, Any]]) -> None:
+    if len({name for name, _ in pairs}) != len(pairs):
+        seen = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise ValueError(f"two metrics are both named {name!r}")
+            seen.add(name)
+
+
+def named_leaves(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """``[(name, leaf)]`` of a pytree and its treedef; duplicate names raise."""
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    out = [(path_name(path), value) for path, value in pairs]
+    _check_unique(out)
+    return out, treedef
+
+
+def _items(metrics: Mapping, prefix: str, out: list) -> bool:
+    """Appends the leaves of plain nested dicts; False if a list/tuple shows up."""
+    for key, value in metrics.items():
+        name = f"{prefix}{key}"
+        if type(value) is dict:
+            if not _items(value, name + "/", out):
+                return False
+        elif type(value) in _CONTAINERS:
+            return False
+        else:
+            out.append((name, value))
+    return True
+
+
+def flatten(metrics: Any) -> list[tuple[str, Any]]:
+    """Named leaves of ``metrics``: ``[("train/loss", x), ...]``.
+
+    Plain nested dicts take a fast path; any other pytree goes through
+    ``jax.tree_util``. Raises ValueError when two leaves get the same name and
+    TypeError for a bare leaf (it has no name).
+
+    Example:
+        >>> from jaxhistory._names import flatten
+        >>> flatten({"train": {"loss": 0.5}, "lr": 1e-3})
+        [('train/loss', 0.5), ('lr', 0.001)]
+        >>> flatten({"lr": [1e-3, 2e-3]})  # other pytrees: jax.tree_util's order
+        [('lr/0', 0.001), ('lr/1', 0.002)]
+    """
+    out: list[tuple[str, Any]] = []
+    if not (isinstance(metrics, Mapping) and _items(metrics, "", out)):
+        out = named_leaves(metrics)[0]
+        if any(not name for name, _ in out):
+            raise TypeError("metrics must be a dict (or other pytree) of named values")
+        return out
+    _check_unique(out)
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def stat_names(names: tuple[str, ...], prefix: str = "") -> tuple[str, ...]:
+    """``{prefix}{name}/{stat}`` for each cell of a ``(4, K)`` statistics table, in
+    C order (all means, then all maxes, ...); an empty name gives
+    ``{prefix}{stat}``. Cached: the same names are asked for at every update."""
+    return tuple(
+        f"{prefix}{n}/{s}" if n else f"{prefix}{s}" for s in STATS for n in names
+    )
+
+
+def aggregated_names(names) -> set[str]:
+    """The names that belong to a complete ``name/{mean,max,min,std}`` group."""
+    names = set(names)
+    out = set()
+    for name in names:
+        base, _, stat = name.rpartition("/")
+        if stat == "mean" and all(f"{base}/{s}" in names for s in STATS):
+            out.update(f"{base}/{s}" for s in STATS)
+    return out
+
+
+# netCDF-4 names may hold any UTF-8 except "/", must start with a letter, a digit,
+# "_" or a multi-byte character, and must not end in whitespace. The encoding
+# percent-encodes "%", "/", control characters, a leading "_" and trailing
+# whitespace, then prefixes "_" where the result starts with anything else.
+_ESCAPE = re.compile(r"[%/\x00-\x1f\x7f]")
+
+
+def _quote(ch: str) -> str:
+    return "".join(f"%{b:02X}" for b in ch.encode())
+
+
+def encode_netcdf(name: str) -> str:
+    """A netCDF-safe variable name that :func:`decode_netcdf` turns back into ``name``.
+
+    Example:
+        >>> from jaxhistory.export import encode_netcdf, decode_netcdf
+        >>> encode_netcdf("train/loss"), decode_netcdf("train%2Floss")
+        ('train%2Floss', 'train/loss')
+    """
+    out = _ESCAPE.sub(lambda m: _quote(m.group()), name)
+    if out and out[-1].isspace():
+        out = out[:-1] + _quote(out[-1])
+    if out.startswith("_"):
+        out = "%5F" + out[1:]  # so that a leading "_" always marks the prefix below
+    if not out or not (out[0].isalnum() or ord(out[0]) > 127):
+        out = "_" + out
+    return out
+
+
+def decode_netcdf(name: str) -> str:
+    """The metric name encoded by :func:`encode_netcdf`."""
+    if name.startswith("_"):
+        name = name[1:]
+    return urllib.parse.unquote(name, errors="strict")
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def file_stems(names) -> dict[str, str]:
+    """A distinct, safe file stem for each name.
+
+    Runs of characters other than letters, digits, ``.``, ``_`` and ``-`` become
+    ``_`` (so ``../../x`` cannot leave the folder and ``a/b`` is ``a_b``); leading
+    dots and dashes go. Where two names would share a stem (also ignoring case, for
+    case-insensitive file systems) or a stem is empty, each gets the CRC-32 of its
+    name appended.
+
+    Example:
+        >>> from jaxhistory.export import file_stems
+        >>> file_stems(["train/loss", "../../x"])
+        {'train/loss': 'train_loss', '../../x': 'x'}
+        >>> file_stems(["a/b", "a_b"])
+        {'a/b': 'a_b-07f4401c', 'a_b': 'a_b-28cb39ea'}
+    """
+    names = list(dict.fromkeys(names))
+    base = {n: _UNSAFE.sub("_", n).lstrip("._-")[:100] for n in names}
+    seen: dict[str, int] = {}
+    for stem in base.values():
+        seen[stem.casefold()] = seen.get(stem.casefold(), 0) + 1
+    out = {}
+    for n, stem in base.items():
+        if not stem or seen[stem.casefold()] > 1:
+            stem = (
+                f"{stem}-{zlib.crc32(n.encode()):08x}"
+                if stem
+                else (f"metric-{zlib.crc32(n.encode()):08x}")
+            )
+        out[n] = stem
+    return out

@@ -1,0 +1,148 @@
+"""The summary line History returns: ``step=42 loss=0.123457 acc=0.910000``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxhistory._memory import MemorySample
+from jaxhistory._names import COUNTER_KEYS
+from jaxhistory._stats import Stats
+
+__all__ = ["SummaryLine", "memory_token", "summary_line"]
+
+
+def _format(value: Any, precision: int, counter: bool) -> str:
+    if type(value) is float and not counter:
+        return f"{value:.{precision}f}"
+    if type(value) is int:
+        return str(value)
+    arr = np.asarray(value)
+    if arr.ndim:
+        if arr.size <= 4:
+            return "[" + ",".join(_format(v, precision, counter) for v in arr) + "]"
+        return f"{_format(arr.mean(), precision, False)}(mean of {arr.size})"
+    if counter or arr.dtype.kind in "iub":
+        if arr.dtype.kind == "f" and not math.isfinite(float(arr)):
+            return str(float(arr))
+        return str(int(arr))
+    return f"{float(arr):.{precision}f}"
+
+
+def summary_line(
+    step: tuple[str, int],
+    items: Sequence[tuple[str, Any]],
+    precision: int,
+    first: Sequence[str] = (),
+    host: bool = False,
+) -> str:
+    """``{label}={step}`` then each item: counters (``step``, ``epoch``,
+    ``iter``) as integers, then the names in ``first``, then the rest in order.
+
+    A :class:`~jaxhistory.Stats` value shows each of its metrics as its mean with
+    the std inlined, ``loss=0.123457(±0.002100)``. Device values are fetched
+    (this waits for them). ``host``: every value is a Python number.
+    """
+    parts = {step[0]: str(step[1])}
+    if host:  # Python floats and ints only: no conversions
+        for name, value in items:
+            if type(value) is float and name not in COUNTER_KEYS:
+                parts[name] = f"{value:.{precision}f}"
+            else:
+                parts[name] = _format(value, precision, name in COUNTER_KEYS)
+    else:
+        device = [(n, v) for n, v in items if isinstance(v, jax.Array | Stats)]
+        values = dict(items)
+        if device:
+            values.update(jax.device_get(dict(device)))
+        for name, _ in items:
+            value = values[name]
+            if isinstance(value, Stats):
+                for metric in value.names:
+                    key = f"{name}/{metric}" if name and metric else name or metric
+                    mean = float(value[f"{metric}/mean" if metric else "mean"])
+                    std = float(value[f"{metric}/std" if metric else "std"])
+                    parts[key] = f"{mean:.{precision}f}(±{std:.{precision}f})"
+            else:
+                parts[name] = _format(value, precision, name in COUNTER_KEYS)
+    head = [k for k in COUNTER_KEYS if k in parts]
+    head += [k for k in first if k in parts and k not in head]
+    order = head + [k for k in parts if k not in head]
+    return " ".join(f"{k}={parts[k]}" for k in order)
+
+
+class SummaryLine:
+    """Formats History's summary lines.
+
+    Rows of Python numbers (the common case) are formatted by one ``str.format``
+    call with a template made once per (names, value types, precision); anything
+    else goes through :func:`summary_line`.
+    """
+
+    def __init__(self, first: Sequence[str] = ()):
+        self.first = tuple(first)
+        self._templates: dict[tuple, tuple[str, tuple[int, ...] | None] | None] = {}
+
+    def format(
+        self,
+        label: str,
+        step: int,
+        names: tuple[str, ...],
+        row: tuple,
+        precision: int,
+        host: bool,
+    ) -> str:
+        if host:
+            key = (label, names, precision, tuple(map(type, row)))
+            entry = self._templates.get(key, False)
+            if entry is False:
+                entry = self._templates[key] = self._template(*key)
+            if entry is not None:
+                template, order = entry
+                if order is None:
+                    return template.format(step, *row)
+                values = (step, *row)
+                return template.format(*[values[i] for i in order])
+        items = list(zip(names, row, strict=True))
+        return summary_line((label, step), items, precision, self.first, host)
+
+    def _template(self, label, names, precision, types):
+        """A template for rows of these names and types, and the order of the
+        values in it (None: step then the row as given); None where a row needs
+        the general path."""
+        if len(self._templates) > 256:
+            self._templates.clear()  # name sets that keep changing: no cache
+        keys = [label, *names]
+        if len(set(keys)) != len(keys):
+            return None
+        specs = ["{}"]
+        for name, kind in zip(names, types, strict=True):
+            if kind is float:
+                if name in COUNTER_KEYS:
+                    return None  # counters show as integers
+                specs.append(f"{{:.{precision}f}}")
+            else:
+                specs.append("{}")
+        head = [k for k in COUNTER_KEYS if k in keys]
+        head += [k for k in self.first if k in keys and k not in head]
+        shown = head + [k for k in keys if k not in head]
+        order = tuple(keys.index(k) for k in shown)
+        template = " ".join(
+            f"{k.replace('{', '{{').replace('}', '}}')}={specs[i]}"
+            for k, i in zip(shown, order, strict=True)
+        )
+        return template, (None if order == tuple(range(len(keys))) else order)
+
+
+def memory_token(sample: MemorySample, rss: int, rss_peak: int = 0) -> str:
+    """``memory=X.XX/Y.YYGiB``: device memory in use and its peak where the backend
+    reports a peak, else host RSS and its peak over the updates so far."""
+    if sample.peak is not None:
+        now, peak = sample.in_use, sample.peak
+    else:
+        now, peak = rss, max(rss, rss_peak)
+    return f"memory={now / 2**30:.2f}/{peak / 2**30:.2f}GiB"

@@ -1,0 +1,260 @@
+"""Writer: the one background thread that feeds every sink and the trace handler.
+
+:class:`~jaxhistory.History` queues each update here (device values as they are:
+nothing waits in the training loop); the thread turns queued updates into host
+values once they are ready and hands them, in order, to each sink (History's JSONL
+log is one) and to an active Chrome trace handler.
+
+How far behind it may fall is bounded. The thread writes at least every
+:attr:`Writer.INTERVAL` seconds, and as soon as :attr:`Writer.WAKE_AT` updates are
+queued. When :attr:`Writer.MAX_PENDING` updates are queued the training thread
+waits (back-pressure) until the thread has taken them, so the log on disk stays a
+fraction of a second behind even a loop that does nothing but record. A sink that
+hangs cannot stop the training: after :attr:`Writer.MAX_WAIT` seconds of waiting
+the oldest queued updates are dropped from the sinks (never from the history),
+with one warning, and :attr:`Writer.dropped` counts them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import math
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxhistory import _trace_state
+from jaxhistory._names import stat_names
+from jaxhistory._record import Batch, Run
+
+__all__ = ["Writer"]
+
+
+def _host(value: Any) -> Any:
+    """A recorded value on the host: Python numbers stay, 0-d arrays become Python
+    numbers, arrays NumPy arrays (this is where device values are waited for)."""
+    arr = np.asarray(value)
+    if arr.ndim == 0:
+        return arr.item() if arr.dtype.kind in "biuf" else float(arr)
+    return arr
+
+
+class Writer:
+    """Hands queued updates to ``sinks`` from a background thread.
+
+    ``add`` is the only call on the training thread's path; ``flush`` writes what
+    is queued now (from any thread), ``close`` writes the rest and stops the
+    thread (the sinks stay open: they belong to the caller).
+    """
+
+    INTERVAL = 0.2  # seconds between writes when few updates are queued
+    WAKE_AT = 2048  # queued updates that wake the thread at once
+    MAX_PENDING = 8192  # queued updates at which the training thread waits
+    MAX_WAIT = 10.0  # seconds it waits at most before updates are dropped
+
+    def __init__(self, sinks: Sequence[Any] = ()):
+        self.sinks = list(sinks)
+        self.process_index = jax.process_index()
+        self.dropped = 0  # updates dropped because the sinks could not keep up
+        self._pending: collections.deque[tuple] = collections.deque()
+        self._lock = threading.Lock()  # add() against close()
+        self._drain_lock = threading.Lock()  # one drain at a time, in order
+        self._space = threading.Condition()
+        self._wake = threading.Event()
+        self._closed = False
+        self._warned: set[Any] = set()
+        self._thread = threading.Thread(
+            target=self._run, name="jaxhistory-writer", daemon=True
+        )
+        self._thread.start()
+        ref = weakref.ref(self)
+        atexit.register(lambda: (w := ref()) and w.close())
+        _trace_state.register_stream(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def add(
+        self,
+        step: int | None,
+        timestamp: float,
+        names: tuple[str, ...],
+        row: tuple,
+        stats: tuple = (),
+        host: int = 0,
+    ) -> None:
+        """Queues one update: ``row`` holds the value of each of ``names``;
+        ``stats`` holds ``(prefix, Stats)`` pairs, written as aggregated
+        ``{prefix}{name}/{stat}`` values; ``host``: 1 when every value of ``row``
+        is a Python number (nothing to convert), 2 when every one is a float.
+        Raises ValueError after :meth:`close`."""
+        pending = self._pending
+        with self._lock:
+            if self._closed:
+                raise ValueError("the writer is closed")
+            pending.append((step, timestamp, names, row, stats, host))
+        if len(pending) >= self.WAKE_AT:
+            self._backpressure()
+
+    def _backpressure(self) -> None:
+        self._wake.set()
+        if len(self._pending) < self.MAX_PENDING:
+            return
+        deadline = time.monotonic() + self.MAX_WAIT
+        with self._space:
+            while len(self._pending) >= self.MAX_PENDING and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    self._drop(len(self._pending) - self.MAX_PENDING // 2)
+                    return
+                self._space.wait(min(left, 0.05))
+
+    def _drop(self, k: int) -> None:
+        dropped = 0
+        for _ in range(k):
+            try:
+                self._pending.popleft()
+            except IndexError:
+                break
+            dropped += 1
+        self.dropped += dropped
+        self._warn_once(
+            "dropped",
+            f"the sinks fell {self.MAX_WAIT:.0f} s behind; {dropped} queued "
+            "update(s) were not written to them (the history keeps every one)",
+        )
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait(self.INTERVAL)
+            self._wake.clear()
+            try:
+                self.flush()
+            except Exception as err:  # never let the thread die
+                self._warn_once("thread", f"writing failed: {err!r}")
+
+    def flush(self) -> None:
+        """Writes every queued update now (waiting for its device values) and
+        flushes the sinks."""
+        with self._drain_lock:
+            queue = self._pending
+            items = [queue.popleft() for _ in range(len(queue))]
+            with self._space:
+                self._space.notify_all()
+            if not items:
+                return
+            batch = self._resolve(items)
+            self._fan_out(batch)
+
+    def _resolve(self, items: list[tuple]) -> Batch:
+        runs: list[Run] = []
+        key = None
+        lost: list[str] = []
+        for step, stamp, names, row, stats, host in items:
+            if not host:
+                for v in row:
+                    if type(v) is not float and type(v) is not int:
+                        row = self._host_row(step, names, row, lost)
+                        break
+            if stats:
+                agg_names, agg_row = self._stats_row(step, stats, lost)
+            else:
+                agg_names = agg_row = ()
+            if key is None or key[0] != names or key[1] != agg_names or key[2] != host:
+                key = (names, agg_names, host)
+                run = Run(names, agg_names, None, host == 2)
+                runs.append(run)
+                add_step, add_stamp = run.steps.append, run.stamps.append
+                add_row, add_agg = run.rows.append, run.agg_rows.append
+            add_step(step)
+            add_stamp(stamp)
+            add_row(row)
+            add_agg(agg_row)
+        if lost:
+            shown = "; ".join(lost[:5]) + (
+                f" and {len(lost) - 5} more" if len(lost) > 5 else ""
+            )
+            warnings.warn(
+                f"device values could not be read and are written as NaN (0 for "
+                f"integers), as the history stores them: {shown}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return Batch(runs, self.process_index)
+
+    @staticmethod
+    def _host_row(step, names, row, lost: list[str]) -> tuple:
+        out = []
+        for name, v in zip(names, row, strict=True):
+            if type(v) is float or type(v) is int:
+                out.append(v)
+                continue
+            try:
+                out.append(_host(v))
+            except Exception as err:  # deleted or donated since it was recorded
+                kind = getattr(getattr(v, "dtype", None), "kind", "f")
+                fill = 0 if kind in "biu" else math.nan
+                shape = tuple(getattr(v, "shape", ()))
+                out.append(np.full(shape, fill) if shape else fill)
+                lost.append(f"{name!r} at step {step} could not be read ({err})")
+        return tuple(out)
+
+    @staticmethod
+    def _stats_row(step, stats, lost: list[str]) -> tuple[tuple, tuple]:
+        names: list[str] = []
+        values: list[float] = []
+        for prefix, s in stats:
+            these = stat_names(s.names, prefix)
+            names += these
+            try:
+                values += np.asarray(s.table).reshape(-1).tolist()  # stat-major
+            except Exception as err:
+                values += [math.nan] * len(these)
+                lost.append(f"statistics {these[0]!r}... at step {step} ({err})")
+        return tuple(names), tuple(values)
+
+    def _fan_out(self, batch: Batch) -> None:
+        targets = list(self.sinks)
+        handler = _trace_state.active()
+        if handler is not None:
+            targets.append(handler)
+        for sink in targets:
+            write_batch = getattr(sink, "write_batch", None)
+            if write_batch is not None:
+                self._try(sink, write_batch, batch)
+            else:
+                for record in batch.records():  # one bad record costs only itself
+                    self._try(sink, sink.write, record)
+            self._try(sink, sink.flush)
+
+    def _try(self, sink: Any, call: Any, *args: Any) -> None:
+        try:
+            call(*args)
+        except Exception as err:  # a failing sink must not stop the others
+            self._warn_once(id(sink), f"sink {type(sink).__name__} failed: {err!r}")
+
+    def _warn_once(self, key: Any, text: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
+
+    def close(self) -> None:
+        """Writes what is queued and stops the thread (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._wake.set()
+        with self._space:
+            self._space.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        self.flush()

@@ -1,0 +1,105 @@
+"""JsonlSink: records as JSONL lines, the format of History's own log."""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+
+from jaxhistory._codec import encode_lines, float_rows
+from jaxhistory._files import open_log
+from jaxhistory._record import Batch, Record
+
+__all__ = ["JsonlSink"]
+
+
+class JsonlSink:
+    """Appends one JSONL line per record, in the format of History's log
+    (``step``, ``timestamp``, ``process_index``, ``metrics``, ``aggregated``;
+    ``group`` too for published metrics; NaN and infinities as strings).
+
+    History's own log is one of these, fed by its background thread. Each write
+    goes to the operating system at once (``flush`` after every batch), so a
+    process killed with SIGKILL leaves every complete line readable; a write that
+    fails (a full disk) never raises: the sink warns once, keeps
+    :attr:`error`, counts the records it could not write in :attr:`lost`, and
+    starts the next write on a new line.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> from jaxhistory.sinks import JsonlSink, Record
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "log.jsonl"
+        >>> sink = JsonlSink(path)
+        >>> sink.write(Record(step=1, timestamp=0.5, metrics={"loss": 0.25}))
+        >>> sink.close()
+        >>> path.read_text()
+        '{"step":1,"timestamp":0.5,"process_index":0,"metrics":{"loss":0.25},"aggregated":{}}\\n'
+    """
+
+    all_processes = False
+
+    def __init__(self, path: str | os.PathLike, overwrite: bool = False):
+        self.path = Path(path)
+        self._file = open_log(self.path, overwrite)
+        self._lock = threading.Lock()
+        self._broken = False  # the last write may have stopped mid-line
+        self.error: BaseException | None = None  # the last failed write
+        self.lost = 0  # records not written because writing failed
+
+    def write(self, record: Record) -> None:
+        self.write_batch(Batch.of([record]))
+
+    def write_batch(self, batch: Batch) -> None:
+        """Writes every record of ``batch`` (one column at a time)."""
+        index = batch.process_index
+        text = b"".join(
+            encode_lines(
+                run.steps,
+                run.stamps,
+                index,
+                run.names,
+                float_rows(run.rows) if run.floats else run.columns(),
+                run.agg_names,
+                run.agg_columns(),
+                run.group,
+            )
+            for run in batch.runs
+        )
+        with self._lock:
+            if self._file.closed:
+                return
+            try:
+                if self._broken:
+                    self._file.write(b"\n")
+                    self._broken = False
+                self._file.write(text)
+                self._file.flush()
+            except Exception as err:  # a full disk must not stop the training
+                self._broken = True
+                self.lost += len(batch)
+                first = self.error is None
+                self.error = err
+                if first:
+                    warnings.warn(
+                        f"JSONL log {self.path}: writing failed ({err!r}); "
+                        f"{len(batch)} record(s) not written, later ones are tried",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                try:
+                    self._file.flush()
+                except Exception as err:
+                    self._broken, self.error = True, err
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                try:
+                    self._file.close()
+                except Exception as err:
+                    self.error = err
