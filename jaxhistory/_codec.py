@@ -9,17 +9,17 @@ infinities are written as the strings ``"NaN"``, ``"Infinity"`` and
 Array metrics are nested lists. Floats are written exactly: the shortest text that
 reads back as the same float64.
 
-Every JSONL file jaxhistory writes goes through :func:`encode_lines`: records that
-share their names are turned into text a column at a time (orjson formats a whole
-NumPy column in one call) and into lines by one ``%``-format per few thousand
-lines, which is what makes the log cheap enough to stream beside a fast loop.
+Every JSONL line jaxhistory writes comes from :func:`encode_records`: a batch of
+records is written by one orjson call (about half a microsecond per record of ten
+floats), after :func:`jsonable` has turned the values orjson cannot write as we
+want (non-finite floats, narrow floats, huge integers) into ones it can.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,41 +28,67 @@ import orjson
 
 __all__ = [
     "NONFINITE_TEXT",
-    "column_texts",
     "decode_line",
-    "encode_lines",
-    "float_rows",
+    "encode_records",
+    "jsonable",
     "jsonl_value",
     "read_columns",
-    "stamp_texts",
 ]
 
 # repr(x) of a non-finite float -> its text in the logs (strict JSON has no NaN)
 NONFINITE_TEXT = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
-_NONFINITE = {k: b'"' + v.encode() + b'"' for k, v in NONFINITE_TEXT.items()}
 _FROM_TEXT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
-_CHUNK = 4096  # lines formatted by one %-operation
+_U64 = 2**64
+_CHUNK = 4096  # lines put together by one %-format
 
 
-def _nonfinite(x: float) -> bytes:
-    return _NONFINITE[repr(float(x))]
+def _nonfinite(x: float) -> str:
+    return NONFINITE_TEXT[repr(float(x))]
 
 
-def _plain(value: Any) -> np.ndarray:
-    """``value`` as a NumPy array orjson can write: bool, int or float64."""
+def _listed(arr: np.ndarray) -> list:
+    """An array with non-finite values as nested lists, those as strings."""
+    if arr.ndim == 1:
+        return [v if math.isfinite(v) else _nonfinite(v) for v in arr.tolist()]
+    return [_listed(a) for a in arr]
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as something orjson writes in the log's format: finite floats
+    and ints as they are, non-finite floats as ``"NaN"``/``"Infinity"``/
+    ``"-Infinity"``, integers beyond 64 bits as floats, NumPy and JAX values as
+    numbers or (nested) lists; float arrays are widened to float64 first, so a
+    float32 value is written as the float64 it reads back as."""
+    kind = type(value)
+    if kind is float:
+        return value if math.isfinite(value) else _nonfinite(value)
+    if kind is int:
+        return value if -_U64 < value < _U64 else float(value)
+    if kind is bool or value is None:
+        return value
     arr = np.asarray(value)
-    # float32 and narrower, and ml_dtypes floats (bfloat16 and friends)
-    if arr.dtype.kind not in "biu" and arr.dtype != np.float64:
+    if arr.dtype.kind not in "biuf" or (
+        arr.dtype.kind == "f" and arr.dtype != np.float64
+    ):  # bfloat16 and other ml_dtypes floats
         arr = arr.astype(np.float64)
+    if arr.ndim == 0:
+        return jsonable(arr.item())
+    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+        return _listed(arr)
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
-def _nested(arr: np.ndarray) -> bytes:
-    """An array with non-finite values, as nested lists with them as strings."""
-    if arr.ndim == 0:
-        return orjson.dumps(arr.item()) if np.isfinite(arr) else _nonfinite(arr)
-    return b"[" + b",".join(_nested(a) for a in arr) + b"]"
+def _clean(values: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``values`` itself when orjson can write every value as it is, else a copy
+    with each value made :func:`jsonable`."""
+    try:
+        total = sum(values.values(), 0.0)  # NaN and Inf survive a sum
+        if type(total) is float and total - total == 0.0:
+            return values
+    except Exception:  # arrays of other shapes, or not numbers
+        pass
+    return {k: jsonable(v) for k, v in values.items()}
 
 
 def jsonl_value(value: Any) -> bytes:
@@ -74,211 +100,105 @@ def jsonl_value(value: Any) -> bytes:
         >>> jsonl_value(0.1), jsonl_value(np.array([1.5, np.nan])), jsonl_value(3)
         (b'0.1', b'[1.5,"NaN"]', b'3')
     """
-    if type(value) is float:
-        return orjson.dumps(value) if math.isfinite(value) else _nonfinite(value)
     if type(value) is int:
         return str(value).encode()
-    arr = _plain(value)
-    if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        return _nested(arr)
-    if arr.ndim == 0:
-        return orjson.dumps(arr.item())
-    return orjson.dumps(arr, option=_NUMPY)
+    return orjson.dumps(jsonable(value), option=_NUMPY)
 
 
-def column_texts(values: Any) -> list[bytes]:
-    """The JSON text of each record of a column (an array whose first axis is the
-    records, or a sequence of values), a whole column per orjson call."""
-    try:
-        arr = _plain(values)
-    except (ValueError, TypeError, OverflowError):  # ragged, or not numbers
-        return [jsonl_value(v) for v in values]
-    if arr.dtype.kind not in "biuf":  # objects: huge ints, mixed values
-        return [jsonl_value(v) for v in values]
-    if not len(arr):
-        return []
-    finite = None
-    if arr.dtype.kind == "f":
-        finite = np.isfinite(arr)
-        if finite.all():
-            finite = None
-        elif arr.ndim > 1:
-            return [_nested(a) for a in arr]
-        else:
-            arr = np.where(finite, arr, 0.0)
-    if arr.ndim == 1:
-        texts = orjson.dumps(arr, option=_NUMPY)[1:-1].split(b",")
-        if finite is not None:
-            for i in np.flatnonzero(~finite).tolist():
-                texts[i] = _nonfinite(values[i])
-        return texts
-    return [orjson.dumps(a, option=_NUMPY) for a in arr]
+def _bodies(dicts: list, k: int) -> list[bytes] | None:
+    """The JSON text of each dict without its braces, from one orjson call for
+    all of them; None where a name holds the '},{' that separates them."""
+    text = orjson.dumps(dicts, option=_NUMPY)
+    if text.count(b"},{") != k - 1:
+        return None
+    return text[2:-2].split(b"},{")
 
 
-def stamp_texts(timestamps: Sequence[float | None]) -> list[bytes]:
-    """The text of each timestamp (``null`` where unknown), in one call."""
-    times = np.array(
-        [math.nan if t is None else t for t in timestamps], np.float64, ndmin=1
-    )
-    known = np.isfinite(times)
-    if not len(times):
-        return []
-    texts = orjson.dumps(np.where(known, times, 0.0), option=_NUMPY)[1:-1].split(b",")
-    if not known.all():
-        for i in np.flatnonzero(~known).tolist():
-            texts[i] = b"null"
-    return texts
+def _all_clean(dicts: list) -> list:
+    """``dicts``, with each one that orjson cannot write as it is cleaned."""
+    try:  # NaN and Inf survive a sum: one pass over every value finds them
+        total = sum(map(sum, map(dict.values, dicts)), 0.0)
+        if type(total) is float and total - total == 0.0:
+            return dicts
+    except Exception:  # arrays, or a mapping that is not a dict
+        pass
+    return [_clean(d) for d in dicts]
 
 
-def _step_texts(steps: Sequence[int | None]) -> list[bytes]:
-    if not len(steps):
-        return []
-    steps = steps.tolist() if isinstance(steps, np.ndarray) else list(steps)
-    return orjson.dumps(steps)[1:-1].split(b",")
-
-
-def _key(name: str) -> bytes:
-    """A JSON key, ready for %-formatting templates."""
-    return orjson.dumps(name).replace(b"%", b"%%") + b":%s"
-
-
-def _template(
-    process_index: int, group, metrics: bytes, aggregated: bytes = b""
+def encode_records(
+    steps: list,
+    stamps: list,
+    metrics: list,
+    aggregated: list | None = None,
+    groups: list | None = None,
+    process_index: int = 0,
 ) -> bytes:
-    """The %-template of a line: step and timestamp, then ``metrics`` and
-    ``aggregated`` (themselves templates, or ``%s`` for a fragment)."""
-    head = b'{"step":%s,"timestamp":%s,"process_index":' + b"%d" % process_index
-    if group is not None:
-        head += b',"group":' + orjson.dumps(group).replace(b"%", b"%%")
-    return head + b',"metrics":{' + metrics + b'},"aggregated":{' + aggregated + b"}}\n"
+    """The JSONL lines of records given as parallel lists: steps, timestamps
+    (None: unknown), metrics and aggregated dicts (name -> value), and groups
+    (None except for published metrics; a None list: no groups at all).
 
-
-def _keys(names: Sequence[str]) -> bytes:
-    return b",".join(_key(n) for n in names)
-
-
-def encode_lines(
-    steps: Sequence[int | None],
-    timestamps: Sequence[float | None],
-    process_index: int,
-    names: Sequence[str],
-    columns: Sequence[Any],
-    agg_names: Sequence[str] = (),
-    agg_columns: Sequence[Any] = (),
-    group: str | None = None,
-) -> bytes:
-    """The lines of records that share their names: one column per name.
+    All the records' metrics go through one orjson call (and their aggregated
+    values through another); lines are then put together by one ``%``-format
+    per few thousand lines.
 
     Example:
-        >>> from jaxhistory._codec import encode_lines
-        >>> encode_lines([1, 2], [None, 0.5], 0, ["loss"], [[0.25, float("nan")]])
+        >>> from jaxhistory._codec import encode_records
+        >>> encode_records([1], [None], [{"loss": 0.25}])
         b'{"step":1,"timestamp":null,"process_index":0,"metrics":{"loss":0.25},\
-"aggregated":{}}\\n{"step":2,"timestamp":0.5,"process_index":0,"metrics":{"loss":\
-"NaN"},"aggregated":{}}\\n'
+"aggregated":{}}\\n'
     """
     k = len(steps)
     if not k:
         return b""
-    template = _template(process_index, group, _keys(names), _keys(agg_names))
-    if names and not agg_names and type(columns) is _FloatRows:
-        # Rows of Python floats: all values to text in one orjson call (row
-        # major), rows to text in one %-format, then lines in another.
-        texts = _float_texts(columns.rows, len(names))
-        if texts is not None:
-            inner = _keys(names) + b"\0"
-            frags = []
-            for start in range(0, k, _CHUNK):
-                n = min(_CHUNK, k - start)
-                w = len(names)
-                chunk = (inner * n) % tuple(texts[start * w : (start + n) * w])
-                frags += chunk.split(b"\0")[:-1]
-            head = _template(process_index, group, b"%s")
-            fields = zip(
-                _step_texts(steps), stamp_texts(timestamps), frags, strict=True
-            )
-            flat = itertools.chain.from_iterable(fields)
-            out = []
-            for start in range(0, k, _CHUNK):
-                n = min(_CHUNK, k - start)
-                out.append((head * n) % tuple(itertools.islice(flat, n * 3)))
-            return b"".join(out)
-        columns = list(zip(*columns.rows, strict=True))
-    texts = [_step_texts(steps), stamp_texts(timestamps)]
-    texts += [column_texts(c) for c in columns]
-    texts += [column_texts(c) for c in agg_columns]
-    width = len(texts)
-    flat = itertools.chain.from_iterable(zip(*texts, strict=True))
+    metrics = [m if type(m) is dict else dict(m) for m in metrics]
+    if groups is not None and any(g is not None for g in groups):
+        return _encode_each(steps, stamps, metrics, aggregated, groups, process_index)
+    bodies = _bodies(_all_clean(metrics), k)
+    if aggregated is not None and any(aggregated):
+        agg_bodies = _bodies(_all_clean([dict(a) for a in aggregated]), k)
+    else:
+        agg_bodies = [b""] * k
+    if bodies is None or agg_bodies is None:
+        return _encode_each(steps, stamps, metrics, aggregated, None, process_index)
+    stamps = [t if t is None or type(t) is float else float(t) for t in stamps]
+    line = (
+        b'{"step":%s,"timestamp":%s,"process_index":'
+        + b"%d" % process_index
+        + b',"metrics":{%s},"aggregated":{%s}}\n'
+    )
+    fields = zip(_texts(steps), _texts(stamps), bodies, agg_bodies, strict=True)
+    flat = itertools.chain.from_iterable(fields)
     out = []
     for start in range(0, k, _CHUNK):
         n = min(_CHUNK, k - start)
-        out.append((template * n) % tuple(itertools.islice(flat, n * width)))
+        out.append((line * n) % tuple(itertools.islice(flat, 4 * n)))
     return b"".join(out)
 
 
-class _FloatRows:
-    """Rows of Python floats, one tuple per record (see :func:`float_rows`)."""
-
-    __slots__ = ("rows",)
-
-    def __init__(self, rows: list[tuple]):
-        self.rows = rows
+def _texts(values: list) -> list[bytes]:
+    """The JSON text of each number (or None) of ``values``, in one call."""
+    return orjson.dumps(values)[1:-1].split(b",")
 
 
-def float_rows(rows: list[tuple]) -> Any:
-    """Marks ``rows`` (tuples of Python floats, one per record) as the
-    ``columns`` of :func:`encode_lines`, which then converts them in one pass."""
-    return _FloatRows(rows)
-
-
-def _float_texts(rows: list[tuple], width: int) -> list[bytes] | None:
-    """The text of every value of ``rows``, row major; None if one is not finite
-    or the rows are not all floats of the same width."""
-    try:
-        arr = np.array(rows, np.float64)
-    except (ValueError, TypeError):
-        return None
-    if arr.shape != (len(rows), width) or not np.isfinite(arr).all():
-        return None
-    return orjson.dumps(arr.reshape(-1), option=_NUMPY)[1:-1].split(b",")
-
-
-def row_fragments(names: Sequence[str], columns: Sequence[Any], k: int) -> list[bytes]:
-    """``'"a":1,"b":2'`` for each of ``k`` records (for merging records of several
-    name sets into one line)."""
-    if not names:
-        return [b""] * k
-    template = _keys(names) + b"\0"
-    texts = [column_texts(c) for c in columns]
-    width = len(texts)
-    flat = itertools.chain.from_iterable(zip(*texts, strict=True))
-    out: list[bytes] = []
-    for start in range(0, k, _CHUNK):
-        n = min(_CHUNK, k - start)
-        chunk = (template * n) % tuple(itertools.islice(flat, n * width))
-        out += chunk.split(b"\0")[:-1]  # JSON text never holds a raw NUL
-    return out
-
-
-def join_lines(
-    steps: Sequence[int],
-    timestamps: Sequence[float | None],
-    process_index: int,
-    metrics: Sequence[bytes],
-    aggregated: Sequence[bytes],
-) -> bytes:
-    """Lines from per-record fragments made by :func:`row_fragments`."""
-    if not len(steps):
-        return b""
-    template = b'{"step":%s,"timestamp":%s,"process_index":' + b"%d" % process_index
-    template += b',"metrics":{%s},"aggregated":{%s}}\n'
-    fields = zip(
-        _step_texts(steps), stamp_texts(timestamps), metrics, aggregated, strict=True
-    )
-    flat = itertools.chain.from_iterable(fields)
+def _encode_each(steps, stamps, metrics, aggregated, groups, process_index) -> bytes:
+    """:func:`encode_records` record by record (names holding '},{', groups)."""
+    k = len(steps)
+    aggregated = aggregated or [{}] * k
+    groups = groups or [None] * k
     out = []
-    for start in range(0, len(steps), _CHUNK):
-        n = min(_CHUNK, len(steps) - start)
-        out.append((template * n) % tuple(itertools.islice(flat, n * 4)))
+    for step, stamp, values, agg, group in zip(
+        steps, stamps, metrics, aggregated, groups, strict=True
+    ):
+        record = {
+            "step": step,
+            "timestamp": None if stamp is None else float(stamp),
+            "process_index": process_index,
+        }
+        if group is not None:
+            record["group"] = group
+        record["metrics"] = _clean(values)
+        record["aggregated"] = _clean(agg) if agg else {}
+        out.append(orjson.dumps(record, option=_NUMPY) + b"\n")
     return b"".join(out)
 
 

@@ -209,8 +209,8 @@ class History:
                     metrics = {k: v for k, v in metrics.items() if k != key}
                     break
         with self._lock:
-            names, row, host, step_used = self._record_dict(metrics, step)
-            if names is None:  # nested, a pytree, or values to reduce
+            record, host, step_used = self._record_dict(metrics, step)
+            if record is None:  # nested, a pytree, or values to reduce
                 items = flatten(metrics)
                 if step is None:
                     for key in STEP_KEYS:
@@ -219,7 +219,7 @@ class History:
                             label, step = key, as_step(key, found[0])
                             items = [(n, v) for n, v in items if n != key]
                             break
-                names, row, step_used = self._record_items(items, step)
+                record, step_used = self._record_items(items, step)
             want_line = summarize and not (self._updates % self.log_every)
             self._updates += 1
             now = time.time()
@@ -229,30 +229,31 @@ class History:
             if self.memory_every or self._attached or self._attached_at:
                 token, side = self._side_values(step_used)
             if self._writing or _trace_state._stack:
-                self._emit(step_used, now, names, row, side, host)
+                self._emit(step_used, now, record, side, host)
         if not want_line:
             return ""
-        line = self._line.format(label, step_used, names, row, precision, host)
+        line = self._line.format(label, step_used, record, precision, host)
         return f"{line} {token}" if token else line
 
     def _record_dict(self, metrics: Any, step: int | None):
         """Records a flat dict that needs no reduction as it is (the common case).
-        Returns (its names, their values, whether every value is a Python
-        number, the step), or Nones where this does not apply."""
+        Returns (the dict recorded, 2 if every value is a Python float, 1 if
+        every one is a Python number, else 0, the step), or Nones where this does
+        not apply."""
         if type(metrics) is not dict:
-            return None, None, False, None
+            return None, False, None
         types = set(map(type, metrics.values()))
         host = 2 if types == _FLOATS else 1 if types <= _PY_NUMBERS else 0
         if not host:
             if _NESTED.intersection(types) or Stats in types:
-                return None, None, False, None
+                return None, False, None
             if self.distributed_history and (
                 self._reducer.multi_process
                 or any(is_per_device(v) for v in metrics.values())
             ):
-                return None, None, False, None
+                return None, False, None
         elif self.distributed_history and self._reducer.multi_process:
-            return None, None, False, None  # host scalars are reduced across processes
+            return None, False, None  # host scalars are reduced across processes
         new = self.state.update(metrics, step=step)
         if not host and self.mesh is None:
             self._note_mesh(metrics.values())
@@ -263,12 +264,12 @@ class History:
             step_used = step if type(step) is int else as_step("step", step)
             if "step" in metrics:  # checked to agree with step: not a metric
                 metrics = {k: v for k, v in metrics.items() if k != "step"}
-        return tuple(metrics), tuple(metrics.values()), host, step_used
+        return metrics, host, step_used
 
     def _record_items(self, items: list[tuple[str, Any]], step: int | None):
         """Records flattened items, reducing across devices (and processes) what
         needs it, as one :class:`~jaxhistory.Stats` named ``{name}/{stat}``.
-        Returns the recorded items and the step."""
+        Returns the dict recorded and the step."""
         plain, reduce = (
             self._reducer.split(items) if self.distributed_history else (items, [])
         )
@@ -288,7 +289,7 @@ class History:
         step_used = new.next_step - 1 if step is None else as_step("step", step)
         if step is not None:
             record.pop("step", None)  # checked to agree with step: not a metric
-        return tuple(record), tuple(record.values()), step_used
+        return record, step_used
 
     def attach(self, metrics: Any, step: int | None = None) -> None:
         """Records host values of this process alone, never reduced across devices
@@ -333,7 +334,7 @@ class History:
             side = (*side, *now_items)
             if self._writing or _trace_state._stack:
                 for at, pairs in earlier:  # attached with a step of their own
-                    self._emit(at, time.time(), (), (), pairs)
+                    self._emit(at, time.time(), dict(pairs))
         return token, side
 
     def _record_attached(self, step: int) -> tuple[tuple, list]:
@@ -382,9 +383,9 @@ class History:
         if self._writing or _trace_state._stack:
             now = time.time()
             for at, pairs in earlier:
-                self._emit(at, now, (), (), pairs)
+                self._emit(at, now, dict(pairs))
             if now_items:
-                self._emit(step, now, (), (), now_items)
+                self._emit(step, now, dict(now_items))
 
     def _memory(self, step: int) -> tuple[str, tuple]:
         """Records ``mem/*`` at ``step`` every ``memory_every`` updates; returns the
@@ -434,26 +435,27 @@ class History:
                 self.mesh = mesh
                 return
 
-    def _emit(self, step, now, names, row, side=(), host=0) -> None:
+    def _emit(self, step, now, metrics: dict, side=(), host=False) -> None:
         """Queues one log line for the writer (the caller holds the lock):
-        ``names`` and ``row`` as recorded (Stats among them are written as
-        aggregated values), then the (name, value) pairs of ``side``. ``host``:
-        every value is a Python number."""
+        ``metrics`` as recorded (Stats among them are written as aggregated
+        values), then the (name, value) pairs of ``side``. ``host``: every value
+        is a Python number."""
         if self._writer is None:
             self._start_writer()
         stats: tuple = ()
-        if not host and Stats in set(map(type, row)):
-            pairs = list(zip(names, row, strict=True))
+        if not host and Stats in set(map(type, metrics.values())):
             stats = tuple(
-                (f"{n}/" if n else "", v) for n, v in pairs if type(v) is Stats
+                (f"{n}/" if n else "", v)
+                for n, v in metrics.items()
+                if type(v) is Stats
             )
-            names = tuple(n for n, v in pairs if type(v) is not Stats)
-            row = tuple(v for _, v in pairs if type(v) is not Stats)
+            metrics = {n: v for n, v in metrics.items() if type(v) is not Stats}
+        else:
+            metrics = metrics.copy()  # the caller may change its dict later
         if side:
-            names = (*names, *(n for n, _ in side))
-            row = (*row, *(v for _, v in side))
-            host = 0
-        self._writer.add(step, now, names, row, stats, host)
+            metrics.update(side)
+            host = False
+        self._writer.add(step, now, metrics, stats, host)
 
     def _start_writer(self) -> None:
         if self._log_path is not None and self._log is None:

@@ -30,105 +30,73 @@ class Record:
     group: str | None = None
 
 
-class Run:
-    """Consecutive records that share their names: their steps, timestamps and
-    rows of values (host values: Python numbers or NumPy arrays)."""
+class Batch:
+    """Records handed to sinks together, as parallel lists (no object per
+    record until :meth:`records` asks for them): steps, timestamps, metrics and
+    aggregated dicts (values on the host), and groups (None: no record has one).
+
+    Sinks that define ``write_batch(batch)`` take it whole (the JSONL sink writes
+    it with one encoder call); the others get :meth:`records`.
+    """
 
     __slots__ = (
-        "agg_names",
-        "agg_rows",
-        "floats",
-        "group",
-        "names",
-        "rows",
+        "_records",
+        "aggregated",
+        "groups",
+        "metrics",
+        "process_index",
         "stamps",
         "steps",
     )
 
     def __init__(
         self,
-        names: tuple,
-        agg_names: tuple,
-        group: str | None = None,
-        floats: bool = False,
+        steps: list,
+        stamps: list,
+        metrics: list,
+        aggregated: list | None = None,
+        groups: list | None = None,
+        process_index: int = 0,
     ):
-        self.names, self.agg_names, self.group = names, agg_names, group
-        self.floats = floats  # every row holds Python floats only
-        self.steps: list[int | None] = []
-        self.stamps: list[float | None] = []
-        self.rows: list[tuple] = []
-        self.agg_rows: list[tuple] = []
-
-    def columns(self) -> list[tuple]:
-        """One tuple of values per name."""
-        return list(zip(*self.rows, strict=True)) if self.names else []
-
-    def agg_columns(self) -> list[tuple]:
-        return list(zip(*self.agg_rows, strict=True)) if self.agg_names else []
-
-
-class Batch:
-    """Records handed to sinks together, grouped in :class:`Run` s.
-
-    Sinks that define ``write_batch(batch)`` take it whole (the JSONL sink turns
-    each run into text a column at a time); the others get :meth:`records`.
-    """
-
-    __slots__ = ("_records", "process_index", "runs")
-
-    def __init__(self, runs: list[Run], process_index: int = 0):
-        self.runs, self.process_index = runs, process_index
+        self.steps, self.stamps, self.metrics = steps, stamps, metrics
+        self.aggregated, self.groups = aggregated, groups
+        self.process_index = process_index
         self._records: list[Record] | None = None
 
     @classmethod
     def of(cls, records: list[Record]) -> Batch:
-        """A batch of ready-made records (runs split where names change)."""
-        runs: list[Run] = []
-        index = records[0].process_index if records else 0
-        for r in records:
-            names, agg = tuple(r.metrics), tuple(r.aggregated)
-            run = runs[-1] if runs else None
-            if (
-                run is None
-                or run.names != names
-                or run.agg_names != agg
-                or run.group != r.group
-                or r.process_index != index
-            ):
-                if run is not None and r.process_index != index:
-                    index = r.process_index  # rare: keep one index per batch
-                run = Run(names, agg, r.group)
-                runs.append(run)
-            run.steps.append(r.step)
-            run.stamps.append(r.timestamp)
-            run.rows.append(tuple(r.metrics.values()))
-            run.agg_rows.append(tuple(r.aggregated.values()))
-        batch = cls(runs, index)
+        """A batch of ready-made records (all from one process)."""
+        groups = [r.group for r in records]
+        batch = cls(
+            [r.step for r in records],
+            [r.timestamp for r in records],
+            [r.metrics for r in records],
+            [r.aggregated for r in records],
+            groups if any(g is not None for g in groups) else None,
+            records[0].process_index if records else 0,
+        )
         batch._records = list(records)
         return batch
 
     def __len__(self) -> int:
-        return sum(len(run.steps) for run in self.runs)
+        return len(self.steps)
 
     def records(self) -> list[Record]:
         """The batch as :class:`Record` s, in order (made once, on first use)."""
         if self._records is None:
-            out = []
+            k = len(self.steps)
+            aggregated = self.aggregated or [{}] * k
+            groups = self.groups or [None] * k
             index = self.process_index
-            for run in self.runs:
-                names, agg, group = run.names, run.agg_names, run.group
-                for step, stamp, row, agg_row in zip(
-                    run.steps, run.stamps, run.rows, run.agg_rows, strict=True
-                ):
-                    out.append(
-                        Record(
-                            step,
-                            stamp,
-                            dict(zip(names, row, strict=True)),
-                            dict(zip(agg, agg_row, strict=True)),
-                            index,
-                            group,
-                        )
-                    )
-            self._records = out
+            self._records = [
+                Record(step, stamp, metrics, agg, index, group)
+                for step, stamp, metrics, agg, group in zip(
+                    self.steps,
+                    self.stamps,
+                    self.metrics,
+                    aggregated,
+                    groups,
+                    strict=True,
+                )
+            ]
         return self._records

@@ -78,35 +78,42 @@ def summary_line(
 class SummaryLine:
     """Formats History's summary lines.
 
-    Rows of Python numbers (the common case) are formatted by one ``str.format``
-    call with a template made once per (names, value types, precision); anything
+    Rows of Python numbers (the common case) are formatted by one ``%``-format
+    with a template made once per (names, value types, precision); anything
     else goes through :func:`summary_line`.
     """
 
     def __init__(self, first: Sequence[str] = ()):
         self.first = tuple(first)
         self._templates: dict[tuple, tuple[str, tuple[int, ...] | None] | None] = {}
+        # ((label, precision, kinds), names, template) of the last host row
+        self._last: tuple = (None, None, None)
 
     def format(
         self,
         label: str,
         step: int,
-        names: tuple[str, ...],
-        row: tuple,
+        metrics: dict[str, Any],
         precision: int,
         host: bool,
     ) -> str:
+        names, row = tuple(metrics), tuple(metrics.values())
         if host:
-            key = (label, names, precision, tuple(map(type, row)))
-            entry = self._templates.get(key, False)
-            if entry is False:
-                entry = self._templates[key] = self._template(*key)
+            kinds = (float,) * len(row) if host == 2 else tuple(map(type, row))
+            head = (label, precision, host == 2 or kinds)
+            last_head, last_names, entry = self._last
+            if head != last_head or names != last_names:
+                key = (label, names, precision, kinds)
+                entry = self._templates.get(key, False)
+                if entry is False:
+                    entry = self._templates[key] = self._template(*key)
+                self._last = (head, names, entry)
             if entry is not None:
                 template, order = entry
                 if order is None:
-                    return template.format(step, *row)
+                    return template % (step, *row)
                 values = (step, *row)
-                return template.format(*[values[i] for i in order])
+                return template % tuple([values[i] for i in order])
         items = list(zip(names, row, strict=True))
         return summary_line((label, step), items, precision, self.first, host)
 
@@ -119,20 +126,20 @@ class SummaryLine:
         keys = [label, *names]
         if len(set(keys)) != len(keys):
             return None
-        specs = ["{}"]
+        specs = ["%d"]
         for name, kind in zip(names, types, strict=True):
             if kind is float:
                 if name in COUNTER_KEYS:
                     return None  # counters show as integers
-                specs.append(f"{{:.{precision}f}}")
+                specs.append(f"%.{precision}f")
             else:
-                specs.append("{}")
+                specs.append("%d")
         head = [k for k in COUNTER_KEYS if k in keys]
         head += [k for k in self.first if k in keys and k not in head]
         shown = head + [k for k in keys if k not in head]
         order = tuple(keys.index(k) for k in shown)
         template = " ".join(
-            f"{k.replace('{', '{{').replace('}', '}}')}={specs[i]}"
+            f"{k.replace('%', '%%')}={specs[i]}"
             for k, i in zip(shown, order, strict=True)
         )
         return template, (None if order == tuple(range(len(keys))) else order)

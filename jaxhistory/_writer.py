@@ -18,7 +18,6 @@ with one warning, and :attr:`Writer.dropped` counts them.
 from __future__ import annotations
 
 import atexit
-import collections
 import math
 import threading
 import time
@@ -32,7 +31,7 @@ import numpy as np
 
 from jaxhistory import _trace_state
 from jaxhistory._names import stat_names
-from jaxhistory._record import Batch, Run
+from jaxhistory._record import Batch
 
 __all__ = ["Writer"]
 
@@ -63,7 +62,12 @@ class Writer:
         self.sinks = list(sinks)
         self.process_index = jax.process_index()
         self.dropped = 0  # updates dropped because the sinks could not keep up
-        self._pending: collections.deque[tuple] = collections.deque()
+        # The queue, as parallel lists (see add)
+        self._steps: list = []
+        self._stamps: list = []
+        self._metrics: list = []
+        self._stats: list = []
+        self._hosts: list = []
         self._lock = threading.Lock()  # add() against close()
         self._drain_lock = threading.Lock()  # one drain at a time, in order
         self._space = threading.Condition()
@@ -86,45 +90,69 @@ class Writer:
         self,
         step: int | None,
         timestamp: float,
-        names: tuple[str, ...],
-        row: tuple,
+        metrics: dict[str, Any],
         stats: tuple = (),
-        host: int = 0,
+        host: bool = False,
     ) -> None:
-        """Queues one update: ``row`` holds the value of each of ``names``;
-        ``stats`` holds ``(prefix, Stats)`` pairs, written as aggregated
-        ``{prefix}{name}/{stat}`` values; ``host``: 1 when every value of ``row``
-        is a Python number (nothing to convert), 2 when every one is a float.
-        Raises ValueError after :meth:`close`."""
-        pending = self._pending
+        """Queues one update: ``metrics`` maps names to values (the writer keeps
+        the dict: pass one nobody changes later); ``stats`` holds ``(prefix,
+        Stats)`` pairs, written as aggregated ``{prefix}{name}/{stat}`` values;
+        ``host``: every value is a Python number (nothing to convert). Raises
+        ValueError after :meth:`close`."""
+        steps = self._steps
         with self._lock:
             if self._closed:
                 raise ValueError("the writer is closed")
-            pending.append((step, timestamp, names, row, stats, host))
-        if len(pending) >= self.WAKE_AT:
+            # Parallel lists, not a tuple per update: nothing new for the
+            # garbage collector to track while updates wait.
+            steps.append(step)
+            self._stamps.append(timestamp)
+            self._metrics.append(metrics)
+            self._stats.append(stats)
+            self._hosts.append(host)
+            n = len(steps)
+        if n >= self.WAKE_AT:
             self._backpressure()
 
+    def pending(self) -> int:
+        """Updates queued and not yet taken by the thread."""
+        return len(self._steps)
+
     def _backpressure(self) -> None:
-        self._wake.set()
-        if len(self._pending) < self.MAX_PENDING:
+        if not self._wake.is_set():
+            self._wake.set()
+        if len(self._steps) < self.MAX_PENDING:
             return
         deadline = time.monotonic() + self.MAX_WAIT
         with self._space:
-            while len(self._pending) >= self.MAX_PENDING and not self._closed:
+            while len(self._steps) >= self.MAX_PENDING and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._thread.is_alive():
-                    self._drop(len(self._pending) - self.MAX_PENDING // 2)
+                    self._drop(len(self._steps) - self.MAX_PENDING // 2)
                     return
                 self._space.wait(min(left, 0.05))
 
+    def _take(self, k: int | None = None) -> tuple[list, ...]:
+        """Removes the first ``k`` (all) queued updates; returns their lists."""
+        with self._lock:
+            queues = (
+                self._steps,
+                self._stamps,
+                self._metrics,
+                self._stats,
+                self._hosts,
+            )
+            if k is None or k >= len(self._steps):
+                self._steps, self._stamps, self._metrics = [], [], []
+                self._stats, self._hosts = [], []
+                return queues
+            taken = tuple(q[:k] for q in queues)
+            for q in queues:
+                del q[:k]
+        return taken
+
     def _drop(self, k: int) -> None:
-        dropped = 0
-        for _ in range(k):
-            try:
-                self._pending.popleft()
-            except IndexError:
-                break
-            dropped += 1
+        dropped = len(self._take(k)[0])
         self.dropped += dropped
         self._warn_once(
             "dropped",
@@ -145,39 +173,29 @@ class Writer:
         """Writes every queued update now (waiting for its device values) and
         flushes the sinks."""
         with self._drain_lock:
-            queue = self._pending
-            items = [queue.popleft() for _ in range(len(queue))]
+            steps, stamps, metrics, stats, hosts = self._take()
             with self._space:
                 self._space.notify_all()
-            if not items:
+            if not steps:
                 return
-            batch = self._resolve(items)
+            batch = self._resolve(steps, stamps, metrics, stats, hosts)
             self._fan_out(batch)
 
-    def _resolve(self, items: list[tuple]) -> Batch:
-        runs: list[Run] = []
-        key = None
+    def _resolve(self, steps, stamps, metrics, stats, hosts) -> Batch:
+        """The queued updates with their values on the host (this waits for
+        device values) and their statistics as aggregated values."""
         lost: list[str] = []
-        for step, stamp, names, row, stats, host in items:
-            if not host:
-                for v in row:
-                    if type(v) is not float and type(v) is not int:
-                        row = self._host_row(step, names, row, lost)
-                        break
-            if stats:
-                agg_names, agg_row = self._stats_row(step, stats, lost)
-            else:
-                agg_names = agg_row = ()
-            if key is None or key[0] != names or key[1] != agg_names or key[2] != host:
-                key = (names, agg_names, host)
-                run = Run(names, agg_names, None, host == 2)
-                runs.append(run)
-                add_step, add_stamp = run.steps.append, run.stamps.append
-                add_row, add_agg = run.rows.append, run.agg_rows.append
-            add_step(step)
-            add_stamp(stamp)
-            add_row(row)
-            add_agg(agg_row)
+        aggregated = None
+        if not all(hosts):
+            metrics = [
+                m if host else self._host_values(step, m, lost)
+                for step, m, host in zip(steps, metrics, hosts, strict=True)
+            ]
+        if any(stats):
+            aggregated = [
+                self._stats_values(step, s, lost) if s else {}
+                for step, s in zip(steps, stats, strict=True)
+            ]
         if lost:
             shown = "; ".join(lost[:5]) + (
                 f" and {len(lost) - 5} more" if len(lost) > 5 else ""
@@ -188,38 +206,37 @@ class Writer:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        return Batch(runs, self.process_index)
+        return Batch(steps, stamps, metrics, aggregated, None, self.process_index)
 
     @staticmethod
-    def _host_row(step, names, row, lost: list[str]) -> tuple:
-        out = []
-        for name, v in zip(names, row, strict=True):
+    def _host_values(step, metrics: dict, lost: list[str]) -> dict:
+        out = {}
+        for name, v in metrics.items():
             if type(v) is float or type(v) is int:
-                out.append(v)
+                out[name] = v
                 continue
             try:
-                out.append(_host(v))
+                out[name] = _host(v)
             except Exception as err:  # deleted or donated since it was recorded
                 kind = getattr(getattr(v, "dtype", None), "kind", "f")
                 fill = 0 if kind in "biu" else math.nan
                 shape = tuple(getattr(v, "shape", ()))
-                out.append(np.full(shape, fill) if shape else fill)
+                out[name] = np.full(shape, fill) if shape else fill
                 lost.append(f"{name!r} at step {step} could not be read ({err})")
-        return tuple(out)
+        return out
 
     @staticmethod
-    def _stats_row(step, stats, lost: list[str]) -> tuple[tuple, tuple]:
-        names: list[str] = []
-        values: list[float] = []
+    def _stats_values(step, stats, lost: list[str]) -> dict:
+        out: dict[str, float] = {}
         for prefix, s in stats:
-            these = stat_names(s.names, prefix)
-            names += these
+            names = stat_names(s.names, prefix)
             try:
-                values += np.asarray(s.table).reshape(-1).tolist()  # stat-major
+                values = np.asarray(s.table).reshape(-1).tolist()  # stat-major
             except Exception as err:
-                values += [math.nan] * len(these)
-                lost.append(f"statistics {these[0]!r}... at step {step} ({err})")
-        return tuple(names), tuple(values)
+                values = [math.nan] * len(names)
+                lost.append(f"statistics {names[0]!r}... at step {step} ({err})")
+            out.update(zip(names, values, strict=True))
+        return out
 
     def _fan_out(self, batch: Batch) -> None:
         targets = list(self.sinks)

@@ -683,3 +683,19 @@ def test_a_deleted_packed_row_becomes_nan():
     table.delete()
     with pytest.warns(RuntimeWarning, match="step 0 could not be read"):
         assert np.isnan(s.values("c")[0]) and s.values("c")[1] == 12.0
+
+
+def test_a_state_checkpoints_with_orbax_and_keeps_recording(tmp_path):
+    import orbax.checkpoint as ocp
+
+    s = jh.HistoryState().update({"loss": 0.5, "acc": 1}).update({"loss": 0.25})
+    s = s.update({"w": np.arange(3.0)}, step=5)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "ckpt", jax.device_get(s))
+        ckptr.wait_until_finished()
+        back = ckptr.restore(tmp_path / "ckpt", jax.device_get(s))
+    assert isinstance(back, jh.HistoryState) and back.next_step == 6
+    for name in s.keys:
+        np.testing.assert_array_equal(back.steps(name), s.steps(name))
+        np.testing.assert_array_equal(back.values(name), s.values(name))
+    assert back.update({"loss": 0.125}).values("loss").tolist() == [0.5, 0.25, 0.125]

@@ -8,13 +8,14 @@ as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxhistory._codec import encode_lines, join_lines, jsonl_value, row_fragments
+from jaxhistory._codec import encode_records, jsonable, jsonl_value
 from jaxhistory._files import atomic_write, open_log
 from jaxhistory._history_state import HistoryState
 from jaxhistory._names import aggregated_names
@@ -42,56 +43,59 @@ def to_jsonl(
     path = Path(path)
     timestamps = timestamps or {}
     grouped = aggregated_names(state.keys)
-    # One block per table: metrics recorded together share their steps, and each
-    # column is turned into text in one call.
-    blocks = []
+    # Per table (metrics recorded together share their steps), each column to
+    # Python values in one call, then one dict per row.
+    per_step: dict[int, list[dict]] = {}
     for keys, (table, n) in state.data.tables.items():
         if not n:
             continue
         steps, columns = table.view(n)
+        lists = [_column_list(c) for c in columns]
         m = [j for j, k in enumerate(keys) if k not in grouped]
         a = [j for j, k in enumerate(keys) if k in grouped]
-        blocks.append((steps.tolist(), keys, columns, m, a))
+        m_names, a_names = [keys[j] for j in m], [keys[j] for j in a]
+        for step, row in zip(steps.tolist(), zip(*lists, strict=True), strict=True):
+            metrics = dict(zip(m_names, [row[j] for j in m], strict=True))
+            aggregated = dict(zip(a_names, [row[j] for j in a], strict=True))
+            entry = per_step.get(step)
+            if entry is None:
+                per_step[step] = [metrics, aggregated]
+            else:
+                entry[0].update(metrics)
+                entry[1].update(aggregated)
+    order = sorted(per_step)
     get = timestamps.get
-    if len(blocks) == 1:
-        steps, keys, columns, m, a = blocks[0]
-        text = encode_lines(
-            steps,
-            [get(s) for s in steps],
-            process_index,
-            [keys[j] for j in m],
-            [columns[j] for j in m],
-            [keys[j] for j in a],
-            [columns[j] for j in a],
-        )
-    else:  # several name sets: merge their fragments step by step
-        per_step: dict[int, list[list[bytes]]] = {}
-        for steps, keys, columns, m, a in blocks:
-            k = len(steps)
-            mf = row_fragments([keys[j] for j in m], [columns[j] for j in m], k)
-            af = row_fragments([keys[j] for j in a], [columns[j] for j in a], k)
-            for step, mm, aa in zip(steps, mf, af, strict=True):
-                entry = per_step.get(step)
-                if entry is None:
-                    entry = per_step[step] = [[], []]
-                if mm:
-                    entry[0].append(mm)
-                if aa:
-                    entry[1].append(aa)
-        order = sorted(per_step)
-        text = join_lines(
-            order,
-            [get(s) for s in order],
-            process_index,
-            [b",".join(per_step[s][0]) for s in order],
-            [b",".join(per_step[s][1]) for s in order],
-        )
+    text = encode_records(
+        order,
+        [get(step) for step in order],
+        [per_step[step][0] for step in order],
+        [per_step[step][1] for step in order],
+        None,
+        process_index,
+    )
     if overwrite:
         atomic_write(path, lambda tmp: tmp.write_bytes(text))
     else:
         with open_log(path) as f:
             f.write(text)
     return path
+
+
+def _column_list(column) -> list:
+    """A column's values as Python numbers (nested lists for array metrics),
+    floats widened to float64 and non-finite ones as the log's strings."""
+    if column.dtype.kind == "f" and column.dtype != "float64":
+        column = column.astype("float64")
+    if column.dtype.kind not in "biuf":
+        column = column.astype("float64")
+    if column.dtype.kind == "f" and column.ndim == 1:
+        values = column.tolist()
+        if not all(map(math.isfinite, values)):
+            values = [jsonable(v) for v in values]
+        return values
+    if column.dtype.kind == "f":
+        return [jsonable(row) for row in column]
+    return column.tolist()
 
 
 def from_jsonl(path: str | os.PathLike) -> HistoryState:
@@ -142,7 +146,7 @@ class JsonlStream(Writer):
         elif aggregated:
             items = {**items, **aggregated}
         stamp = time.time() if timestamp is None else timestamp
-        super().add(step, stamp, tuple(items), tuple(items.values()), stats)
+        super().add(step, stamp, items, stats)
 
     def close(self) -> None:
         super().close()

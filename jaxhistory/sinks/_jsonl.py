@@ -7,7 +7,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from jaxhistory._codec import encode_lines, float_rows
+from jaxhistory._codec import encode_records
 from jaxhistory._files import open_log
 from jaxhistory._record import Batch, Record
 
@@ -51,20 +51,14 @@ class JsonlSink:
         self.write_batch(Batch.of([record]))
 
     def write_batch(self, batch: Batch) -> None:
-        """Writes every record of ``batch`` (one column at a time)."""
-        index = batch.process_index
-        text = b"".join(
-            encode_lines(
-                run.steps,
-                run.stamps,
-                index,
-                run.names,
-                float_rows(run.rows) if run.floats else run.columns(),
-                run.agg_names,
-                run.agg_columns(),
-                run.group,
-            )
-            for run in batch.runs
+        """Writes every record of ``batch`` (one encoder call for all)."""
+        text = encode_records(
+            batch.steps,
+            batch.stamps,
+            batch.metrics,
+            batch.aggregated,
+            batch.groups,
+            batch.process_index,
         )
         with self._lock:
             if self._file.closed:

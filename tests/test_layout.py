@@ -1,0 +1,425 @@
+"""Import layout: no cycles, no hidden imports, layers that point down.
+
+These tests read the package's source with ``ast`` and import none of it (except the
+last one), so a broken layout is reported as a list of offending imports, each with
+its file and line, instead of as an ImportError somewhere else.
+
+An import is *module level* when it runs while the module is imported: a top-level
+statement, including one inside a top-level ``try``, ``if``, ``with`` or class body,
+but not one inside a function (methods included) or an ``if TYPE_CHECKING:`` block.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import itertools
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "jaxhistory"
+
+# The package's modules by layer, lowest first. A module-level import may go to a
+# module of the same layer or of a lower one, never to a higher one: leaf utilities
+# know nothing of JAX reducers, the device-side reducers know nothing of the stored
+# history, the history's data model knows nothing of files, sinks or processes, and
+# only the package ``__init__`` sees everything. Code in a lower layer that needs a
+# higher one takes it as an argument rather than importing it.
+#
+# Modules listed here that do not exist are skipped. A module that exists and is not
+# listed is in EFFECTS when it lies inside one of EFFECTS_PACKAGES; any other
+# unlisted module fails test_every_module_has_a_layer until it is added here.
+LEAF, DEVICE, DATA, EFFECTS, TOP = range(5)
+LAYER_NAMES = {
+    LEAF: "leaf utilities",
+    DEVICE: "device side",
+    DATA: "pure data",
+    EFFECTS: "effects",
+    TOP: "package",
+}
+LAYERS = {
+    # Leaf utilities: no package imports beyond this layer.
+    "jaxhistory._version": LEAF,
+    "jaxhistory._optional": LEAF,
+    "jaxhistory._files": LEAF,  # atomic writes, appending logs
+    "jaxhistory._names": LEAF,  # the one flatten, metric names
+    "jaxhistory._dtypes": LEAF,  # dtype rules, int64 range, steps
+    "jaxhistory._codec": LEAF,  # the record / JSONL line codec
+    "jaxhistory._record": LEAF,  # Record and Batch, what sinks receive
+    "jaxhistory._env": LEAF,  # run ids, the environment, on/off variables
+    "jaxhistory._tree": LEAF,
+    "jaxhistory._hlo": LEAF,
+    "jaxhistory._trace_state": LEAF,
+    "jaxhistory.launch": LEAF,
+    "jaxhistory._launch_worker": LEAF,
+    # Device side: the reducers that run inside jit and shard_map.
+    "jaxhistory._ops": DEVICE,
+    "jaxhistory._reduce": DEVICE,
+    "jaxhistory._collective": DEVICE,
+    "jaxhistory._stats": DEVICE,
+    "jaxhistory._buffer": DEVICE,
+    "jaxhistory._memory": DEVICE,
+    # Pure data: the history's tables and their conversions, no files or threads.
+    "jaxhistory._table": DATA,
+    "jaxhistory._history_state": DATA,
+    "jaxhistory._xarray": DATA,
+    # Effects: files, threads, processes, sinks, the command line.
+    "jaxhistory._writer": EFFECTS,
+    "jaxhistory._summary": EFFECTS,
+    "jaxhistory._distributed": EFFECTS,
+    "jaxhistory._history": EFFECTS,
+    "jaxhistory._results": EFFECTS,
+    "jaxhistory._timing": EFFECTS,
+    "jaxhistory.trace": EFFECTS,
+    "jaxhistory.publish": EFFECTS,
+    "jaxhistory.sinks": EFFECTS,
+    "jaxhistory.export": EFFECTS,
+    "jaxhistory.cli": EFFECTS,
+    "jaxhistory.__main__": EFFECTS,
+    # The package __init__ may import anything.
+    "jaxhistory": TOP,
+}
+EFFECTS_PACKAGES = ("jaxhistory.export", "jaxhistory.sinks")
+
+OPTIONAL_IMPORT_CHECK = (
+    "import jaxhistory, sys; print(sorted(m for m in sys.modules if m.split('.')[0] "
+    "in ('xarray','matplotlib','plotext','netCDF4','wandb','tensorboardX','flax',"
+    "'optax')))"
+)
+
+
+@dataclass(frozen=True)
+class Import:
+    """One package module brought in by one import statement."""
+
+    importer: str
+    target: str
+    file: str  # relative to the repository root
+    line: int
+    statement: str
+    in_function: bool
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.statement}"
+
+
+def find_modules(package_dir: Path) -> dict[str, Path]:
+    """Dotted module name -> source file, for every module of the package."""
+    modules = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = path.relative_to(package_dir.parent).with_suffix("").parts
+        if "__pycache__" in parts:
+            continue
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def is_type_checking(node: ast.AST) -> bool:
+    """Whether ``node`` is the test of an ``if TYPE_CHECKING:`` block."""
+    return (isinstance(node, ast.Name) and node.id == "TYPE_CHECKING") or (
+        isinstance(node, ast.Attribute) and node.attr == "TYPE_CHECKING"
+    )
+
+
+def import_statements(
+    node: ast.AST, in_function: bool = False
+) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement in ``node`` that can run, with whether it runs in a
+    function; the bodies of ``if TYPE_CHECKING:`` blocks never run."""
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        yield node, in_function
+        return
+    if isinstance(node, ast.If) and is_type_checking(node.test):
+        children = node.orelse
+    else:
+        children = list(ast.iter_child_nodes(node))
+        in_function = in_function or isinstance(
+            node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+        )
+    for child in children:
+        yield from import_statements(child, in_function)
+
+
+def existing_prefix(name: str, modules: Mapping[str, Path]) -> str:
+    """The longest dotted prefix of ``name`` that is a module of the package."""
+    parts = name.split(".")
+    while len(parts) > 1 and ".".join(parts) not in modules:
+        parts.pop()
+    return ".".join(parts)
+
+
+def from_base(
+    node: ast.ImportFrom, importer: str, modules: Mapping[str, Path]
+) -> str | None:
+    """The absolute module a ``from ... import`` reads from (None for a relative
+    import that climbs out of the package)."""
+    if node.level == 0:
+        return node.module
+    parts = importer.split(".")
+    if modules[importer].name != "__init__.py":
+        parts.pop()  # a plain module's "." is its package
+    parts = parts[: len(parts) - (node.level - 1)]
+    if not parts:
+        return None
+    return ".".join([*parts, node.module] if node.module else parts)
+
+
+def imported_modules(
+    node: ast.Import | ast.ImportFrom, importer: str, modules: Mapping[str, Path]
+) -> list[str]:
+    """The package modules whose code an import statement runs (or needs already
+    run): what it names, then the parent packages of those, except the package
+    itself and the packages that contain the importer."""
+    if isinstance(node, ast.Import):
+        named = [alias.name for alias in node.names]
+    else:
+        base = from_base(node, importer, modules)
+        named = [] if base is None else [f"{base}.{a.name}" for a in node.names]
+        named = [name if name in modules else base for name in named]
+    targets = []
+    for name in named:
+        if name.split(".")[0] != PACKAGE:
+            continue
+        target = existing_prefix(name, modules)
+        parts = target.split(".")
+        parents = [".".join(parts[:n]) for n in range(2, len(parts))]
+        for module in [target, *parents]:
+            inside = importer == module or importer.startswith(module + ".")
+            if module == target or not inside:
+                targets.append(module)
+    return list(dict.fromkeys(targets))
+
+
+def module_imports(
+    importer: str, tree: ast.Module, modules: Mapping[str, Path]
+) -> list[Import]:
+    """Every import of a package module by ``importer``, one per target."""
+    file = str(modules[importer].relative_to(ROOT))
+    found = []
+    for node, in_function in import_statements(tree):
+        statement = ast.unparse(node)
+        for target in imported_modules(node, importer, modules):
+            found.append(
+                Import(importer, target, file, node.lineno, statement, in_function)
+            )
+    return found
+
+
+@functools.cache
+def package_modules() -> dict[str, Path]:
+    return find_modules(ROOT / PACKAGE)
+
+
+@functools.cache
+def package_imports() -> tuple[Import, ...]:
+    modules = package_modules()
+    found = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        found.extend(module_imports(name, tree, modules))
+    return tuple(found)
+
+
+def module_level_imports() -> list[Import]:
+    """Imports that run when their module is imported (self-imports left out)."""
+    return [
+        imp
+        for imp in package_imports()
+        if not imp.in_function and imp.importer != imp.target
+    ]
+
+
+def import_graph(imports: list[Import]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for imp in imports:
+        graph.setdefault(imp.importer, set()).add(imp.target)
+        graph.setdefault(imp.target, set())
+    return graph
+
+
+def strongly_connected(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of ``graph``."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in sorted(graph[node]):
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: its components of more than one module."""
+    return [c for c in strongly_connected(graph) if len(c) > 1]
+
+
+def cycle_path(component: list[str], graph: Mapping[str, set[str]]) -> list[str]:
+    """One cycle through the component's first module, as a list of modules that
+    starts and ends with it (a breadth-first search inside the component)."""
+    start, members = component[0], set(component)
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for succ in sorted(graph[node] & members):
+                if succ == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), start]
+                if succ not in came_from:
+                    came_from[succ] = node
+                    nxt.append(succ)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {start}")
+
+
+def layer_of(module: str) -> int | None:
+    if module in LAYERS:
+        return LAYERS[module]
+    if any(module.startswith(package + ".") for package in EFFECTS_PACKAGES):
+        return EFFECTS
+    return None
+
+
+def describe(node: ast.stmt) -> str:
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        return f"def {node.name}"
+    if isinstance(node, ast.ClassDef):
+        return f"class {node.name}"
+    return ast.unparse(node).splitlines()[0][:70]
+
+
+def is_all_assignment(node: ast.stmt) -> bool:
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+        targets = [node.target]
+    else:
+        return False
+    return all(isinstance(t, ast.Name) and t.id == "__all__" for t in targets)
+
+
+def test_cycle_finder_reports_a_planted_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"d"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycle_path(["a", "b", "c"], graph) == ["a", "b", "c", "a"]
+
+
+def test_no_import_cycle():
+    imports = module_level_imports()
+    graph = import_graph(imports)
+    reports = []
+    for component in cycles(graph):
+        path = cycle_path(component, graph)
+        lines = [f"cycle among {', '.join(component)}:", "  " + " -> ".join(path)]
+        for importer, target in itertools.pairwise(path):
+            imp = next(
+                i for i in imports if i.importer == importer and i.target == target
+            )
+            lines.append(f"    {imp}")
+        reports.append("\n".join(lines))
+    assert not reports, "module-level import cycles:\n" + "\n".join(reports)
+
+
+def test_no_in_function_import_of_the_package():
+    in_function = [imp for imp in package_imports() if imp.in_function]
+    in_function.sort(key=lambda imp: (imp.file, imp.line))
+    offenders = list(dict.fromkeys(str(imp) for imp in in_function))
+    assert not offenders, (
+        "package modules imported inside functions (import them at module level, "
+        "or move the code so that no cycle needs hiding):\n  " + "\n  ".join(offenders)
+    )
+
+
+def test_every_module_has_a_layer():
+    unlisted = [name for name in package_modules() if layer_of(name) is None]
+    assert not unlisted, (
+        "modules with no layer: add them to LAYERS in tests/test_layout.py: "
+        + ", ".join(unlisted)
+    )
+
+
+def test_imports_point_down_the_layers():
+    offenders = []
+    for imp in module_level_imports():
+        low, high = layer_of(imp.importer), layer_of(imp.target)
+        if low is None or high is None or high <= low:
+            continue  # unlisted modules fail test_every_module_has_a_layer
+        offenders.append(
+            f"{imp.where}: {imp.importer} ({LAYER_NAMES[low]}, {low}) imports "
+            f"{imp.target} ({LAYER_NAMES[high]}, {high}): {imp.statement}"
+        )
+    assert not offenders, "imports that go up a layer:\n  " + "\n  ".join(offenders)
+
+
+def test_sinks_init_only_reexports():
+    path = ROOT / PACKAGE / "sinks" / "__init__.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    offenders = []
+    for position, node in enumerate(tree.body):
+        docstring = (
+            position == 0
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        )
+        allowed = isinstance(node, ast.Import | ast.ImportFrom)
+        if not (docstring or allowed or is_all_assignment(node)):
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            offenders.append(f"{where}: {describe(node)}")
+    assert not offenders, (
+        "jaxhistory/sinks/__init__.py may hold only a docstring, imports and "
+        "__all__; move these into a submodule:\n  " + "\n  ".join(offenders)
+    )
+
+
+def test_import_pulls_in_no_optional_package():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", OPTIONAL_IMPORT_CHECK],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", (
+        f"import jaxhistory imports optional packages: {out.stdout.strip()}"
+    )
