@@ -1,13 +1,14 @@
 """Benchmark: what recording metrics with jaxhistory costs on the host and in a loop.
 
-Three measurements, each taken side by side in one run:
+Five measurements, each taken side by side in one run:
 
 1. **Host recording speed.** 10 Python-float metrics per step, a new dict each
-   step, recorded four ways: a plain dict of lists (the Python floor),
+   step, recorded five ways: a plain dict of lists (the Python floor),
    ``state = state.update(m)`` on :class:`jaxhistory.HistoryState`,
-   ``History(distributed_history=False).update(m, summarize=False)``, and the
-   same with ``summarize=True`` (which also builds the summary line). Median
-   µs/step over repeats at two run lengths, 10x apart, to show the scaling.
+   ``History(distributed_history=False).update(m, summarize=False)`` without a
+   log, the same with the JSONL log streamed (``report_dir``), and the default
+   call ``update(m)`` (summary line and log). Median µs/step over repeats at two
+   run lengths, 10x apart, to show the scaling; ratios to the floor.
 2. **Memory.** A :class:`~jaxhistory.HistoryState` of 1,000,000 steps x 16
    float64 metrics: ``nbytes()`` per stored value, and the memory Python's
    ``tracemalloc`` sees the history take while it is built.
@@ -16,6 +17,12 @@ Three measurements, each taken side by side in one run:
    replicated scalar metrics; steps/s without recording, with
    :class:`jaxhistory.History`, with History plus a per-shard loss it reduces
    across devices, and with ``float()`` of every metric every step.
+4. **Threads.** 4 threads calling ``update`` on one History (each its own 10
+   metrics, JSONL log streamed) against one thread making the same updates:
+   updates/s, and whether every value and log line was kept.
+5. **Log lag after SIGKILL.** A child process records 16 floats per update into a
+   History with a JSONL log and is killed with SIGKILL: how many steps, and how
+   many seconds of training, the log lost.
 
 Run: ``make bench`` or
 ``python benchmarks/bench_history.py [--out PATH] [--repeats R]``; ``--quick`` is a
@@ -28,10 +35,15 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX starts
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import functools
 import gc
 import platform
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -57,10 +69,18 @@ if jax.device_count() != 8:
 TIMES = "\N{MULTIPLICATION SIGN}"
 HOST_METRICS = 10
 MEMORY_METRICS = 16
-HOST_TARGET_US = 5.0  # µs/step for HistoryState.update and History.update
+# Host recording targets, as ratios to the dict-of-lists floor
+STATE_TARGET = 3.0  # HistoryState.update
+HISTORY_LOG_TARGET = 4.0  # History.update(m, summarize=False), JSONL log streamed
+HISTORY_DEFAULT_TARGET = 8.0  # History.update(m): summary line and JSONL log
 SCALING_TARGET = 11.0  # 10x the steps should take at most this many times longer
 MEMORY_TARGET = 10.0  # bytes per stored float64
 LOOP_TARGET = 0.97  # steps/s of `history` relative to `baseline`
+THREADS = 4
+KILL_METRICS = 16
+KILL_TARGET_S = 1.0  # seconds of training the JSONL log may lose to a SIGKILL
+KILL_HARD_TIMEOUT_S = 120.0  # the child's start-up limit, and its own life limit
+ROOT = Path(__file__).resolve().parents[1]
 # Simulated CPU devices run collectives on a small pool of host threads; more than
 # about 16 queued steps with collectives can deadlock them. Every train-loop variant
 # waits on its latest step at least this often.
@@ -69,10 +89,20 @@ MAX_STEPS_IN_FLIGHT = 8
 HOST_TITLE = "## 1. Host recording speed"
 MEMORY_TITLE = "## 2. Memory"
 LOOP_TITLE = "## 3. Train loop on 8 simulated CPU devices"
+THREADS_TITLE = "## 4. Threads"
+KILL_TITLE = "## 5. Log lag after SIGKILL"
 HOST_HEADER = (
     "| recorder | µs/step, {small} steps | µs/step, {large} steps "
     "| ratio to floor, {small} | ratio to floor, {large} "
     "| time {large} / time {small} | target |"
+)
+THREADS_HEADER = (
+    "| run | threads | updates per thread | µs/update | updates/s "
+    "| values kept / expected | log lines / expected | verdict |"
+)
+KILL_HEADER = (
+    "| run | steps trained | child steps/s | last step in the log "
+    "| complete lines parsed | steps lost | s of training lost | target |"
 )
 MEMORY_HEADER = "| measurement | steps | metrics | MiB | bytes per float64 | target |"
 LOOP_HEADER = (
@@ -114,64 +144,125 @@ def verdict(ok: bool) -> str:
 KEYS = tuple(f"m{j}" for j in range(HOST_METRICS))
 
 
-def make_host_metrics(steps: int) -> list[dict[str, float]]:
-    """A new dict of 10 Python floats for every step, built before any timing."""
-    return [{k: float(i) for k in KEYS} for i in range(steps)]
+def make_host_metrics(steps: int) -> list[tuple[float, ...]]:
+    """The 10 Python-float values of every step, made before any timing. Each
+    recorder's loop builds the step's dict from them (``dict(zip(KEYS, row, strict=True))``),
+    as a training loop builds ``{"loss": loss, ...}`` every step."""
+    return [tuple(float(i) + j / 16 for j in range(HOST_METRICS)) for i in range(steps)]
 
 
-def record_dict_of_lists(ms: list[dict]) -> int:
+def record_dict_only(ms: list[tuple]) -> float:
+    start = time.perf_counter()
+    for row in ms:
+        m = dict(zip(KEYS, row, strict=True))
+    elapsed = time.perf_counter() - start
+    if len(m) != HOST_METRICS:
+        raise AssertionError("the dict lost values")
+    return elapsed
+
+
+def log_lines(report_dir: Path) -> int:
+    """Complete lines in the JSONL log(s) History wrote under ``report_dir``."""
+    lines = 0
+    for path in report_dir.glob("*.jsonl"):
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                lines += chunk.count(b"\n")
+    return lines
+
+
+def record_dict_of_lists(ms: list[dict]) -> float:
     lists: dict[str, list] = {}
-    for m in ms:
+    start = time.perf_counter()
+    for row in ms:
+        m = dict(zip(KEYS, row, strict=True))
         for k, v in m.items():
             column = lists.get(k)
             if column is None:
                 column = lists[k] = []
             column.append(v)
-    return len(lists["m0"])
+    elapsed = time.perf_counter() - start
+    if len(lists["m0"]) != len(ms):
+        raise AssertionError(f"dict of lists kept {len(lists['m0'])} of {len(ms)}")
+    return elapsed
 
 
-def record_state(ms: list[dict]) -> int:
+def record_state(ms: list[dict]) -> float:
     state = jaxhistory.HistoryState()
-    for m in ms:
-        state = state.update(m)
-    return state.count("m0")
+    start = time.perf_counter()
+    for row in ms:
+        state = state.update(dict(zip(KEYS, row, strict=True)))
+    elapsed = time.perf_counter() - start
+    if state.count("m0") != len(ms):
+        raise AssertionError(f"HistoryState kept {state.count('m0')} of {len(ms)}")
+    return elapsed
 
 
-def record_history(ms: list[dict]) -> int:
-    history = jaxhistory.History(distributed_history=False)
-    for m in ms:
-        history.update(m, summarize=False)
-    return history.state.count("m0")
+def record_history(ms: list[dict], log: bool, default_call: bool) -> float:
+    """Times only the loop of ``History.update`` calls (not the construction, not
+    ``close()``); the background writer's thread runs, and competes for the GIL,
+    during the loop. Then checks the history and the log hold every step."""
+    with tempfile.TemporaryDirectory(prefix="bench_history_") as tmp:
+        report_dir = Path(tmp) if log else None
+        history = jaxhistory.History(distributed_history=False, report_dir=report_dir)
+        line = ""
+        if default_call:
+            start = time.perf_counter()
+            for row in ms:
+                line = history.update(dict(zip(KEYS, row, strict=True)))
+            elapsed = time.perf_counter() - start
+        else:
+            start = time.perf_counter()
+            for row in ms:
+                history.update(dict(zip(KEYS, row, strict=True)), summarize=False)
+            elapsed = time.perf_counter() - start
+        history.close()
+        kept = {k: history.state.count(k) for k in KEYS}
+        if any(n != len(ms) for n in kept.values()):
+            raise AssertionError(f"History kept {kept} of {len(ms)} steps each")
+        if default_call and not line.startswith(f"step={len(ms) - 1} m0="):
+            raise AssertionError(f"unexpected summary line {line!r}")
+        if report_dir is not None and (lines := log_lines(report_dir)) != len(ms):
+            raise AssertionError(f"the JSONL log has {lines} of {len(ms)} lines")
+        del history
+    return elapsed
 
 
-def record_history_summary(ms: list[dict]) -> int:
-    history = jaxhistory.History(distributed_history=False)
-    line = ""
-    for m in ms:
-        line = history.update(m, summarize=True)
-    if not line.startswith(f"step={len(ms) - 1} m0="):
-        raise AssertionError(f"unexpected summary line {line!r}")
-    return history.state.count("m0")
-
-
-RECORDERS: dict[str, tuple[str, Callable[[list[dict]], int]]] = {
-    "dict_of_lists": ("dict of lists `d[k].append(v)` (floor)", record_dict_of_lists),
-    "state": ("`state = state.update(m)` (HistoryState)", record_state),
-    "history": ("`History.update(m, summarize=False)`", record_history),
-    "history_summary": (
-        "`History.update(m, summarize=True)`",
-        record_history_summary,
+# name -> (label, recorder, target ratio to the floor or None)
+RECORDERS: dict[str, tuple[str, Callable[[list[dict]], float], float | None]] = {
+    "dict_of_lists": (
+        "dict of lists `d[k].append(v)` (floor)",
+        record_dict_of_lists,
+        None,
+    ),
+    "dict_only": (
+        "the step's dict alone, nothing recorded",
+        record_dict_only,
+        None,
+    ),
+    "state": (
+        "`state = state.update(m)` (HistoryState)",
+        record_state,
+        STATE_TARGET,
+    ),
+    "history_nolog": (
+        "`History(distributed_history=False).update(m, summarize=False)`, no log",
+        functools.partial(record_history, log=False, default_call=False),
+        None,
+    ),
+    "history_log": (
+        "`History(distributed_history=False, report_dir=tmp)"
+        ".update(m, summarize=False)`, JSONL log streamed",
+        functools.partial(record_history, log=True, default_call=False),
+        HISTORY_LOG_TARGET,
+    ),
+    "history_default": (
+        "`History(distributed_history=False, report_dir=tmp).update(m)`: summary "
+        "line returned, JSONL log streamed (the default call)",
+        functools.partial(record_history, log=True, default_call=True),
+        HISTORY_DEFAULT_TARGET,
     ),
 }
-
-
-def time_recorder(fn: Callable[[list[dict]], int], ms: list[dict]) -> float:
-    start = time.perf_counter()
-    count = fn(ms)
-    elapsed = time.perf_counter() - start
-    if count != len(ms):
-        raise AssertionError(f"{fn.__name__} recorded {count} of {len(ms)} steps")
-    return elapsed / len(ms)
 
 
 def bench_host(small: int, large: int, repeats: int) -> str:
@@ -190,8 +281,8 @@ def bench_host(small: int, large: int, repeats: int) -> str:
     try:
         for r in range(repeats):  # recorders and sizes interleaved in each repeat
             for n, data in sizes.items():
-                for name, (_, fn) in RECORDERS.items():
-                    times.setdefault((name, n), []).append(time_recorder(fn, data))
+                for name, (_, fn, _) in RECORDERS.items():
+                    times.setdefault((name, n), []).append(fn(data) / n)
             print(f"host recording: repeat {r + 1}/{repeats} done", flush=True)
     finally:
         del ms, sizes
@@ -200,8 +291,10 @@ def bench_host(small: int, large: int, repeats: int) -> str:
     us = {key: statistics.median(ts) * 1e6 for key, ts in times.items()}
     a, b = fmt_steps(small), fmt_steps(large)
     rows = [HOST_HEADER.format(small=a, large=b), "|---|---:|---:|---:|---:|---:|---|"]
-    for name, (label, _) in RECORDERS.items():
+    for name, (label, _, limit) in RECORDERS.items():
         t_small, t_large = us[name, small], us[name, large]
+        r_small = t_small / us["dict_of_lists", small]
+        r_large = t_large / us["dict_of_lists", large]
         # Per repeat, the two lengths run back to back: the ratio of their times
         # in the same repeat, then the median over repeats (robust to drift).
         scaling = statistics.median(
@@ -210,27 +303,41 @@ def bench_host(small: int, large: int, repeats: int) -> str:
         )
         if name == "dict_of_lists":
             target = "the floor"
-        elif name in ("state", "history"):
-            worst = max(t_small, t_large)
+        elif name == "dict_only":
+            target = "none (part of every row)"
+        elif limit is None:
+            target = "none (information)"
+        else:
+            worst = max(r_small, r_large)
             target = (
-                f"≤ {HOST_TARGET_US:g} µs/step: {verdict(worst <= HOST_TARGET_US)}; "
+                f"≤ {limit:g}{TIMES} floor: {verdict(worst <= limit)}; "
                 f"time ratio ≈ 10{TIMES} (≤ {SCALING_TARGET:g}): "
                 f"{verdict(scaling <= SCALING_TARGET)}"
             )
-        else:
-            target = "none (builds a string)"
         rows.append(
             f"| {label} | {t_small:.2f} | {t_large:.2f} "
-            f"| {t_small / us['dict_of_lists', small]:.1f}{TIMES} "
-            f"| {t_large / us['dict_of_lists', large]:.1f}{TIMES} "
+            f"| {r_small:.1f}{TIMES} | {r_large:.1f}{TIMES} "
             f"| {scaling:.1f}{TIMES} | {target} |"
         )
     settings = (
-        f"{HOST_METRICS} Python-float metrics per step, a dict per step from a "
-        f"pool of {fmt_steps(small)} dicts built before timing (the "
+        f"{HOST_METRICS} Python-float metrics per step. Every loop, the floor's "
+        "too, builds the step's dict from that step's values "
+        "(`dict(zip(KEYS, row, strict=True))`, as a training loop builds "
+        '`{"loss": loss, ...}`) and records it; the row "the step\'s dict alone" '
+        "is that building by itself, to subtract where wanted. The values come "
+        f"from a pool of {fmt_steps(small)} rows made before timing (the "
         f"{fmt_steps(large)}-step run cycles through the pool); median of "
-        f"{repeats} repeats, recorders interleaved; the dicts are exempt from "
-        "garbage collection (gc.freeze). The time-ratio column is the median over "
+        f"{repeats} repeats, recorders interleaved; the pool is exempt from "
+        "garbage collection (gc.freeze). Timed: the loop of update calls, then "
+        "`flush()` where a log is streamed (it writes what the background thread "
+        "has not written yet, so the log's whole cost counts); each History is "
+        "built before and closed after, outside the timed region. While the loop "
+        "runs, History's background writer thread formats and writes the log (at "
+        "least five times a second, and whenever 2,048 updates are queued), "
+        "competing for the GIL, which is counted. After every "
+        "History repeat the script checks that `h.state` and the JSONL log hold "
+        "every step (and stops if not). The target is checked on the worse of "
+        "the two ratios to the floor. The time-ratio column is the median over "
         "repeats of (time for the long run / time for the short run), both taken "
         "back to back in the same repeat."
     )
@@ -529,6 +636,331 @@ def bench_loop(steps: int, warmup: int, repeats: int) -> str:
     return "\n".join([LOOP_TITLE, "", settings, "", *rows])
 
 
+# ----- 4. threads --------------------------------------------------------------------
+def thread_metrics(thread: int, pool: int) -> list[dict[str, float]]:
+    """``pool`` dicts of 10 Python floats named ``t{thread}/m{j}``."""
+    names = [f"t{thread}/m{j}" for j in range(HOST_METRICS)]
+    return [{k: float(i) for k in names} for i in range(pool)]
+
+
+def _update_all(history, ms: list[dict], barrier, errors: list) -> None:
+    try:
+        barrier.wait()
+        for m in ms:
+            history.update(m, summarize=False)
+    except BaseException as err:  # reported in the table, not lost with the thread
+        errors.append(err)
+
+
+# how the updates of section 4 are made -> the row's label
+THREAD_MODES = {
+    "threads": f"{THREADS} threads, one History",
+    "blocks": "1 thread, the same updates, one metric set after another",
+    "alternating": "1 thread, the same updates, metric sets alternating",
+}
+
+
+def run_threads(per_thread: list[list[dict]], mode: str) -> dict:
+    """One History with a JSONL log fed every dict of ``per_thread``: by one thread
+    per list (``threads``), or by this thread alone, list after list (``blocks``)
+    or the lists interleaved update by update (``alternating``). Times the
+    updates only; then closes the History and counts what it kept."""
+    n = len(per_thread[0])
+    errors: list[BaseException] = []
+    stuck = False
+    with tempfile.TemporaryDirectory(prefix="bench_history_threads_") as tmp:
+        history = jaxhistory.History(distributed_history=False, report_dir=tmp)
+        if mode == "threads":
+            barrier = threading.Barrier(len(per_thread) + 1, timeout=60)
+            workers = [
+                threading.Thread(
+                    target=_update_all,
+                    args=(history, ms, barrier, errors),
+                    name=f"bench-updates-{i}",
+                    daemon=True,
+                )
+                for i, ms in enumerate(per_thread)
+            ]
+            for worker in workers:
+                worker.start()
+            barrier.wait()
+            start = time.perf_counter()
+            for worker in workers:
+                worker.join(timeout=KILL_HARD_TIMEOUT_S)
+            elapsed = time.perf_counter() - start
+            stuck = any(worker.is_alive() for worker in workers)
+        else:
+            if mode == "blocks":
+                ms = [m for ms_i in per_thread for m in ms_i]
+            else:
+                ms = [m for ms_i in zip(*per_thread, strict=True) for m in ms_i]
+            start = time.perf_counter()
+            for m in ms:
+                history.update(m, summarize=False)
+            elapsed = time.perf_counter() - start
+        kept = lines = 0
+        if not stuck:  # a thread still inside update: leave the History alone
+            try:
+                history.close()
+                state = history.state
+                for ms in per_thread:
+                    kept += sum(state.count(k) for k in ms[0] if k in state)
+                lines = log_lines(Path(tmp))
+            except Exception as err:
+                errors.append(err)
+        del history
+    updates = n * len(per_thread)
+    return {
+        "seconds": elapsed,
+        "kept": kept,
+        "lines": lines,
+        "expected_values": updates * HOST_METRICS,
+        "expected_lines": updates,
+        "errors": errors,
+        "stuck": stuck,
+    }
+
+
+def bench_threads(updates: int, repeats: int) -> str:
+    pool = min(updates, 1000)
+    per_thread = [thread_metrics(t, pool) * (updates // pool) for t in range(THREADS)]
+    if any(len(ms) != updates for ms in per_thread):
+        raise ValueError(f"{updates} updates is not a multiple of {pool}")
+    gc.collect()
+    gc.freeze()
+    runs: dict[str, list[dict]] = {mode: [] for mode in THREAD_MODES}
+    try:
+        warmup = [ms[: min(updates, 200)] for ms in per_thread]
+        for mode in THREAD_MODES:  # untimed: the first run of each was slower
+            run_threads(warmup, mode)
+        for r in range(repeats):
+            for mode, results in runs.items():  # interleaved
+                results.append(run_threads(per_thread, mode))
+            print(f"threads: repeat {r + 1}/{repeats} done", flush=True)
+    finally:
+        del per_thread
+        gc.unfreeze()
+        gc.collect()
+    total = updates * THREADS
+    rows = [THREADS_HEADER, "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for mode, results in runs.items():
+        seconds = statistics.median(res["seconds"] for res in results)
+        worst = min(results, key=lambda res: (res["kept"], res["lines"]))
+        problems = []
+        for res in results:
+            if res["stuck"]:
+                problems.append("a thread was still updating after the time limit")
+            problems += [repr(err) for err in res["errors"]]
+            if res["kept"] != res["expected_values"]:
+                problems.append(f"{res['expected_values'] - res['kept']:,} values lost")
+            if res["lines"] != res["expected_lines"]:
+                problems.append(f"{res['expected_lines'] - res['lines']:,} lines lost")
+        if problems:
+            shown = "; ".join(dict.fromkeys(problems))  # unique, in order
+            shown = shown if len(shown) <= 200 else shown[:197] + "..."
+            check = f"**FAIL**: {shown.replace('|', '/')}"
+        else:
+            check = "all kept"
+        threads, each = (THREADS, updates) if mode == "threads" else (1, total)
+        rows.append(
+            f"| {THREAD_MODES[mode]} | {threads} | {each:,} "
+            f"| {seconds / total * 1e6:.2f} "
+            f"| {total / seconds:,.0f} "
+            f"| {worst['kept']:,} / {worst['expected_values']:,} "
+            f"| {worst['lines']:,} / {worst['expected_lines']:,} | {check} |"
+        )
+    settings = (
+        f"One `History(distributed_history=False, report_dir=tmp)` (JSONL log "
+        f"streamed) fed by {THREADS} threads at once, each calling "
+        f"`update(m, summarize=False)` {updates:,} times with its own "
+        f"{HOST_METRICS} Python-float metrics (`t0/m0` ... `t3/m9`, dicts from a "
+        f"pool of {pool:,} per thread, exempt from GC); and the same "
+        f"{total:,} updates made by one thread, either one metric set's "
+        f"{updates:,} updates after another (threads holding the GIL for "
+        "5 ms at a time come close to this) or the sets alternating on every "
+        "update (the worst case for a history that switches key sets). Timed "
+        "from the moment the threads are released together (a barrier) until "
+        "all have returned; closing the History is not timed; one short untimed "
+        "run of each kind first. "
+        f"Median of {repeats} repeat(s), the three runs interleaved. Afterwards the "
+        "script counts the values in `h.state` (expected: every update's 10 "
+        "values) and the lines of the JSONL log (expected: one per update); the "
+        "kept counts shown are the worst repeat's. Verdict: all kept, or FAIL "
+        "with what was lost or raised. Python threads share the GIL, so the "
+        "threaded rate is not expected to beat the single thread: this checks "
+        "that concurrent updates lose nothing, and what they cost."
+    )
+    return "\n".join([THREADS_TITLE, "", settings, "", *rows])
+
+
+# ----- 5. log lag after SIGKILL ------------------------------------------------------
+# The child: records 16 Python floats per update into a History with a JSONL log
+# as fast as it can, and every 1,000 steps replaces a small progress file with
+# "steps seconds-since-start". It stops by itself after its hard limit.
+KILL_CHILD = """
+import os, sys, time
+import jaxhistory
+
+report_dir, progress, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
+keys = [f"metric_{j:02d}" for j in range(int(sys.argv[4]))]
+pool = [{k: i + j / 16 for j, k in enumerate(keys)} for i in range(1000)]
+history = jaxhistory.History(distributed_history=False, report_dir=report_dir)
+partial = progress + ".tmp"
+steps = 0
+start = time.perf_counter()
+while True:
+    for m in pool:
+        history.update(m, summarize=False)
+    steps += len(pool)
+    elapsed = time.perf_counter() - start
+    with open(partial, "w") as f:
+        f.write(f"{steps} {elapsed!r}")
+    os.replace(partial, progress)
+    if elapsed > limit:
+        sys.exit("the parent never killed this process")
+"""
+
+
+def parse_log(path: Path | None) -> tuple[int, int, int]:
+    """Reads a JSONL log line by line: (last step, complete lines parsed, lines
+    that do not parse or break the step sequence). A cut-off last line (no
+    newline: the write stopped there) is skipped."""
+    try:
+        from orjson import loads
+    except ImportError:  # pragma: no cover - orjson comes with jaxhistory
+        from json import loads
+    last, parsed, bad = -1, 0, 0
+    if path is None:
+        return last, parsed, bad
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break  # cut off by the kill
+            try:
+                step = loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                bad += 1
+                continue
+            if step != last + 1:
+                bad += 1
+            last = step
+            parsed += 1
+    return last, parsed, bad
+
+
+def kill_run(seconds: float) -> dict:
+    """Starts the child, lets it train ``seconds`` after its first progress report,
+    kills it with SIGKILL and compares its progress with its JSONL log."""
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), env.get("PYTHONPATH")) if p
+    )
+    with tempfile.TemporaryDirectory(prefix="bench_history_kill_") as tmp:
+        report_dir, progress = Path(tmp) / "report", Path(tmp) / "progress.txt"
+        stderr_path = Path(tmp) / "stderr.txt"
+        limit = seconds + KILL_HARD_TIMEOUT_S
+        with open(stderr_path, "wb") as stderr:
+            args = [report_dir, progress, limit, KILL_METRICS]
+            proc = subprocess.Popen(
+                [sys.executable, "-c", KILL_CHILD, *map(str, args)],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+            )
+            try:
+                deadline = time.monotonic() + KILL_HARD_TIMEOUT_S
+                while not progress.exists() and proc.poll() is None:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"the SIGKILL child did not start within "
+                            f"{KILL_HARD_TIMEOUT_S:g} s"
+                        )
+                    time.sleep(0.01)
+                kill_at = time.monotonic() + seconds
+                while proc.poll() is None and time.monotonic() < kill_at:
+                    time.sleep(0.02)
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=30)
+        if proc.returncode != -signal.SIGKILL:
+            raise RuntimeError(
+                f"the SIGKILL child exited with {proc.returncode} before it was "
+                f"killed:\n{stderr_path.read_text(errors='replace')[-2000:]}"
+            )
+        steps_text, elapsed_text = progress.read_text().split()
+        steps, elapsed = int(steps_text), float(elapsed_text)
+        logs = sorted(report_dir.glob("*.jsonl"))
+        last, parsed, bad = parse_log(logs[0] if logs else None)
+    rate = steps / elapsed
+    lost = max(0, steps - (last + 1))
+    return {
+        "steps": steps,
+        "rate": rate,
+        "last": last,
+        "parsed": parsed,
+        "bad": bad,
+        "logs": len(logs),
+        "lost": lost,
+        "lost_s": lost / rate,
+    }
+
+
+def bench_kill(seconds: float, runs: int) -> str:
+    results = []
+    for r in range(runs):
+        results.append(kill_run(seconds))
+        print(f"SIGKILL: run {r + 1}/{runs} done", flush=True)
+    rows = [KILL_HEADER, "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for i, res in enumerate(results):
+        note = ""
+        if res["bad"] or res["logs"] != 1:
+            note = (
+                f"; **FAIL**: {res['bad']} bad or out-of-order lines, "
+                f"{res['logs']} log files"
+            )
+        rows.append(
+            f"| {i + 1} | {res['steps']:,} | {res['rate']:,.0f} | {res['last']:,} "
+            f"| {res['parsed']:,} | {res['lost']:,} | {res['lost_s']:.2f} "
+            f"| ≤ {KILL_TARGET_S:g} s: {verdict(res['lost_s'] <= KILL_TARGET_S)}"
+            f"{note} |"
+        )
+    median_s = statistics.median(res["lost_s"] for res in results)
+    median_steps = statistics.median(res["lost"] for res in results)
+    rows.append(
+        f"| median | {statistics.median(res['steps'] for res in results):,.0f} "
+        f"| {statistics.median(res['rate'] for res in results):,.0f} | | "
+        f"| {median_steps:,.0f} | {median_s:.2f} "
+        f"| ≤ {KILL_TARGET_S:g} s: {verdict(median_s <= KILL_TARGET_S)} |"
+    )
+    slack = 1000 / statistics.median(res["rate"] for res in results)
+    settings = (
+        f"A child process (`JAX_PLATFORMS=cpu`) records {KILL_METRICS} Python "
+        "floats per update, as fast as it can, into "
+        "`History(distributed_history=False, report_dir=tmp)` with "
+        "`update(m, summarize=False)`, and every 1,000 steps replaces a small "
+        "progress file (steps done, seconds since its loop started) with "
+        f"`os.replace`. {seconds:g} s after its first progress report the parent "
+        "kills it with SIGKILL, then reads the JSONL log line by line (a cut-off "
+        "last line is skipped; every complete line must parse and the steps must "
+        "run 0, 1, 2, ... or the row says FAIL). Steps trained: the last "
+        "progress report (the child may have run up to 999 steps more, "
+        f"≈ {slack * 1e3:.0f} ms here, so the loss shown is a lower bound by at "
+        "most that much); steps lost: steps trained minus the steps in the log; "
+        "seconds lost: steps lost / the child's steps per second (from its last "
+        f"progress report). {runs} run(s); the target is checked on each run and "
+        f"on the median. The child stops by itself after {KILL_HARD_TIMEOUT_S:g} "
+        "s more, and the parent gives it as long to start."
+    )
+    return "\n".join([KILL_TITLE, "", settings, "", *rows])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the report here")
@@ -542,9 +974,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         host, memory, traced, loop = (2_000, 20_000), 100_000, 50_000, (24, 16)
         host_repeats, loop_repeats = args.repeats or 2, args.repeats or 3
+        thread_updates, thread_repeats = 2_000, args.repeats or 1
+        kill_seconds, kill_runs = 3.0, 1
     else:
         host, memory, traced, loop = (20_000, 200_000), 1_000_000, 200_000, (48, 16)
         host_repeats, loop_repeats = args.repeats or 5, args.repeats or 48
+        thread_updates, thread_repeats = 20_000, args.repeats or 3
+        kill_seconds, kill_runs = 10.0, 3
 
     info = machine_info()
     print(info, flush=True)
@@ -553,6 +989,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_host(*host, host_repeats),
         bench_memory(memory, traced),
         bench_loop(*loop, loop_repeats),
+        bench_threads(thread_updates, thread_repeats),
+        bench_kill(kill_seconds, kill_runs),
     ]
     total = time.perf_counter() - start
     mode = "--quick" if args.quick else "full run"

@@ -11,20 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxhistory._names import path_name
+from jaxhistory._names import named_leaves
 
 __all__ = ["MetricBuffer"]
 
 
 def _named(metrics: Any) -> dict[str, Any]:
     """Returns ``{"a/b/0": leaf}``; raises ValueError on a repeated name."""
-    out: dict[str, Any] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(metrics)[0]:
-        name = path_name(path)
-        if name in out:
-            raise ValueError(f"two metrics are both named {name or '<root>'!r}")
-        out[name] = leaf
-    return out
+    return dict(named_leaves(metrics)[0])
 
 
 def _check_numeric(name: str, dtype: Any) -> None:

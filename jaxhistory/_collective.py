@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 from jaxhistory import _ops
-from jaxhistory._names import path_name
+from jaxhistory._names import named_leaves
 from jaxhistory._tree import Leaf, acc_dtype, flatten_metrics
 
 __all__ = [
@@ -343,8 +343,8 @@ def collect_from_devices(metrics: Any) -> Any:
         >>> jh.collect_from_devices({"loss": np.array([0.5, 0.25])})
         {'loss': [np.float64(0.5), np.float64(0.25)]}
     """
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(metrics)
-    names = [path_name(path) or "<root>" for path, _ in pairs]
+    pairs, treedef = named_leaves(metrics)
+    names = [name or "<root>" for name, _ in pairs]
     values = [v for _, v in pairs]
     if any(isinstance(v, jax.Array) and not v.is_fully_addressable for v in values):
         from jax.experimental import multihost_utils

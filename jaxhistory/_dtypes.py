@@ -122,7 +122,7 @@ FLOAT_ONLY = frozenset({float})
 ALL_FLOATS = "every value a Python float"  # a row type signature, see update()
 
 
-_INT64 = np.iinfo(np.int64)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the one int64 range
 
 
 def check_ints(names: tuple[str, ...], row: tuple, dtypes: tuple) -> None:
@@ -141,13 +141,11 @@ def check_ints(names: tuple[str, ...], row: tuple, dtypes: tuple) -> None:
                 raise ValueError(
                     f"metric {name!r} is an int too large for float64"
                 ) from None
-        elif not _INT64.min <= value <= _INT64.max:
+        elif not INT64_MIN <= value <= INT64_MAX:
             raise ValueError(
                 f"metric {name!r} is {value}, outside int64; pass it as a float"
             )
 
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def as_step(name: str, value: Any) -> int:

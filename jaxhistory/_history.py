@@ -242,6 +242,13 @@ class History:
         not apply."""
         if type(metrics) is not dict:
             return None, False, None
+        if not (self.distributed_history and self._reducer.multi_process):
+            # The state's fast path: the same names as earlier all-float rows,
+            # and numbers again (recorded as float64, and shown so).
+            new = self.state._update_floats(metrics, step)
+            if new is not None:
+                self.state = new
+                return metrics, 2, new.next_step - 1
         types = set(map(type, metrics.values()))
         host = 2 if types == _FLOATS else 1 if types <= _PY_NUMBERS else 0
         if not host:

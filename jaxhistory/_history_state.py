@@ -243,6 +243,11 @@ class HistoryState:
         return self._derive(tables, self.next_step)
 
     # ----- writing -------------------------------------------------------------
+    def _update_floats(self, metrics: dict, step: int | None) -> HistoryState | None:
+        """:meth:`update`'s fast path, or None where it does not apply (then
+        :meth:`update` records the dict, checking it)."""
+        return _append_floats(self, metrics, step)
+
     def update(self, metrics: Any, step: int | None = None) -> HistoryState:
         """Records ``metrics`` at one step; returns the new state.
 
@@ -617,7 +622,7 @@ class HistoryState:
         steps = self.all_steps()
         k = warmup_count(warmup, len(steps))
         if k >= len(steps):
-            return np.iinfo(np.int64).max if len(steps) else 0
+            return INT64_MAX if len(steps) else 0
         return int(steps[k])
 
     def to_xarray(self, warmup: float = 0):

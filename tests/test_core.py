@@ -1,0 +1,343 @@
+"""The host recording core under threads, branches, pytree transformations and
+SIGKILL: nothing recorded is lost, duplicated or seen where it does not belong."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxhistory as jh
+from jaxhistory import _writer
+
+
+def _log_path(h: jh.History):
+    return h.report_dir / f"{h.run_id}.jsonl"
+
+
+@pytest.fixture
+def switch_often():
+    """Threads switch every microsecond: races show up at once instead of rarely."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(old)
+
+
+# ----- History from several threads --------------------------------------------------
+@pytest.mark.parametrize("log", [False, True])
+def test_updates_from_four_threads_are_all_recorded_in_order(
+    tmp_path, log, switch_often
+):
+    h = jh.History(distributed_history=False, report_dir=tmp_path if log else None)
+    n = 1500
+    barrier = threading.Barrier(4)
+
+    def work(i):
+        barrier.wait()
+        for k in range(n):
+            h.update({f"t{i}": float(k)}, summarize=False)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    h.close()
+    for i in range(4):
+        assert h.state.values(f"t{i}").tolist() == [float(k) for k in range(n)]
+    steps = np.concatenate([h.state.steps(f"t{i}") for i in range(4)])
+    assert len(np.unique(steps)) == 4 * n  # every update got a step of its own
+    if log:
+        back = jh.HistoryState.from_jsonl(_log_path(h))
+        for i in range(4):
+            assert back.values(f"t{i}").tolist() == [float(k) for k in range(n)]
+            assert back.steps(f"t{i}").tolist() == h.state.steps(f"t{i}").tolist()
+
+
+def test_flush_from_a_monitor_thread_loses_no_attached_value(tmp_path, switch_often):
+    h = jh.History(distributed_history=False, report_dir=tmp_path)
+    done = threading.Event()
+    n = 1500
+
+    def monitor():
+        while not done.is_set():
+            h.flush()
+
+    thread = threading.Thread(target=monitor)
+    thread.start()
+    try:
+        for k in range(n):
+            h.attach({"att": float(k)})
+            h.update({"loss": float(k)}, summarize=False)
+    finally:
+        done.set()
+        thread.join()
+    h.close()
+    assert h.state.values("att").tolist() == [float(k) for k in range(n)]
+    assert h.state.steps("att").tolist() == h.state.steps("loss").tolist()
+    back = jh.HistoryState.from_jsonl(_log_path(h))
+    assert back.values("att").tolist() == [float(k) for k in range(n)]
+
+
+def test_close_racing_updates_keeps_every_update_that_returned(tmp_path, switch_often):
+    h = jh.History(distributed_history=False, report_dir=tmp_path)
+    returned = []
+
+    def work():
+        for k in range(20_000):
+            h.update({"x": float(k)}, summarize=False)
+            returned.append(k)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    time.sleep(0.05)
+    h.close()  # updates go on: a later one reopens the log in append mode
+    seen_at_close = len(returned)
+    thread.join()
+    h.close()
+    values = h.state.values("x").tolist()
+    assert values == [float(k) for k in range(len(returned))]
+    assert seen_at_close <= len(values)
+    back = jh.HistoryState.from_jsonl(_log_path(h))
+    assert back.values("x").tolist() == values
+
+
+def test_updates_from_threads_with_device_values(tmp_path, switch_often):
+    h = jh.History(distributed_history=False, report_dir=tmp_path)
+    f = jax.jit(lambda x: x * 2.0)
+
+    def work(i):
+        for k in range(200):
+            h.update({f"d{i}": f(jnp.float32(k))}, summarize=False)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    h.close()
+    back = jh.HistoryState.from_jsonl(_log_path(h))
+    for i in range(3):
+        expected = [2.0 * k for k in range(200)]
+        assert h.state.values(f"d{i}").tolist() == expected
+        assert back.values(f"d{i}").tolist() == expected
+
+
+# ----- HistoryState branches ---------------------------------------------------------
+def test_branches_on_four_threads_never_see_each_other(switch_often):
+    base = jh.HistoryState()
+    for k in range(10):
+        base = base.update({"x": float(-k)})
+    before = base.values("x").tolist()
+    results = {}
+    barrier = threading.Barrier(4)
+
+    def work(i):
+        s = base
+        barrier.wait()
+        for k in range(500):
+            s = s.update({"x": float(i * 1000 + k)})
+        results[i] = s
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, s in results.items():
+        assert s.values("x").tolist() == before + [
+            float(i * 1000 + k) for k in range(500)
+        ]
+        assert s.steps("x").tolist() == list(range(510))
+    assert base.values("x").tolist() == before and base.next_step == 10
+
+
+def test_a_state_never_sees_rows_recorded_after_it():
+    s1 = jh.HistoryState().update({"a": 1.0}).update({"a": 2.0})
+    values, steps = s1.values("a"), s1.steps("a")
+    s2 = s1.update({"a": 3.0})
+    b1 = s1.update({"a": -3.0})  # a branch from s1
+    s3 = s2.update({"a": 4.0})
+    assert s1.values("a").tolist() == [1.0, 2.0] and len(s1.steps("a")) == 2
+    assert values.tolist() == [1.0, 2.0] and steps.tolist() == [0, 1]
+    assert b1.values("a").tolist() == [1.0, 2.0, -3.0]
+    assert s3.values("a").tolist() == [1.0, 2.0, 3.0, 4.0]
+    for k in range(600):  # past the staging flush and a table growth
+        s3 = s3.update({"a": float(k)})
+        b1 = b1.update({"a": float(-k)})
+    assert s2.values("a").tolist() == [1.0, 2.0, 3.0]
+    assert b1.values("a")[:3].tolist() == [1.0, 2.0, -3.0]
+    assert s3.count("a") == b1.count("a") + 1
+
+
+# ----- pytree ------------------------------------------------------------------------
+def test_the_pytree_structure_is_stable_while_the_metrics_are():
+    s1 = jh.HistoryState().update({"a": 1.0, "b": 2.0})
+    s2 = s1.update({"a": 3.0, "b": 4.0})
+    assert jax.tree.structure(s1) == jax.tree.structure(s2)
+    firsts = jax.tree.map(
+        lambda x, y: np.asarray(y)[: np.size(x)] if np.ndim(y) else x, s1, s2
+    )
+    assert firsts.values("a").tolist() == [1.0]
+    assert firsts.values("b").tolist() == [2.0]
+    host = jax.device_get(s2)
+    assert all(isinstance(x, np.ndarray) for x in jax.tree.leaves(host)[:-1])
+    back = jax.tree.unflatten(jax.tree.structure(s2), jax.tree.leaves(s2))
+    assert back.values("a").tolist() == [1.0, 3.0] and back.next_step == 2
+
+
+def test_jit_traces_once_for_states_of_the_same_shapes():
+    traces = []
+
+    @jax.jit
+    def total(state):
+        traces.append(1)
+        return sum(jnp.sum(x) for x in jax.tree.leaves(state))
+
+    a = jh.HistoryState().update({"a": 1.0}, step=3)
+    b = jh.HistoryState().update({"a": 2.0}, step=7)
+    assert float(total(a)) == 3 + 1.0 + 4  # steps, values, next_step
+    assert float(total(b)) == 7 + 2.0 + 8
+    assert len(traces) == 1
+
+
+def test_flattening_does_not_wait_for_the_device():
+    @jax.jit
+    def slow(x):
+        return jax.lax.fori_loop(0, 300, lambda i, y: jnp.tanh(y @ y), x).sum()
+
+    x = jnp.eye(256) * 0.5
+    slow(x).block_until_ready()  # compiled
+    start = time.perf_counter()
+    slow(x).block_until_ready()
+    took = time.perf_counter() - start
+    value = slow(x)  # dispatched, not computed yet
+    s = jh.HistoryState().update({"slow": value, "host": 1.0})
+    assert not value.is_ready(), f"the computation ({took:.2f} s) is too short"
+    start = time.perf_counter()
+    leaves, treedef = jax.tree.flatten(s)
+    flat_took = time.perf_counter() - start
+    assert flat_took < took / 4, (flat_took, took)
+    back = jax.tree.unflatten(treedef, leaves)
+    assert np.asarray(jax.device_get(leaves)[1]).tolist() == [float(value)]
+    assert back.values("slow").tolist() == [float(value)]
+
+
+# ----- the writer: bounded and never stuck --------------------------------------------
+class _SlowSink:
+    all_processes = True
+
+    def __init__(self, delay: float):
+        self.delay, self.count, self.most = delay, 0, 0
+
+    def write(self, record):
+        time.sleep(self.delay)
+        self.count += 1
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_slow_sink_holds_the_training_thread_back_instead_of_queueing(monkeypatch):
+    monkeypatch.setattr(_writer.Writer, "WAKE_AT", 8)
+    monkeypatch.setattr(_writer.Writer, "MAX_PENDING", 32)
+    sink = _SlowSink(0.0005)
+    h = jh.History(distributed_history=False, sinks=[sink])
+    most = 0
+    for k in range(600):
+        h.update({"x": float(k)}, summarize=False)
+        most = max(most, h._writer.pending())
+    assert most <= 32
+    h.close()
+    assert sink.count == 600
+
+
+def test_a_hung_sink_cannot_stop_training_and_the_log_is_rewritten(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(_writer.Writer, "WAKE_AT", 4)
+    monkeypatch.setattr(_writer.Writer, "MAX_PENDING", 16)
+    monkeypatch.setattr(_writer.Writer, "MAX_WAIT", 0.2)
+    release = threading.Event()
+
+    class Hung(_SlowSink):
+        def write(self, record):
+            release.wait(10)
+
+    h = jh.History(distributed_history=False, report_dir=tmp_path, sinks=[Hung(0)])
+    with pytest.warns(RuntimeWarning, match="not written to them"):
+        for k in range(100):
+            h.update({"x": float(k)}, summarize=False)
+    release.set()
+    assert h.state.values("x").tolist() == [float(k) for k in range(100)]
+    assert h._writer.dropped > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        h.finalize(tmp_path / "out", plot=False)
+    # the streamed log lost records, so finalize wrote the log from the history
+    log = tmp_path / "out" / f"{h.run_id}.jsonl"
+    assert jh.HistoryState.from_jsonl(log).values("x").tolist() == [
+        float(k) for k in range(100)
+    ]
+    h.close()
+
+
+# ----- SIGKILL ------------------------------------------------------------------------
+_LOOP = """
+import os, sys, time
+import jaxhistory as jh
+out = sys.argv[1]
+h = jh.History(distributed_history=False, report_dir=out, run_name="kill")
+keys = [f"m{j}" for j in range(16)]
+step = 0
+while True:
+    h.update({k: step + j / 16 for j, k in enumerate(keys)}, summarize=False)
+    step += 1
+    if step % 1000 == 0:
+        tmp = os.path.join(out, "progress.tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{step} {time.time()}")
+        os.replace(tmp, os.path.join(out, "progress"))
+"""
+
+
+@pytest.mark.slow
+def test_a_sigkill_loses_at_most_about_a_second_of_a_fast_loop(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-c", _LOOP, str(tmp_path)], env=env)
+    progress = tmp_path / "progress"
+    try:
+        deadline = time.monotonic() + 120
+        while not progress.exists():
+            assert time.monotonic() < deadline, "the loop never started"
+            assert proc.poll() is None, "the loop died"
+            time.sleep(0.1)
+        first_step, first_time = map(float, progress.read_text().split())
+        time.sleep(4)
+        last_step, last_time = map(float, progress.read_text().split())
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    rate = (last_step - first_step) / (last_time - first_time)
+    (log,) = tmp_path.glob("kill-*.jsonl")
+    steps = []
+    for line in log.read_bytes().splitlines():
+        with contextlib.suppress(ValueError):  # the line the kill cut
+            steps.append(json.loads(line)["step"])
+    assert steps == list(range(len(steps)))  # nothing lost before the end
+    lag = (last_step - steps[-1]) / rate
+    assert lag <= 1.5, f"the log was {lag:.2f} s of training behind"
