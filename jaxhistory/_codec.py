@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import orjson
 
+from jaxhistory._record import Batch
+
 __all__ = [
     "NONFINITE_TEXT",
     "decode_line",
@@ -125,17 +127,9 @@ def _all_clean(dicts: list) -> list:
     return [_clean(d) for d in dicts]
 
 
-def encode_records(
-    steps: list,
-    stamps: list,
-    metrics: list,
-    aggregated: list | None = None,
-    groups: list | None = None,
-    process_index: int = 0,
-) -> bytes:
-    """The JSONL lines of records given as parallel lists: steps, timestamps
-    (None: unknown), metrics and aggregated dicts (name -> value), and groups
-    (None except for published metrics; a None list: no groups at all).
+def encode_records(batch: Batch) -> bytes:
+    """The JSONL lines of the records of ``batch`` (timestamps None: unknown;
+    groups only for published metrics).
 
     All the records' metrics go through one orjson call (and their aggregated
     values through another); lines are then put together by one ``%``-format
@@ -143,27 +137,29 @@ def encode_records(
 
     Example:
         >>> from jaxhistory._codec import encode_records
-        >>> encode_records([1], [None], [{"loss": 0.25}])
+        >>> from jaxhistory._record import Batch
+        >>> encode_records(Batch([1], [None], [{"loss": 0.25}]))
         b'{"step":1,"timestamp":null,"process_index":0,"metrics":{"loss":0.25},\
 "aggregated":{}}\\n'
     """
+    steps, stamps, aggregated = batch.steps, batch.stamps, batch.aggregated
     k = len(steps)
     if not k:
         return b""
-    metrics = [m if type(m) is dict else dict(m) for m in metrics]
-    if groups is not None and any(g is not None for g in groups):
-        return _encode_each(steps, stamps, metrics, aggregated, groups, process_index)
+    metrics = [m if type(m) is dict else dict(m) for m in batch.metrics]
+    if batch.groups is not None and any(g is not None for g in batch.groups):
+        return _encode_each(batch)
     bodies = _bodies(_all_clean(metrics), k)
     if aggregated is not None and any(aggregated):
         agg_bodies = _bodies(_all_clean([dict(a) for a in aggregated]), k)
     else:
         agg_bodies = [b""] * k
     if bodies is None or agg_bodies is None:
-        return _encode_each(steps, stamps, metrics, aggregated, None, process_index)
+        return _encode_each(batch)
     stamps = [t if t is None or type(t) is float else float(t) for t in stamps]
     line = (
         b'{"step":%s,"timestamp":%s,"process_index":'
-        + b"%d" % process_index
+        + b"%d" % batch.process_index
         + b',"metrics":{%s},"aggregated":{%s}}\n'
     )
     fields = zip(_texts(steps), _texts(stamps), bodies, agg_bodies, strict=True)
@@ -180,24 +176,19 @@ def _texts(values: list) -> list[bytes]:
     return orjson.dumps(values)[1:-1].split(b",")
 
 
-def _encode_each(steps, stamps, metrics, aggregated, groups, process_index) -> bytes:
+def _encode_each(batch: Batch) -> bytes:
     """:func:`encode_records` record by record (names holding '},{', groups)."""
-    k = len(steps)
-    aggregated = aggregated or [{}] * k
-    groups = groups or [None] * k
     out = []
-    for step, stamp, values, agg, group in zip(
-        steps, stamps, metrics, aggregated, groups, strict=True
-    ):
+    for r in batch.records():
         record = {
-            "step": step,
-            "timestamp": None if stamp is None else float(stamp),
-            "process_index": process_index,
+            "step": r.step,
+            "timestamp": None if r.timestamp is None else float(r.timestamp),
+            "process_index": r.process_index,
         }
-        if group is not None:
-            record["group"] = group
-        record["metrics"] = _clean(values)
-        record["aggregated"] = _clean(agg) if agg else {}
+        if r.group is not None:
+            record["group"] = r.group
+        record["metrics"] = _clean(r.metrics)
+        record["aggregated"] = _clean(r.aggregated) if r.aggregated else {}
         out.append(orjson.dumps(record, option=_NUMPY) + b"\n")
     return b"".join(out)
 

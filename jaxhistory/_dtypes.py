@@ -147,7 +147,6 @@ def check_ints(names: tuple[str, ...], row: tuple, dtypes: tuple) -> None:
             )
 
 
-
 def as_step(name: str, value: Any) -> int:
     """``value`` as a step: a whole number within int64 (ValueError otherwise).
 

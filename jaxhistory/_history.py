@@ -23,7 +23,7 @@ from jaxhistory._names import STEP_KEYS, flatten
 from jaxhistory._stats import Stats
 from jaxhistory._summary import SummaryLine, memory_token
 from jaxhistory._writer import Writer
-from jaxhistory.export._finalize import write_outputs
+from jaxhistory.export._finalize import finalize as write_outputs
 from jaxhistory.sinks import WandbSink, is_sink, writes_here
 from jaxhistory.sinks._jsonl import JsonlSink
 from jaxhistory.sinks._wandb import wandb_run
@@ -558,7 +558,8 @@ class History:
             if self._log_failed:
                 streamed = None
             stamps = None if streamed else self._timestamps()
-        ds, files = write_outputs(
+        files: list[Path] = []
+        ds = write_outputs(
             state,
             outdir,
             run_id=self.run_id,
@@ -571,6 +572,7 @@ class History:
             jsonl=streamed,
             timestamps=stamps,
             mesh=self.mesh,
+            written=files,
         )
         images = [p for p in files if p.suffix == ".png"]
         for sink in self.sinks:  # e.g. W&B: the history table and the plots

@@ -897,3 +897,18 @@ def test_a_deleted_array_loses_only_its_value_in_the_streamed_log(tmp_path):
         back = jh.HistoryState.from_jsonl(path).values("w")
         assert np.isnan(back).all() and back.shape == (1, 3)
         assert np.isnan(h.state.values("w")).all()  # the history agrees
+
+
+def test_finalize_lists_the_files_it_wrote(tmp_path):
+    s = jh.HistoryState()
+    for k in range(5):
+        s = s.update({"loss": 1.0 / (k + 1), "lr": 0.1})
+    written = []
+    jh.export.finalize(s, tmp_path, run_id="r", plot=True, echo=False, written=written)
+    names = {p.relative_to(tmp_path).as_posix() for p in written}
+    assert {"dataset.nc", "r.jsonl", "report.md"} <= names
+    assert any(n.startswith("plots/mplot/") and n.endswith(".png") for n in names)
+    assert all(p.is_file() for p in written)
+    again = []
+    jh.export.finalize(s, tmp_path, run_id="r", plot=False, echo=False, written=again)
+    assert not any(p.suffix == ".png" for p in again)  # only this call's files

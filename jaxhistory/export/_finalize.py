@@ -20,7 +20,7 @@ from jaxhistory.export._netcdf import to_netcdf
 from jaxhistory.export._tplot import summary_choice, write_all
 from jaxhistory.export._units import plot_units
 
-__all__ = ["Progress", "finalize", "write_outputs"]
+__all__ = ["Progress", "finalize"]
 
 
 class Progress:
@@ -63,6 +63,7 @@ def finalize(
     mesh: Any = None,
     echo: bool = True,
     environment: dict[str, Any] | None = None,
+    written: list[Path] | None = None,
 ):
     """Writes the outputs of a run into ``outdir``; returns its ``xarray.Dataset``.
 
@@ -82,29 +83,9 @@ def finalize(
     attribute. With ``plot``, the summary terminal plots are printed (``echo``).
     In a multi-process run only process 0 writes; the others return the dataset.
     ``environment`` replaces the description of this process's environment (the
-    ``jaxhistory report`` command passes the one recorded with the run).
+    ``jaxhistory report`` command passes the one recorded with the run). The
+    path of every file written is appended to ``written`` when it is a list.
     """
-    return write_outputs(**locals())[0]
-
-
-def write_outputs(
-    state: HistoryState,
-    outdir: str | os.PathLike,
-    run_id: str | None = None,
-    run_name: str | None = None,
-    warmup: float = 0.0,
-    num_chains: int = 128,
-    plot: bool = True,
-    save: bool = True,
-    report: bool = True,
-    jsonl: str | os.PathLike | None = None,
-    timestamps: dict[int, float] | None = None,
-    mesh: Any = None,
-    echo: bool = True,
-    environment: dict[str, Any] | None = None,
-) -> tuple[Any, list[Path]]:
-    """:func:`finalize`, returning the dataset and the files written (empty on
-    processes other than 0)."""
     if run_id is None:
         run_id = new_run_id(run_name)
     env = dict(environment) if environment is not None else run_environment(mesh)
@@ -115,7 +96,7 @@ def write_outputs(
     if jax.process_index() != 0:
         ds = state.to_xarray()
         ds.attrs.update(netcdf_attrs(attrs))
-        return ds, []
+        return ds
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     files: list[Path] = []
@@ -139,11 +120,11 @@ def write_outputs(
         images = to_png(
             state, outdir / "plots" / "mplot", warmup, num_chains, progress=progress
         )
-        written = write_all(state, outdir / "plots" / "tplot", warmup, progress)
+        tplots = write_all(state, outdir / "plots" / "tplot", warmup, progress)
         progress.finish()
-        files += images + [path for _, path, _ in written]
+        files += images + [path for _, path, _ in tplots]
         chosen = {u.title for u in summary_choice(units)}
-        terminal = {u.title: text for u, _, text in written if u.title in chosen}
+        terminal = {u.title: text for u, _, text in tplots if u.title in chosen}
         if echo:
             for text in terminal.values():
                 print(text)
@@ -160,4 +141,6 @@ def write_outputs(
             terminal_plots=terminal,
             files=files,
         )
-    return ds, files
+    if written is not None:
+        written.extend(files)
+    return ds

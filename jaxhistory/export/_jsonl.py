@@ -19,6 +19,7 @@ from jaxhistory._codec import encode_records, jsonable, jsonl_value
 from jaxhistory._files import atomic_write, open_log
 from jaxhistory._history_state import HistoryState
 from jaxhistory._names import aggregated_names
+from jaxhistory._record import Batch
 from jaxhistory._stats import Stats
 from jaxhistory._writer import Writer
 from jaxhistory.sinks._jsonl import JsonlSink
@@ -66,12 +67,14 @@ def to_jsonl(
     order = sorted(per_step)
     get = timestamps.get
     text = encode_records(
-        order,
-        [get(step) for step in order],
-        [per_step[step][0] for step in order],
-        [per_step[step][1] for step in order],
-        None,
-        process_index,
+        Batch(
+            order,
+            [get(step) for step in order],
+            [per_step[step][0] for step in order],
+            [per_step[step][1] for step in order],
+            None,
+            process_index,
+        )
     )
     if overwrite:
         atomic_write(path, lambda tmp: tmp.write_bytes(text))

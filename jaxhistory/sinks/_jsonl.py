@@ -52,14 +52,7 @@ class JsonlSink:
 
     def write_batch(self, batch: Batch) -> None:
         """Writes every record of ``batch`` (one encoder call for all)."""
-        text = encode_records(
-            batch.steps,
-            batch.stamps,
-            batch.metrics,
-            batch.aggregated,
-            batch.groups,
-            batch.process_index,
-        )
+        text = encode_records(batch)
         with self._lock:
             if self._file.closed:
                 return
