@@ -229,7 +229,11 @@ class History:
             if self.memory_every or self._attached or self._attached_at:
                 token, side = self._side_values(step_used)
             if self._writing or _trace_state._stack:
-                self._emit(step_used, now, record, side, host)
+                if host and not side and self._writer is not None:
+                    # the caller may change its dict later: the log gets a copy
+                    self._writer.add(step_used, now, record.copy(), (), True)
+                else:
+                    self._emit(step_used, now, record, side, host)
         if not want_line:
             return ""
         line = self._line.format(label, step_used, record, precision, host)

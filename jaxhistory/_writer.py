@@ -63,11 +63,7 @@ class Writer:
         self.process_index = jax.process_index()
         self.dropped = 0  # updates dropped because the sinks could not keep up
         # The queue, as parallel lists (see add)
-        self._steps: list = []
-        self._stamps: list = []
-        self._metrics: list = []
-        self._stats: list = []
-        self._hosts: list = []
+        self._queue: list = []  # step, timestamp, metrics, stats, host, step, ...
         self._lock = threading.Lock()  # add() against close()
         self._drain_lock = threading.Lock()  # one drain at a time, in order
         self._space = threading.Condition()
@@ -99,57 +95,45 @@ class Writer:
         Stats)`` pairs, written as aggregated ``{prefix}{name}/{stat}`` values;
         ``host``: every value is a Python number (nothing to convert). Raises
         ValueError after :meth:`close`."""
-        steps = self._steps
         with self._lock:
             if self._closed:
                 raise ValueError("the writer is closed")
-            # Parallel lists, not a tuple per update: nothing new for the
-            # garbage collector to track while updates wait.
-            steps.append(step)
-            self._stamps.append(timestamp)
-            self._metrics.append(metrics)
-            self._stats.append(stats)
-            self._hosts.append(host)
-            n = len(steps)
-        if n >= self.WAKE_AT:
+            # One flat list, not a tuple per update: nothing new for the garbage
+            # collector to track while updates wait.
+            queue = self._queue
+            queue += (step, timestamp, metrics, stats, host)
+            n = len(queue)
+        if n >= 5 * self.WAKE_AT:
             self._backpressure()
 
     def pending(self) -> int:
         """Updates queued and not yet taken by the thread."""
-        return len(self._steps)
+        return len(self._queue) // 5
 
     def _backpressure(self) -> None:
         if not self._wake.is_set():
             self._wake.set()
-        if len(self._steps) < self.MAX_PENDING:
+        if self.pending() < self.MAX_PENDING:
             return
         deadline = time.monotonic() + self.MAX_WAIT
         with self._space:
-            while len(self._steps) >= self.MAX_PENDING and not self._closed:
+            while self.pending() >= self.MAX_PENDING and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._thread.is_alive():
-                    self._drop(len(self._steps) - self.MAX_PENDING // 2)
+                    self._drop(self.pending() - self.MAX_PENDING // 2)
                     return
                 self._space.wait(min(left, 0.05))
 
     def _take(self, k: int | None = None) -> tuple[list, ...]:
-        """Removes the first ``k`` (all) queued updates; returns their lists."""
+        """Removes the first ``k`` (all) queued updates; returns their steps,
+        timestamps, metrics, stats and host flags as five lists."""
         with self._lock:
-            queues = (
-                self._steps,
-                self._stamps,
-                self._metrics,
-                self._stats,
-                self._hosts,
-            )
-            if k is None or k >= len(self._steps):
-                self._steps, self._stamps, self._metrics = [], [], []
-                self._stats, self._hosts = [], []
-                return queues
-            taken = tuple(q[:k] for q in queues)
-            for q in queues:
-                del q[:k]
-        return taken
+            if k is None or 5 * k >= len(self._queue):
+                taken, self._queue = self._queue, []
+            else:
+                taken = self._queue[: 5 * k]
+                del self._queue[: 5 * k]
+        return tuple(taken[i::5] for i in range(5))
 
     def _drop(self, k: int) -> None:
         dropped = len(self._take(k)[0])
