@@ -8,6 +8,7 @@ as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -44,34 +45,43 @@ def to_jsonl(
     path = Path(path)
     timestamps = timestamps or {}
     grouped = aggregated_names(state.keys)
-    # Per table (metrics recorded together share their steps), each column to
-    # Python values in one call, then one dict per row.
-    per_step: dict[int, list[dict]] = {}
+    # Per table (metrics recorded together share their steps): each column to
+    # Python values in one call, then one dict per row, built in C.
+    blocks = []
     for keys, (table, n) in state.data.tables.items():
         if not n:
             continue
         steps, columns = table.view(n)
         lists = [_column_list(c) for c in columns]
-        m = [j for j, k in enumerate(keys) if k not in grouped]
-        a = [j for j, k in enumerate(keys) if k in grouped]
-        m_names, a_names = [keys[j] for j in m], [keys[j] for j in a]
-        for step, row in zip(steps.tolist(), zip(*lists, strict=True), strict=True):
-            metrics = dict(zip(m_names, [row[j] for j in m], strict=True))
-            aggregated = dict(zip(a_names, [row[j] for j in a], strict=True))
-            entry = per_step.get(step)
-            if entry is None:
-                per_step[step] = [metrics, aggregated]
-            else:
-                entry[0].update(metrics)
-                entry[1].update(aggregated)
-    order = sorted(per_step)
+        blocks.append(
+            (
+                steps.tolist(),
+                _row_dicts([k for k in keys if k not in grouped], keys, lists, n),
+                _row_dicts([k for k in keys if k in grouped], keys, lists, n),
+            )
+        )
+    if len(blocks) == 1:
+        order, metrics, aggregated = blocks[0]
+    else:  # several name sets: one line per step, merged
+        per_step: dict[int, list[dict]] = {}
+        for steps, ms, ags in blocks:
+            for step, m, a in zip(steps, ms, ags, strict=True):
+                entry = per_step.get(step)
+                if entry is None:
+                    per_step[step] = [dict(m), dict(a)]
+                else:
+                    entry[0].update(m)
+                    entry[1].update(a)
+        order = sorted(per_step)
+        metrics = [per_step[step][0] for step in order]
+        aggregated = [per_step[step][1] for step in order]
     get = timestamps.get
     text = encode_records(
         Batch(
             order,
             [get(step) for step in order],
-            [per_step[step][0] for step in order],
-            [per_step[step][1] for step in order],
+            metrics,
+            aggregated,
             None,
             process_index,
         )
@@ -82,6 +92,16 @@ def to_jsonl(
         with open_log(path) as f:
             f.write(text)
     return path
+
+
+def _row_dicts(names: list[str], keys: tuple, lists: list[list], n: int) -> list:
+    """One ``{name: value}`` dict per row, for ``names`` among ``keys``."""
+    if not names:
+        return [{}] * n
+    columns = [lists[keys.index(name)] for name in names]
+    return list(
+        map(dict, map(zip, itertools.repeat(names), zip(*columns, strict=True)))
+    )
 
 
 def _column_list(column) -> list:
