@@ -146,7 +146,7 @@ KEYS = tuple(f"m{j}" for j in range(HOST_METRICS))
 
 def make_host_metrics(steps: int) -> list[tuple[float, ...]]:
     """The 10 Python-float values of every step, made before any timing. Each
-    recorder's loop builds the step's dict from them (``dict(zip(KEYS, row, strict=True))``),
+    recorder's loop builds the step's dict from them (``dict(zip(KEYS, row))``),
     as a training loop builds ``{"loss": loss, ...}`` every step."""
     return [tuple(float(i) + j / 16 for j in range(HOST_METRICS)) for i in range(steps)]
 
