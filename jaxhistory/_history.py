@@ -132,6 +132,9 @@ class History:
         self._lock = threading.RLock()
         self._attached: dict[str, Any] = {}  # values waiting for the next update
         self._attached_at: list[tuple[int, dict]] = []  # ... with steps of their own
+        # attach() takes only this lock, never held while anything waits: a sink or
+        # a timer on another thread can attach while an update waits for the writer
+        self._attach_lock = threading.Lock()
         self.sinks = _sinks_here(sinks, use_wandb)
         self._sinks_open = True  # False after close(): nothing more is written
         self._mem_last_step: int | None = None
@@ -329,7 +332,7 @@ class History:
         items = dict(flatten(metrics))
         if step is not None:
             step = as_step("step", step)
-        with self._lock:
+        with self._attach_lock:
             if step is None:
                 self._attached.update(items)
             elif items:
@@ -341,18 +344,20 @@ class History:
         (name, value) pairs that join this update's log line."""
         token, side = self._memory(step) if self.memory_every else ("", ())
         if self._attached or self._attached_at:
-            now_items, earlier = self._record_attached(step)
+            with self._attach_lock:
+                waiting, self._attached = self._attached, {}
+                at, self._attached_at = self._attached_at, []
+            now_items, earlier = self._record_attached(waiting, at, step)
             side = (*side, *now_items)
             if self._writing or _trace_state._stack:
                 for at, pairs in earlier:  # attached with a step of their own
                     self._emit(at, time.time(), dict(pairs))
         return token, side
 
-    def _record_attached(self, step: int) -> tuple[tuple, list]:
-        """Records the attached values: those without a step at ``step``, the
-        others at theirs. Returns (pairs recorded at ``step``, [(step, pairs)])."""
-        waiting, self._attached = self._attached, {}
-        at, self._attached_at = self._attached_at, []
+    def _record_attached(self, waiting: dict, at: list, step: int):
+        """Records attached values taken from the queue: ``waiting`` at ``step``,
+        ``at`` at their own steps. Returns (pairs recorded at ``step``,
+        [(step, pairs)])."""
         now_items: tuple = ()
         if waiting and self._record_local(waiting, step):
             now_items = tuple(waiting.items())
@@ -377,24 +382,25 @@ class History:
         those without a step at the latest step (no new step where the other
         metrics would be NaN), or at the next one where one of them already has
         a record there. The caller holds the lock."""
-        if not (self._attached or self._attached_at):
-            return
-        held: dict[str, Any] = {}
-        if with_step_only:
-            held, self._attached = self._attached, {}
+        with self._attach_lock:
+            if not (self._attached or self._attached_at):
+                return
+            waiting: dict[str, Any] = {}
+            if not with_step_only:
+                waiting, self._attached = self._attached, {}
+            at, self._attached_at = self._attached_at, []
         state = self.state
         step = max(state.next_step - 1, 0)
-        for name in self._attached:
+        for name in waiting:
             last = state.last_step(name) if name in state else None
             if last is not None and last >= step:
                 step = state.next_step
                 break
-        now_items, earlier = self._record_attached(step)
-        self._attached = held
+        now_items, earlier = self._record_attached(waiting, at, step)
         if self._writing or _trace_state._stack:
             now = time.time()
-            for at, pairs in earlier:
-                self._emit(at, now, dict(pairs))
+            for at_step, pairs in earlier:
+                self._emit(at_step, now, dict(pairs))
             if now_items:
                 self._emit(step, now, dict(now_items))
 

@@ -362,3 +362,53 @@ def test_a_sigkill_loses_at_most_about_a_second_of_a_fast_loop(tmp_path):
     assert steps == list(range(len(steps)))  # nothing lost before the end
     lag = (last_step - steps[-1]) / rate
     assert lag <= 1.5, f"the log was {lag:.2f} s of training behind"
+
+
+def test_a_sink_that_attaches_cannot_deadlock_an_update_under_back_pressure(
+    monkeypatch,
+):
+    monkeypatch.setattr(_writer.Writer, "WAKE_AT", 4)
+    monkeypatch.setattr(_writer.Writer, "MAX_PENDING", 8)
+    holder = {}
+
+    class Attaching(_SlowSink):
+        def write(self, record):
+            time.sleep(0.0002)
+            holder["h"].attach({"seen": float(record.step)})
+
+    h = holder["h"] = jh.History(distributed_history=False, sinks=[Attaching(0)])
+    done = threading.Event()
+
+    def loop():
+        for k in range(300):
+            h.update({"x": float(k)}, summarize=False)
+        done.set()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert done.is_set(), "update deadlocked against a sink that attaches"
+    h.close()
+    assert h.state.count("x") == 300 and h.state.count("seen") > 0
+
+
+def test_attach_from_another_thread_loses_nothing(tmp_path, switch_often):
+    h = jh.History(distributed_history=False, report_dir=tmp_path)
+    done = threading.Event()
+
+    def attacher():
+        for k in range(1000):
+            h.attach({"b": float(k)}, step=10_000 + k)
+        done.set()
+
+    thread = threading.Thread(target=attacher)
+    thread.start()
+    k = 0
+    while not done.is_set() or k < 100:
+        h.update({"a": float(k)}, step=k, summarize=False)
+        k += 1
+    thread.join()
+    h.close()
+    assert h.state.values("b").tolist() == [float(k) for k in range(1000)]
+    assert h.state.steps("b").tolist() == [10_000 + k for k in range(1000)]
+    assert jh.HistoryState.from_jsonl(_log_path(h)).count("b") == 1000
