@@ -149,25 +149,31 @@ def encode_records(batch: Batch) -> bytes:
     metrics = [m if type(m) is dict else dict(m) for m in batch.metrics]
     if batch.groups is not None and any(g is not None for g in batch.groups):
         return _encode_each(batch)
-    bodies = _bodies(_all_clean(metrics), k)
+    bodies = _bodies(metrics if batch.finite else _all_clean(metrics), k)
+    columns = [bodies]
+    agg = b"{}"
     if aggregated is not None and any(aggregated):
-        agg_bodies = _bodies(_all_clean([dict(a) for a in aggregated]), k)
-    else:
-        agg_bodies = [b""] * k
-    if bodies is None or agg_bodies is None:
+        columns.append(_bodies(_all_clean([dict(a) for a in aggregated]), k))
+        agg = b"{%s}"
+    if any(c is None for c in columns):
         return _encode_each(batch)
     stamps = [t if t is None or type(t) is float else float(t) for t in stamps]
     line = (
         b'{"step":%s,"timestamp":%s,"process_index":'
         + b"%d" % batch.process_index
-        + b',"metrics":{%s},"aggregated":{%s}}\n'
+        + b',"metrics":{%s},"aggregated":'
+        + agg
+        + b"}\n"
     )
-    fields = zip(_texts(steps), _texts(stamps), bodies, agg_bodies, strict=True)
-    flat = itertools.chain.from_iterable(fields)
+    # steps and timestamps to text in one call
+    pairs = _texts(list(itertools.chain.from_iterable(zip(steps, stamps, strict=True))))
+    columns = [pairs[0::2], pairs[1::2], *columns]
+    width = len(columns)
+    flat = itertools.chain.from_iterable(zip(*columns, strict=True))
     out = []
     for start in range(0, k, _CHUNK):
         n = min(_CHUNK, k - start)
-        out.append((line * n) % tuple(itertools.islice(flat, 4 * n)))
+        out.append((line * n) % tuple(itertools.islice(flat, width * n)))
     return b"".join(out)
 
 

@@ -155,6 +155,8 @@ class History:
         self.mesh = None  # the mesh of the per-device metrics, once one is seen
         self._updates = 0
         self._reducer = Reducer()
+        # host scalars are reduced across processes: no fast path then
+        self._reduce_host = self.distributed_history and self._reducer.multi_process
         self._line = SummaryLine(self.keys)
         # (step, wall time) per update, in arrays: no objects for the GC to scan
         self._stamp_steps = array.array("q")
@@ -212,7 +214,17 @@ class History:
                     metrics = {k: v for k, v in metrics.items() if k != key}
                     break
         with self._lock:
-            record, host, step_used = self._record_dict(metrics, step)
+            fast = None
+            if type(metrics) is dict and not self._reduce_host:
+                # The state's fast path: the same names as earlier all-float
+                # rows, and numbers again (recorded as float64, and shown so).
+                fast = self.state._update_floats(metrics, step)
+            if fast is not None:
+                self.state, finite = fast
+                record, step_used = metrics, self.state.next_step - 1
+                host = 3 if finite else 2
+            else:
+                record, host, step_used = self._record_dict(metrics, step)
             if record is None:  # nested, a pytree, or values to reduce
                 items = flatten(metrics)
                 if step is None:
@@ -234,7 +246,7 @@ class History:
             if self._writing or _trace_state._stack:
                 if host and not side and self._writer is not None:
                     # the caller may change its dict later: the log gets a copy
-                    self._writer.add(step_used, now, record.copy(), (), True)
+                    self._writer.add(step_used, now, record.copy(), (), host)
                 else:
                     self._emit(step_used, now, record, side, host)
         if not want_line:
@@ -246,16 +258,10 @@ class History:
         """Records a flat dict that needs no reduction as it is (the common case).
         Returns (the dict recorded, 2 if every value is a Python float, 1 if
         every one is a Python number, else 0, the step), or Nones where this does
-        not apply."""
+        not apply. (3, from the state's fast path in :meth:`update`: finite
+        Python floats.)"""
         if type(metrics) is not dict:
             return None, False, None
-        if not (self.distributed_history and self._reducer.multi_process):
-            # The state's fast path: the same names as earlier all-float rows,
-            # and numbers again (recorded as float64, and shown so).
-            new = self.state._update_floats(metrics, step)
-            if new is not None:
-                self.state = new
-                return metrics, 2, new.next_step - 1
         types = set(map(type, metrics.values()))
         host = 2 if types == _FLOATS else 1 if types <= _PY_NUMBERS else 0
         if not host:

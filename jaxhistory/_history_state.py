@@ -243,10 +243,11 @@ class HistoryState:
         return self._derive(tables, self.next_step)
 
     # ----- writing -------------------------------------------------------------
-    def _update_floats(self, metrics: dict, step: int | None) -> HistoryState | None:
-        """:meth:`update`'s fast path, or None where it does not apply (then
-        :meth:`update` records the dict, checking it)."""
-        return _append_floats(self, metrics, step)
+    def _update_floats(self, metrics: dict, step: int | None):
+        """:meth:`update`'s fast path: (the new state, whether every value is
+        finite), or None where it does not apply (then :meth:`update` records
+        the dict, checking it)."""
+        return _append_floats(self, metrics, step, True)
 
     def update(self, metrics: Any, step: int | None = None) -> HistoryState:
         """Records ``metrics`` at one step; returns the new state.
@@ -727,7 +728,9 @@ def _append(table: Table, n: int, step: int, row: Any, on_device: bool = False):
     return new
 
 
-def _append_floats(state: HistoryState, metrics: dict, step: Any) -> Any:
+def _append_floats(
+    state: HistoryState, metrics: dict, step: Any, finite: bool = False
+) -> Any:
     """The fast path of update, or None where it does not apply.
 
     It applies to a flat dict with the same keys as an earlier update whose values
@@ -749,9 +752,10 @@ def _append_floats(state: HistoryState, metrics: dict, step: Any) -> Any:
         return None
     row = tuple(metrics.values())
     try:
-        if type(sum(row, 0.0)) is not float:
-            return None
+        total = sum(row, 0.0)
     except Exception:  # strings, nested dicts, ints too large for a float
+        return None
+    if type(total) is not float:
         return None
     table, n = entry
     with table.lock:
@@ -769,7 +773,8 @@ def _append_floats(state: HistoryState, metrics: dict, step: Any) -> Any:
         table = _append(table, n, step, row)
     tables = tables.copy()
     tables[keys] = (table, n + 1)
-    return state._derive(tables, step + 1)
+    new = state._derive(tables, step + 1)
+    return (new, total - total == 0.0) if finite else new
 
 
 _new_tables = functools.partial(object.__new__, Tables)

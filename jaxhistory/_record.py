@@ -42,6 +42,7 @@ class Batch:
     __slots__ = (
         "_records",
         "aggregated",
+        "finite",
         "groups",
         "metrics",
         "process_index",
@@ -61,6 +62,7 @@ class Batch:
         self.steps, self.stamps, self.metrics = steps, stamps, metrics
         self.aggregated, self.groups = aggregated, groups
         self.process_index = process_index
+        self.finite = False  # every metric value is known to be a finite float
         self._records: list[Record] | None = None
 
     @classmethod

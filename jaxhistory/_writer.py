@@ -93,16 +93,24 @@ class Writer:
         """Queues one update: ``metrics`` maps names to values (the writer keeps
         the dict: pass one nobody changes later); ``stats`` holds ``(prefix,
         Stats)`` pairs, written as aggregated ``{prefix}{name}/{stat}`` values;
-        ``host``: every value is a Python number (nothing to convert). Raises
-        ValueError after :meth:`close`."""
-        with self._lock:
-            if self._closed:
-                raise ValueError("the writer is closed")
-            # One flat list, not a tuple per update: nothing new for the garbage
-            # collector to track while updates wait.
-            queue = self._queue
-            queue += (step, timestamp, metrics, stats, host)
-            n = len(queue)
+        ``host``: true when every value is a Python number (nothing to
+        convert), 3 when every one is a finite float (nothing to check either).
+        Raises ValueError after :meth:`close`."""
+        lock = self._lock
+        lock.acquire()
+        if self._closed:
+            lock.release()
+            raise ValueError("the writer is closed")
+        # One flat list, not a tuple per update: nothing new for the garbage
+        # collector to track while updates wait.
+        queue = self._queue
+        queue.append(step)
+        queue.append(timestamp)
+        queue.append(metrics)
+        queue.append(stats)
+        queue.append(host)
+        n = len(queue)
+        lock.release()
         if n >= 5 * self.WAKE_AT:
             self._backpressure()
 
@@ -190,7 +198,9 @@ class Writer:
                 RuntimeWarning,
                 stacklevel=3,
             )
-        return Batch(steps, stamps, metrics, aggregated, None, self.process_index)
+        batch = Batch(steps, stamps, metrics, aggregated, None, self.process_index)
+        batch.finite = all(h == 3 for h in hosts)
+        return batch
 
     @staticmethod
     def _host_values(step, metrics: dict, lost: list[str]) -> dict:

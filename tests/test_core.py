@@ -412,3 +412,21 @@ def test_attach_from_another_thread_loses_nothing(tmp_path, switch_often):
     assert h.state.values("b").tolist() == [float(k) for k in range(1000)]
     assert h.state.steps("b").tolist() == [10_000 + k for k in range(1000)]
     assert jh.HistoryState.from_jsonl(_log_path(h)).count("b") == 1000
+
+
+def test_non_finite_floats_on_the_fast_path_are_written_as_strings(tmp_path):
+    h = jh.History(distributed_history=False, report_dir=tmp_path)
+    rows = [(0.5, 1.0), (float("nan"), 2.0), (float("inf"), -float("inf")), (1.5, 3)]
+    for a, b in rows:  # same names, floats: the state's fast path after the first
+        h.update({"a": a, "b": b}, summarize=False)
+    h.close()
+    lines = _log_path(h).read_text().splitlines()
+    metrics = [json.loads(line)["metrics"] for line in lines]  # strict JSON
+    assert metrics == [
+        {"a": 0.5, "b": 1.0},
+        {"a": "NaN", "b": 2.0},
+        {"a": "Infinity", "b": "-Infinity"},
+        {"a": 1.5, "b": 3},
+    ]
+    back = jh.HistoryState.from_jsonl(_log_path(h))
+    assert np.isnan(back.values("a")[1]) and back.values("b")[2] == -np.inf
