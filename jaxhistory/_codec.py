@@ -111,9 +111,12 @@ def _bodies(dicts: list, k: int) -> list[bytes] | None:
     """The JSON text of each dict without its braces, from one orjson call for
     all of them; None where a name holds the '},{' that separates them."""
     text = orjson.dumps(dicts, option=_NUMPY)
-    if text.count(b"},{") != k - 1:
+    parts = text.split(b"},{")
+    if len(parts) != k:
         return None
-    return text[2:-2].split(b"},{")
+    parts[0] = parts[0][2:]
+    parts[-1] = parts[-1][:-2]
+    return parts
 
 
 def _all_clean(dicts: list) -> list:
@@ -146,7 +149,9 @@ def encode_records(batch: Batch) -> bytes:
     k = len(steps)
     if not k:
         return b""
-    metrics = [m if type(m) is dict else dict(m) for m in batch.metrics]
+    metrics = batch.metrics
+    if not batch.finite:  # (finite: History's own dicts)
+        metrics = [m if type(m) is dict else dict(m) for m in metrics]
     if batch.groups is not None and any(g is not None for g in batch.groups):
         return _encode_each(batch)
     bodies = _bodies(metrics if batch.finite else _all_clean(metrics), k)
@@ -157,7 +162,8 @@ def encode_records(batch: Batch) -> bytes:
         agg = b"{%s}"
     if any(c is None for c in columns):
         return _encode_each(batch)
-    stamps = [t if t is None or type(t) is float else float(t) for t in stamps]
+    if not batch.finite:  # (finite: History's own times, Python floats)
+        stamps = [t if t is None or type(t) is float else float(t) for t in stamps]
     line = (
         b'{"step":%s,"timestamp":%s,"process_index":'
         + b"%d" % batch.process_index
@@ -166,8 +172,8 @@ def encode_records(batch: Batch) -> bytes:
         + b"}\n"
     )
     # steps and timestamps to text in one call
-    pairs = _texts(list(itertools.chain.from_iterable(zip(steps, stamps, strict=True))))
-    columns = [pairs[0::2], pairs[1::2], *columns]
+    both = orjson.dumps([steps, stamps])[2:-2].split(b"],[")
+    columns = [both[0].split(b","), both[1].split(b","), *columns]
     width = len(columns)
     flat = itertools.chain.from_iterable(zip(*columns, strict=True))
     out = []
@@ -175,11 +181,6 @@ def encode_records(batch: Batch) -> bytes:
         n = min(_CHUNK, k - start)
         out.append((line * n) % tuple(itertools.islice(flat, width * n)))
     return b"".join(out)
-
-
-def _texts(values: list) -> list[bytes]:
-    """The JSON text of each number (or None) of ``values``, in one call."""
-    return orjson.dumps(values)[1:-1].split(b",")
 
 
 def _encode_each(batch: Batch) -> bytes:

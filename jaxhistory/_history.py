@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import orjson
 
 from jaxhistory import _memory, _trace_state
 from jaxhistory._distributed import Reducer, distributed_default, is_per_device
 from jaxhistory._dtypes import as_step
 from jaxhistory._env import env_flag, new_run_id
-from jaxhistory._history_state import HistoryState
+from jaxhistory._history_state import HistoryState, _append_floats
 from jaxhistory._names import STEP_KEYS, flatten
 from jaxhistory._stats import Stats
 from jaxhistory._summary import SummaryLine, memory_token
@@ -206,7 +207,11 @@ class History:
         if type(precision) is not int or precision < 0:
             raise ValueError(f"precision must be a non-negative int, got {precision!r}")
         label = "step"
-        if type(metrics) is dict and step is None:
+        if (
+            type(metrics) is dict
+            and step is None
+            and ("step" in metrics or "iter" in metrics)
+        ):
             # A step entry is the step: parse it once, and record the rest.
             for key in STEP_KEYS:
                 if key in metrics:
@@ -218,7 +223,7 @@ class History:
             if type(metrics) is dict and not self._reduce_host:
                 # The state's fast path: the same names as earlier all-float
                 # rows, and numbers again (recorded as float64, and shown so).
-                fast = self.state._update_floats(metrics, step)
+                fast = _append_floats(self.state, metrics, step, True)
             if fast is not None:
                 self.state, finite = fast
                 record, step_used = metrics, self.state.next_step - 1
@@ -238,8 +243,9 @@ class History:
             want_line = summarize and not (self._updates % self.log_every)
             self._updates += 1
             now = time.time()
-            self._stamp_steps.append(step_used)
-            self._stamp_times.append(now)
+            if self._log_path is None:  # else the log keeps the times
+                self._stamp_steps.append(step_used)
+                self._stamp_times.append(now)
             token, side = "", ()
             if self.memory_every or self._attached or self._attached_at:
                 token, side = self._side_values(step_used)
@@ -447,7 +453,22 @@ class History:
         return None
 
     def _timestamps(self) -> dict[int, float]:
-        return dict(zip(self._stamp_steps, self._stamp_times, strict=True))
+        """Step -> wall time of the updates, for a log written from the state:
+        those kept while no log was streamed, and those of every line a
+        streamed log holds (one that failed or fell behind is written again)."""
+        stamps = dict(zip(self._stamp_steps, self._stamp_times, strict=True))
+        path = self._log_path
+        if path is not None and path.is_file():
+            with open(path, "rb") as f:
+                for line in f:
+                    try:
+                        record = orjson.loads(line)
+                        step, stamp = record["step"], record["timestamp"]
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a cut-off or damaged line
+                    if type(step) is int and isinstance(stamp, float):
+                        stamps.setdefault(step, stamp)
+        return stamps
 
     def _note_mesh(self, values) -> None:
         """Remembers the mesh of the first sharded value seen (for the outputs)."""

@@ -243,12 +243,6 @@ class HistoryState:
         return self._derive(tables, self.next_step)
 
     # ----- writing -------------------------------------------------------------
-    def _update_floats(self, metrics: dict, step: int | None):
-        """:meth:`update`'s fast path: (the new state, whether every value is
-        finite), or None where it does not apply (then :meth:`update` records
-        the dict, checking it)."""
-        return _append_floats(self, metrics, step, True)
-
     def update(self, metrics: Any, step: int | None = None) -> HistoryState:
         """Records ``metrics`` at one step; returns the new state.
 
@@ -731,7 +725,9 @@ def _append(table: Table, n: int, step: int, row: Any, on_device: bool = False):
 def _append_floats(
     state: HistoryState, metrics: dict, step: Any, finite: bool = False
 ) -> Any:
-    """The fast path of update, or None where it does not apply.
+    """The fast path of update, or None where it does not apply (then
+    :meth:`HistoryState.update` records the dict, checking it). With ``finite``
+    (History asks so), (the new state, whether every value is finite).
 
     It applies to a flat dict with the same keys as an earlier update whose values
     were all Python floats, when the new values are Python floats or ints again

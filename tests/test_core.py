@@ -430,3 +430,17 @@ def test_non_finite_floats_on_the_fast_path_are_written_as_strings(tmp_path):
     ]
     back = jh.HistoryState.from_jsonl(_log_path(h))
     assert np.isnan(back.values("a")[1]) and back.values("b")[2] == -np.inf
+
+
+def test_a_log_written_again_keeps_the_streamed_timestamps(tmp_path):
+    h = jh.History(distributed_history=False, report_dir=tmp_path)
+    for k in range(50):
+        h.update({"x": float(k)}, summarize=False)
+    h.flush()
+    streamed = [json.loads(x)["timestamp"] for x in _log_path(h).read_text().split()]
+    h._log_failed = True  # as after a failed write: finalize writes the log again
+    h.finalize(tmp_path / "out", plot=False)
+    log = tmp_path / "out" / f"{h.run_id}.jsonl"
+    again = [json.loads(x)["timestamp"] for x in log.read_text().split()]
+    assert again == streamed and all(isinstance(t, float) for t in again)
+    h.close()
