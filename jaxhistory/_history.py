@@ -130,12 +130,14 @@ class History:
         self.memory_every = memory  # 0: off
         # One lock for everything below: update, attach, flush and close may run
         # on several threads at once.
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._attached: dict[str, Any] = {}  # values waiting for the next update
         self._attached_at: list[tuple[int, dict]] = []  # ... with steps of their own
         # attach() takes only this lock, never held while anything waits: a sink or
         # a timer on another thread can attach while an update waits for the writer
         self._attach_lock = threading.Lock()
+        # whether the next update has memory metrics or attached values to record
+        self._side = bool(memory)
         self.sinks = _sinks_here(sinks, use_wandb)
         self._sinks_open = True  # False after close(): nothing more is written
         self._mem_last_step: int | None = None
@@ -247,7 +249,7 @@ class History:
                 self._stamp_steps.append(step_used)
                 self._stamp_times.append(now)
             token, side = "", ()
-            if self.memory_every or self._attached or self._attached_at:
+            if self._side:
                 token, side = self._side_values(step_used)
             if self._writing or _trace_state._stack:
                 if host and not side and self._writer is not None:
@@ -349,16 +351,18 @@ class History:
                 self._attached.update(items)
             elif items:
                 self._attached_at.append((step, items))
+            self._side = self._side or bool(items)
 
     def _side_values(self, step: int) -> tuple[str, tuple]:
         """Memory metrics and attached values, recorded locally at ``step`` (or at
         their own steps, emitted apart). Returns the memory token and the
         (name, value) pairs that join this update's log line."""
         token, side = self._memory(step) if self.memory_every else ("", ())
-        if self._attached or self._attached_at:
-            with self._attach_lock:
-                waiting, self._attached = self._attached, {}
-                at, self._attached_at = self._attached_at, []
+        with self._attach_lock:
+            waiting, self._attached = self._attached, {}
+            at, self._attached_at = self._attached_at, []
+            self._side = bool(self.memory_every)
+        if waiting or at:
             now_items, earlier = self._record_attached(waiting, at, step)
             side = (*side, *now_items)
             if self._writing or _trace_state._stack:
@@ -401,6 +405,7 @@ class History:
             if not with_step_only:
                 waiting, self._attached = self._attached, {}
             at, self._attached_at = self._attached_at, []
+            self._side = bool(self.memory_every or self._attached)
         state = self.state
         step = max(state.next_step - 1, 0)
         for name in waiting:
