@@ -4,7 +4,8 @@ all devices or processes, in one fused jitted call per update."""
 
 from __future__ import annotations
 
-import zlib
+import itertools
+import time
 from typing import Any
 
 import jax
@@ -17,6 +18,8 @@ from jaxhistory._stats import Stats, distributed_stats
 __all__ = ["DISTRIBUTED_LIMIT", "Reducer", "distributed_default", "is_per_device"]
 
 DISTRIBUTED_LIMIT = 384  # devices; above this the per-update all-reduce is off
+NAMES_TIMEOUT_S = 120.0  # how long processes wait for each other's metric names
+_REDUCERS = itertools.count()  # numbers History instances alike in every process
 _OFF_VARS = ("JAXHISTORY_NO_DISTRIBUTED_HISTORY", "JAXHISTORY_LOCAL_HISTORY")
 
 
@@ -53,6 +56,8 @@ class Reducer:
     def __init__(self):
         self.multi_process = jax.process_count() > 1
         self._stats_fn = jax.jit(distributed_stats)
+        self._id = next(_REDUCERS)
+        self._agreed: set[tuple[str, ...]] = set()  # name sets all processes use
 
     def split(self, items: list[tuple[str, Any]]) -> tuple[list, list]:
         """(recorded as they are, reduced across devices/processes)."""
@@ -72,9 +77,12 @@ class Reducer:
 
     def reduce(self, items: list[tuple[str, Any]]) -> tuple[Stats, Any]:
         """The statistics of ``items`` (one fused call) and the mesh they used."""
-        names = [n for n, _ in items]
-        if self.multi_process:
-            _check_same_names(names)
+        names = tuple(sorted(n for n, _ in items))
+        if self.multi_process and names not in self._agreed:
+            # Only when this process's names change: through the distributed
+            # runtime's key-value store, never through the device queue.
+            _check_same_names(self._id, len(self._agreed), names)
+            self._agreed.add(names)
         meshes = [v.sharding.mesh for _, v in items if isinstance(v, jax.Array)]
         mesh = meshes[0] if meshes else jax.sharding.Mesh(jax.devices(), ("devices",))
         metrics = {}
@@ -86,18 +94,54 @@ class Reducer:
         return self._stats_fn(metrics), (mesh if meshes else None)
 
 
-def _check_same_names(names: list[str]) -> None:
-    from jax.experimental import multihost_utils
+def _client() -> Any:
+    """The distributed runtime's client (None before jax.distributed.initialize)."""
+    from jax._src import distributed  # the key-value store has no public API
 
-    digest = zlib.crc32("\0".join(sorted(names)).encode())
-    everyone = np.asarray(
-        multihost_utils.process_allgather(np.array([digest, len(names)], np.int64))
-    ).reshape(-1, 2)
-    if len(set(map(tuple, everyone.tolist()))) > 1:
+    return getattr(distributed.global_state, "client", None)
+
+
+def _check_same_names(reducer: int, round_: int, names: tuple[str, ...]) -> None:
+    """Raises ValueError, on every process, unless all processes reduce ``names``.
+
+    Each process posts its names under a key of its own in the distributed
+    runtime's key-value store and reads every other process's, waiting at most
+    :data:`NAMES_TIMEOUT_S` for each. ``reducer`` and ``round_`` (the number of
+    name sets agreed on before) make the keys the same in every process.
+    """
+    client = _client()
+    if client is None:  # several processes without the runtime: cannot happen
+        raise RuntimeError("several JAX processes but no distributed runtime client")
+    me, count = jax.process_index(), jax.process_count()
+    prefix = f"jaxhistory/reducer{reducer}/names{round_}"
+    client.key_value_set(f"{prefix}/{me}", "\n".join(names))
+    deadline = time.monotonic() + NAMES_TIMEOUT_S
+    everyone: dict[int, tuple[str, ...]] = {me: names}
+    for other in range(count):
+        if other == me:
+            continue
+        left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            text = client.blocking_key_value_get(f"{prefix}/{other}", left_ms)
+        except Exception as err:  # the runtime's deadline error
+            raise TimeoutError(
+                f"process {other} did not send its metric names within "
+                f"{NAMES_TIMEOUT_S:g} s (process {me} records {list(names)}): every "
+                "process must call History.update with distributed history, with "
+                f"the same metric names ({type(err).__name__})"
+            ) from None
+        everyone[other] = tuple(text.split("\n")) if text else ()
+    if len(set(everyone.values())) > 1:
+        common = set.intersection(*(set(v) for v in everyone.values()))
+        parts = [
+            f"process {p} has {sorted(set(v) - common) or 'no other names'}"
+            for p, v in sorted(everyone.items())
+        ]
         raise ValueError(
-            f"processes passed different metrics to History.update (process "
-            f"{jax.process_index()} has {sorted(names)}); every process must "
-            "record the same names for distributed history"
+            "processes passed different metrics to History.update: "
+            + "; ".join(parts)
+            + f" (all have {sorted(common)}). Every process must record the same "
+            "names for distributed history"
         )
 
 

@@ -79,10 +79,17 @@ def host_value(name: str, value: Any) -> tuple[Any, np.dtype, tuple[int, ...]]:
         )
     if isinstance(value, jax.Array):
         dtype = device_storage_dtype(name, value.dtype, 4)
-        if not value.is_fully_addressable:
+        if not (value.is_fully_addressable or value.sharding.is_fully_replicated):
+            # A replicated value (a global norm, a fully reduced loss) is read
+            # from this process's own copy; only values that differ across the
+            # processes' devices cannot be.
             raise ValueError(
-                f"metric {name!r} spans devices of other processes; reduce it first "
-                "(jaxhistory.distributed_stats, or History's distributed history)"
+                f"metric {name!r} holds different values on the devices of other "
+                f"processes ({value.sharding}), which this process cannot read. "
+                "Reduce it inside the step (jaxhistory.distributed_stats, "
+                "jaxhistory.reduce_mean, ...), or pass it to "
+                "History(distributed_history=True), which reduces per-device "
+                "arrays across all processes"
             )
         return value, dtype, tuple(value.shape)
     if isinstance(value, str | bytes) or value is None:

@@ -109,6 +109,83 @@ def distributed_history_run(steps: int) -> dict:
     }
 
 
+def replicated_values_run(steps: int) -> dict:
+    """A jitted step on a mesh over every process's devices returns statistics
+    from the step, a replicated scalar and a replicated array; History records
+    them with host scalars, and counts any all-gather it would make."""
+    from unittest import mock
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxhistory as jh
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+
+    @jax.jit
+    def step(x):
+        per = x * x
+        return {
+            "dist": jh.distributed_stats({"loss": jh.per_shard(per)}),
+            "grad_norm": jnp.sqrt(jnp.sum(per)),  # replicated over all devices
+            "w": jnp.stack([per.min(), per.max()]),  # a replicated array
+        }
+
+    history = jh.History(distributed_history=True)
+    lines = []
+    with mock.patch.object(
+        multihost_utils, "process_allgather", wraps=multihost_utils.process_allgather
+    ) as gather:
+        for k in range(steps):
+            data = global_data(k, 1, n)["m0"]
+            x = jax.make_array_from_callback(
+                data.shape, sharding, lambda i, d=data: d[i]
+            )
+            out = step(x)
+            host = float(jax.process_index() + 1) * (k + 1)
+            lines.append(history.update({**out, "host": host}, step=k))
+        gathers = gather.call_count
+    local = jh.History(distributed_history=False)
+    try:  # a per-device array, not reduced: each process holds only its part
+        local.update({"x": x})
+        refused = "no error"
+    except ValueError as err:
+        refused = str(err)
+    state = history.state
+    return {
+        "lines": lines,
+        "gathers": gathers,
+        "refused": refused,
+        "records": {k: np.asarray(state.values(k)).tolist() for k in state.keys},
+    }
+
+
+def names_timeout() -> dict:
+    """Process 0 records a name set; process 1 never calls update."""
+    import time
+
+    import jax
+
+    import jaxhistory as jh
+    from jaxhistory import _distributed
+
+    _distributed.NAMES_TIMEOUT_S = 3.0
+    history = jh.History(distributed_history=True)
+    if jax.process_index() != 0:
+        return {"error": None, "seconds": 0.0}
+    start = time.monotonic()
+    try:
+        history.update({"loss": 1.0})
+    except TimeoutError as err:
+        return {"error": str(err), "seconds": time.monotonic() - start}
+    return {"error": "no error", "seconds": time.monotonic() - start}
+
+
 def mismatched_names() -> str:
     import jax
 

@@ -154,6 +154,41 @@ def test_two_processes_record_the_same_distributed_history_as_one():
 def test_processes_with_different_names_all_get_a_clear_error():
     results = jh.launch_local("mp_workers:mismatched_names", 2, 1, timeout=120)
     assert all("different metrics" in r for r in results), results
+    for r in results:  # each names what differs
+        assert "process 0 has ['loss']" in r and "process 1 has ['lost']" in r, r
+
+
+@pytest.mark.slow
+def test_replicated_values_and_step_statistics_across_processes():
+    """2 processes x 2 devices: a replicated scalar and array out of the step are
+    recorded from each process's own copy, statistics from the step as they
+    are, host scalars reduced; the metric names are compared once, not with an
+    all-gather per update."""
+    steps = 4
+    two = jh.launch_local("mp_workers:replicated_values_run", 2, 2, args=(steps,))
+    assert two[0]["records"] == two[1]["records"]
+    assert [r["gathers"] for r in two] == [0, 0]
+    records = two[0]["records"]
+    for k in range(steps):
+        per = global_data(k, 1, 4)["m0"].astype(np.float64) ** 2
+        np.testing.assert_allclose(
+            records["grad_norm"][k], np.sqrt(per.sum()), rtol=1e-5
+        )
+        np.testing.assert_allclose(records["w"][k], [per.min(), per.max()], rtol=1e-5)
+        np.testing.assert_allclose(records["dist/loss/mean"][k], per.mean(), rtol=1e-5)
+        np.testing.assert_allclose(records["host/mean"][k], 1.5 * (k + 1), rtol=1e-6)
+    assert all(line.startswith(f"step={k} ") for k, line in enumerate(two[0]["lines"]))
+    refused = two[0]["refused"]
+    assert "'x' holds different values on the devices of other processes" in refused
+    assert "History(distributed_history=True)" in refused
+
+
+@pytest.mark.slow
+def test_a_process_that_never_sends_its_names_is_an_error_in_bounded_time():
+    results = jh.launch_local("mp_workers:names_timeout", 2, 1, timeout=120)
+    first = results[0]
+    assert first["error"].startswith("process 1 did not send its metric names"), first
+    assert first["seconds"] < 30
 
 
 def test_stats_from_the_step_are_recorded_and_summarized(mesh):
