@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_export.py --out benchmarks/results/export.md
 	$(BIN)/python benchmarks/bench_memory.py --out benchmarks/results/memory.md
 	$(BIN)/python benchmarks/bench_publish.py --out benchmarks/results/publish.md
+	$(BIN)/python benchmarks/bench_multihost.py --out benchmarks/results/multihost.md
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

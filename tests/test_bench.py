@@ -110,3 +110,11 @@ def test_bench_publish_quick(tmp_path):
         assert re.search(rf"\| {re.escape(part)} \| [\d.]+ \|", text), text
     for sink in ("none", "`JsonlSink`", "`TensorBoardSink`"):
         assert re.search(rf"\| {re.escape(sink)} \| [\d.]+ \| [\d.]+ \|", text), text
+
+
+def test_bench_multihost_quick(tmp_path):
+    _, text = run_quick("bench_multihost.py", tmp_path)
+    assert "| processes x devices | variant |" in text
+    for variant in ("baseline", "history"):
+        row = re.search(rf"^\| 2 \S 2 \| `{variant}` \| ([\d.]+) \|", text, re.M)
+        assert row and float(row.group(1)) > 0, f"no ms/step for {variant}:\n{text}"

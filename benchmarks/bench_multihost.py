@@ -1,0 +1,210 @@
+"""Benchmark: distributed History in a real multi-process training loop.
+
+2 and 4 processes x 2 simulated CPU devices, started with
+:func:`jaxhistory.launch_local` (JAX's multi-controller runtime on 127.0.0.1). Each
+process trains the same data-parallel MLP (64-256-256-1, plain JAX, SGD, global
+batch 1024 sharded over every device of every process). Two variants, interleaved
+in every repeat:
+
+* ``baseline``: the train step (with its metrics), nothing recorded;
+* ``history``: the same step returning ``{"dist": distributed_stats({"loss":
+  per_shard(per_example)}), "grad_norm": ..., "param_norm": ...}`` (statistics
+  from the step and replicated scalars) recorded with
+  ``History(distributed_history=True).update(metrics, summarize=False)`` every
+  step (no host scalars: those are reduced across processes at every update by
+  design, a cost of its own).
+
+Every variant waits on its latest step output every 8 steps (simulated CPU devices
+deadlock when too many collective steps are queued). The figure is the paired
+ratio per repeat (the baseline's time over the variant's in the same repeat) and
+the host time spent in ``update`` per step ("host wait per update").
+
+Run: ``make bench`` or ``python benchmarks/bench_multihost.py [--out PATH]``;
+``--quick`` is a smoke run (2 processes, few steps).
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+TIMES = "\N{MULTIPLICATION SIGN}"
+LOOP_TARGET = 0.97
+IN_FEATURES, HIDDEN, BATCH = 64, 256, 1024
+MAX_STEPS_IN_FLIGHT = 8
+TITLE = "## Distributed History in a multi-process train loop"
+HEADER = (
+    "| processes x devices | variant | ms/step (median repeat) | paired ratio, median "
+    "(IQR) | host µs/update in `update` | target |"
+)
+
+
+def _loop(steps: int, warmup: int, repeats: int) -> dict:
+    """Runs in every process (via launch_local): both variants, interleaved."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxhistory as jh
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    rows, repl = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    rng = np.random.default_rng(0)
+    shapes = [(IN_FEATURES, HIDDEN), (HIDDEN, HIDDEN), (HIDDEN, 1)]
+    params = [
+        jax.device_put((rng.normal(size=s) / np.sqrt(s[0])).astype(np.float32), repl)
+        for s in shapes
+    ]
+    x_np = rng.normal(size=(BATCH, IN_FEATURES)).astype(np.float32)
+    y_np = np.tanh(x_np.sum(axis=1, keepdims=True) / 8).astype(np.float32)
+    x = jax.make_array_from_callback(x_np.shape, rows, lambda i: x_np[i])
+    y = jax.make_array_from_callback(y_np.shape, rows, lambda i: y_np[i])
+
+    def forward(ps, x):
+        h = jnp.tanh(x @ ps[0])
+        h = jnp.tanh(h @ ps[1])
+        return h @ ps[2]
+
+    def loss_fn(ps, x, y):
+        per_example = jnp.mean((forward(ps, x) - y) ** 2, axis=-1)
+        return per_example.mean(), per_example
+
+    @jax.jit
+    def recorded(ps, x, y):
+        (_, per), g = jax.value_and_grad(loss_fn, has_aux=True)(ps, x, y)
+        new = [p - 0.01 * d for p, d in zip(ps, g, strict=True)]
+        metrics = {
+            "dist": jh.distributed_stats({"loss": jh.per_shard(per)}),
+            "grad_norm": jnp.sqrt(sum(jnp.sum(d * d) for d in g)),
+            "param_norm": jnp.sqrt(sum(jnp.sum(p * p) for p in new)),
+        }
+        return new, metrics
+
+    history = jh.History(distributed_history=True)
+    counter = {"step": 0, "in_update": 0.0}
+
+    def run(variant: str, k: int, timed: bool) -> float:
+        nonlocal params
+        start = time.perf_counter()
+        for i in range(k):
+            if variant == "baseline":  # the same step, its metrics not recorded
+                params, _ = recorded(params, x, y)
+            else:
+                params, metrics = recorded(params, x, y)
+                t0 = time.perf_counter()
+                history.update(
+                    metrics,
+                    step=counter["step"],
+                    summarize=False,
+                )
+                if timed:
+                    counter["in_update"] += time.perf_counter() - t0
+                counter["step"] += 1
+            if i % MAX_STEPS_IN_FLIGHT == MAX_STEPS_IN_FLIGHT - 1:
+                params[0].block_until_ready()
+        params[0].block_until_ready()
+        return time.perf_counter() - start
+
+    run("baseline", warmup, False)
+    run("history", warmup, False)
+    times = {"baseline": [], "history": []}
+    for r in range(repeats):
+        order = ("baseline", "history") if r % 2 == 0 else ("history", "baseline")
+        for variant in order:
+            times[variant].append(run(variant, steps, True) / steps)
+    history.close()
+    recorded_steps = history.state.count("grad_norm")
+    return {
+        "times": times,
+        "in_update": counter["in_update"] / (steps * repeats),
+        "recorded": recorded_steps,
+        "expected": warmup + steps * repeats,
+    }
+
+
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else xs * 3
+    return q[0], statistics.median(xs), q[-1]
+
+
+def bench(procs: list[int], steps: int, warmup: int, repeats: int) -> str:
+    import jaxhistory as jh
+
+    rows = [HEADER, "|---|---|---:|---:|---:|---|"]
+    for p in procs:
+        results = jh.launch_local(
+            "bench_multihost:_loop",
+            num_processes=p,
+            devices_per_process=2,
+            args=(steps, warmup, repeats),
+            timeout=1800,
+        )
+        for r in results:
+            if r["recorded"] != r["expected"]:
+                raise AssertionError(f"History recorded {r['recorded']} of {r}")
+        main = results[0]  # every process takes part in every step: the same pace
+        base = main["times"]["baseline"]
+        hist = main["times"]["history"]
+        paired = [b / h for b, h in zip(base, hist, strict=True)]
+        lo, med, hi = quartiles(paired)
+        worst = min(
+            statistics.median(
+                [
+                    b / h
+                    for b, h in zip(
+                        r["times"]["baseline"], r["times"]["history"], strict=True
+                    )
+                ]
+            )
+            for r in results
+        )
+        label = f"{p} {TIMES} 2"
+        rows.append(
+            f"| {label} | `baseline` | {statistics.median(base) * 1e3:.2f} | 1.000 | "
+            "| |"
+        )
+        verdict = "met" if med >= LOOP_TARGET else "**missed**"
+        host_us = statistics.median(r["in_update"] for r in results) * 1e6
+        rows.append(
+            f"| {label} | `history` | {statistics.median(hist) * 1e3:.2f} | "
+            f"{med:.3f} ({lo:.3f}-{hi:.3f}) | {host_us:.0f} | "
+            f"≥ {LOOP_TARGET:g} (paired, process 0): {verdict}; slowest process "
+            f"{worst:.3f} |"
+        )
+        print(f"{p} processes done", flush=True)
+    settings = (
+        f"{steps} timed steps per variant per repeat, {repeats} repeats, variants "
+        f"interleaved (order alternating), {warmup} warm-up steps each. The paired "
+        "ratio is the baseline's time over `history`'s in the same repeat, on "
+        "process 0 (the processes step together); 'slowest process' is the lowest "
+        "median paired ratio of any process. Host µs/update is the median over the "
+        "processes of the time spent inside `History.update` per step."
+    )
+    return "\n".join([TITLE, "", settings, "", *rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # for the workers
+    if args.quick:
+        table = bench([2], steps=16, warmup=8, repeats=3)
+    else:
+        table = bench([2, 4], steps=48, warmup=16, repeats=16)
+    import jax
+    from _common import report
+
+    info = f"jax {jax.__version__}, launch_local processes x 2 CPU devices"
+    report(info, args.quick, [table], args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
