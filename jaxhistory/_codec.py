@@ -35,6 +35,7 @@ __all__ = [
     "jsonable",
     "jsonl_value",
     "read_columns",
+    "read_stamps",
 ]
 
 # repr(x) of a non-finite float -> its text in the logs (strict JSON has no NaN)
@@ -250,3 +251,18 @@ def read_columns(
                 steps.append(step)
                 values.append(value)
     return columns, bad
+
+
+def read_stamps(path: Path) -> dict[int, float]:
+    """Step -> timestamp of every complete line of a JSONL log that has one."""
+    stamps: dict[int, float] = {}
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                record = orjson.loads(line)
+                step, stamp = record["step"], record["timestamp"]
+            except (ValueError, KeyError, TypeError):
+                continue  # a cut-off or damaged line
+            if type(step) is int and isinstance(stamp, float):
+                stamps.setdefault(step, stamp)
+    return stamps

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import orjson
 
 from jaxhistory import _memory, _trace_state
+from jaxhistory._codec import read_stamps
 from jaxhistory._distributed import Reducer, distributed_default, is_per_device
 from jaxhistory._dtypes import as_step
 from jaxhistory._env import env_flag, new_run_id
@@ -214,12 +214,7 @@ class History:
             and step is None
             and ("step" in metrics or "iter" in metrics)
         ):
-            # A step entry is the step: parse it once, and record the rest.
-            for key in STEP_KEYS:
-                if key in metrics:
-                    label, step = key, as_step(key, metrics[key])
-                    metrics = {k: v for k, v in metrics.items() if k != key}
-                    break
+            label, step, metrics = _step_entry(metrics)
         with self._lock:
             fast = None
             if type(metrics) is dict and not self._reduce_host:
@@ -233,15 +228,10 @@ class History:
             else:
                 record, host, step_used = self._record_dict(metrics, step)
             if record is None:  # nested, a pytree, or values to reduce
-                items = flatten(metrics)
+                items = dict(flatten(metrics))
                 if step is None:
-                    for key in STEP_KEYS:
-                        found = [v for n, v in items if n == key]
-                        if found:
-                            label, step = key, as_step(key, found[0])
-                            items = [(n, v) for n, v in items if n != key]
-                            break
-                record, step_used = self._record_items(items, step)
+                    label, step, items = _step_entry(items, label)
+                record, step_used = self._record_items(list(items.items()), step)
             want_line = summarize and not (self._updates % self.log_every)
             self._updates += 1
             now = time.time()
@@ -464,15 +454,8 @@ class History:
         stamps = dict(zip(self._stamp_steps, self._stamp_times, strict=True))
         path = self._log_path
         if path is not None and path.is_file():
-            with open(path, "rb") as f:
-                for line in f:
-                    try:
-                        record = orjson.loads(line)
-                        step, stamp = record["step"], record["timestamp"]
-                    except (ValueError, KeyError, TypeError):
-                        continue  # a cut-off or damaged line
-                    if type(step) is int and isinstance(stamp, float):
-                        stamps.setdefault(step, stamp)
+            for step, stamp in read_stamps(path).items():
+                stamps.setdefault(step, stamp)
         return stamps
 
     def _note_mesh(self, values) -> None:
@@ -622,6 +605,16 @@ class History:
             if log_outputs is not None:
                 log_outputs(state, images)
         return ds
+
+
+def _step_entry(metrics: dict, label: str = "step") -> tuple[str, Any, dict]:
+    """(label, step, the rest) for a dict whose ``step`` (or ``iter``) entry is
+    the step; ``(label, None, metrics)`` when it has none."""
+    for key in STEP_KEYS:
+        if key in metrics:
+            step = as_step(key, metrics[key])
+            return key, step, {k: v for k, v in metrics.items() if k != key}
+    return label, None, metrics
 
 
 def _sinks_here(sinks: Sequence[Any], use_wandb: bool | None) -> tuple:

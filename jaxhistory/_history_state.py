@@ -542,13 +542,10 @@ class HistoryState:
                     f"metric {name!r} has shape {parts[0][1].shape[1:]} here and "
                     f"{parts[1][1].shape[1:]} in the other history"
                 )
-            steps = np.concatenate([p[0] for p in parts])
-            values = np.concatenate([p[1] for p in parts])
-            order = np.argsort(steps, kind="stable")
-            steps, values = steps[order], values[order]
-            keep = np.ones(len(steps), bool)
-            keep[:-1] = steps[1:] != steps[:-1]  # the later (other's) one wins
-            steps, values = steps[keep], values[keep]
+            steps, values = _later_wins(  # other's record wins
+                np.concatenate([p[0] for p in parts]),
+                np.concatenate([p[1] for p in parts]),
+            )
             new[(name,)] = (Table.from_arrays((name,), steps, [values]), len(steps))
         return self._derive(new, max(self.next_step, other.next_step))
 
@@ -684,11 +681,7 @@ class HistoryState:
                 raise ValueError(f"{path}: metric {name!r} has non-numeric values")
             if arr.dtype.kind == "f":
                 arr = arr.astype(np.float64)
-            order = np.argsort(steps_arr, kind="stable")
-            steps_arr, arr = steps_arr[order], arr[order]
-            keep = np.ones(len(steps_arr), bool)
-            keep[:-1] = steps_arr[1:] != steps_arr[:-1]  # the later line wins
-            columns[name] = (steps_arr[keep], arr[keep])
+            columns[name] = _later_wins(steps_arr, arr)  # the later line wins
         next_step = max((int(s[-1]) + 1 for s, _ in columns.values()), default=0)
         return cls._from_columns(columns, next_step)
 
@@ -706,6 +699,16 @@ class HistoryState:
 
     def __repr__(self) -> str:
         return f"HistoryState({len(self)} metrics, next_step={self.next_step})"
+
+
+def _later_wins(steps: np.ndarray, values: np.ndarray):
+    """Records in step order, one per step: where several share a step, the one
+    that came later in the input wins."""
+    order = np.argsort(steps, kind="stable")
+    steps, values = steps[order], values[order]
+    keep = np.ones(len(steps), bool)
+    keep[:-1] = steps[1:] != steps[:-1]
+    return steps[keep], values[keep]
 
 
 def _append(table: Table, n: int, step: int, row: Any, on_device: bool = False):
