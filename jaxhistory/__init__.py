@@ -53,6 +53,7 @@ from jaxhistory._reduce import (
 )
 from jaxhistory._results import log_metrics, metrics_format, save_metrics, save_state
 from jaxhistory._stats import (
+    PROVENANCE,
     STATS,
     Stats,
     distributed_stats,
@@ -65,6 +66,7 @@ from jaxhistory.launch import LaunchError, launch_local
 __version__ = _version.__version__
 
 __all__ = [
+    "PROVENANCE",
     "STATS",
     "History",
     "HistoryState",

@@ -4,23 +4,41 @@ all devices or processes, in one fused jitted call per update."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxhistory._env import env_flag
 from jaxhistory._names import COUNTER_KEYS
-from jaxhistory._stats import Stats, distributed_stats
+from jaxhistory._provenance import Layout, concrete_layout
+from jaxhistory._stats import Stats, global_stats
+from jaxhistory._tree import flatten_metrics
 
-__all__ = ["DISTRIBUTED_LIMIT", "Reducer", "distributed_default", "is_per_device"]
+__all__ = [
+    "ARRIVAL",
+    "DISTRIBUTED_LIMIT",
+    "STRAGGLER",
+    "Reducer",
+    "distributed_default",
+    "is_per_device",
+]
 
 DISTRIBUTED_LIMIT = 384  # devices; above this the per-update all-reduce is off
 NAMES_TIMEOUT_S = 120.0  # how long processes wait for each other's metric names
 _REDUCERS = itertools.count()  # numbers History instances alike in every process
 _OFF_VARS = ("JAXHISTORY_NO_DISTRIBUTED_HISTORY", "JAXHISTORY_LOCAL_HISTORY")
+# With several processes: the wall-clock time at which each process reached the
+# update (two host scalars reduced with the others, never recorded themselves:
+# seconds // 1024 and the rest, exact in float32) gives the last process to
+# arrive and its lag behind the median process.
+ARRIVAL = ("straggler/arrival_hi", "straggler/arrival_lo")
+ARRIVAL_UNIT = 1024.0
+STRAGGLER = ("straggler/process", "straggler/lag")
 
 
 def distributed_default() -> bool:
@@ -51,11 +69,22 @@ def is_per_device(value: Any) -> bool:
 
 class Reducer:
     """Splits an update's values into those recorded as they are and those
-    reduced across devices (and processes), and reduces the latter."""
+    reduced across devices (and processes), and reduces the latter.
 
-    def __init__(self):
+    Statistics come with provenance (which device holds each max, min and
+    NaN): the layouts are read from the concrete arrays, so this works on any
+    mesh, Auto axes included. With several processes, the time each process
+    reached the update rides along in the same two all-reduces and comes back
+    as :data:`STRAGGLER`: arrival, not time between updates, because a
+    synchronous step makes every process's time between updates the same
+    (the fast ones wait for the slow one), while the slow one still arrives
+    last.
+    """
+
+    def __init__(self, provenance: bool = True):
         self.multi_process = jax.process_count() > 1
-        self._stats_fn = jax.jit(distributed_stats)
+        self.provenance = bool(provenance)
+        self._fns: dict[tuple, Any] = {}  # jitted reductions per set of layouts
         self._id = next(_REDUCERS)
         self._agreed: set[tuple[str, ...]] = set()  # name sets all processes use
 
@@ -75,8 +104,14 @@ class Reducer:
                 plain.append((name, value))
         return plain, reduce
 
-    def reduce(self, items: list[tuple[str, Any]]) -> tuple[Stats, Any]:
-        """The statistics of ``items`` (one fused call) and the mesh they used."""
+    def reduce(self, items: list[tuple[str, Any]]) -> tuple[Stats, dict, Any]:
+        """The statistics of ``items`` (one fused call), the straggler values
+        (``{}`` with one process, or on the first update) and the mesh of the
+        per-device values (None if there were none)."""
+        if self.multi_process:
+            now = time.time()
+            hi = float(now // ARRIVAL_UNIT)
+            items = [*items, (ARRIVAL[0], hi), (ARRIVAL[1], now - hi * ARRIVAL_UNIT)]
         names = tuple(sorted(n for n, _ in items))
         if self.multi_process and names not in self._agreed:
             # Only when this process's names change: through the distributed
@@ -84,14 +119,76 @@ class Reducer:
             _check_same_names(self._id, len(self._agreed), names)
             self._agreed.add(names)
         meshes = [v.sharding.mesh for _, v in items if isinstance(v, jax.Array)]
-        mesh = meshes[0] if meshes else jax.sharding.Mesh(jax.devices(), ("devices",))
+        mesh = meshes[0] if meshes else _all_devices_mesh()
         metrics = {}
         for name, value in items:
             if isinstance(value, jax.Array):
                 metrics[name] = value
             else:
                 metrics[name] = _per_process_array(name, value, mesh)
-        return self._stats_fn(metrics), (mesh if meshes else None)
+        leaves, _ = flatten_metrics(metrics)
+        layouts = None
+        if self.provenance or self.multi_process:
+            layouts = tuple(
+                concrete_layout(lf.value.sharding, lf.value.shape) for lf in leaves
+            )
+        gather = None
+        if self.multi_process:
+            index = {lf.name: i for i, lf in enumerate(leaves)}
+            gather = (index[ARRIVAL[0]], index[ARRIVAL[1]])
+        key = (
+            None if layouts is None else tuple(lay.key for lay in layouts),
+            gather,
+        )
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = jax.jit(
+                functools.partial(_reduce, layouts=layouts, gather=gather)
+            )
+        stats, straggler = fn(metrics)
+        if not self.provenance and stats.where is not None:
+            stats = Stats(stats.names, stats.table)
+        return stats, straggler, (mesh if meshes else None)
+
+
+def _reduce(
+    metrics: dict,
+    layouts: tuple[Layout, ...] | None,
+    gather: tuple[int, int] | None,
+) -> tuple[Stats, dict]:
+    """The jitted reduction: statistics (with provenance when ``layouts`` are
+    given) and, when ``gather`` holds the indices of the two arrival leaves,
+    the last process to arrive and its lag behind the median process, at no
+    extra collective."""
+    leaves, _ = flatten_metrics(metrics)
+    picks = frozenset(gather or ())
+    stats, gathered = global_stats(
+        leaves, None if layouts is None else list(layouts), picks
+    )
+    if gather is None:
+        return stats, {}
+    keep = [i for i in range(len(leaves)) if i not in picks]
+    where = None if stats.where is None else stats.where[:, keep]
+    stats = Stats(tuple(stats.names[i] for i in keep), stats.table[:, keep], where)
+    devices = jax.devices()
+    first: dict[int, int] = {}  # process -> the slot of its first device
+    for slot, index in enumerate(layouts[gather[0]].holders.tolist()):
+        first.setdefault(devices[index].process_index, slot)
+    procs = sorted(first)
+    slots = np.asarray([first[p] for p in procs])
+    hi, lo = gathered[gather[0]][slots], gathered[gather[1]][slots]
+    # Relative to the earliest whole unit: small, so exact enough in float32.
+    arrival = (hi - jnp.min(hi)) * ARRIVAL_UNIT + lo
+    last = jnp.argmax(arrival)
+    return stats, {
+        STRAGGLER[0]: jnp.asarray(procs, jnp.int32)[last],
+        STRAGGLER[1]: arrival[last] - jnp.median(arrival),
+    }
+
+
+@functools.lru_cache(maxsize=1)
+def _all_devices_mesh() -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(jax.devices(), ("devices",))
 
 
 def _client() -> Any:

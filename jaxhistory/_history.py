@@ -22,7 +22,7 @@ from jaxhistory._env import env_flag, new_run_id
 from jaxhistory._history_state import HistoryState, _append_floats
 from jaxhistory._names import STEP_KEYS, flatten
 from jaxhistory._stats import Stats
-from jaxhistory._summary import SummaryLine, memory_token
+from jaxhistory._summary import NonfiniteWatch, SummaryLine, memory_token
 from jaxhistory._writer import Writer
 from jaxhistory.export._finalize import finalize as write_outputs
 from jaxhistory.sinks import WandbSink, is_sink, writes_here
@@ -82,6 +82,20 @@ class History:
             :func:`~jaxhistory.device_memory`) at the update's step, and a
             ``memory=X.XX/Y.YYGiB`` token (current/peak) to the summary line:
             device memory where the backend reports a peak, else host RSS.
+        provenance: with distributed history, also record which device holds
+            each statistic's max, min and first NaN (``name/argmax``,
+            ``name/argmin``, ``name/nan_device``: global indices in
+            ``jax.devices()`` order; see :func:`~jaxhistory.distributed_stats`),
+            in the same two all-reduces. When a statistic turns NaN or
+            infinite, the summary line shows the device and its process
+            (``loss=nan(NaN on device 3 (process 1))``) and a warning, once per
+            metric, names the step, the metric, the device and the process.
+
+    With several processes and distributed history, each update also records
+    ``straggler/process`` (the process with the longest time since its
+    previous update) and ``straggler/lag`` (that time minus the median
+    process's, in seconds), from the second update on, in the same two
+    all-reduces as the host scalars.
 
     Every method may be called from any thread: updates from several threads are
     all recorded (each thread's in its order), and ``attach``, ``flush`` and
@@ -109,6 +123,7 @@ class History:
         memory: bool | int = False,
         sinks: Sequence[Any] = (),
         use_wandb: bool | None = None,
+        provenance: bool = True,
     ):
         if keys is not None and (
             isinstance(keys, str) or not all(isinstance(k, str) for k in keys)
@@ -157,10 +172,11 @@ class History:
         self.run_id = new_run_id(run_name)
         self.mesh = None  # the mesh of the per-device metrics, once one is seen
         self._updates = 0
-        self._reducer = Reducer()
+        self._reducer = Reducer(provenance)
         # host scalars are reduced across processes: no fast path then
         self._reduce_host = self.distributed_history and self._reducer.multi_process
-        self._line = SummaryLine(self.keys)
+        self._watch = NonfiniteWatch()  # one warning per metric gone NaN/inf
+        self._line = SummaryLine(self.keys, self._watch)
         # (step, wall time) per update, in arrays: no objects for the GC to scan
         self._stamp_steps = array.array("q")
         self._stamp_times = array.array("d")
@@ -293,13 +309,13 @@ class History:
         )
         record = dict(plain)
         if reduce:
-            stats, mesh = self._reducer.reduce(reduce)
+            stats, straggler, mesh = self._reducer.reduce(reduce)
             if mesh is not None and self.mesh is None:
                 self.mesh = mesh
             # Where the first reduced value was, so the summary keeps the order.
             first = next(i for i, (n, _) in enumerate(items) if n == reduce[0][0])
             kept = [(n, v) for n, v in items[:first] if n in record]
-            record = {**dict(kept), "": stats, **record}
+            record = {**dict(kept), "": stats, **record, **straggler}
         new = self.state.update(record, step=step)
         if self.mesh is None:
             self._note_mesh(record.values())
@@ -505,7 +521,7 @@ class History:
                 self._log_failed = True
                 self._writing = bool(self._live_sinks())
         sinks = [s for s in (self._log, *self._live_sinks()) if s is not None]
-        self._writer = Writer(sinks)
+        self._writer = Writer(sinks, self._watch.check)
         # Writes what is queued when this History goes (or at exit).
         weakref.finalize(self, self._writer.close)
 

@@ -28,7 +28,7 @@ from jaxhistory._dtypes import (
     host_value,
     warmup_count,
 )
-from jaxhistory._names import flatten, stat_names
+from jaxhistory._names import PROVENANCE, flatten, stat_names
 from jaxhistory._stats import Stats
 from jaxhistory._table import (
     STAGE,
@@ -402,8 +402,12 @@ class HistoryState:
         state = self.update(rest, used) if rest else self
         for key, stats in metrics.items():
             if type(stats) is Stats:
-                names = stat_names(stats.names, f"{key}/" if key else "")
+                prefix = f"{key}/" if key else ""
+                names = stat_names(stats.names, prefix)
                 state = state.update_packed(names, stats.table, step=used)
+                if stats.where is not None:  # provenance: device indices
+                    names = stat_names(stats.names, prefix, PROVENANCE)
+                    state = state.update_packed(names, stats.where, step=used)
         return state
 
     def _prepare(self, keys, row, ptypes, step):

@@ -20,6 +20,7 @@ import jax
 
 __all__ = [
     "COUNTER_KEYS",
+    "PROVENANCE",
     "STATS",
     "STEP_KEYS",
     "aggregated_names",
@@ -33,6 +34,8 @@ __all__ = [
 ]
 
 STATS = ("mean", "max", "min", "std")
+# With provenance: the device holding the max, the min and the first NaN.
+PROVENANCE = ("argmax", "argmin", "nan_device")
 STEP_KEYS = ("step", "iter")  # an entry with one of these names is the step
 COUNTER_KEYS = ("step", "epoch", "iter")  # shown first, as integers
 _CONTAINERS = (list, tuple)
@@ -111,23 +114,28 @@ def flatten(metrics: Any) -> list[tuple[str, Any]]:
 
 
 @functools.lru_cache(maxsize=1024)
-def stat_names(names: tuple[str, ...], prefix: str = "") -> tuple[str, ...]:
-    """``{prefix}{name}/{stat}`` for each cell of a ``(4, K)`` statistics table, in
-    C order (all means, then all maxes, ...); an empty name gives
-    ``{prefix}{stat}``. Cached: the same names are asked for at every update."""
+def stat_names(
+    names: tuple[str, ...], prefix: str = "", rows: tuple[str, ...] = STATS
+) -> tuple[str, ...]:
+    """``{prefix}{name}/{stat}`` for each cell of a ``(len(rows), K)`` table of
+    statistics (or of :data:`PROVENANCE`), in C order (all means, then all
+    maxes, ...); an empty name gives ``{prefix}{stat}``. Cached: the same names
+    are asked for at every update."""
     return tuple(
-        f"{prefix}{n}/{s}" if n else f"{prefix}{s}" for s in STATS for n in names
+        f"{prefix}{n}/{s}" if n else f"{prefix}{s}" for s in rows for n in names
     )
 
 
 def aggregated_names(names) -> set[str]:
-    """The names that belong to a complete ``name/{mean,max,min,std}`` group."""
+    """The names that belong to a complete ``name/{mean,max,min,std}`` group,
+    with the group's :data:`PROVENANCE` names where recorded."""
     names = set(names)
     out = set()
     for name in names:
         base, _, stat = name.rpartition("/")
         if stat == "mean" and all(f"{base}/{s}" in names for s in STATS):
             out.update(f"{base}/{s}" for s in STATS)
+            out.update(f"{base}/{s}" for s in PROVENANCE if f"{base}/{s}" in names)
     return out
 
 

@@ -27,10 +27,12 @@ import numpy as np
 from jax import lax
 
 from jaxhistory._collective import AxisName, bound_axis_size, check_axis_name
-from jaxhistory._names import STATS
+from jaxhistory._names import PROVENANCE, STATS
+from jaxhistory._provenance import Layout, layout_of, shard_tables
 from jaxhistory._tree import Leaf, acc_dtype, flatten_metrics
 
 __all__ = [
+    "PROVENANCE",
     "STATS",
     "Stats",
     "distributed_stats",
@@ -95,37 +97,45 @@ class Stats(Mapping):
     :data:`STATS` order, one column per metric). As a pytree it has that one leaf,
     so a jitted step that returns it hands back one buffer instead of ``4 * K``
     scalars, and ``jax.device_get(stats)`` fetches everything in one transfer.
+    With provenance it also maps ``"name/argmax"``, ``"name/argmin"`` and
+    ``"name/nan_device"`` to device indices, held in a second, int32 ``(3, K)``
+    array (rows in :data:`PROVENANCE` order).
 
     Attributes:
         names: the metric names, one per column.
         table: the ``(4, K)`` array.
+        where: the ``(3, K)`` int32 array of device indices, or None.
     """
 
-    __slots__ = ("_index", "names", "table")
+    __slots__ = ("_index", "names", "table", "where")
 
-    def __init__(self, names: tuple[str, ...], table: Any):
+    def __init__(self, names: tuple[str, ...], table: Any, where: Any = None):
         self.names = tuple(names)
         self.table = table
-        self._index: dict[str, tuple[int, int]] | None = None
+        self.where = where
+        self._index: dict[str, tuple[int, int, int]] | None = None
 
-    def _keys(self) -> dict[str, tuple[int, int]]:
+    def _keys(self) -> dict[str, tuple[int, int, int]]:
         if self._index is None:
+            rows = [(0, STATS)] + ([(1, PROVENANCE)] if self.where is not None else [])
             self._index = {
-                (f"{name}/{stat}" if name else stat): (row, col)
+                (f"{name}/{stat}" if name else stat): (part, row, col)
                 for col, name in enumerate(self.names)
-                for row, stat in enumerate(STATS)
+                for part, stats in rows
+                for row, stat in enumerate(stats)
             }
         return self._index
 
     def __getitem__(self, key: str) -> Any:
-        row, col = self._keys()[key]
-        return self.table[row, col]
+        part, row, col = self._keys()[key]
+        return (self.where if part else self.table)[row, col]
 
     def __iter__(self):
         return iter(self._keys())
 
     def __len__(self) -> int:
-        return len(STATS) * len(self.names)
+        rows = len(STATS) + (len(PROVENANCE) if self.where is not None else 0)
+        return rows * len(self.names)
 
     def __repr__(self) -> str:
         if isinstance(self.table, np.ndarray | jax.Array) and not isinstance(
@@ -136,23 +146,61 @@ class Stats(Mapping):
         return f"Stats(names={self.names!r}, table={self.table!r})"
 
     def tree_flatten(self):
-        return (self.table,), self.names
+        if self.where is None:
+            return (self.table,), (self.names, False)
+        return (self.table, self.where), (self.names, True)
 
     @classmethod
-    def tree_unflatten(cls, names, children):
-        return cls(names, children[0])
+    def tree_unflatten(cls, aux, children):
+        names, provenance = aux
+        return cls(names, children[0], children[1] if provenance else None)
 
 
-def _assemble(leaves: list[Leaf], parts: list[tuple[list[int], jax.Array]]) -> Stats:
-    """Joins each group's table into one, with columns in the order of ``leaves``."""
+def _assemble(leaves: list[Leaf], parts: list[tuple], provenance: bool) -> Stats:
+    """Joins each group's tables into one, with columns in the order of
+    ``leaves``. ``parts`` holds ``(indices, table, where)`` per group."""
     names = tuple(leaf.name for leaf in leaves)
     if not parts:
-        return Stats(names, jnp.zeros((len(STATS), 0), jnp.float32))
-    order = [i for idx, _ in parts for i in idx]
-    table = jnp.concatenate([t for _, t in parts], axis=1)
+        where = jnp.zeros((len(PROVENANCE), 0), jnp.int32) if provenance else None
+        return Stats(names, jnp.zeros((len(STATS), 0), jnp.float32), where)
+    order = [i for idx, _, _ in parts for i in idx]
+    table = jnp.concatenate([t for _, t, _ in parts], axis=1)
+    where = jnp.concatenate([w for _, _, w in parts], axis=1) if provenance else None
     if order != sorted(order):
-        table = table[:, np.argsort(order)]
-    return Stats(names, table)
+        perm = np.argsort(order)
+        table = table[:, perm]
+        where = None if where is None else where[:, perm]
+    return Stats(names, table, where)
+
+
+def _where(
+    nan_ext: jax.Array, at_max: jax.Array, at_min: jax.Array, holders: jax.Array
+) -> jax.Array:
+    """The ``(3, k)`` int32 device indices from one group's reduced partials.
+
+    ``nan_ext`` is the reduced ``max(-rank)`` over NaN elements (``-inf`` where
+    none), ``at_max``/``at_min`` the reduced ``(k, S)`` counts, per holder, of
+    elements equal to the max/min, and ``holders`` the ``S`` device indices in
+    ascending order (or ``(k, S)``). The first holder with a count is the lowest
+    device index; a NaN makes every index the NaN's device.
+    """
+    has_nan = nan_ext > -jnp.inf
+    nan_rank = jnp.where(has_nan, -nan_ext, 0).astype(jnp.int32)
+    holders = jnp.broadcast_to(holders, at_max.shape)
+
+    def pick(rank):
+        return jnp.take_along_axis(holders, rank[:, None], axis=1)[:, 0]
+
+    nan_device = jnp.where(has_nan, pick(nan_rank), -1)
+    first_max = pick(jnp.argmax(at_max > 0, axis=1).astype(jnp.int32))
+    first_min = pick(jnp.argmax(at_min > 0, axis=1).astype(jnp.int32))
+    return jnp.stack(
+        [
+            jnp.where(has_nan, nan_device, first_max),
+            jnp.where(has_nan, nan_device, first_min),
+            nan_device,
+        ]
+    ).astype(jnp.int32)
 
 
 def _group_key(leaf: Leaf) -> tuple:
@@ -161,7 +209,9 @@ def _group_key(leaf: Leaf) -> tuple:
     return (leaf.value.shape, acc_dtype(leaf.value.dtype), spec)
 
 
-def distributed_stats(metrics: Any) -> Stats:
+def distributed_stats(
+    metrics: Any, provenance: bool = False, *, mesh: Any = None
+) -> Stats:
     """Cross-device mean, max, min and std of every metric (SPMD, inside jit).
 
     Args:
@@ -170,12 +220,29 @@ def distributed_stats(metrics: Any) -> Stats:
             sharded over the mesh, made with :func:`per_shard`). Statistics are taken
             over all elements of each leaf; a scalar has std 0. bf16/fp16 values
             accumulate in float32.
+        provenance: also say which device holds the extremes and the first NaN:
+            ``name/argmax`` and ``name/argmin`` (the global index, in
+            ``jax.devices()`` order, of the device holding the max / min; the
+            lowest index on ties) and ``name/nan_device`` (the lowest index of a
+            device holding a NaN, -1 when none; with a NaN, argmax and argmin
+            name that device too, as max and min are NaN). Still two
+            all-reduces per group of leaves. Under jit it reads each value's
+            sharding from its type, which is exact on Explicit mesh axes
+            (``jax.make_mesh``'s default), and the mesh's devices from
+            ``jax.set_mesh`` or ``mesh``.
+        mesh: the mesh the values are on, for ``provenance`` under jit outside
+            ``jax.set_mesh``.
 
     Returns:
         A :class:`Stats` mapping, read like a flat dict: ``name/mean``,
         ``name/max``, ``name/min`` and ``name/std`` for every leaf ``name`` (its
-        ``/``-joined path). NaN in a leaf makes all four statistics NaN. The values
-        are float32 (float64 if a leaf is float64), in one ``(4, K)`` array.
+        ``/``-joined path), and the provenance entries when asked. NaN in a leaf
+        makes all four statistics NaN. The values are float32 (float64 if a leaf
+        is float64), in one ``(4, K)`` array; device indices are int32.
+
+    Raises:
+        ValueError: a leaf is empty; or, with provenance, the mesh's devices or
+            a value's sharding cannot be known here.
 
     Leaves of the same shape, dtype and sharding are stacked, so ``K`` of them
     compile to two all-reduces in total (one max, one sum), whatever ``K``.
@@ -191,24 +258,85 @@ def distributed_stats(metrics: Any) -> Stats:
     """
     leaves, _ = flatten_metrics(metrics)
     _check_nonempty(leaves)
+    layouts = None
+    if provenance:
+        layouts = [layout_of(lf.value, mesh, "distributed_stats") for lf in leaves]
+    return global_stats(leaves, layouts)[0]
+
+
+def global_stats(
+    leaves: list[Leaf], layouts: list[Layout] | None, gather: frozenset = frozenset()
+) -> tuple[Stats, dict[int, jax.Array]]:
+    """:func:`distributed_stats` on flattened leaves, with provenance when
+    ``layouts`` are given. ``gather``: indices of leaves whose per-holder values
+    are also returned (``{index: (S,) values}``, the value each holder's
+    elements share), at no extra collective."""
     groups: dict[tuple, list[int]] = {}
     for i, leaf in enumerate(leaves):
-        groups.setdefault(_group_key(leaf), []).append(i)
-    parts = []
-    for (shape, acc, _), idx in groups.items():
-        k = len(idx)
+        key = _group_key(leaf) + ((layouts[i].key,) if layouts else ())
+        groups.setdefault(key, []).append(i)
+    parts, gathered = [], {}
+    for (shape, acc, *_), idx in groups.items():
         stacked = jnp.stack([leaves[i].value.astype(acc) for i in idx])
-        axes = tuple(range(1, 1 + len(shape)))
-        hi, lo, isnan = _clean(stacked)
-        ext = jnp.max(jnp.concatenate([hi, lo]), axis=axes)  # all-reduce 1
-        c = _shift(ext[:k], -ext[k:])
-        d = stacked - c.reshape((k,) + (1,) * len(shape))
-        sums = jnp.sum(jnp.concatenate([d, jnp.square(d), isnan]), axis=axes)  # 2
-        parts.append((idx, _finish(c, ext, sums, math.prod(shape))))
-    return _assemble(leaves, parts)
+        layout = layouts[idx[0]] if layouts else None
+        picks = [j for j, i in enumerate(idx) if i in gather]
+        table, where, values = _global_group(stacked, shape, layout, picks)
+        parts.append((idx, table, where))
+        gathered.update({idx[j]: v for j, v in zip(picks, values, strict=True)})
+    return _assemble(leaves, parts, layouts is not None), gathered
 
 
-def distributed_stats_collective(metrics: Any, axis_name: AxisName) -> Stats:
+def _global_group(
+    stacked: jax.Array, shape: tuple, layout: Layout | None, picks: list[int]
+) -> tuple[jax.Array, Any, list[jax.Array]]:
+    """One group of ``k`` stacked leaves: its ``(4, k)`` table, its ``(3, k)``
+    device indices (with a layout) and the per-holder values of ``picks``."""
+    k = stacked.shape[0]
+    axes = tuple(range(1, 1 + len(shape)))
+    hi, lo, isnan = _clean(stacked)
+    maxed = [hi, lo]
+    if layout is not None:
+        rank = jnp.asarray(layout.rank, stacked.dtype)
+        maxed.append(jnp.where(isnan > 0, -rank, -jnp.inf))
+    ext = jnp.max(jnp.concatenate(maxed), axis=axes)  # all-reduce 1
+    c = _shift(ext[:k], -ext[k : 2 * k])
+    d = stacked - c.reshape((k,) + (1,) * len(shape))
+    summed = [d, jnp.square(d), isnan]
+    if layout is not None:
+        slots = len(layout.holders)
+        onehot = jnp.asarray(layout.onehot, stacked.dtype)[None]
+        expand = (k,) + (1,) * len(shape)
+        at_max = stacked == ext[:k].reshape(expand)
+        at_min = stacked == -ext[k : 2 * k].reshape(expand)
+        for mask in (at_max, at_min):
+            summed.append(
+                (mask.astype(stacked.dtype)[:, None] * onehot).reshape(
+                    (k * slots, *shape)
+                )
+            )
+        if picks:
+            chosen = stacked[np.asarray(picks)]
+            summed.append(
+                (chosen[:, None] * onehot).reshape((len(picks) * slots, *shape))
+            )
+    sums = jnp.sum(jnp.concatenate(summed), axis=axes)  # all-reduce 2
+    table = _finish(c, ext[: 2 * k], sums[: 3 * k], math.prod(shape))
+    if layout is None:
+        return table, None, []
+    counts = sums[3 * k :].reshape(-1, slots)
+    where = _where(
+        ext[2 * k :], counts[:k], counts[k : 2 * k], jnp.asarray(layout.holders)
+    )
+    if not picks:
+        return table, where, []
+    per_slot = np.maximum(layout.onehot.reshape(slots, -1).sum(axis=1), 1)
+    values = counts[2 * k :] / jnp.asarray(per_slot, stacked.dtype)
+    return table, where, [values[j] for j in range(len(picks))]
+
+
+def distributed_stats_collective(
+    metrics: Any, axis_name: AxisName, provenance: bool = False, *, mesh: Any = None
+) -> Stats:
     """Mean, max, min and std of every metric across ``axis_name`` (in shard_map).
 
     Each leaf is this shard's value (a per-shard loss is a scalar); statistics are
@@ -218,9 +346,19 @@ def distributed_stats_collective(metrics: Any, axis_name: AxisName) -> Stats:
     computed around the shard's own mean, so only the spread between shards goes
     through the shifted sum.
 
+    Args:
+        metrics: a pytree of this shard's values.
+        axis_name: the mesh axis (or tuple of axes) to reduce over.
+        provenance: also ``name/argmax``, ``name/argmin`` and ``name/nan_device``,
+            as for :func:`distributed_stats`, in the same two collectives. Every
+            mesh axis must be manual in the shard_map; the mesh's devices come
+            from ``jax.set_mesh`` or ``mesh`` (the mesh given to shard_map).
+        mesh: the shard_map's mesh, for ``provenance`` outside ``jax.set_mesh``.
+
     Returns:
         A :class:`Stats` mapping of ``name/mean``, ``name/max``, ``name/min`` and
-        ``name/std``, the same on every device of the axis.
+        ``name/std`` (and the provenance entries), the same on every device of
+        the axis.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -235,10 +373,15 @@ def distributed_stats_collective(metrics: Any, axis_name: AxisName) -> Stats:
         >>> float(jax.jit(f)(x)["loss/max"]) == n - 1
         True
     """
-    size = bound_axis_size(axis_name, "distributed_stats_collective")
+    caller = "distributed_stats_collective"
+    size = bound_axis_size(axis_name, caller)
     axis_name = check_axis_name(axis_name)
     leaves, _ = flatten_metrics(metrics)
     _check_nonempty(leaves)
+    place = None
+    if provenance:
+        axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+        place = _shard_place(shard_tables(axes, mesh, caller))
     # Leaves of one shape are stacked and reduced locally as one array; the local
     # partials of every shape are then joined per accumulation dtype, so each dtype
     # costs one pmax and one psum.
@@ -255,14 +398,21 @@ def distributed_stats_collective(metrics: Any, axis_name: AxisName) -> Stats:
             stacks.append((x, tuple(range(1, 1 + len(shape))), _clean(x)))
         hi = [jnp.max(clean[0], axis=axes) for _, axes, clean in stacks]
         lo = [jnp.max(clean[1], axis=axes) for _, axes, clean in stacks]
-        ext = lax.pmax(jnp.concatenate(hi + lo), axis_name)  # collective 1
+        maxed = hi + lo
+        if place is not None:
+            rank = place[0].astype(acc)
+            maxed += [
+                jnp.where(jnp.any(isnan > 0, axis=axes), -rank, -jnp.inf)
+                for _, axes, (_, _, isnan) in stacks
+            ]
+        ext = lax.pmax(jnp.concatenate(maxed), axis_name)  # collective 1
         k = len(idx)
-        c = _shift(ext[:k], -ext[k:])
-        s1, spread, nans, counts = [], [], [], []
+        c = _shift(ext[:k], -ext[k : 2 * k])
+        s1, spread, nans, counts, at = [], [], [], [], [[], []]
         offset = 0
         for x, axes, (_, _, isnan) in stacks:
-            cg = c[offset : offset + x.shape[0]].reshape((-1,) + (1,) * len(axes))
-            offset += x.shape[0]
+            sl = slice(offset, offset + x.shape[0])
+            cg = c[sl].reshape((-1,) + (1,) * len(axes))
             n = math.prod(x.shape[1:])
             # Shift first, then centre on the shard's mean of the shifted values:
             # the rounding of a mean of unshifted values would be multiplied by
@@ -274,10 +424,43 @@ def distributed_stats_collective(metrics: Any, axis_name: AxisName) -> Stats:
             spread.append(m2 + n * jnp.square(local_mean).reshape(-1))
             nans.append(jnp.sum(isnan, axis=axes))
             counts += [n * size] * x.shape[0]
-        sums = lax.psum(jnp.concatenate(s1 + spread + nans), axis_name)  # 2
-        table = _finish(c, ext, sums, jnp.asarray(counts, acc))
-        parts.append((idx, table))
-    return _assemble(leaves, parts)
+            if place is not None:
+                expand = (-1,) + (1,) * len(axes)
+                for j, ex in enumerate((ext[:k][sl], -ext[k : 2 * k][sl])):
+                    held = jnp.any(x == ex.reshape(expand), axis=axes).astype(acc)
+                    at[j].append(held[:, None] * place[1].astype(acc))
+            offset += x.shape[0]
+        summed = s1 + spread + nans
+        if place is not None:
+            summed += [jnp.concatenate(a).reshape(-1) for a in at]
+        sums = lax.psum(jnp.concatenate(summed), axis_name)  # 2
+        table = _finish(c, ext[: 2 * k], sums[: 3 * k], jnp.asarray(counts, acc))
+        where = None
+        if place is not None:
+            held = sums[3 * k :].reshape(2, k, -1)
+            where = _where(ext[2 * k :], held[0], held[1], place[2])
+        parts.append((idx, table, where))
+    return _assemble(leaves, parts, place is not None)
+
+
+def _shard_place(tables) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """This shard's rank among its group's devices, its one-hot over the group,
+    and the group's device indices (ascending), from the mesh axis indices."""
+    position, group, stride, gstride = 0, 0, 1, 1
+    for name, size, reduced in reversed(
+        list(zip(tables.names, tables.sizes, tables.reduced, strict=True))
+    ):
+        i = lax.axis_index(name)
+        position = position + i * stride
+        stride *= size
+        if not reduced:
+            group = group + i * gstride
+            gstride *= size
+    rank = jnp.asarray(tables.rank)[position]
+    slots = tables.holders.shape[1]
+    onehot = (jnp.arange(slots) == rank).astype(jnp.int32)
+    holders = jnp.asarray(tables.holders)[group]
+    return rank, onehot, holders
 
 
 def _num_shards(x: jax.Array) -> int | None:

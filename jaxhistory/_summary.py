@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,9 +13,74 @@ import numpy as np
 
 from jaxhistory._memory import MemorySample
 from jaxhistory._names import COUNTER_KEYS
+from jaxhistory._provenance import device_label
 from jaxhistory._stats import Stats
 
-__all__ = ["SummaryLine", "memory_token", "summary_line"]
+__all__ = [
+    "NonfiniteWatch",
+    "SummaryLine",
+    "memory_token",
+    "nonfinite_notes",
+    "summary_line",
+]
+
+
+def nonfinite_notes(stats: Stats, prefix: str = "") -> dict[str, str]:
+    """``{metric: "NaN on device 3 (process 1)"}`` for every metric of a
+    host-side ``stats`` whose statistics are not all finite; the device comes
+    from its provenance (``nan_device``, else the device of an infinite max or
+    min) and is left out when unknown."""
+    table = np.asarray(stats.table, np.float64)
+    if np.isfinite(table).all():
+        return {}
+    where = None if stats.where is None else np.asarray(stats.where)
+    notes = {}
+    for col, metric in enumerate(stats.names):
+        mean, mx, mn, _ = table[:, col]
+        if np.isfinite(table[:, col]).all():
+            continue
+        if math.isnan(mx):
+            what, row = "NaN", 2
+        elif mx == math.inf:
+            what, row = "inf", 0
+        elif mn == -math.inf:
+            what, row = "-inf", 1
+        else:  # finite values whose mean or std overflowed
+            what, row = ("inf" if mean > 0 else "-inf" if mean < 0 else "NaN"), None
+        device = None if where is None or row is None else int(where[row, col])
+        if device is not None and device >= 0:
+            what += f" on {device_label(device)}"
+        name = f"{prefix}{metric}" if metric else prefix.rstrip("/") or "<stats>"
+        notes[name] = what
+    return notes
+
+
+class NonfiniteWatch:
+    """Warns once per metric when its cross-device statistics turn NaN or
+    infinite, naming the step, the metric and the device with its process.
+    Called with host values by the summary line and by the background writer,
+    whichever sees them first."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.warned: set[str] = set()
+
+    def check(self, step: int, stats: Stats, prefix: str = "") -> dict[str, str]:
+        notes = nonfinite_notes(stats, prefix)
+        if not notes:
+            return notes
+        with self._lock:
+            new = {k: v for k, v in notes.items() if k not in self.warned}
+            self.warned.update(new)
+        for name, what in new.items():
+            warnings.warn(
+                f"step {step}: {name!r} is {what} (its statistics are not finite; "
+                f"{name}/nan_device, /argmax and /argmin keep the devices). Later "
+                f"non-finite values of {name!r} are recorded without a warning",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return notes
 
 
 def _format(value: Any, precision: int, counter: bool) -> str:
@@ -39,6 +106,7 @@ def summary_line(
     precision: int,
     first: Sequence[str] = (),
     host: bool = False,
+    watch: NonfiniteWatch | None = None,
 ) -> str:
     """``{label}={step}`` then each item: counters (``step``, ``epoch``,
     ``iter``) as integers, then the names in ``first``, then the rest in order.
@@ -62,11 +130,20 @@ def summary_line(
         for name, _ in items:
             value = values[name]
             if isinstance(value, Stats):
+                prefix = f"{name}/" if name else ""
+                notes = (
+                    watch.check(step[1], value, prefix)
+                    if watch is not None
+                    else nonfinite_notes(value, prefix)
+                )
                 for metric in value.names:
                     key = f"{name}/{metric}" if name and metric else name or metric
                     mean = float(value[f"{metric}/mean" if metric else "mean"])
                     std = float(value[f"{metric}/std" if metric else "std"])
-                    parts[key] = f"{mean:.{precision}f}(±{std:.{precision}f})"
+                    if key in notes:
+                        parts[key] = f"{mean:.{precision}f}({notes[key]})"
+                    else:
+                        parts[key] = f"{mean:.{precision}f}(±{std:.{precision}f})"
             else:
                 parts[name] = _format(value, precision, name in COUNTER_KEYS)
     head = [k for k in COUNTER_KEYS if k in parts]
@@ -83,8 +160,9 @@ class SummaryLine:
     else goes through :func:`summary_line`.
     """
 
-    def __init__(self, first: Sequence[str] = ()):
+    def __init__(self, first: Sequence[str] = (), watch: NonfiniteWatch | None = None):
         self.first = tuple(first)
+        self.watch = watch
         self._templates: dict[tuple, tuple[str, tuple[int, ...] | None] | None] = {}
         # ((label, precision, kinds), names, template) of the last host row
         self._last: tuple = (None, None, None)
@@ -115,7 +193,9 @@ class SummaryLine:
                 values = (step, *row)
                 return template % tuple([values[i] for i in order])
         items = list(zip(names, row, strict=True))
-        return summary_line((label, step), items, precision, self.first, host)
+        return summary_line(
+            (label, step), items, precision, self.first, host, self.watch
+        )
 
     def _template(self, label, names, precision, types):
         """A template for rows of these names and types, and the order of the

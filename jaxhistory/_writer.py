@@ -18,6 +18,7 @@ with one warning, and :attr:`Writer.dropped` counts them.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import threading
 import time
@@ -30,8 +31,9 @@ import jax
 import numpy as np
 
 from jaxhistory import _trace_state
-from jaxhistory._names import stat_names
+from jaxhistory._names import PROVENANCE, stat_names
 from jaxhistory._record import Batch
+from jaxhistory._stats import Stats
 
 __all__ = ["Writer"]
 
@@ -43,6 +45,16 @@ def _host(value: Any) -> Any:
     if arr.ndim == 0:
         return arr.item() if arr.dtype.kind in "biuf" else float(arr)
     return arr
+
+
+def _on_host(stats: Stats, values: list) -> Stats:
+    """``stats`` rebuilt from the host ``values`` read from it (stat-major)."""
+    rows, k = np.shape(stats.table)[0], len(stats.names)
+    table = np.asarray(values[: rows * k], np.float64).reshape(rows, k)
+    where = None
+    if stats.where is not None:
+        where = np.asarray(values[rows * k :], np.int64).reshape(-1, k)
+    return Stats(stats.names, table, where)
 
 
 class Writer:
@@ -58,8 +70,10 @@ class Writer:
     MAX_PENDING = 8192  # queued updates at which the training thread waits
     MAX_WAIT = 10.0  # seconds it waits at most before updates are dropped
 
-    def __init__(self, sinks: Sequence[Any] = ()):
+    def __init__(self, sinks: Sequence[Any] = (), on_stats: Any = None):
         self.sinks = list(sinks)
+        # called as on_stats(step, stats, prefix) with each Stats on the host
+        self.on_stats = on_stats
         self.process_index = jax.process_index()
         self.dropped = 0  # updates dropped because the sinks could not keep up
         # The queue, as parallel lists (see add)
@@ -219,16 +233,24 @@ class Writer:
                 lost.append(f"{name!r} at step {step} could not be read ({err})")
         return out
 
-    @staticmethod
-    def _stats_values(step, stats, lost: list[str]) -> dict:
+    def _stats_values(self, step, stats, lost: list[str]) -> dict:
         out: dict[str, float] = {}
         for prefix, s in stats:
             names = stat_names(s.names, prefix)
+            if s.where is not None:
+                names += stat_names(s.names, prefix, PROVENANCE)
             try:
                 values = np.asarray(s.table).reshape(-1).tolist()  # stat-major
+                if s.where is not None:
+                    values += np.asarray(s.where).reshape(-1).tolist()
             except Exception as err:
                 values = [math.nan] * len(names)
                 lost.append(f"statistics {names[0]!r}... at step {step} ({err})")
+            else:
+                if self.on_stats is not None:
+                    # a warning turned into an error must not stop the log
+                    with contextlib.suppress(Exception):
+                        self.on_stats(step, _on_host(s, values), prefix)
             out.update(zip(names, values, strict=True))
         return out
 

@@ -826,9 +826,11 @@ def test_two_processes_finalize_writes_once_and_per_process_logs_split(tmp_path)
     assert [r["process_index"] for r in results] == [0, 1]
     expected = [float(np.mean(global_data(s, 1, 4)["m0"])) for s in range(4)]
     # Per-device loss and per-process host lr, both reduced across processes.
-    stats = [f"{m}/{s}" for m in ("loss", "lr") for s in jh.STATS]
+    rows = (*jh.STATS, *jh.PROVENANCE)
+    stats = [f"{m}/{s}" for m in ("loss", "lr") for s in rows]
+    straggler = ["straggler/lag", "straggler/process"]
     for r in results:  # every process returns the same dataset
-        assert r["variables"] == sorted(stats)
+        assert r["variables"] == sorted(stats + straggler)
         np.testing.assert_allclose(r["loss_mean"], expected, rtol=1e-6)
         assert r["process_count_attr"] == 2
     out = tmp_path / "out"

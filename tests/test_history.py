@@ -40,7 +40,8 @@ def test_distributed_metrics_inline_their_std(mesh):
     line = h.update({"loss": per_device(mesh, np.arange(8.0)), "lr": 1e-3})
     std = np.std(np.arange(8.0))
     assert line == f"step=0 loss=3.500000(±{std:.6f}) lr=0.001000"
-    assert set(h.state.keys) == {"lr", *(f"loss/{s}" for s in jh.STATS)}
+    stats = (*jh.STATS, *jh.PROVENANCE)
+    assert set(h.state.keys) == {"lr", *(f"loss/{s}" for s in stats)}
     assert h.state.values("loss/max").tolist() == [7.0]
 
 
@@ -48,8 +49,10 @@ def test_one_fused_call_per_update(mesh):
     h = jh.History(distributed_history=True)
     metrics = {f"m{i}": per_device(mesh, np.arange(8.0) + i) for i in range(10)}
     h.update(metrics)
-    counts = jh.collective_counts(h._reducer._stats_fn, metrics)
+    (fn,) = h._reducer._fns.values()
+    counts = jh.collective_counts(fn, metrics)
     assert sum(counts.values()) <= 2
+    assert h.state.values("m3/argmax").tolist() == [7]  # provenance, same cost
 
 
 def test_replicated_arrays_and_scalars_are_recorded_as_they_are(mesh):

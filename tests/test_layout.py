@@ -62,6 +62,7 @@ LAYERS = {
     "jaxhistory._reduce": DEVICE,
     "jaxhistory._collective": DEVICE,
     "jaxhistory._stats": DEVICE,
+    "jaxhistory._provenance": DEVICE,
     "jaxhistory._buffer": DEVICE,
     "jaxhistory._memory": DEVICE,
     # Pure data: the history's tables and their conversions, no files or threads.

@@ -9,14 +9,19 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import jax
+import numpy as np
+
 from jaxhistory._dtypes import warmup_count
 from jaxhistory._env import ENV_LABELS
 from jaxhistory._files import atomic_write
+from jaxhistory._names import PROVENANCE, aggregated_names
+from jaxhistory._provenance import device_label
 
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState
 
-__all__ = ["md_escape", "stats_table", "to_markdown"]
+__all__ = ["devices_section", "md_escape", "stats_table", "to_markdown"]
 
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]|<>~#&])")
 TABLE_STATS = ("mean", "std", "median", "min", "max", "last", "nonfinite", "count")
@@ -43,10 +48,59 @@ def stats_table(state: HistoryState, warmup: float = 0) -> list[str]:
         return ["No metrics were recorded."]
     header = "| metric | " + " | ".join(TABLE_STATS) + " |"
     rows = [header, "|---|" + "---:|" * len(TABLE_STATS)]
+    where = _provenance_names(state.keys)
     for name, stats in summary.items():
+        if name in where:
+            continue  # device indices: in the devices section
         cells = " | ".join(_number(stats[s]) for s in TABLE_STATS)
         rows.append(f"| {md_escape(name)} | {cells} |")
     return rows
+
+
+def _provenance_names(keys) -> set[str]:
+    grouped = aggregated_names(keys)
+    return {n for n in grouped if n.rpartition("/")[2] in PROVENANCE}
+
+
+def devices_section(state: HistoryState) -> list[str]:
+    """Markdown lines naming, for each metric with device indices, the device
+    that most often held its max and its min, and where it first went NaN.
+    Processes are named while the run's devices are known (in the run)."""
+    here = jax.process_count() > 1
+
+    def label(index: int) -> str:
+        return device_label(index) if here else f"device {index}"
+
+    lines = []
+    for name in sorted(_provenance_names(state.keys)):
+        base, _, stat = name.rpartition("/")
+        if stat != "argmax":
+            continue
+        parts = []
+        for which, key in (("max", "argmax"), ("min", "argmin")):
+            values = np.asarray(state.values(f"{base}/{key}"))
+            values = values[values >= 0]
+            if len(values):
+                found, counts = np.unique(values, return_counts=True)
+                top = int(np.argmax(counts))
+                parts.append(
+                    f"{which} most often on {label(int(found[top]))} "
+                    f"({int(counts[top])} of {len(values)} steps)"
+                )
+        nan_key = f"{base}/nan_device"
+        if nan_key in state.keys:
+            values = np.asarray(state.values(nan_key))
+            hit = np.flatnonzero(values >= 0)
+            if len(hit):
+                step = int(state.steps(nan_key)[hit[0]])
+                parts.append(
+                    f"first NaN at step {step} on {label(int(values[hit[0]]))} "
+                    f"({len(hit)} step(s) with NaN)"
+                )
+            else:
+                parts.append("no NaN")
+        lines.append(f"- {md_escape(base)}: " + "; ".join(parts))
+    return lines
 
 
 def to_markdown(
@@ -94,6 +148,9 @@ def to_markdown(
         lines.append("Not recorded.")
     lines += ["", "## Metrics", ""]
     lines += stats_table(state, warmup)
+    devices = devices_section(state)
+    if devices:
+        lines += ["", "## Devices", "", *devices]
     if images:
         lines += ["", "## Plots", ""]
         for image in images:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxhistory._names import STATS, aggregated_names
+from jaxhistory._names import PROVENANCE, STATS, aggregated_names
 
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState
@@ -35,7 +35,8 @@ def plot_units(state: HistoryState) -> list[PlotUnit]:
     """Plots for every metric of ``state``, in the order metrics were first recorded.
 
     ``name/mean``, ``name/max``, ``name/min`` and ``name/std`` share one plot
-    (titled ``name``, with the metric ``name`` itself as its raw line if recorded).
+    (titled ``name``, with the metric ``name`` itself as its raw line if recorded);
+    the group's device indices (:data:`~jaxhistory.PROVENANCE`) are not plotted.
     """
     keys = state.keys
     grouped = aggregated_names(keys)
@@ -49,6 +50,7 @@ def plot_units(state: HistoryState) -> list[PlotUnit]:
             raw = base if base in keys and base not in grouped else None
             units.append(PlotUnit(base, raw, stats))
             done.update(stats.values())
+            done.update(f"{base}/{s}" for s in PROVENANCE)  # in the report
             if raw:
                 done.add(raw)
         elif f"{name}/mean" in grouped:

@@ -1,0 +1,216 @@
+"""Which device holds each value: the layouts behind ``provenance=True``.
+
+A device is named by its global index in ``jax.devices()`` order (the same on
+every process). A :class:`Layout` maps every element of a global array to the
+lowest index among the devices that hold it (its *holder*), through a rank into
+the sorted list of holders, so a reduction can count, per holder, how many of its
+elements equal the maximum: the lowest holder with a count wins, which is the
+lowest device index on ties.
+
+Everything here runs on the host, at trace time; the results are NumPy constants.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = [
+    "Layout",
+    "ShardTables",
+    "concrete_layout",
+    "device_label",
+    "global_index",
+    "layout_of",
+    "shard_tables",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Where the elements of one array live.
+
+    Attributes:
+        rank: int32, the array's shape: each element's holder, as a position in
+            ``holders``.
+        holders: int32, sorted: the global device indices that hold elements.
+    """
+
+    rank: np.ndarray
+    holders: np.ndarray
+
+    @functools.cached_property
+    def key(self) -> tuple:
+        return (self.rank.shape, self.rank.tobytes(), self.holders.tobytes())
+
+    @functools.cached_property
+    def onehot(self) -> np.ndarray:
+        """``(len(holders), *shape)``: 1 where an element belongs to a holder."""
+        slots = np.arange(len(self.holders)).reshape((-1,) + (1,) * self.rank.ndim)
+        return self.rank[None] == slots
+
+
+def global_index() -> dict[int, int]:
+    """Device id -> position in ``jax.devices()``."""
+    return {d.id: i for i, d in enumerate(jax.devices())}
+
+
+def device_label(index: int) -> str:
+    """``"device 3 (process 1)"`` for a global device index."""
+    devices = jax.devices()
+    if 0 <= index < len(devices):
+        return f"device {index} (process {devices[index].process_index})"
+    return f"device {index}"
+
+
+def _from_owner(owner: np.ndarray) -> Layout:
+    holders = np.unique(owner).astype(np.int32)
+    rank = np.searchsorted(holders, owner).astype(np.int32)
+    return Layout(rank, holders)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_layout(sharding: Any, shape: tuple[int, ...]) -> Layout:
+    index = global_index()
+    owner = np.full(shape, np.iinfo(np.int32).max, np.int64)
+    for device, slices in sharding.devices_indices_map(shape).items():
+        where = owner[slices]
+        owner[slices] = np.minimum(where, index[device.id])
+    return _from_owner(owner)
+
+
+def concrete_layout(sharding: Any, shape: tuple[int, ...]) -> Layout:
+    """The layout of an array of ``shape`` placed by ``sharding`` (any kind)."""
+    return _cached_layout(sharding, tuple(shape))
+
+
+def _matches(concrete: Any, abstract: Any) -> bool:
+    return (
+        isinstance(concrete, jax.sharding.Mesh)
+        and tuple(concrete.axis_names) == tuple(abstract.axis_names)
+        and tuple(concrete.devices.shape) == tuple(abstract.axis_sizes)
+    )
+
+
+def _context_mesh() -> Any:
+    from jax._src import mesh as mesh_lib  # the mesh set by jax.set_mesh
+
+    mesh = mesh_lib.get_concrete_mesh()
+    return mesh if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size else None
+
+
+def _mesh_for(abstract: Any, mesh: Any, caller: str) -> jax.sharding.Mesh:
+    for candidate in (mesh, _context_mesh()):
+        if candidate is not None and _matches(candidate, abstract):
+            return candidate
+    if mesh is not None:
+        axes = dict(zip(abstract.axis_names, abstract.axis_sizes, strict=True))
+        raise ValueError(
+            f"{caller}: mesh= has axes {dict(mesh.shape)} but the values are on a "
+            f"mesh with axes {axes}"
+        )
+    raise ValueError(
+        f"{caller} with provenance=True names devices, so it needs the mesh's "
+        "devices, which jit does not know: call it under `with jax.set_mesh(mesh)` "
+        "or pass mesh="
+    )
+
+
+def layout_of(value: Any, mesh: Any, caller: str) -> Layout:
+    """The layout of a (possibly traced) global array.
+
+    Concrete arrays carry their sharding. Under jit the sharding is read from
+    the value's type, which is exact on Explicit mesh axes (``jax.make_mesh``'s
+    default); the devices come from ``mesh`` or ``jax.set_mesh``.
+    """
+    shape = tuple(value.shape)
+    if not isinstance(value, jax.core.Tracer) and isinstance(value, jax.Array):
+        return concrete_layout(value.sharding, shape)
+    sharding = getattr(jax.typeof(value), "sharding", None)
+    abstract = getattr(sharding, "mesh", None)
+    if abstract is None or not getattr(abstract, "axis_names", ()):
+        # No mesh: one device runs it, the default one (or the mesh's first).
+        context = mesh if mesh is not None else _context_mesh()
+        if context is not None:
+            replicated = jax.sharding.NamedSharding(
+                context, jax.sharding.PartitionSpec()
+            )
+            return concrete_layout(replicated, shape)
+        first = global_index()[jax.devices()[0].id]
+        return Layout(np.zeros(shape, np.int32), np.array([first], np.int32))
+    auto = jax.sharding.AxisType.Auto
+    used = [a for dim in sharding.spec if dim is not None for a in _axes(dim)]
+    types = dict(zip(abstract.axis_names, abstract.axis_types, strict=True))
+    if any(t == auto for t in types.values()) and not used:
+        raise ValueError(
+            f"{caller} with provenance=True cannot tell how a value of shape "
+            f"{shape} is sharded under jit on a mesh with Auto axes: use Explicit "
+            "axes (jax.make_mesh's default), or call it outside jit on concrete "
+            "arrays, or use distributed_stats_collective in shard_map"
+        )
+    concrete = _mesh_for(abstract, mesh, caller)
+    named = jax.sharding.NamedSharding(concrete, sharding.spec)
+    return concrete_layout(named, shape)
+
+
+def _axes(dim: Any) -> tuple:
+    return tuple(dim) if isinstance(dim, tuple) else (dim,)
+
+
+@dataclass(frozen=True, eq=False)
+class ShardTables:
+    """For a shard_map over ``axes`` of a mesh: each shard's rank among the
+    devices of its group (the devices that differ only along ``axes``), and
+    each group's devices in ascending global index."""
+
+    names: tuple[str, ...]  # every mesh axis, in mesh order
+    sizes: tuple[int, ...]
+    reduced: tuple[bool, ...]  # whether each axis is one of ``axes``
+    rank: np.ndarray  # (mesh.size,) by linear mesh position
+    holders: np.ndarray  # (groups, group size)
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> ShardTables:
+    index = global_index()
+    names = tuple(mesh.axis_names)
+    sizes = tuple(mesh.devices.shape)
+    reduced = tuple(n in axes for n in names)
+    ids = np.vectorize(lambda d: index[d.id])(mesh.devices).astype(np.int64)
+    # Reduced axes last: each row of `grouped` is one group.
+    order = [i for i, r in enumerate(reduced) if not r] + [
+        i for i, r in enumerate(reduced) if r
+    ]
+    size = math.prod(s for s, r in zip(sizes, reduced, strict=True) if r)
+    grouped = np.transpose(ids, order).reshape(-1, size)
+    holders = np.sort(grouped, axis=1).astype(np.int32)
+    rank_of = {
+        int(g): int(np.searchsorted(holders[row], g))
+        for row in range(grouped.shape[0])
+        for g in grouped[row]
+    }
+    rank = np.array([rank_of[int(g)] for g in ids.reshape(-1)], np.int32)
+    return ShardTables(names, sizes, reduced, rank, holders)
+
+
+def shard_tables(axes: tuple[str, ...], mesh: Any, caller: str) -> ShardTables:
+    """The tables for a shard_map reduction over ``axes`` (at trace time)."""
+    abstract = jax.sharding.get_abstract_mesh()
+    manual = jax.sharding.AxisType.Manual
+    concrete = _mesh_for(abstract, mesh, caller)
+    missing = [
+        n
+        for n, t in zip(abstract.axis_names, abstract.axis_types, strict=True)
+        if t != manual
+    ]
+    if missing:
+        raise ValueError(
+            f"{caller} with provenance=True needs every mesh axis manual in the "
+            f"shard_map (axes {missing} are not)"
+        )
+    return _tables(concrete, tuple(axes))
