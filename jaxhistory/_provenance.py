@@ -101,7 +101,9 @@ def _context_mesh() -> Any:
     from jax._src import mesh as mesh_lib  # the mesh set by jax.set_mesh
 
     mesh = mesh_lib.get_concrete_mesh()
-    return mesh if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size else None
+    if not isinstance(mesh, jax.sharding.Mesh) or mesh.empty:
+        return None
+    return mesh
 
 
 def _mesh_for(abstract: Any, mesh: Any, caller: str) -> jax.sharding.Mesh:

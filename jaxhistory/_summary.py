@@ -72,10 +72,14 @@ class NonfiniteWatch:
         with self._lock:
             new = {k: v for k, v in notes.items() if k not in self.warned}
             self.warned.update(new)
+        kept = (
+            " ({name}/nan_device, /argmax and /argmin keep the devices)"
+            if stats.where is not None
+            else ""
+        )
         for name, what in new.items():
             warnings.warn(
-                f"step {step}: {name!r} is {what} (its statistics are not finite; "
-                f"{name}/nan_device, /argmax and /argmin keep the devices). Later "
+                f"step {step}: {name!r} is {what}{kept.format(name=name)}; later "
                 f"non-finite values of {name!r} are recorded without a warning",
                 RuntimeWarning,
                 stacklevel=2,

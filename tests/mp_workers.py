@@ -278,3 +278,80 @@ def timing_on_one_process() -> dict:
     history.update({"lr": 0.1})  # a host scalar: reduced across processes
     state = history.state
     return {k: state.steps(k).tolist() for k in state.keys}
+
+
+def provenance_run(steps: int) -> dict:
+    """Provenance over every device of 2 processes x 2 devices: the public
+    reducers (SPMD and shard_map) and History, with a NaN on device 3."""
+    import warnings
+
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxhistory as jh
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+
+    def global_array(values):
+        values = np.asarray(values, np.float32)
+        return jax.make_array_from_callback(values.shape, sharding, lambda i: values[i])
+
+    def read(stats):
+        return {k: float(v.addressable_data(0)) for k, v in stats.items()}
+
+    values = [1.0, 9.0, 9.0, -4.0]  # max on devices 1 and 2 (a tie), min on 3
+    x = {"x": global_array(values)}
+    with jax.set_mesh(mesh):
+        spmd = jax.jit(lambda m: jh.distributed_stats(m, provenance=True))(x)
+    coll = jax.jit(
+        jax.shard_map(
+            lambda m: jh.distributed_stats_collective(
+                {"x": m["x"][0]}, "data", provenance=True, mesh=mesh
+            ),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P(),
+        )
+    )(x)
+    history = jh.History(distributed_history=True)
+    lines = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            loss = np.arange(4.0) + step
+            if step >= 2:
+                loss[3] = np.nan
+            host = 10.0 * (jax.process_index() + 1)
+            lines.append(
+                history.update({"loss": global_array(loss), "host": host}, step=step)
+            )
+    state = history.state
+    return {
+        "spmd": read(spmd),
+        "collective": read(coll),
+        "lines": lines,
+        "warnings": [str(w.message) for w in caught if "NaN" in str(w.message)],
+        "records": {k: np.asarray(state.values(k)).tolist() for k in state.keys},
+    }
+
+
+def straggler_run(steps: int, slow: int, sleep: float) -> dict:
+    """Process ``slow`` sleeps before each update; the others do not."""
+    import jax
+
+    import jaxhistory as jh
+
+    history = jh.History(distributed_history=True)
+    for step in range(steps):
+        if jax.process_index() == slow:
+            time.sleep(sleep)
+        history.update({"loss": float(step)}, step=step)
+    state = history.state
+    return {
+        "process": np.asarray(state.values("straggler/process")).tolist(),
+        "lag": np.asarray(state.values("straggler/lag")).tolist(),
+        "keys": sorted(state.keys),
+    }

@@ -551,7 +551,8 @@ def test_a_gzip_trace_cut_off_loads_its_complete_events(tmp_path):
 @pytest.mark.slow
 def test_a_timing_on_one_process_of_a_distributed_history_does_not_hang():
     results = jh.launch_local("mp_workers:timing_on_one_process", 2, 1, timeout=120)
-    stats = {f"lr/{s}": [0] for s in jh.STATS}
+    stats = {f"lr/{s}": [0] for s in (*jh.STATS, *jh.PROVENANCE)}
+    stats.update({"straggler/process": [0], "straggler/lag": [0]})
     assert results[0] == {**stats, "timing/checkpoint": [0]}
     assert results[1] == stats
 
