@@ -118,53 +118,64 @@ class Reducer:
             # runtime's key-value store, never through the device queue.
             _check_same_names(self._id, len(self._agreed), names)
             self._agreed.add(names)
-        meshes = [v.sharding.mesh for _, v in items if isinstance(v, jax.Array)]
+        arrays = {n: v for n, v in items if isinstance(v, jax.Array)}
+        host = [(n, v) for n, v in items if not isinstance(v, jax.Array)]
+        meshes = [v.sharding.mesh for v in arrays.values()]
         mesh = meshes[0] if meshes else _all_devices_mesh()
-        metrics = {}
-        for name, value in items:
-            if isinstance(value, jax.Array):
-                metrics[name] = value
-            else:
-                metrics[name] = _per_process_array(name, value, mesh)
-        leaves, _ = flatten_metrics(metrics)
+        # All host scalars in one global array: one transfer per local device.
+        packed = _per_process_rows(host, mesh) if host else None
+        host_names = tuple(n for n, _ in host)
         layouts = None
         if self.provenance or self.multi_process:
-            layouts = tuple(
-                concrete_layout(lf.value.sharding, lf.value.shape) for lf in leaves
-            )
-        gather = None
-        if self.multi_process:
-            index = {lf.name: i for i, lf in enumerate(leaves)}
-            gather = (index[ARRIVAL[0]], index[ARRIVAL[1]])
+            layouts = {
+                n: concrete_layout(v.sharding, v.shape) for n, v in arrays.items()
+            }
+            if host:
+                column = jax.sharding.NamedSharding(
+                    mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names))
+                )
+                layouts.update(
+                    dict.fromkeys(host_names, concrete_layout(column, (mesh.size,)))
+                )
         key = (
-            None if layouts is None else tuple(lay.key for lay in layouts),
-            gather,
+            host_names,
+            None
+            if layouts is None
+            else tuple((n, lay.key) for n, lay in layouts.items()),
         )
         fn = self._fns.get(key)
         if fn is None:
             fn = self._fns[key] = jax.jit(
-                functools.partial(_reduce, layouts=layouts, gather=gather)
+                functools.partial(_reduce, host_names=host_names, layouts=layouts)
             )
-        stats, straggler = fn(metrics)
+        stats, straggler = fn(arrays, packed)
         if not self.provenance and stats.where is not None:
             stats = Stats(stats.names, stats.table)
         return stats, straggler, (mesh if meshes else None)
 
 
 def _reduce(
-    metrics: dict,
-    layouts: tuple[Layout, ...] | None,
-    gather: tuple[int, int] | None,
+    arrays: dict,
+    packed: jax.Array | None,
+    host_names: tuple[str, ...],
+    layouts: dict[str, Layout] | None,
 ) -> tuple[Stats, dict]:
-    """The jitted reduction: statistics (with provenance when ``layouts`` are
-    given) and, when ``gather`` holds the indices of the two arrival leaves,
-    the last process to arrive and its lag behind the median process, at no
-    extra collective."""
+    """The jitted reduction of the per-device ``arrays`` and the host scalars
+    (the columns of ``packed``, named ``host_names``): statistics (with
+    provenance when ``layouts`` are given) and, when the two arrival scalars
+    are among the host scalars, the last process to arrive and its lag behind
+    the median process, at no extra collective."""
+    metrics = dict(arrays)
+    for j, name in enumerate(host_names):
+        metrics[name] = packed[:, j]
     leaves, _ = flatten_metrics(metrics)
+    lays = None if layouts is None else [layouts[lf.name] for lf in leaves]
+    gather = None
+    if ARRIVAL[0] in host_names:
+        index = {lf.name: i for i, lf in enumerate(leaves)}
+        gather = (index[ARRIVAL[0]], index[ARRIVAL[1]])
     picks = frozenset(gather or ())
-    stats, gathered = global_stats(
-        leaves, None if layouts is None else list(layouts), picks
-    )
+    stats, gathered = global_stats(leaves, lays, picks)
     if gather is None:
         return stats, {}
     keep = [i for i in range(len(leaves)) if i not in picks]
@@ -172,7 +183,7 @@ def _reduce(
     stats = Stats(tuple(stats.names[i] for i in keep), stats.table[:, keep], where)
     devices = jax.devices()
     first: dict[int, int] = {}  # process -> the slot of its first device
-    for slot, index in enumerate(layouts[gather[0]].holders.tolist()):
+    for slot, index in enumerate(lays[gather[0]].holders.tolist()):
         first.setdefault(devices[index].process_index, slot)
     procs = sorted(first)
     slots = np.asarray([first[p] for p in procs])
@@ -242,20 +253,27 @@ def _check_same_names(reducer: int, round_: int, names: tuple[str, ...]) -> None
         )
 
 
-def _per_process_array(name: str, value: Any, mesh: jax.sharding.Mesh) -> jax.Array:
-    """A global array over ``mesh`` holding this process's scalar on its devices.
+def _per_process_rows(
+    host: list[tuple[str, Any]], mesh: jax.sharding.Mesh
+) -> jax.Array:
+    """A global ``(mesh.size, H)`` array over ``mesh``: on each of this process's
+    devices, a row of this process's ``H`` host scalars.
 
-    Each process fills the entries of its own devices with its value, so with the
-    same number of devices per process, statistics over the array are statistics
-    over processes. Sharing the per-device metrics' mesh keeps one fused call.
+    With the same number of devices per process, statistics over a column are
+    statistics over processes. Sharing the per-device metrics' mesh keeps one
+    fused call; one array for all scalars keeps one transfer per device.
     """
-    arr = np.asarray(value)
-    if arr.dtype.kind not in "biuf":
-        raise TypeError(f"metric {name!r} is not numeric ({type(value).__name__})")
+    row = []
+    for name, value in host:
+        arr = np.asarray(value)
+        if arr.dtype.kind not in "biuf":
+            raise TypeError(f"metric {name!r} is not numeric ({type(value).__name__})")
+        row.append(np.float32(arr))
+    values = np.asarray(row, np.float32)
+    shape = (mesh.size, len(values))
     sharding = jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names))
+        mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names), None)
     )
-    local = np.float32(arr)
     return jax.make_array_from_callback(
-        (mesh.size,), sharding, lambda index: np.full(mesh.size, local)[index]
+        shape, sharding, lambda index: np.broadcast_to(values, shape)[index]
     )

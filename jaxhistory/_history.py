@@ -91,11 +91,10 @@ class History:
             (``loss=nan(NaN on device 3 (process 1))``) and a warning, once per
             metric, names the step, the metric, the device and the process.
 
-    With several processes and distributed history, each update also records
-    ``straggler/process`` (the process with the longest time since its
-    previous update) and ``straggler/lag`` (that time minus the median
-    process's, in seconds), from the second update on, in the same two
-    all-reduces as the host scalars.
+    With several processes and distributed history, each update that reduces
+    something also records ``straggler/process`` (the process that reached the
+    update last) and ``straggler/lag`` (seconds after the median process), in
+    the same two all-reduces as the host scalars.
 
     Every method may be called from any thread: updates from several threads are
     all recorded (each thread's in its order), and ``attach``, ``flush`` and

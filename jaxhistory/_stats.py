@@ -273,7 +273,11 @@ def global_stats(
     elements share), at no extra collective."""
     groups: dict[tuple, list[int]] = {}
     for i, leaf in enumerate(leaves):
-        key = _group_key(leaf) + ((layouts[i].key,) if layouts else ())
+        if layouts:  # the same placement of elements: stacked at no cost
+            v = leaf.value
+            key = (v.shape, acc_dtype(v.dtype), layouts[i].key)
+        else:
+            key = _group_key(leaf)
         groups.setdefault(key, []).append(i)
     parts, gathered = [], {}
     for (shape, acc, *_), idx in groups.items():

@@ -102,7 +102,16 @@ def distributed_history_run(steps: int) -> dict:
         host = float(jax.process_index() + 1) * (step + 1)
         lines.append(history.update({"loss": loss, "host": host, "lr": 0.1}))
     state = history.state
+    # What History's one reduction per update compiles to: host, lr and, with
+    # several processes, the two arrival scalars, beside the per-device loss.
+    from jaxhistory._distributed import _per_process_rows
+
+    (fn,) = history._reducer._fns.values()
+    packed = None  # one process: host scalars are recorded as they are
+    if jax.process_count() > 1:
+        packed = _per_process_rows([(str(i), 0.0) for i in range(4)], mesh)
     return {
+        "collectives": jh.collective_counts(fn, {"loss": loss}, packed),
         "lines": lines,
         "records": {k: np.asarray(state.values(k)).tolist() for k in state.keys},
         "steps": {k: np.asarray(state.steps(k)).tolist() for k in state.keys},

@@ -50,7 +50,7 @@ def test_one_fused_call_per_update(mesh):
     metrics = {f"m{i}": per_device(mesh, np.arange(8.0) + i) for i in range(10)}
     h.update(metrics)
     (fn,) = h._reducer._fns.values()
-    counts = jh.collective_counts(fn, metrics)
+    counts = jh.collective_counts(fn, metrics, None)  # no host scalars
     assert sum(counts.values()) <= 2
     assert h.state.values("m3/argmax").tolist() == [7]  # provenance, same cost
 
@@ -138,6 +138,7 @@ def test_two_processes_record_the_same_distributed_history_as_one():
     one = jh.launch_local("mp_workers:distributed_history_run", 1, 4, args=(3,))
     assert two[0]["records"] == two[1]["records"]
     assert two[0]["lines"] == two[1]["lines"]
+    assert sum(two[0]["collectives"].values()) <= 2, two[0]["collectives"]
     for stat in jh.STATS:
         key = f"loss/{stat}"
         np.testing.assert_allclose(
@@ -162,26 +163,34 @@ def test_processes_with_different_names_all_get_a_clear_error():
 
 
 @pytest.mark.slow
-def test_replicated_values_and_step_statistics_across_processes():
-    """2 processes x 2 devices: a replicated scalar and array out of the step are
-    recorded from each process's own copy, statistics from the step as they
-    are, host scalars reduced; the metric names are compared once, not with an
-    all-gather per update."""
-    steps = 4
-    two = jh.launch_local("mp_workers:replicated_values_run", 2, 2, args=(steps,))
-    assert two[0]["records"] == two[1]["records"]
-    assert [r["gathers"] for r in two] == [0, 0]
-    records = two[0]["records"]
+@pytest.mark.parametrize("procs", [2, 4])
+def test_replicated_values_and_step_statistics_across_processes(procs):
+    """procs processes x 2 devices: a replicated scalar and array out of the
+    step are recorded from each process's own copy, statistics from the step
+    as they are, host scalars reduced; the metric names are compared once, not
+    with an all-gather per update."""
+    steps, n = 4, 2 * procs
+    results = jh.launch_local(
+        "mp_workers:replicated_values_run", procs, 2, args=(steps,), timeout=240
+    )
+    assert all(r["records"] == results[0]["records"] for r in results)
+    assert [r["gathers"] for r in results] == [0] * procs
+    records = results[0]["records"]
     for k in range(steps):
-        per = global_data(k, 1, 4)["m0"].astype(np.float64) ** 2
+        per = global_data(k, 1, n)["m0"].astype(np.float64) ** 2
         np.testing.assert_allclose(
             records["grad_norm"][k], np.sqrt(per.sum()), rtol=1e-5
         )
         np.testing.assert_allclose(records["w"][k], [per.min(), per.max()], rtol=1e-5)
         np.testing.assert_allclose(records["dist/loss/mean"][k], per.mean(), rtol=1e-5)
-        np.testing.assert_allclose(records["host/mean"][k], 1.5 * (k + 1), rtol=1e-6)
-    assert all(line.startswith(f"step={k} ") for k, line in enumerate(two[0]["lines"]))
-    refused = two[0]["refused"]
+        host = (procs + 1) / 2 * (k + 1)
+        np.testing.assert_allclose(records["host/mean"][k], host, rtol=1e-6)
+        # the largest host value is the last process's: its first device
+        assert records["host/argmax"][k] == n - 2
+    assert all(0 <= p < procs for p in records["straggler/process"])
+    lines = results[0]["lines"]
+    assert all(line.startswith(f"step={k} ") for k, line in enumerate(lines))
+    refused = results[0]["refused"]
     assert "'x' holds different values on the devices of other processes" in refused
     assert "History(distributed_history=True)" in refused
 
