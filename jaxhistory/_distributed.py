@@ -125,24 +125,17 @@ class Reducer:
         # All host scalars in one global array: one transfer per local device.
         packed = _per_process_rows(host, mesh) if host else None
         host_names = tuple(n for n, _ in host)
-        layouts = None
-        if self.provenance or self.multi_process:
-            layouts = {
-                n: concrete_layout(v.sharding, v.shape) for n, v in arrays.items()
-            }
-            if host:
-                column = jax.sharding.NamedSharding(
-                    mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names))
-                )
-                layouts.update(
-                    dict.fromkeys(host_names, concrete_layout(column, (mesh.size,)))
-                )
-        key = (
-            host_names,
-            None
-            if layouts is None
-            else tuple((n, lay.key) for n, lay in layouts.items()),
-        )
+        # Where every value is (from the concrete arrays, so any mesh works):
+        # for provenance, and so per-device values take one all-reduce.
+        layouts = {n: concrete_layout(v.sharding, v.shape) for n, v in arrays.items()}
+        if host:
+            column = jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names))
+            )
+            layouts.update(
+                dict.fromkeys(host_names, concrete_layout(column, (mesh.size,)))
+            )
+        key = (host_names, tuple((n, lay.key) for n, lay in layouts.items()))
         fn = self._fns.get(key)
         if fn is None:
             fn = self._fns[key] = jax.jit(
@@ -158,7 +151,7 @@ def _reduce(
     arrays: dict,
     packed: jax.Array | None,
     host_names: tuple[str, ...],
-    layouts: dict[str, Layout] | None,
+    layouts: dict[str, Layout],
 ) -> tuple[Stats, dict]:
     """The jitted reduction of the per-device ``arrays`` and the host scalars
     (the columns of ``packed``, named ``host_names``): statistics (with
@@ -169,7 +162,7 @@ def _reduce(
     for j, name in enumerate(host_names):
         metrics[name] = packed[:, j]
     leaves, _ = flatten_metrics(metrics)
-    lays = None if layouts is None else [layouts[lf.name] for lf in leaves]
+    lays = [layouts[lf.name] for lf in leaves]
     gather = None
     if ARRIVAL[0] in host_names:
         index = {lf.name: i for i, lf in enumerate(leaves)}

@@ -27,6 +27,7 @@ __all__ = [
     "device_label",
     "global_index",
     "layout_of",
+    "positional_layout",
     "shard_tables",
 ]
 
@@ -158,6 +159,51 @@ def layout_of(value: Any, mesh: Any, caller: str) -> Layout:
     concrete = _mesh_for(abstract, mesh, caller)
     named = jax.sharding.NamedSharding(concrete, sharding.spec)
     return concrete_layout(named, shape)
+
+
+def positional_layout(value: Any) -> Layout | None:
+    """Which elements of a global array share a device, for statistics only:
+    the holders are mesh positions, not device indices, so no devices are
+    needed. None when unknown (a traced value on a mesh with Auto axes) or
+    when there is no mesh."""
+    shape = tuple(value.shape)
+    if not isinstance(value, jax.core.Tracer) and isinstance(value, jax.Array):
+        return concrete_layout(value.sharding, shape)
+    sharding = getattr(jax.typeof(value), "sharding", None)
+    abstract = getattr(sharding, "mesh", None)
+    names = tuple(getattr(abstract, "axis_names", ()))
+    if not names or any(t == jax.sharding.AxisType.Auto for t in abstract.axis_types):
+        return None
+    return _positional(shape, tuple(sharding.spec), names, tuple(abstract.axis_sizes))
+
+
+@functools.lru_cache(maxsize=256)
+def _positional(
+    shape: tuple[int, ...], spec: tuple, names: tuple, sizes: tuple
+) -> Layout | None:
+    strides = {}
+    stride = 1
+    for name, size in zip(reversed(names), reversed(sizes), strict=True):
+        strides[name] = stride
+        stride *= size
+    size_of = dict(zip(names, sizes, strict=True))
+    owner = np.zeros(shape, np.int64)
+    for dim, entry in enumerate(spec[: len(shape)]):
+        if entry is None:
+            continue
+        axes = _axes(entry)
+        blocks = math.prod(size_of[a] for a in axes)
+        if shape[dim] % blocks:
+            return None
+        block = np.arange(shape[dim]) // (shape[dim] // blocks)
+        position = np.zeros(shape[dim], np.int64)
+        for a in reversed(axes):  # the first axis is the major one
+            position += (block % size_of[a]) * strides[a]
+            block = block // size_of[a]
+        view = [1] * len(shape)
+        view[dim] = shape[dim]
+        owner = owner + position.reshape(view)
+    return _from_owner(owner)
 
 
 def _axes(dim: Any) -> tuple:

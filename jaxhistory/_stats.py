@@ -28,7 +28,12 @@ from jax import lax
 
 from jaxhistory._collective import AxisName, bound_axis_size, check_axis_name
 from jaxhistory._names import PROVENANCE, STATS
-from jaxhistory._provenance import Layout, layout_of, shard_tables
+from jaxhistory._provenance import (
+    Layout,
+    layout_of,
+    positional_layout,
+    shard_tables,
+)
 from jaxhistory._tree import Leaf, acc_dtype, flatten_metrics
 
 __all__ = [
@@ -258,22 +263,33 @@ def distributed_stats(
     """
     leaves, _ = flatten_metrics(metrics)
     _check_nonempty(leaves)
-    layouts = None
     if provenance:
         layouts = [layout_of(lf.value, mesh, "distributed_stats") for lf in leaves]
-    return global_stats(leaves, layouts)[0]
+    else:  # which values share a device: one collective for per-device values
+        layouts = [positional_layout(lf.value) for lf in leaves]
+    return global_stats(leaves, layouts, provenance=provenance)[0]
 
 
 def global_stats(
-    leaves: list[Leaf], layouts: list[Layout] | None, gather: frozenset = frozenset()
+    leaves: list[Leaf],
+    layouts: list[Layout | None] | None,
+    gather: frozenset = frozenset(),
+    provenance: bool = True,
 ) -> tuple[Stats, dict[int, jax.Array]]:
-    """:func:`distributed_stats` on flattened leaves, with provenance when
-    ``layouts`` are given. ``gather``: indices of leaves whose per-holder values
-    are also returned (``{index: (S,) values}``, the value each holder's
-    elements share), at no extra collective."""
+    """:func:`distributed_stats` on flattened leaves.
+
+    ``layouts`` says where each leaf's elements are (None where unknown); with
+    ``provenance`` every leaf needs one and the device indices are computed.
+    A group of leaves with one element per holder (a per-device value, a host
+    scalar per device) is gathered whole in one all-reduce and summarised on
+    every device; others take the two-pass form. ``gather``: indices of leaves
+    whose per-holder values are also returned (``{index: (S,) values}``, the
+    value each holder's elements share), at no extra collective.
+    """
+    layouts = layouts or [None] * len(leaves)
     groups: dict[tuple, list[int]] = {}
     for i, leaf in enumerate(leaves):
-        if layouts:  # the same placement of elements: stacked at no cost
+        if layouts[i] is not None:  # the same placement: stacked at no cost
             v = leaf.value
             key = (v.shape, acc_dtype(v.dtype), layouts[i].key)
         else:
@@ -282,12 +298,47 @@ def global_stats(
     parts, gathered = [], {}
     for (shape, acc, *_), idx in groups.items():
         stacked = jnp.stack([leaves[i].value.astype(acc) for i in idx])
-        layout = layouts[idx[0]] if layouts else None
+        layout = layouts[idx[0]]
         picks = [j for j, i in enumerate(idx) if i in gather]
-        table, where, values = _global_group(stacked, shape, layout, picks)
+        if layout is not None and layout.rank.size == len(layout.holders):
+            table, where, values = _gathered_group(stacked, shape, layout, picks)
+        else:
+            table, where, values = _global_group(
+                stacked, shape, layout if provenance else None, picks
+            )
         parts.append((idx, table, where))
         gathered.update({idx[j]: v for j, v in zip(picks, values, strict=True)})
-    return _assemble(leaves, parts, layouts is not None), gathered
+    return _assemble(leaves, parts, provenance), gathered
+
+
+def _gathered_group(
+    stacked: jax.Array, shape: tuple, layout: Layout, picks: list[int]
+) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
+    """A group whose every holder has exactly one element: one sum-reduction
+    puts every value in its holder's slot (ascending device index), on every
+    device; the statistics and indices are then computed locally."""
+    k = stacked.shape[0]
+    axes = tuple(range(2, 2 + len(shape)))
+    onehot = jnp.asarray(layout.onehot)[None]  # (1, S, *shape)
+    expand = (k, 1, *shape)
+    # where, not a product: NaN or inf times 0 would spread to every slot
+    v = jnp.sum(jnp.where(onehot, stacked.reshape(expand), 0), axis=axes)  # 1
+    mean = jnp.mean(v, axis=1)
+    std = jnp.sqrt(jnp.mean(jnp.square(v - mean[:, None]), axis=1))
+    isnan = jnp.isnan(v)
+    has_nan = jnp.any(isnan, axis=1)
+    table = jnp.stack([mean, jnp.max(v, axis=1), jnp.min(v, axis=1), std])
+    holders = jnp.asarray(layout.holders)
+    clean = jnp.where(isnan, 0, v)
+    nan_device = jnp.where(has_nan, holders[jnp.argmax(isnan, axis=1)], -1)
+    where = jnp.stack(
+        [
+            jnp.where(has_nan, nan_device, holders[jnp.argmax(clean, axis=1)]),
+            jnp.where(has_nan, nan_device, holders[jnp.argmin(clean, axis=1)]),
+            nan_device,
+        ]
+    ).astype(jnp.int32)
+    return table, where, [v[j] for j in picks]
 
 
 def _global_group(

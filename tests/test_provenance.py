@@ -299,3 +299,74 @@ def test_stragglers_are_named_with_their_lag():
     lags = np.asarray(first["lag"][1:])[np.asarray(later) == 2]
     assert np.median(lags) > 0.1, first["lag"]
     assert np.all(lags < 5.0)
+
+
+def test_in_step_provenance_is_recorded_and_named(mesh, tmp_path):
+    step = jax.jit(
+        lambda x: {
+            "dist": jh.distributed_stats({"loss": x}, provenance=True, mesh=mesh),
+            "lr": 0.5,
+        }
+    )
+    h = jh.History(jsonl_path=tmp_path / "log.jsonl")
+    h.update(step(nan_loss(mesh, 0)))
+    with pytest.warns(RuntimeWarning, match="'dist/loss' is NaN on device 5"):
+        line = h.update(step(nan_loss(mesh, 2)))
+    assert "dist/loss=nan(NaN on device 5 (process 0))" in line
+    assert h.state.values("dist/loss/nan_device").tolist() == [-1, 5]
+    h.close()
+    log = export.from_jsonl(tmp_path / "log.jsonl")
+    assert log.values("dist/loss/argmax").tolist() == [7, 5]
+
+
+@pytest.mark.parametrize("provenance", [False, True])
+def test_one_value_per_device_takes_one_all_reduce(provenance, mesh, mesh2d):
+    """Per-device values are gathered whole in one all-reduce and summarised on
+    every device; larger values take the two-pass form (two)."""
+    rng = np.random.default_rng(0)
+    per_device = {f"m{i}": put(mesh, rng.normal(size=8)) for i in range(10)}
+
+    def fn(m):
+        return jh.distributed_stats(m, provenance=provenance, mesh=mesh)
+
+    assert jh.collective_counts(fn, per_device) == {"all-reduce": 1}
+    big = {"x": put(mesh, rng.normal(size=64))}
+    assert sum(jh.collective_counts(fn, big).values()) == 2
+    # A block held by two devices of a 4 x 2 mesh is one value per holder too.
+    values = np.array([1.0, -2.0, 7.0, 3.0], np.float32)
+    out = jax.jit(
+        lambda m: jh.distributed_stats(m, provenance=provenance, mesh=mesh2d)
+    )({"x": put(mesh2d, values)})
+    np.testing.assert_allclose(float(out["x/std"]), values.std(), rtol=1e-6)
+    assert float(out["x/max"]) == 7.0 and float(out["x/mean"]) == values.mean()
+    if provenance:
+        assert (int(out["x/argmax"]), int(out["x/argmin"])) == (4, 2)
+
+
+@pytest.mark.parametrize("size", [8, 64])  # gathered whole, two passes
+def test_nan_and_inf_do_not_spread_to_other_values(size, mesh):
+    values = np.arange(float(size))
+    values[3] = np.inf
+    out = jax.jit(spmd(mesh))({"x": put(mesh, values)})
+    assert float(out["x/max"]) == np.inf and float(out["x/min"]) == 0.0
+    assert int(out["x/argmax"]) == device_of(mesh, shape=(size,))[3]
+    values[5] = np.nan
+    ok = put(mesh, np.zeros_like(values))
+    out = jax.jit(spmd(mesh))({"x": put(mesh, values), "ok": ok})
+    assert math.isnan(float(out["x/mean"])) and float(out["ok/max"]) == 0.0
+    assert int(out["x/nan_device"]) == device_of(mesh, shape=(size,))[5]
+
+
+def test_statistics_without_provenance_on_any_mesh_order():
+    devices = np.array(jax.devices()[::-1]).reshape(4, 2)
+    mesh = jax.sharding.Mesh(
+        devices, ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+    )
+    rng = np.random.default_rng(1)
+    values = rng.normal(size=8).astype(np.float32)
+    x = put(mesh, values, P(("data", "model")))
+    out = jax.jit(jh.distributed_stats)({"x": x, "y": put(mesh, values[:4])})
+    np.testing.assert_allclose(float(out["x/mean"]), values.mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(out["x/std"]), values.std(), rtol=1e-5)
+    np.testing.assert_allclose(float(out["y/std"]), values[:4].std(), rtol=1e-5)
+    assert float(out["x/max"]) == values.max()
