@@ -74,7 +74,7 @@ class Reducer:
     Statistics come with provenance (which device holds each max, min and
     NaN): the layouts are read from the concrete arrays, so this works on any
     mesh, Auto axes included. With several processes, the time each process
-    reached the update rides along in the same two all-reduces and comes back
+    reached the update rides along in the same all-reduce and comes back
     as :data:`STRAGGLER`: arrival, not time between updates, because a
     synchronous step makes every process's time between updates the same
     (the fast ones wait for the slow one), while the slow one still arrives

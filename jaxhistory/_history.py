@@ -44,7 +44,8 @@ class History:
         distributed_history: reduce per-device values (sharded JAX arrays) and, with
             several processes, per-process host scalars into ``name/mean``,
             ``name/max``, ``name/min`` and ``name/std`` across all devices or
-            processes, in one fused jitted call per update (two all-reduces).
+            processes, in one fused jitted call per update (one all-reduce for
+            per-device values and host scalars, at most two in all).
             Every process must then call :meth:`update`. ``None`` picks
             :func:`distributed_default`.
         report_dir: the default ``outdir`` of :meth:`finalize`; the JSONL log is
@@ -86,7 +87,7 @@ class History:
             each statistic's max, min and first NaN (``name/argmax``,
             ``name/argmin``, ``name/nan_device``: global indices in
             ``jax.devices()`` order; see :func:`~jaxhistory.distributed_stats`),
-            in the same two all-reduces. When a statistic turns NaN or
+            in the same all-reduces. When a statistic turns NaN or
             infinite, the summary line shows the device and its process
             (``loss=nan(NaN on device 3 (process 1))``) and a warning, once per
             metric, names the step, the metric, the device and the process.
@@ -94,7 +95,7 @@ class History:
     With several processes and distributed history, each update that reduces
     something also records ``straggler/process`` (the process that reached the
     update last) and ``straggler/lag`` (seconds after the median process), in
-    the same two all-reduces as the host scalars.
+    the same all-reduces as the host scalars.
 
     Every method may be called from any thread: updates from several threads are
     all recorded (each thread's in its order), and ``attach``, ``flush`` and

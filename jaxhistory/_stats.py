@@ -250,7 +250,9 @@ def distributed_stats(
             a value's sharding cannot be known here.
 
     Leaves of the same shape, dtype and sharding are stacked, so ``K`` of them
-    compile to two all-reduces in total (one max, one sum), whatever ``K``.
+    compile to two all-reduces in total (one max, one sum), whatever ``K``;
+    leaves with one value per device (what :func:`per_shard` returns) are
+    gathered whole in one all-reduce instead and summarised on every device.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -323,12 +325,21 @@ def _gathered_group(
     expand = (k, 1, *shape)
     # where, not a product: NaN or inf times 0 would spread to every slot
     v = jnp.sum(jnp.where(onehot, stacked.reshape(expand), 0), axis=axes)  # 1
+    table, where = _summarise(v, jnp.asarray(layout.holders))
+    return table, where, [v[j] for j in picks]
+
+
+def _summarise(v: jax.Array, holders: jax.Array | None) -> tuple[jax.Array, Any]:
+    """The ``(4, k)`` statistics of ``k`` gathered rows of values, one value per
+    holder (``holders``: their device indices in ascending order, or None for
+    no indices), and the ``(3, k)`` device indices."""
     mean = jnp.mean(v, axis=1)
     std = jnp.sqrt(jnp.mean(jnp.square(v - mean[:, None]), axis=1))
+    table = jnp.stack([mean, jnp.max(v, axis=1), jnp.min(v, axis=1), std])
+    if holders is None:
+        return table, None
     isnan = jnp.isnan(v)
     has_nan = jnp.any(isnan, axis=1)
-    table = jnp.stack([mean, jnp.max(v, axis=1), jnp.min(v, axis=1), std])
-    holders = jnp.asarray(layout.holders)
     clean = jnp.where(isnan, 0, v)
     nan_device = jnp.where(has_nan, holders[jnp.argmax(isnan, axis=1)], -1)
     where = jnp.stack(
@@ -338,7 +349,7 @@ def _gathered_group(
             nan_device,
         ]
     ).astype(jnp.int32)
-    return table, where, [v[j] for j in picks]
+    return table, where
 
 
 def _global_group(
@@ -397,9 +408,10 @@ def distributed_stats_collective(
     Each leaf is this shard's value (a per-shard loss is a scalar); statistics are
     taken over all elements of all shards. The whole pytree costs one ``pmax`` and
     one ``psum``, whatever the number of leaves (one pair per accumulation dtype, so
-    two pairs only when float64 and float32 leaves mix). Within a shard the spread is
-    computed around the shard's own mean, so only the spread between shards goes
-    through the shifted sum.
+    two pairs only when float64 and float32 leaves mix); when every leaf is a
+    scalar, one ``psum`` gathers them all and every shard summarises them. Within
+    a shard the spread is computed around the shard's own mean, so only the spread
+    between shards goes through the shifted sum.
 
     Args:
         metrics: a pytree of this shard's values.
@@ -447,6 +459,16 @@ def distributed_stats_collective(
     parts = []
     for acc, shapes in by_dtype.items():
         idx = [i for group in shapes.values() for i in group]
+        if set(shapes) == {()}:  # one value per shard: gathered in one psum
+            x = jnp.stack([leaves[i].value.astype(acc) for i in idx])
+            if place is None:
+                slot, slots, holders = lax.axis_index(axis_name), size, None
+            else:
+                slot, slots, holders = place[0], place[1].shape[0], place[2]
+            mine = jnp.arange(slots) == slot
+            v = lax.psum(jnp.where(mine[None], x[:, None], 0), axis_name)  # 1
+            parts.append((idx, *_summarise(v, holders)))
+            continue
         stacks = []
         for shape, group in shapes.items():
             x = jnp.stack([leaves[i].value.astype(acc) for i in group])

@@ -330,6 +330,19 @@ def test_one_value_per_device_takes_one_all_reduce(provenance, mesh, mesh2d):
         return jh.distributed_stats(m, provenance=provenance, mesh=mesh)
 
     assert jh.collective_counts(fn, per_device) == {"all-reduce": 1}
+    shard_map = jax.shard_map(
+        lambda m: jh.distributed_stats_collective(
+            jax.tree.map(lambda v: v[0], m), "data", provenance, mesh=mesh
+        ),
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P(),
+        check_vma=True,
+    )
+    assert jh.collective_counts(shard_map, per_device) == {"all-reduce": 1}
+    got, want = jax.jit(shard_map)(per_device), jax.jit(fn)(per_device)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6, err_msg=key)
     big = {"x": put(mesh, rng.normal(size=64))}
     assert sum(jh.collective_counts(fn, big).values()) == 2
     # A block held by two devices of a 4 x 2 mesh is one value per holder too.
