@@ -12,13 +12,68 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxhistory._names import named_leaves
+from jaxhistory._tree import _check_integer_range
 
 __all__ = ["MetricBuffer"]
 
 
 def _named(metrics: Any) -> dict[str, Any]:
     """Returns ``{"a/b/0": leaf}``; raises ValueError on a repeated name."""
-    return dict(named_leaves(metrics)[0])
+    return dict(named_leaves(metrics, refuse_none=True)[0])
+
+
+_INT32_MAX = 2**31 - 1
+_SMALL_INTS = frozenset(map(np.dtype, ("int8", "int16", "int32", "uint8", "uint16")))
+
+
+def _step(step: Any) -> jax.Array:
+    """``step`` as an int32 scalar; a value int32 cannot hold raises."""
+    if isinstance(step, bool | np.bool_):
+        raise TypeError(f"step must be an integer scalar, got {step!r}")
+    concrete = not isinstance(step, jax.core.Tracer)
+    if concrete and isinstance(step, int | np.integer | np.ndarray | jax.Array):
+        arr = np.asarray(step)
+        if arr.shape == () and arr.dtype.kind in "iu":
+            if not 0 <= int(arr) <= _INT32_MAX:
+                raise ValueError(
+                    f"step {int(arr)} does not fit the buffer's int32 steps "
+                    f"(0 to {_INT32_MAX})"
+                )
+            return jnp.asarray(np.int32(arr))
+    try:
+        step = jnp.asarray(step)
+    except (TypeError, OverflowError) as err:
+        raise TypeError(
+            f"step must be an integer scalar, got {step!r} ({err})"
+        ) from None
+    if step.shape != () or not jnp.issubdtype(step.dtype, jnp.integer):
+        raise TypeError(f"step must be an integer scalar, got {jax.typeof(step)}")
+    if np.dtype(step.dtype) not in _SMALL_INTS:
+        raise TypeError(
+            f"a traced step of dtype {step.dtype} may not fit the buffer's int32 "
+            "steps; pass an int32 step"
+        )
+    return step
+
+
+def _check_fits(name: str, value: jax.Array, dtype: Any) -> None:
+    """Refuses concrete integers the slots' integer dtype would wrap."""
+    dtype = np.dtype(dtype)
+    if (
+        dtype.kind not in "iu"
+        or isinstance(value, jax.core.Tracer)
+        or not jnp.issubdtype(value.dtype, jnp.integer)
+        or value.size == 0
+    ):
+        return
+    info = np.iinfo(dtype)
+    host = np.asarray(value)
+    lo, hi = int(host.min()), int(host.max())
+    if lo < info.min or hi > info.max:
+        raise ValueError(
+            f"metric {name!r} holds {lo}..{hi}, outside the {dtype} the buffer "
+            "stores it in; they would wrap around"
+        )
 
 
 def _check_numeric(name: str, dtype: Any) -> None:
@@ -131,6 +186,11 @@ class MetricBuffer:
             raise TypeError(f"capacity must be an int, got {type(capacity).__name__}")
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
+        if capacity > _INT32_MAX:
+            raise ValueError(
+                f"capacity {capacity} is more than a buffer can hold: writes are "
+                f"counted in int32, so at most 2**31 - 1 ({_INT32_MAX}) slots"
+            )
         capacity = int(capacity)
         values = {}
         for name, leaf in _named(example).items():
@@ -166,9 +226,7 @@ class MetricBuffer:
             TypeError: ``step`` is not an integer scalar, a value is not numeric,
                 or a float is written into an integer or bool metric.
         """
-        step = jnp.asarray(step)
-        if step.shape != () or not jnp.issubdtype(step.dtype, jnp.integer):
-            raise TypeError(f"step must be an integer scalar, got {jax.typeof(step)}")
+        step = _step(step)
         named = _named(metrics)
         missing = sorted(set(self.values) - set(named))
         extra = sorted(set(named) - set(self.values))
@@ -179,10 +237,17 @@ class MetricBuffer:
         new = {}
         for name, value in named.items():
             shown, slots = name or "<root>", self.values[name]
+            _check_integer_range(shown, value)
             try:
                 value = jnp.asarray(value)
+            except OverflowError:
+                raise ValueError(
+                    f"metric {shown!r} is an integer too large for "
+                    f"{slots.dtype} ({value!r:.40}); write it as a float"
+                ) from None
             except TypeError as err:
                 raise TypeError(f"metric {shown!r} is not numeric ({err})") from None
+            _check_fits(shown, value, slots.dtype)
             _check_numeric(name, value.dtype)
             if value.shape != slots.shape[1:]:
                 raise ValueError(

@@ -220,11 +220,13 @@ def decode_line(line: bytes | str) -> tuple[int, dict[str, Any]]:
     step (a line cut off by a killed run, for example).
     """
     try:
-        record = orjson.loads(line)
+        record = orjson.loads(line)  # invalid UTF-8 is a JSONDecodeError
         step = record["step"]
         items = {**record.get("metrics", {}), **record.get("aggregated", {})}
         if type(step) is not int:
             raise ValueError("no integer step")
+        if not 0 <= step < 2**63:
+            raise ValueError(f"step {step} is out of range (0 to 2**63 - 1)")
         return step, {k: _decode(v) for k, v in items.items()}
     except (KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"not a record: {err}") from None
@@ -237,8 +239,10 @@ def read_columns(
     numbers of the lines that are not complete records."""
     columns: dict[str, tuple[list[int], list[Any]]] = {}
     bad = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:  # bytes: a damaged line costs only itself
         for number, line in enumerate(f, 1):
+            if number == 1 and line.startswith(b"\xef\xbb\xbf"):
+                line = line[3:]  # a UTF-8 byte order mark
             if not line.strip():
                 continue
             try:

@@ -670,7 +670,8 @@ class HistoryState:
         if bad:
             shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
             warnings.warn(
-                f"{path}: skipped {len(bad)} incomplete line(s) (line {shown})",
+                f"{path}: skipped {len(bad)} incomplete or damaged line(s) "
+                f"(line {shown})",
                 RuntimeWarning,
                 stacklevel=2,
             )

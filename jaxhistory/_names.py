@@ -67,12 +67,32 @@ def _check_unique(pairs: list[tuple[str, Any]]) -> None:
             seen.add(name)
 
 
-def named_leaves(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
-    """``[(name, leaf)]`` of a pytree and its treedef; duplicate names raise."""
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
+def named_leaves(
+    tree: Any, refuse_none: bool = False
+) -> tuple[list[tuple[str, Any]], Any]:
+    """``[(name, leaf)]`` of a pytree and its treedef; duplicate names raise.
+
+    ``refuse_none``: a ``None`` (which JAX treats as an empty subtree, so it
+    would vanish without a word) raises TypeError naming it.
+    """
+    if refuse_none:
+        pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
+    else:
+        pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
     out = [(path_name(path), value) for path, value in pairs]
+    if refuse_none:
+        for name, value in out:
+            if value is None:
+                raise TypeError(
+                    f"metric {name or '<root>'!r} is None; metrics must be numbers "
+                    "or numeric arrays"
+                )
     _check_unique(out)
     return out, treedef
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
 
 
 def _items(metrics: Mapping, prefix: str, out: list) -> bool:

@@ -99,10 +99,11 @@ def flatten_metrics(
     """Flattens ``metrics`` into named, validated numeric leaves.
 
     Raises:
-        TypeError: a leaf is not numeric; the message names its path.
+        TypeError: a leaf is not numeric (or is None); the message names its
+            path.
         ValueError: two leaves share a name (``{"a/b": x, "a": {"b": y}}``).
     """
-    pairs, treedef = named_leaves(metrics)
+    pairs, treedef = named_leaves(metrics, refuse_none=True)
     return [Leaf(name, _as_numeric(name, value)) for name, value in pairs], treedef
 
 

@@ -6,12 +6,15 @@ where a metric was not recorded. An array metric keeps its shape as extra dimens
 named ``{name}_dim_{i}``. Each variable's attrs hold its original dtype, so
 ``from_xarray`` restores integers that gaps turned into floats; where a metric both
 has gaps and records NaN, a ``_recorded`` mask (dims ``step`` x ``_metric``) tells a
-recorded NaN from a missing record.
+recorded NaN from a missing record. A generated name that a metric already uses
+(a metric named ``_recorded``, or ``x_dim_0`` beside an array metric ``x``) gets
+``_`` appended until it is free; the mask's names are kept in the dataset's attrs.
 """
 
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -19,21 +22,38 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxhistory._names import decode_netcdf
+from jaxhistory._names import decode_netcdf, encode_netcdf
 from jaxhistory._optional import import_optional
 from jaxhistory._version import __version__
 
-__all__ = ["MASK", "MASK_DIM", "from_dataset", "read_netcdf", "to_dataset"]
+__all__ = [
+    "MASK",
+    "MASK_DIM",
+    "encoded",
+    "from_dataset",
+    "read_netcdf",
+    "to_dataset",
+]
 
 # A column: (name, steps, values, storage dtype, record shape)
 Column = tuple[str, np.ndarray, np.ndarray, np.dtype, tuple[int, ...]]
 
 DTYPE_ATTR = "jaxhistory_dtype"
+NAME_ATTR = "jaxhistory_name"  # a metric's name where the file holds a short one
+NC_MAX_NAME = 255  # bytes in a netCDF name
 GAPS_ATTR = "jaxhistory_gaps"
 MASK = "_recorded"
 MASK_DIM = "_metric"
+MASK_ATTR = "jaxhistory_mask"
+MASK_DIM_ATTR = "jaxhistory_mask_dim"
 NEXT_STEP_ATTR = "jaxhistory_next_step"
-_GENERATED_ATTRS = (NEXT_STEP_ATTR, "jaxhistory_version", "jax_version")
+_GENERATED_ATTRS = (
+    NEXT_STEP_ATTR,
+    MASK_ATTR,
+    MASK_DIM_ATTR,
+    "jaxhistory_version",
+    "jax_version",
+)
 
 
 def _fill_dtype(dtype: np.dtype) -> np.dtype:
@@ -45,9 +65,18 @@ def to_dataset(
 ):
     """The dataset of ``columns`` over the sorted union of their ``steps``."""
     xr = import_optional("xarray", "HistoryState.to_xarray")
+    columns = list(columns)
+    taken = {"step", *(c[0] for c in columns)}
+
+    def free(base: str) -> str:  # a generated name no metric uses
+        while base in taken:
+            base += "_"
+        taken.add(base)
+        return base
+
     data_vars, masks = {}, {}
     for name, col_steps, values, dtype, shape in columns:
-        dims = ("step", *(f"{name}_dim_{i}" for i in range(len(shape))))
+        dims = ("step", *(free(f"{name}_dim_{i}") for i in range(len(shape))))
         gaps = len(col_steps) < len(steps)
         attrs_ = {DTYPE_ATTR: str(dtype), GAPS_ATTR: int(gaps)}
         if not gaps:
@@ -68,12 +97,14 @@ def to_dataset(
             full[where] = values
         data_vars[name] = xr.Variable(dims, full, attrs=attrs_)
     coords = {"step": ("step", steps)}
-    if masks:
-        coords[MASK_DIM] = (MASK_DIM, list(masks))
-        data_vars[MASK] = xr.Variable(
-            ("step", MASK_DIM), np.stack(list(masks.values()), axis=1)
-        )
     attrs = dict(attrs)
+    if masks:
+        mask, mask_dim = free(MASK), free(MASK_DIM)
+        coords[mask_dim] = (mask_dim, list(masks))
+        data_vars[mask] = xr.Variable(
+            ("step", mask_dim), np.stack(list(masks.values()), axis=1)
+        )
+        attrs.update({MASK_ATTR: mask, MASK_DIM_ATTR: mask_dim})
     attrs.update(
         {
             NEXT_STEP_ATTR: next_step,
@@ -90,14 +121,15 @@ def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
     if "step" not in ds.coords:
         raise ValueError("the dataset has no 'step' coordinate")
     steps = np.asarray(ds["step"].values, np.int64)
+    mask, mask_dim = _mask_names(ds)
     masks = {}
-    if MASK in ds.data_vars:
-        names = [str(n) for n in ds[MASK_DIM].values]
-        table = np.asarray(ds[MASK].values, bool)
+    if mask in ds.data_vars:
+        names = [str(n) for n in ds[mask_dim].values]
+        table = np.asarray(ds[mask].values, bool)
         masks = {n: table[:, i] for i, n in enumerate(names)}
     columns = {}
     for name in ds.data_vars:
-        if name == MASK:
+        if name == mask:
             continue
         var = ds[name]
         if var.dims[0] != "step":
@@ -119,6 +151,31 @@ def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
     return columns, next_step, attrs
 
 
+def encoded(ds):
+    """``ds`` with netCDF-safe names (:func:`~jaxhistory.export.encode_netcdf`);
+    a name whose encoding is too long for netCDF is stored as ``_h{crc32}``
+    with the metric's name in its ``jaxhistory_name`` attribute."""
+    out = renamed(ds, encode_netcdf)
+    short, used = {}, set(map(str, (*out.data_vars, *out.dims)))
+    for name in (*out.data_vars, *out.dims):
+        if len(str(name).encode()) <= NC_MAX_NAME:
+            continue
+        crc = zlib.crc32(str(name).encode())
+        new = f"_h{crc:08x}"
+        while new in used:
+            crc += 1
+            new = f"_h{crc:08x}"
+        used.add(new)
+        short[name] = new
+    if not short:
+        return out
+    out = out.rename(short)
+    for name, new in short.items():
+        if new in out.data_vars:
+            out[new].attrs[NAME_ATTR] = decode_netcdf(str(name))
+    return out
+
+
 def read_netcdf(path: str | os.PathLike):
     """The dataset in a file written by :func:`jaxhistory.export.to_netcdf`, with
     metric names decoded.
@@ -135,13 +192,26 @@ def read_netcdf(path: str | os.PathLike):
     ds.attrs = {
         k: v.item() if isinstance(v, np.generic) else v for k, v in ds.attrs.items()
     }
-    return renamed(ds, decode_netcdf)
+    ds = renamed(ds, decode_netcdf)
+    long = {n: ds[n].attrs[NAME_ATTR] for n in ds.data_vars if NAME_ATTR in ds[n].attrs}
+    if long:
+        ds = ds.rename(long)
+        for name in long.values():
+            del ds[name].attrs[NAME_ATTR]
+    return ds
+
+
+def _mask_names(ds) -> tuple[str, str]:
+    return str(ds.attrs.get(MASK_ATTR, MASK)), str(
+        ds.attrs.get(MASK_DIM_ATTR, MASK_DIM)
+    )
 
 
 def renamed(ds, fn):
     """``ds`` with its metric variables and dimensions renamed by ``fn``."""
     names = {}
+    keep = {"step", *_mask_names(ds)}
     for name in (*ds.data_vars, *ds.dims):
-        if name not in ("step", MASK, MASK_DIM) and fn(str(name)) != name:
+        if name not in keep and fn(str(name)) != name:
             names[name] = fn(str(name))
     return ds.rename(names) if names else ds

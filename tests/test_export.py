@@ -236,7 +236,7 @@ def test_from_jsonl_skips_broken_lines_with_a_warning_and_keeps_the_rest(tmp_pat
         + good[3][:10]
     )
     with pytest.warns(
-        RuntimeWarning, match=r"skipped 2 incomplete line\(s\) \(line 2, 6"
+        RuntimeWarning, match=r"skipped 2 incomplete or damaged line\(s\) \(line 2, 6"
     ):
         s = jh.HistoryState.from_jsonl(path)
     assert s.values("a").tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -10,7 +10,6 @@ from jaxhistory import _xarray
 from jaxhistory._env import netcdf_attrs
 from jaxhistory._files import atomic_write
 from jaxhistory._history_state import HistoryState
-from jaxhistory._names import encode_netcdf
 from jaxhistory._optional import import_optional
 
 __all__ = ["from_netcdf", "read_netcdf", "to_netcdf"]
@@ -48,7 +47,7 @@ def to_netcdf(
     ds.attrs = netcdf_attrs(ds.attrs)
     for name in state.keys:
         ds[name].attrs["long_name"] = name
-    out = _xarray.renamed(ds, encode_netcdf)
+    out = _xarray.encoded(ds)
     atomic_write(Path(path), lambda tmp: out.to_netcdf(tmp, engine="netcdf4"))
     return ds
 
