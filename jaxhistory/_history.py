@@ -17,7 +17,7 @@ import jax
 from jaxhistory import _memory, _trace_state
 from jaxhistory._codec import read_stamps
 from jaxhistory._distributed import Reducer, distributed_default, is_per_device
-from jaxhistory._dtypes import as_step
+from jaxhistory._dtypes import as_step, host_value
 from jaxhistory._env import env_flag, new_run_id
 from jaxhistory._history_state import HistoryState, _append_floats
 from jaxhistory._names import STEP_KEYS, flatten
@@ -340,6 +340,11 @@ class History:
         with ``/``. This is how :class:`~jaxhistory.StopWatch` timings and
         :class:`~jaxhistory.publish.HistoryHandler` metrics arrive.
 
+        Raises:
+            TypeError, ValueError: a value that cannot be recorded (a string,
+                None, a JAX tracer, ...); nothing of this call is kept, and the
+                values already waiting are not affected.
+
         Example:
             >>> import jaxhistory as jh
             >>> h = jh.History(distributed_history=False)
@@ -349,7 +354,9 @@ class History:
             >>> h.state.steps("timing/data").tolist()
             [3]
         """
-        items = dict(flatten(metrics))
+        # Checked here, so a bad value fails this call and never costs the
+        # good values already waiting.
+        items = {n: host_value(n, v)[0] for n, v in flatten(metrics)}
         if step is not None:
             step = as_step("step", step)
         with self._attach_lock:

@@ -270,11 +270,18 @@ class HistoryState:
         types = set(map(type, metrics.values())) if type(metrics) is dict else None
         if types is not None and Stats in types:
             return self._update_with_stats(metrics, step)
-        if types is not None and not NESTED.intersection(types):
+        if (
+            types is not None
+            and not NESTED.intersection(types)
+            and all(type(k) is str for k in metrics)
+        ):
             if "step" in metrics or "iter" in metrics:
                 metrics, step = self._step_entry(metrics, step)
             keys, row = tuple(metrics), tuple(metrics.values())
         else:
+            # Nested dicts, other pytrees, names that are not str (1 and "1"
+            # would both be "1" in every file: flatten names and refuses that).
+            _check_step_entries(metrics)
             items, step = self._step_entry(dict(flatten(metrics)), step)
             keys, row = tuple(items), tuple(items.values())
             types = None
@@ -385,6 +392,8 @@ class HistoryState:
                 np.result_type(a, b) for a, b in zip(table.dtypes, dtypes, strict=True)
             )
         )
+        if wider != table.dtypes:
+            _check_widening(table, n, wider)
         if wider != table.dtypes or table.length != n:
             table = table.prefix(n, wider)
         return table, n
@@ -430,6 +439,7 @@ class HistoryState:
         table, n = self._writable(keys, tuple(dtypes), tuple(shapes))
         if ptypes is not ALL_FLOATS and int in ptypes:
             check_ints(keys, row, table.dtypes)
+        _check_exact(keys, values, table.dtypes)
         # Later rows with the same Python scalar types may skip these checks (not
         # where an ``iter`` entry was stored as a metric: it may be the step).
         if ptypes is ALL_FLOATS:
@@ -706,6 +716,66 @@ class HistoryState:
         return f"HistoryState({len(self)} metrics, next_step={self.next_step})"
 
 
+_EXACT = 2**53  # beyond this magnitude not every integer is a float64
+_EXACT_F = float(_EXACT)
+
+
+def _inexact(values: Any) -> int | None:
+    """The first integer of ``values`` that float64 cannot hold exactly."""
+    if type(values) is int:
+        big = [values] if abs(values) > _EXACT else []
+    else:
+        arr = np.asarray(values)
+        if arr.dtype.kind not in "iu" or not arr.size:
+            return None
+        big = arr[np.abs(arr.astype(np.float64)) > _EXACT_F].tolist()
+    for v in big:
+        try:
+            if int(float(v)) != v:
+                return v
+        except OverflowError:
+            return v
+    return None
+
+
+def _check_widening(table: Table, n: int, wider: tuple) -> None:
+    """Refuses to turn an integer column into floats that would round it."""
+    for i, (old, new) in enumerate(zip(table.dtypes, wider, strict=True)):
+        if old.kind in "iu" and new.kind == "f" and n:
+            bad = _inexact(table.view(n)[1][i])
+            if bad is not None:
+                raise ValueError(
+                    f"metric {table.keys[i]!r} holds the integer {bad}, which {new} "
+                    "cannot hold exactly; record it as float from its first step, "
+                    "or keep it integer"
+                )
+
+
+def _check_exact(keys: tuple, values: list, dtypes: tuple) -> None:
+    """Refuses integers that a float column would round."""
+    for name, value, dtype in zip(keys, values, dtypes, strict=True):
+        if dtype.kind != "f" or isinstance(value, jax.Array | float):
+            continue
+        bad = _inexact(value)
+        if bad is not None:
+            raise ValueError(
+                f"metric {name!r} is stored as {dtype} and cannot hold the integer "
+                f"{bad} exactly; record it as float or keep it integer"
+            )
+
+
+def _check_step_entries(metrics: Any) -> None:
+    """A ``step``/``iter`` entry that is a container would be flattened into
+    metrics (``step/0``, ...): it must be one whole number."""
+    if isinstance(metrics, Mapping):
+        for key in STEP_KEYS:
+            if key in metrics and isinstance(metrics[key], Mapping | list | tuple):
+                raise ValueError(
+                    f"{key!r} must be a whole number to be used as the step, got "
+                    f"{metrics[key]!r:.60}"
+                )
+
+
 def _later_wins(steps: np.ndarray, values: np.ndarray):
     """Records in step order, one per step: where several share a step, the one
     that came later in the input wins."""
@@ -759,8 +829,8 @@ def _append_floats(
         total = sum(row, 0.0)
     except Exception:  # strings, nested dicts, ints too large for a float
         return None
-    if type(total) is not float:
-        return None
+    if type(total) is not float or not -_EXACT_F < total < _EXACT_F:
+        return None  # (and large values: the checked path refuses big ints)
     table, n = entry
     with table.lock:
         if table.length == n:  # this state owns the table's end: append in place

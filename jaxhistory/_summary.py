@@ -98,8 +98,10 @@ def _format(value: Any, precision: int, counter: bool) -> str:
             return "[" + ",".join(_format(v, precision, counter) for v in arr) + "]"
         return f"{_format(arr.mean(), precision, False)}(mean of {arr.size})"
     if counter or arr.dtype.kind in "iub":
-        if arr.dtype.kind == "f" and not math.isfinite(float(arr)):
-            return str(float(arr))
+        if arr.dtype.kind == "f":
+            value = float(arr)
+            if not math.isfinite(value) or not value.is_integer():
+                return f"{value:g}"  # epoch=1.5, not epoch=1
         return str(int(arr))
     return f"{float(arr):.{precision}f}"
 

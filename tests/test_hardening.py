@@ -58,7 +58,7 @@ def test_damaged_jsonl_lines_are_skipped_exactly(tmp_path):
         '{"step": 2, "metrics": {"\u00e9": 1.0}}\n'.encode()[:-8] + b"\n",
         b'{"step": 9223372036854775808, "metrics": {"a": 3.0}}\n',  # 2**63
         b'{"step": 5, "metrics": {"a": 5.0}}\n',
-        "{\"step\": 6, \"metrics\": {\"\u00e9\": 6.0}}".encode()[:-3],  # cut, last
+        '{"step": 6, "metrics": {"\u00e9": 6.0}}'.encode()[:-3],  # cut, last
     ]
     path = tmp_path / "log.jsonl"
     path.write_bytes(b"".join(lines))
@@ -118,3 +118,79 @@ def test_metric_buffer_refuses_none_and_values_it_would_wrap():
     buf = traced(buf, jnp.int32(7))
     steps, values = buf.to_host()
     assert steps.tolist() == [7] and values["n"].tolist() == [1]
+
+
+# ----- HistoryState and History values ---------------------------------------------
+
+
+def test_a_step_entry_must_be_one_number():
+    s = jh.HistoryState().update({"a": 1.0})
+    for entry in ([1, 2], (3,), {"x": 1}):
+        with pytest.raises(ValueError, match="'step' must be a whole number"):
+            s.update({"step": entry, "a": 2.0})
+    with pytest.raises(ValueError, match="'iter' must be a whole number"):
+        s.update({"iter": [4], "b": {"c": 1.0}})
+    assert s.keys == ("a",) and s.next_step == 1  # nothing recorded
+
+
+def test_names_that_would_collide_in_files_are_refused():
+    s = jh.HistoryState()
+    with pytest.raises(ValueError, match="two metrics are both named '1'"):
+        s.update({1: 1.0, "1": 2.0})
+    assert s.update({1: 1.0, 2: 3}).keys == ("1", "2")  # int names become str
+
+
+def test_integers_are_never_rounded_silently():
+    big = 2**63 - 1
+    s = jh.HistoryState().update({"a": np.int64(big)})
+    with pytest.raises(ValueError, match=f"'a' holds the integer {big}"):
+        s.update({"a": 0.5})
+    assert s.values("a").tolist() == [big] and s.dtype("a") == np.int64
+    u = jh.HistoryState().update({"u": np.uint64(2**64 - 1)})
+    with pytest.raises(ValueError, match="'u' holds the integer 18446744073709551615"):
+        u.update({"u": np.int64(3)})  # uint64 with int64 widens to float64
+    assert u.values("u").tolist() == [2**64 - 1]
+    f = jh.HistoryState().update({"f": 0.5})
+    for value in (2**60 + 1, np.int64(2**60 + 1)):
+        with pytest.raises(
+            ValueError, match="cannot hold the integer 1152921504606846977"
+        ):
+            f.update({"f": value})
+    # Integers float64 holds exactly still join a float metric.
+    assert f.update({"f": 2**70}).update({"f": 3}).values("f").tolist() == [
+        0.5,
+        float(2**70),
+        3.0,
+    ]
+    h = jh.History(distributed_history=False)
+    h.update({"f": 0.5})
+    with pytest.raises(ValueError, match="cannot hold the integer"):
+        h.update({"f": 2**60 + 1})  # the fast path sends large rows to the checks
+    assert h.state.values("f").tolist() == [0.5]
+
+
+def test_a_fractional_epoch_is_shown_as_it_is():
+    h = jh.History(distributed_history=False)
+    assert h.update({"epoch": 1.5, "loss": 0.25}) == "step=0 epoch=1.5 loss=0.250000"
+    assert h.update({"epoch": 2.0, "loss": 0.25}) == "step=1 epoch=2 loss=0.250000"
+
+
+def test_attach_refuses_bad_values_at_once_and_keeps_the_good_ones():
+    h = jh.History(distributed_history=False)
+    h.attach({"t/good": 0.5})
+    for bad in ("hello", None, b"x", object()):
+        with pytest.raises(TypeError, match="'t/bad'"):
+            h.attach({"t/bad": bad, "t/other": 1.0})
+
+    @jax.jit
+    def traced(x):
+        h.attach({"t/bad": x})
+        return x
+
+    with pytest.raises(TypeError, match="'t/bad' is a JAX tracer"):
+        traced(1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h.update({"loss": 1.0}, step=3)
+    assert h.state.values("t/good").tolist() == [0.5]
+    assert "t/other" not in h.state.keys and "t/bad" not in h.state.keys
