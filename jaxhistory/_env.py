@@ -7,12 +7,20 @@ import json
 import os
 import platform
 import sys
+import threading
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["ENV_LABELS", "env_flag", "environment", "netcdf_attrs", "new_run_id"]
+__all__ = [
+    "ENV_LABELS",
+    "check_run_name",
+    "env_flag",
+    "environment",
+    "netcdf_attrs",
+    "new_run_id",
+]
 
 # The keys of environment() that describe a run, with their labels in the report.
 ENV_LABELS = {
@@ -29,10 +37,57 @@ ENV_LABELS = {
 }
 
 
-def new_run_id(run_name: str | None = None) -> str:
-    """``{run_name}-{YYYYmmdd-HHMMSS}`` in local time (``run-...`` without a name)."""
+_CLAIMED: set[str] = set()  # run ids given out in this process
+_CLAIM_LOCK = threading.Lock()
+MAX_RUN_NAME = 200  # characters: the run id must stay a valid file name
+
+
+def check_run_name(
+    run_name: Any, what: str = "run_name", limit: int = MAX_RUN_NAME
+) -> str | None:
+    """``run_name`` if it is a name (it becomes part of file names), else a
+    ValueError saying why: a run name is never a path."""
+    if run_name is None:
+        return None
+    if not isinstance(run_name, str):
+        raise TypeError(f"{what} must be a str, got {type(run_name).__name__}")
+    bad = [c for c in ("/", "\\", os.sep, os.altsep) if c and c in run_name]
+    if (
+        not run_name
+        or run_name in (".", "..")
+        or bad
+        or any(ord(c) < 32 or ord(c) == 127 for c in run_name)
+        or len(run_name) > limit
+    ):
+        why = (
+            f"it contains {bad[0]!r}"
+            if bad
+            else f"it is longer than {limit} characters"
+            if len(run_name) > limit
+            else "it is empty, '.', '..' or holds control characters"
+        )
+        raise ValueError(
+            f"{what} {run_name!r:.80} is not a name ({why}): it names files, so "
+            "it may not be a path; put the folder in report_dir or jsonl_path"
+        )
+    return run_name
+
+
+def new_run_id(run_name: str | None = None, taken: Any = None) -> str:
+    """``{run_name}-{YYYYmmdd-HHMMSS}`` in local time (``run-...`` without a
+    name), unique in this process: a second id in the same second gets
+    ``-2``, ``-3``, ... appended, as does one that ``taken(id)`` says is in use
+    (a log file that exists, for example)."""
+    check_run_name(run_name)
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return f"{run_name or 'run'}-{stamp}"
+    base = f"{run_name or 'run'}-{stamp}"
+    with _CLAIM_LOCK:
+        run_id, k = base, 1
+        while run_id in _CLAIMED or (taken is not None and taken(run_id)):
+            k += 1
+            run_id = f"{base}-{k}"
+        _CLAIMED.add(run_id)
+    return run_id
 
 
 def _mesh_text(mesh: Any) -> str | None:

@@ -18,7 +18,8 @@ from jaxhistory import _memory, _trace_state
 from jaxhistory._codec import read_stamps
 from jaxhistory._distributed import Reducer, distributed_default, is_per_device
 from jaxhistory._dtypes import as_step, host_value
-from jaxhistory._env import env_flag, new_run_id
+from jaxhistory._env import check_run_name, env_flag, new_run_id
+from jaxhistory._files import in_use
 from jaxhistory._history_state import HistoryState, _append_floats
 from jaxhistory._names import STEP_KEYS, flatten
 from jaxhistory._stats import Stats
@@ -169,7 +170,14 @@ class History:
         self.jsonl_overwrite = bool(jsonl_overwrite)
         self.log_every = log_every
         self.state = HistoryState()
-        self.run_id = new_run_id(run_name)
+        check_run_name(run_name)
+        taken = None
+        if self.report_dir is not None and self.jsonl_path is None:
+            # a log of that name exists (an earlier run, or another process's
+            # started in the same second): take the next id
+            report_dir = self.report_dir
+            taken = lambda run_id: (report_dir / f"{run_id}.jsonl").exists()
+        self.run_id = new_run_id(run_name, taken)
         self.mesh = None  # the mesh of the per-device metrics, once one is seen
         self._updates = 0
         self._reducer = Reducer(provenance)
@@ -183,6 +191,12 @@ class History:
         self._writer: Writer | None = None  # started by the first update it needs
         self._log: JsonlSink | None = None  # the JSONL log, one of its sinks
         self._log_path = self._jsonl_target()
+        if self._log_path is not None and in_use(self._log_path):
+            raise ValueError(
+                f"the JSONL log {self._log_path} is being written by another live "
+                "History or sink; two runs must not share one log (give this one "
+                "its own jsonl_path, or close the other first)"
+            )
         # Whether updates go to the writer (a JSONL log or open sinks; an active
         # trace handler is checked apart): one flag on the hot path.
         self._writing = self._log_path is not None or bool(self.sinks)

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import itertools
 import json
@@ -35,6 +36,7 @@ import socket
 import string
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -45,7 +47,7 @@ import orjson
 
 from jaxhistory import _trace_state
 from jaxhistory._codec import NONFINITE_TEXT
-from jaxhistory._env import new_run_id
+from jaxhistory._env import check_run_name, new_run_id
 from jaxhistory._files import atomic_write
 from jaxhistory.sinks._base import scalars
 
@@ -194,6 +196,7 @@ class JSONTraceHandler:
                 f"num_traces_to_keep must be -1 or a count >= 0, got "
                 f"{num_traces_to_keep!r}"
             )
+        check_run_name(run_name)
         if run_name is None:
             run_name = new_run_id(None)
         self.folder_template, self.filename_template = folder, filename
@@ -207,8 +210,12 @@ class JSONTraceHandler:
         self._vars: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._file = None
+        self._path: Path | None = None
         self._first = True
         self._last_flush = 0.0
+        self.error: BaseException | None = None  # the last failed write
+        self.lost = 0  # events not written because writing failed
+        self._warned = False
         self._threads: dict[int, tuple[int, str]] = {}
         self._sync: dict[str, Any] = {}
         self._counter_clock: tuple[float, int] = (0.0, 0)
@@ -338,8 +345,16 @@ class JSONTraceHandler:
                 and p.name.endswith((".json", ".json.gz"))
             ]
             if sources:  # num_traces_to_keep=0 may have deleted them all
-                merge_traces(sources, merged)
-                self.merged_path = merged
+                try:
+                    merge_traces(sources, merged)
+                except OSError as err:  # close() runs in the traced program
+                    warnings.warn(
+                        f"cannot write the merged trace {merged}: {err}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                else:
+                    self.merged_path = merged
 
     # ----- files -------------------------------------------------------------------
     def _next_path(self, epoch: int, batch: int, step: int) -> Path:
@@ -367,10 +382,34 @@ class JSONTraceHandler:
         return path
 
     def _start_file(self, path: Path) -> None:
-        self._file = open(path, "wb")  # noqa: SIM115
         self._first = True
+        self._path = path
+        try:
+            self._file = open(path, "wb")  # noqa: SIM115
+        except OSError as err:
+            self._file = None
+            self._failed(err)
+            return
         self.paths.append(path)
         self._write_metadata()
+
+    def _failed(self, err: BaseException) -> None:
+        """A write failed (a full disk): the events of this file from here on
+        are counted in :attr:`lost`, never raised into the traced code; the
+        next file (after :meth:`rotate`) is tried afresh. Warns once."""
+        self.error = err
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"trace file {self._path}: writing failed ({err!r}); later events "
+                "of this file are dropped and counted in JSONTraceHandler.lost",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _write_metadata(self) -> None:
         pid = self._sync["process_index"]
@@ -410,19 +449,28 @@ class JSONTraceHandler:
     def _event(self, event: dict) -> None:
         """Writes one event line (the caller holds the lock)."""
         if self._file is None:
+            if self.error is not None and self.active:
+                self.lost += 1
             return
         # Values are sanitized (finite numbers, strings): orjson writes them as is.
-        self._file.write((b"[\n" if self._first else b",\n") + orjson.dumps(event))
-        self._first = False
-        now = time.monotonic()
-        if now - self._last_flush > FLUSH_SECONDS:
-            self._file.flush()
-            self._last_flush = now
+        try:
+            self._file.write((b"[\n" if self._first else b",\n") + orjson.dumps(event))
+            self._first = False
+            now = time.monotonic()
+            if now - self._last_flush > FLUSH_SECONDS:
+                self._file.flush()
+                self._last_flush = now
+        except OSError as err:
+            self.lost += 1
+            self._failed(err)
 
     def _finish(self) -> None:
         if self._file is not None:
-            self._file.write(b"[\n]\n" if self._first else b"\n]\n")
-            self._file.close()
+            try:
+                self._file.write(b"[\n]\n" if self._first else b"\n]\n")
+                self._file.close()
+            except OSError as err:
+                self._failed(err)
             self._file = None
 
     def _prune(self) -> None:
@@ -528,7 +576,10 @@ class JSONTraceHandler:
     def flush(self) -> None:
         with self._lock:
             if self._file is not None:
-                self._file.flush()
+                try:
+                    self._file.flush()
+                except OSError as err:
+                    self._failed(err)
                 self._last_flush = time.monotonic()
 
 

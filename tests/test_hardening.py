@@ -194,3 +194,138 @@ def test_attach_refuses_bad_values_at_once_and_keeps_the_good_ones():
         h.update({"loss": 1.0}, step=3)
     assert h.state.values("t/good").tolist() == [0.5]
     assert "t/other" not in h.state.keys and "t/bad" not in h.state.keys
+
+
+# ----- files: names, shared logs, reruns, full disks ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["../../../x", "/abs/path/x", "a/b", "a\\b", "..", "", "x\n", "n" * 201]
+)
+def test_a_run_name_is_a_name_never_a_path(name, tmp_path):
+    with pytest.raises(ValueError, match="is not a name"):
+        jh.History(run_name=name, report_dir=tmp_path)
+    with pytest.raises(ValueError, match="is not a name"):
+        jh.trace.JSONTraceHandler(folder=str(tmp_path), run_name=name)
+    if len(name) <= 200:  # a run id may be longer: the name plus a time stamp
+        with pytest.raises(ValueError, match="is not a name"):
+            export.finalize(
+                jh.HistoryState(), tmp_path / "out", run_id=name, plot=False
+            )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hostile_metric_names_stay_inside_the_output_folder(tmp_path):
+    s = jh.HistoryState()
+    for i, name in enumerate(["../../esc", "/abs/x", "a/../../b", "..", "~", "é/ü"]):
+        s = s.update({name: float(i)}, step=i)
+    out = tmp_path / "run" / "out"
+    export.finalize(s, out, run_id="r", echo=False)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) > 6
+    for path in files:
+        assert path.resolve().is_relative_to(out.resolve()), path
+
+
+def test_two_histories_never_share_a_log(tmp_path):
+    a = jh.History(run_name="same", report_dir=tmp_path, distributed_history=False)
+    b = jh.History(run_name="same", report_dir=tmp_path, distributed_history=False)
+    assert a.run_id != b.run_id
+    a.update({"x": 1.0})
+    b.update({"x": 2.0})
+    a.close()
+    b.close()
+    assert export.from_jsonl(a._log_path).values("x").tolist() == [1.0]
+    assert export.from_jsonl(b._log_path).values("x").tolist() == [2.0]
+    # A log a live writer holds is refused, not appended to.
+    c = jh.History(jsonl_path=tmp_path / "shared.jsonl", distributed_history=False)
+    c.update({"x": 3.0})
+    with pytest.raises(ValueError, match="being written by another live"):
+        jh.History(jsonl_path=tmp_path / "shared.jsonl")
+    c.close()  # closed: a later run may append (a resume)
+    d = jh.History(jsonl_path=tmp_path / "shared.jsonl", distributed_history=False)
+    d.update({"x": 4.0}, step=1)
+    d.close()
+    assert export.from_jsonl(tmp_path / "shared.jsonl").values("x").tolist() == [3, 4]
+
+
+def test_a_rerun_of_finalize_replaces_the_plots_as_a_set(tmp_path):
+    out = tmp_path / "out"
+    old = jh.HistoryState().update({"old_metric": 1.0}).update({"old_metric": 2.0})
+    export.finalize(old, out, run_id="a", echo=False)
+    assert (out / "plots" / "mplot" / "old_metric.png").is_file()
+    new = jh.HistoryState().update({"loss": 1.0}).update({"loss": 0.5})
+    export.finalize(new, out, run_id="b", echo=False)
+    pngs = sorted(p.name for p in (out / "plots" / "mplot").iterdir())
+    assert pngs == ["loss.png"]
+    assert not any(p.name.startswith(".") for p in out.iterdir())
+    export.finalize(new, out, run_id="c", plot=False)
+    assert not (out / "plots").exists()
+
+
+FULL_DISK = r"""
+import resource, signal, sys, time, warnings
+import numpy as np
+sys.path.insert(0, {root!r})
+import jaxhistory as jh
+from jaxhistory import export
+out = {out!r}
+old = jh.HistoryState().update({{"loss": 1.0}})
+export.finalize(old, out, run_id="old", plot=False)
+before = open(out + "/dataset.nc", "rb").read()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+limit = 64 * 1024  # every file stops growing here: writes fail like a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+warned = []
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tracer = jh.trace.JSONTraceHandler(folder=out + "/traces", run_name="t")
+    tracer.start()
+    for i in range(3000):
+        with jh.StopWatch(f"span{{i % 7}}"):
+            pass
+    tracer.close()
+    h = jh.History(jsonl_path=out + "/log.jsonl", distributed_history=False)
+    for i in range(3000):
+        h.update({{"loss": float(i), "acc": 0.5}}, summarize=False)
+    h.close()
+    try:
+        h.finalize(out, plot=False)
+        error = None
+    except OSError as err:
+        error = str(err)
+warned = [str(w.message) for w in caught]
+print(repr(dict(
+    lost=tracer.lost,
+    count=h.state.count("loss"),
+    error=error,
+    intact=open(out + "/dataset.nc", "rb").read() == before,
+    warned=warned,
+)))
+"""
+
+
+def test_a_full_disk_never_stops_training(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    script = FULL_DISK.format(root=root, out=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = eval(done.stdout.strip().splitlines()[-1])
+    assert result["lost"] > 0 and result["count"] == 3000
+    assert f"cannot write {tmp_path}/dataset.nc" in result["error"], result["error"]
+    assert "any earlier version of the file is unchanged" in result["error"]
+    assert result["intact"]
+    trace = [w for w in result["warned"] if w.startswith("trace file")]
+    log = [w for w in result["warned"] if w.startswith("JSONL log")]
+    assert len(trace) == 1 and len(log) == 1, result["warned"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,8 +12,8 @@ from typing import Any
 import jax
 
 from jaxhistory._dtypes import warmup_count
+from jaxhistory._env import MAX_RUN_NAME, check_run_name, netcdf_attrs, new_run_id
 from jaxhistory._env import environment as run_environment
-from jaxhistory._env import netcdf_attrs, new_run_id
 from jaxhistory._history_state import HistoryState
 from jaxhistory.export._jsonl import to_jsonl
 from jaxhistory.export._markdown import to_markdown
@@ -46,6 +48,26 @@ class Progress:
         if self.done < self.total:
             self.done = self.total - 1
             self()
+
+
+_STAGING = itertools.count()
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """Puts the folder ``new`` at ``target``, replacing what was there; if the
+    swap fails the old folder stays."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}-old-{os.getpid()}-{next(_STAGING)}")
+        os.replace(target, old)
+    try:
+        os.replace(new, target)
+    except BaseException:
+        if old is not None:
+            os.replace(old, target)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def finalize(
@@ -88,6 +110,7 @@ def finalize(
     """
     if run_id is None:
         run_id = new_run_id(run_name)
+    check_run_name(run_id, "run_id", MAX_RUN_NAME + 40)
     env = dict(environment) if environment is not None else run_environment(mesh)
     attrs = {"run_id": run_id, **env}
     if run_name:
@@ -117,17 +140,29 @@ def finalize(
         units = plot_units(state)
         arrays = sum(1 for u in units if u.raw is not None and state.shape(u.raw))
         progress = Progress(2 * len(units) + 2 * arrays, "finalize: plots")
-        images = to_png(
-            state, outdir / "plots" / "mplot", warmup, num_chains, progress=progress
-        )
-        tplots = write_all(state, outdir / "plots" / "tplot", warmup, progress)
+        # Drawn into a folder of their own, which then replaces plots/ whole:
+        # no plot of an earlier finalize stays beside these.
+        staging = outdir / f".plots-{os.getpid()}-{next(_STAGING)}"
+        try:
+            images = to_png(
+                state, staging / "mplot", warmup, num_chains, progress=progress
+            )
+            tplots = write_all(state, staging / "tplot", warmup, progress)
+            replace_folder(staging, outdir / "plots")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         progress.finish()
+        final = outdir / "plots"
+        images = [final / p.relative_to(staging) for p in images]
+        tplots = [(u, final / p.relative_to(staging), t) for u, p, t in tplots]
         files += images + [path for _, path, _ in tplots]
         chosen = {u.title for u in summary_choice(units)}
         terminal = {u.title: text for u, _, text in tplots if u.title in chosen}
         if echo:
             for text in terminal.values():
                 print(text)
+    else:  # plots of an earlier finalize are not this run's
+        shutil.rmtree(outdir / "plots", ignore_errors=True)
     if report:
         path = outdir / "report.md"
         files.append(path)
