@@ -125,21 +125,22 @@ class HistoryState:
     @property
     def keys(self) -> tuple[str, ...]:
         """Metric names, in the order they were first recorded."""
-        return tuple(dict.fromkeys(k for ks in self.data.tables for k in ks))
+        return tuple(self.data.index())
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.data.index())
 
     def __contains__(self, name: object) -> bool:
-        return any(name in ks for ks in self.data.tables)
+        return name in self.data.index()
 
     def _parts(self, name: str) -> list[tuple[Table, int, int]]:
         """(table, rows seen, column) of every table holding ``name``."""
-        parts = [
-            (t, n, ks.index(name))
-            for ks, (t, n) in self.data.tables.items()
-            if name in ks and n
-        ]
+        tables = self.data.tables
+        parts = []
+        for ks in self.data.index().get(name, ()):
+            t, n = tables[ks]
+            if n:
+                parts.append((t, n, ks.index(name)))
         if not parts and name not in self:
             known = ", ".join(self.keys) or "none"
             raise KeyError(f"no metric {name!r}; recorded: {known}")
@@ -176,10 +177,10 @@ class HistoryState:
         return self._records(name)[1]
 
     def _meta(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
+        tables = self.data.tables
         found = [
-            (t.dtypes[ks.index(name)], t.shapes[ks.index(name)])
-            for ks, (t, _) in self.data.tables.items()
-            if name in ks
+            (tables[ks][0].dtypes[ks.index(name)], tables[ks][0].shapes[ks.index(name)])
+            for ks in self.data.index().get(name, ())
         ]
         if not found:
             raise KeyError(
@@ -659,7 +660,7 @@ class HistoryState:
         """The state saved in a dataset file by :func:`jaxhistory.export.to_netcdf`."""
         ds = _xarray.read_netcdf(path)
         for name in ds.data_vars:
-            ds[name].attrs.pop("long_name", None)
+            ds.variables[name].attrs.pop("long_name", None)
         return cls.from_xarray(ds)
 
     @classmethod

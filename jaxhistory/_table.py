@@ -341,10 +341,25 @@ class Tables:
     arrays; the key sets are static.
     """
 
-    __slots__ = ("tables",)
+    __slots__ = ("_index", "tables")
 
     def __init__(self, tables: dict[tuple[str, ...], tuple[Table, int]] | None = None):
         self.tables = {} if tables is None else tables
+
+    def index(self) -> dict[str, list[tuple[str, ...]]]:
+        """Metric name -> the key sets of the tables holding it, in recording
+        order; built on first use (a state's tables never change after it is
+        made), so reading many metrics of a state with many tables is linear."""
+        try:
+            return self._index
+        except AttributeError:
+            pass
+        index: dict[str, list[tuple[str, ...]]] = {}
+        for keys in self.tables:
+            for name in keys:
+                index.setdefault(name, []).append(keys)
+        self._index = index
+        return index
 
     def tree_flatten(self):
         leaves = []

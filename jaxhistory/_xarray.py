@@ -128,10 +128,11 @@ def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
         table = np.asarray(ds[mask].values, bool)
         masks = {n: table[:, i] for i, n in enumerate(names)}
     columns = {}
+    variables = ds.variables  # not ds[name]: that builds a DataArray per name
     for name in ds.data_vars:
         if name == mask:
             continue
-        var = ds[name]
+        var = variables[name]
         if var.dims[0] != "step":
             raise ValueError(f"variable {name!r} is not indexed by step first")
         values = np.asarray(var.values)
@@ -193,11 +194,16 @@ def read_netcdf(path: str | os.PathLike):
         k: v.item() if isinstance(v, np.generic) else v for k, v in ds.attrs.items()
     }
     ds = renamed(ds, decode_netcdf)
-    long = {n: ds[n].attrs[NAME_ATTR] for n in ds.data_vars if NAME_ATTR in ds[n].attrs}
+    variables = ds.variables
+    long = {
+        n: variables[n].attrs[NAME_ATTR]
+        for n in ds.data_vars
+        if NAME_ATTR in variables[n].attrs
+    }
     if long:
         ds = ds.rename(long)
         for name in long.values():
-            del ds[name].attrs[NAME_ATTR]
+            del ds.variables[name].attrs[NAME_ATTR]
     return ds
 
 

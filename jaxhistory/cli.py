@@ -46,7 +46,7 @@ def load_run(path: str | Path):
     ds = read_netcdf(path)
     attrs = dict(ds.attrs)
     for name in ds.data_vars:
-        ds[name].attrs.pop("long_name", None)
+        ds.variables[name].attrs.pop("long_name", None)
     return HistoryState.from_xarray(ds), attrs
 
 

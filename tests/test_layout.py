@@ -63,6 +63,7 @@ LAYERS = {
     "jaxhistory._collective": DEVICE,
     "jaxhistory._stats": DEVICE,
     "jaxhistory._provenance": DEVICE,
+    "jaxhistory.export._draw_worker": EFFECTS,
     "jaxhistory._buffer": DEVICE,
     "jaxhistory._memory": DEVICE,
     # Pure data: the history's tables and their conversions, no files or threads.

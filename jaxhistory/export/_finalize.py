@@ -17,7 +17,7 @@ from jaxhistory._env import environment as run_environment
 from jaxhistory._history_state import HistoryState
 from jaxhistory.export._jsonl import to_jsonl
 from jaxhistory.export._markdown import to_markdown
-from jaxhistory.export._mpl import to_png
+from jaxhistory.export._mpl import start_png
 from jaxhistory.export._netcdf import to_netcdf
 from jaxhistory.export._tplot import summary_choice, write_all
 from jaxhistory.export._units import plot_units
@@ -144,10 +144,11 @@ def finalize(
         # no plot of an earlier finalize stays beside these.
         staging = outdir / f".plots-{os.getpid()}-{next(_STAGING)}"
         try:
-            images = to_png(
+            pending = start_png(
                 state, staging / "mplot", warmup, num_chains, progress=progress
-            )
+            )  # drawn by worker processes while the terminal plots are made
             tplots = write_all(state, staging / "tplot", warmup, progress)
+            images = pending.wait()
             replace_folder(staging, outdir / "plots")
         finally:
             shutil.rmtree(staging, ignore_errors=True)

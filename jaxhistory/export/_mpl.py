@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import pickle
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,14 +37,26 @@ def _figure(left: float = 0.09, right: float = 0.97):
     return fig
 
 
-def _draw_unit(state, unit: PlotUnit, first: int, path: Path) -> None:
-    fig = _figure()
+def _axes(fig):
+    """An axes with at most 6 major ticks per axis: each tick is a few text and
+    line artists, the largest part of drawing a small figure."""
+    from matplotlib.ticker import MaxNLocator
+
     ax = fig.add_subplot()
+    ax.xaxis.set_major_locator(MaxNLocator(6))
+    ax.yaxis.set_major_locator(MaxNLocator(6))
+    return ax
+
+
+def _draw_unit(data: dict[str, tuple], unit: PlotUnit, path: Path) -> None:
+    """Draws one unit from ``data``, its series by name (warmup left out)."""
+    fig = _figure()
+    ax = _axes(fig)
     if unit.stats:
-        x, mean = series(state, unit.stats["mean"], first)
-        _, std = series(state, unit.stats["std"], first)
-        _, lo = series(state, unit.stats["min"], first)
-        _, hi = series(state, unit.stats["max"], first)
+        x, mean = data[unit.stats["mean"]]
+        _, std = data[unit.stats["std"]]
+        _, lo = data[unit.stats["min"]]
+        _, hi = data[unit.stats["max"]]
         if len(std) == len(mean) == len(lo) == len(hi):
             xb, lo_b = bucket(x, lo, "min")
             _, hi_b = bucket(x, hi, "max")
@@ -67,7 +83,7 @@ def _draw_unit(state, unit: PlotUnit, first: int, path: Path) -> None:
                 marker="o" if len(xb) == 1 else None,
             )
     if unit.raw is not None:
-        x, y = series(state, unit.raw, first)
+        x, y = data[unit.raw]
         if y.ndim > 1:
             chains = y.reshape(len(y), -1)
             mean, lo, hi = row_stats(chains)
@@ -115,7 +131,12 @@ def _draw_unit(state, unit: PlotUnit, first: int, path: Path) -> None:
         )
     elif ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best", fontsize="small")
-    fig.savefig(path)
+    _save(fig, path)
+
+
+def _save(fig, path: Path) -> None:
+    # zlib level 3: faster to encode than the default 6, files a little larger
+    fig.savefig(path, pil_kwargs={"compress_level": 3})
 
 
 def _pick(n: int, k: int) -> np.ndarray:
@@ -154,7 +175,7 @@ def _draw_ridge(title, x, chains, path: Path) -> None:
         )
     ax.set_title(f"{title}: distribution over {chains.shape[1]} series")
     ax.set_xlabel("value")
-    fig.savefig(path)
+    _save(fig, path)
 
 
 def _draw_heatmap(title, x, chains, path: Path) -> None:
@@ -169,7 +190,7 @@ def _draw_heatmap(title, x, chains, path: Path) -> None:
     ax.set_title(f"{title}: {data.shape[0]} series")
     ax.set_xlabel("step")
     ax.set_ylabel("series")
-    fig.savefig(path)
+    _save(fig, path)
 
 
 def to_png(
@@ -193,6 +214,18 @@ def to_png(
     figures of its own: pyplot, the backend and ``rcParams`` are left alone.
     ``progress``, if given, is called with each finished path.
     """
+    return start_png(state, outdir, warmup, num_chains, progress).wait()
+
+
+def start_png(
+    state: HistoryState,
+    outdir: str | os.PathLike,
+    warmup: float = 0,
+    num_chains: int = 128,
+    progress=None,
+) -> PendingPlots:
+    """:func:`to_png`, returning at once with the plots being drawn (in worker
+    processes when there are many); ``.wait()`` returns the paths."""
     if not isinstance(num_chains, int) or num_chains < 1:
         raise ValueError(f"num_chains must be a positive int, got {num_chains!r}")
     outdir = Path(outdir)
@@ -201,26 +234,85 @@ def to_png(
     units = plot_units(state)
     stems = file_stems(u.title for u in units)
     taken = {stem.casefold() for stem in stems.values()}
-    paths = []
+    jobs = []  # (kind, arguments, path): the data read here, drawn anywhere
     for unit in units:
-        path = outdir / f"{stems[unit.title]}.png"
-        _draw_unit(state, unit, first, path)
-        paths.append(path)
-        if progress:
-            progress(path)
+        data = {name: series(state, name, first) for name in unit.names}
+        jobs.append(("unit", (data, unit), outdir / f"{stems[unit.title]}.png"))
         if unit.raw is not None and state.shape(unit.raw):
-            x, y = series(state, unit.raw, first)
+            x, y = data[unit.raw]
             if len(x):
                 chains = y.reshape(len(y), -1)
                 chains = chains[:, _pick(chains.shape[1], num_chains)]
-                for kind, draw in (("ridge", _draw_ridge), ("heatmap", _draw_heatmap)):
+                for kind in ("ridge", "heatmap"):
                     stem = _extra_stem(stems[unit.title], kind, taken)
-                    extra = outdir / f"{stem}.png"
-                    draw(unit.title, x, chains, extra)
-                    paths.append(extra)
-                    if progress:
-                        progress(extra)
-    return paths
+                    args = (unit.title, x, chains)
+                    jobs.append((kind, args, outdir / f"{stem}.png"))
+    return PendingPlots(jobs, progress)
+
+
+PARALLEL_FROM = 48  # plots; fewer are drawn in this process
+_DRAW = {"unit": _draw_unit, "ridge": _draw_ridge, "heatmap": _draw_heatmap}
+
+
+def _draw_job(job: tuple) -> Path:
+    kind, args, path = job
+    _DRAW[kind](*args, path)
+    return path
+
+
+def _draw_all(jobs: list[tuple], progress=None) -> list[Path]:
+    return PendingPlots(jobs, progress).wait()
+
+
+class PendingPlots:
+    """Plots being drawn: in worker processes (one per core, at most 8) when
+    there are many (a figure costs tens of milliseconds of pure Python, so
+    1,000 metrics would take a minute on one core), so the caller can do other
+    work meanwhile; :meth:`wait` returns the paths once all are written."""
+
+    def __init__(self, jobs: list[tuple], progress=None):
+        self.jobs, self.progress = jobs, progress
+        self._procs: list = []
+        self._tmp = None
+        workers = min(os.cpu_count() or 1, 8)
+        if len(jobs) < PARALLEL_FROM or workers < 2:
+            return
+        # Worker processes started afresh (`python -m`), never forked (the
+        # parent runs JAX's threads) nor spawned by multiprocessing (that
+        # re-runs the caller's script, which need not guard it with __main__).
+        self._tmp = tempfile.TemporaryDirectory(prefix="jaxhistory-plots-")
+        for i in range(workers):
+            job_file = Path(self._tmp.name) / f"jobs{i}.pickle"
+            job_file.write_bytes(pickle.dumps(jobs[i::workers]))
+            out = open(job_file.with_suffix(".out"), "w+")  # noqa: SIM115
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "jaxhistory.export._draw_worker", job_file],
+                stdout=out,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            self._procs.append((proc, out))
+
+    def wait(self) -> list[Path]:
+        drawn: set[str] = set()
+        for proc, out in self._procs:
+            proc.wait()
+            out.seek(0)
+            for line in out.read().splitlines():
+                drawn.add(line)
+                if self.progress:
+                    self.progress(Path(line))
+            out.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+        # Inline, or what a failed worker left: drawn here (raising what the
+        # worker would have raised).
+        for job in self.jobs:
+            if str(job[2]) not in drawn:
+                _draw_job(job)
+                if self.progress:
+                    self.progress(job[2])
+        return [job[2] for job in self.jobs]
 
 
 def _extra_stem(stem: str, kind: str, taken: set[str]) -> str:

@@ -45,8 +45,9 @@ def to_netcdf(
     if attrs:
         ds.attrs.update(attrs)
     ds.attrs = netcdf_attrs(ds.attrs)
+    variables = ds.variables  # not ds[name]: that builds a DataArray per name
     for name in state.keys:
-        ds[name].attrs["long_name"] = name
+        variables[name].attrs["long_name"] = name
     out = _xarray.encoded(ds)
     atomic_write(Path(path), lambda tmp: out.to_netcdf(tmp, engine="netcdf4"))
     return ds
