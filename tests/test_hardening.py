@@ -339,7 +339,9 @@ def many_metrics(n=60, steps=20):
     rng = np.random.default_rng(0)
     names = [f"g{i // 10}/m{i}" for i in range(n)]
     for step in range(steps):
-        s = s.update(dict(zip(names, rng.normal(size=n).tolist())), step=step)
+        s = s.update(
+            dict(zip(names, rng.normal(size=n).tolist(), strict=True)), step=step
+        )
     return s
 
 
