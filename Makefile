@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_memory.py --out benchmarks/results/memory.md
 	$(BIN)/python benchmarks/bench_publish.py --out benchmarks/results/publish.md
 	$(BIN)/python benchmarks/bench_multihost.py --out benchmarks/results/multihost.md
+	$(BIN)/python benchmarks/bench_scale.py --out benchmarks/results/scale.md
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

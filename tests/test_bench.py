@@ -118,3 +118,10 @@ def test_bench_multihost_quick(tmp_path):
     for variant in ("baseline", "history", "bare step", "history \\+ host"):
         row = re.search(rf"^\| 2 \S 2 \| `{variant}` \| ([\d.]+) \|", text, re.M)
         assert row and float(row.group(1)) > 0, f"no ms/step for {variant}:\n{text}"
+
+
+def test_bench_scale_quick(tmp_path):
+    _, text = run_quick("bench_scale.py", tmp_path)
+    for label in ("100 metrics x 200 steps, with plots", "1,000 key sets, no plots"):
+        row = re.search(rf"^\| {re.escape(label)} \| [\d.]+ \| ([\d.]+) \|", text, re.M)
+        assert row and float(row.group(1)) > 0, f"no figure for {label}:\n{text}"
