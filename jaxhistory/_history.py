@@ -63,8 +63,10 @@ class History:
             (appending continues a resumed run).
         log_every: summarize (and so wait for device values) only every N updates;
             the others record without waiting and return ``""``.
-        run_name: the first part of ``run_id`` (``{run_name}-{YYYYmmdd-HHMMSS}``),
-            which names the JSONL log and is recorded in the outputs.
+        run_name: the first part of ``run_id`` (``{run_name}-{YYYYmmdd-HHMMSS}``,
+            with ``-2``, ``-3``, ... where that id is taken), which names the
+            JSONL log and is recorded in the outputs. A name, never a path:
+            separators, ``..`` and control characters raise ValueError.
         sinks: more places each update goes (:mod:`jaxhistory.sinks`: console,
             JSONL, TensorBoard, W&B, or anything with ``write``/``flush``/``close``).
             A background thread hands them each update as a
