@@ -188,8 +188,14 @@ def read_netcdf(path: str | os.PathLike):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no dataset file at {path}")
-    with xr.open_dataset(path, engine="netcdf4") as ds:
-        ds = ds.load()
+    try:
+        with xr.open_dataset(path, engine="netcdf4") as ds:
+            ds = ds.load()
+    except (OSError, RuntimeError) as err:  # netCDF's "HDF error" and friends
+        raise OSError(
+            f"cannot read the dataset {path}: {err} (the file is cut off, damaged "
+            "or not netCDF-4)"
+        ) from err
     ds.attrs = {
         k: v.item() if isinstance(v, np.generic) else v for k, v in ds.attrs.items()
     }

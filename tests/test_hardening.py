@@ -387,3 +387,16 @@ def test_a_script_without_a_main_guard_can_finalize_many_metrics(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("finished once") == 1
     assert len(list((tmp_path / "out" / "plots" / "mplot").iterdir())) == 60
+
+
+def test_a_damaged_dataset_file_is_named_with_its_cause(tmp_path):
+    s = jh.HistoryState()
+    for i in range(500):
+        s = s.update({"a": float(i)})
+    export.to_netcdf(s, tmp_path / "good.nc")
+    data = (tmp_path / "good.nc").read_bytes()
+    (tmp_path / "cut.nc").write_bytes(data[: len(data) // 2])
+    (tmp_path / "junk.nc").write_bytes(b"\x00\x01 not a dataset")
+    for name in ("cut.nc", "junk.nc"):
+        with pytest.raises(OSError, match=f"cannot read the dataset .*{name}"):
+            jh.HistoryState.from_netcdf(tmp_path / name)
