@@ -99,10 +99,20 @@ def _matches(concrete: Any, abstract: Any) -> bool:
 
 
 def _context_mesh() -> Any:
-    from jax._src import mesh as mesh_lib  # the mesh set by jax.set_mesh
+    """The concrete mesh set by ``jax.set_mesh`` (which jit keeps while
+    tracing), or None. Read through JAX's internals: there is no public call
+    inside jit; if they move, ``mesh=`` still works."""
+    try:
+        from jax._src import mesh as mesh_lib
 
-    mesh = mesh_lib.get_concrete_mesh()
-    if not isinstance(mesh, jax.sharding.Mesh) or mesh.empty:
+        mesh = mesh_lib.get_concrete_mesh()
+    except Exception:
+        return None
+    if (
+        not isinstance(mesh, jax.sharding.Mesh)
+        or getattr(mesh, "empty", False)
+        or getattr(mesh, "devices", None) is None
+    ):
         return None
     return mesh
 
