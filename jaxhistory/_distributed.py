@@ -139,7 +139,12 @@ class Reducer:
         fn = self._fns.get(key)
         if fn is None:
             fn = self._fns[key] = jax.jit(
-                functools.partial(_reduce, host_names=host_names, layouts=layouts)
+                functools.partial(
+                    _reduce,
+                    host_names=host_names,
+                    layouts=layouts,
+                    provenance=self.provenance,
+                )
             )
         stats, straggler = fn(arrays, packed)
         if not self.provenance and stats.where is not None:
@@ -152,6 +157,7 @@ def _reduce(
     packed: jax.Array | None,
     host_names: tuple[str, ...],
     layouts: dict[str, Layout],
+    provenance: bool = True,
 ) -> tuple[Stats, dict]:
     """The jitted reduction of the per-device ``arrays`` and the host scalars
     (the columns of ``packed``, named ``host_names``): statistics (with
@@ -168,7 +174,7 @@ def _reduce(
         index = {lf.name: i for i, lf in enumerate(leaves)}
         gather = (index[ARRIVAL[0]], index[ARRIVAL[1]])
     picks = frozenset(gather or ())
-    stats, gathered = global_stats(leaves, lays, picks)
+    stats, gathered = global_stats(leaves, lays, picks, provenance=provenance)
     if gather is None:
         return stats, {}
     keep = [i for i in range(len(leaves)) if i not in picks]

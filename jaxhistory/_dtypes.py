@@ -143,11 +143,16 @@ def check_ints(names: tuple[str, ...], row: tuple, dtypes: tuple) -> None:
             continue
         if dtype.kind == "f":
             try:
-                float(value)
+                exact = int(float(value)) == value
             except OverflowError:
                 raise ValueError(
                     f"metric {name!r} is an int too large for float64"
                 ) from None
+            if not exact:
+                raise ValueError(
+                    f"metric {name!r} is stored as {dtype} and cannot hold the "
+                    f"integer {value} exactly; record it as float or keep it integer"
+                )
         elif not INT64_MIN <= value <= INT64_MAX:
             raise ValueError(
                 f"metric {name!r} is {value}, outside int64; pass it as a float"

@@ -57,13 +57,13 @@ def check_run_name(
         or run_name in (".", "..")
         or bad
         or any(ord(c) < 32 or ord(c) == 127 for c in run_name)
-        or len(run_name) > limit
+        or len(run_name.encode()) > limit
     ):
         why = (
             f"it contains {bad[0]!r}"
             if bad
-            else f"it is longer than {limit} characters"
-            if len(run_name) > limit
+            else f"it is longer than {limit} bytes in UTF-8"
+            if len(run_name.encode()) > limit
             else "it is empty, '.', '..' or holds control characters"
         )
         raise ValueError(

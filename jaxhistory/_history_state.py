@@ -729,7 +729,7 @@ def _inexact(values: Any) -> int | None:
         arr = np.asarray(values)
         if arr.dtype.kind not in "iu" or not arr.size:
             return None
-        big = arr[np.abs(arr.astype(np.float64)) > _EXACT_F].tolist()
+        big = arr[np.abs(arr.astype(np.float64)) >= _EXACT_F].tolist()
     for v in big:
         try:
             if int(float(v)) != v:

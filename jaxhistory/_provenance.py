@@ -157,12 +157,12 @@ def layout_of(value: Any, mesh: Any, caller: str) -> Layout:
         first = global_index()[jax.devices()[0].id]
         return Layout(np.zeros(shape, np.int32), np.array([first], np.int32))
     auto = jax.sharding.AxisType.Auto
-    used = [a for dim in sharding.spec if dim is not None for a in _axes(dim)]
     types = dict(zip(abstract.axis_names, abstract.axis_types, strict=True))
-    if any(t == auto for t in types.values()) and not used:
+    if any(t == auto for t in types.values()):
         raise ValueError(
             f"{caller} with provenance=True cannot tell how a value of shape "
-            f"{shape} is sharded under jit on a mesh with Auto axes: use Explicit "
+            f"{shape} is sharded under jit on a mesh with Auto axes (the compiler "
+            "may shard it over them whatever its spec says): use Explicit "
             "axes (jax.make_mesh's default), or call it outside jit on concrete "
             "arrays, or use distributed_stats_collective in shard_map"
         )

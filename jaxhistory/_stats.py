@@ -306,7 +306,7 @@ def global_stats(
             table, where, values = _gathered_group(stacked, shape, layout, picks)
         else:
             table, where, values = _global_group(
-                stacked, shape, layout if provenance else None, picks
+                stacked, shape, layout if provenance or picks else None, picks
             )
         parts.append((idx, table, where))
         gathered.update({idx[j]: v for j, v in zip(picks, values, strict=True)})
@@ -382,8 +382,10 @@ def _global_group(
             )
         if picks:
             chosen = stacked[np.asarray(picks)]
-            summed.append(
-                (chosen[:, None] * onehot).reshape((len(picks) * slots, *shape))
+            summed.append(  # where, not a product: NaN * 0 would spread
+                jnp.where(onehot > 0, chosen[:, None], 0).reshape(
+                    (len(picks) * slots, *shape)
+                )
             )
     sums = jnp.sum(jnp.concatenate(summed), axis=axes)  # all-reduce 2
     table = _finish(c, ext[: 2 * k], sums[: 3 * k], math.prod(shape))

@@ -213,6 +213,7 @@ class JSONTraceHandler:
         self._path: Path | None = None
         self._first = True
         self._last_flush = 0.0
+        self._started = False
         self.error: BaseException | None = None  # the last failed write
         self.lost = 0  # events not written because writing failed
         self._warned = False
@@ -230,7 +231,9 @@ class JSONTraceHandler:
 
     @property
     def active(self) -> bool:
-        return self._file is not None
+        """Started and not closed (also while a failed write keeps it from
+        writing: its events are then counted in :attr:`lost`)."""
+        return self._started
 
     def start(self, epoch: int = 0, batch: int = 0, step: int = 0) -> Path:
         """Syncs the clocks, opens the first file and activates the handler."""
@@ -260,6 +263,7 @@ class JSONTraceHandler:
         }
         self._counter_clock = (sync_wall, sync_ns)
         path = self._open(epoch, batch, step)
+        self._started = True
         _trace_state.activate(self)
         # Flushes about twice a second even when no event comes (a hung job
         # killed later still has every span that finished).
@@ -325,6 +329,7 @@ class JSONTraceHandler:
             return
         _trace_state.drain()  # counters History has queued reach this file first
         _trace_state.deactivate(self)
+        self._started = False
         self._stop_flusher()
         with self._lock:
             self._finish()
@@ -348,11 +353,12 @@ class JSONTraceHandler:
                 try:
                     merge_traces(sources, merged)
                 except OSError as err:  # close() runs in the traced program
-                    warnings.warn(
-                        f"cannot write the merged trace {merged}: {err}",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+                    with contextlib.suppress(Warning):
+                        warnings.warn(
+                            f"cannot write the merged trace {merged}: {err}",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
                 else:
                     self.merged_path = merged
 
@@ -404,12 +410,13 @@ class JSONTraceHandler:
             self._file = None
         if not self._warned:
             self._warned = True
-            warnings.warn(
-                f"trace file {self._path}: writing failed ({err!r}); later events "
-                "of this file are dropped and counted in JSONTraceHandler.lost",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            with contextlib.suppress(Warning):  # never raised into traced code
+                warnings.warn(
+                    f"trace file {self._path}: writing failed ({err!r}); later events "
+                    "of this file are dropped and counted in JSONTraceHandler.lost",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
 
     def _write_metadata(self) -> None:
         pid = self._sync["process_index"]

@@ -400,3 +400,69 @@ def test_a_damaged_dataset_file_is_named_with_its_cause(tmp_path):
     for name in ("cut.nc", "junk.nc"):
         with pytest.raises(OSError, match=f"cannot read the dataset .*{name}"):
             jh.HistoryState.from_netcdf(tmp_path / name)
+
+
+# ----- found in review --------------------------------------------------------------
+
+
+def test_integers_just_past_2_to_53_are_refused_on_every_path():
+    big = 2**53 + 1
+    for value in (np.int64(big), np.int64(-big)):
+        s = jh.HistoryState().update({"a": value})
+        with pytest.raises(ValueError, match="cannot hold exactly"):
+            s.update({"a": 0.5})
+    # a float metric that has taken an int before (its rows cache int types)
+    s = jh.HistoryState().update({"x": 1.0}).update({"x": 3})
+    with pytest.raises(ValueError, match=f"cannot hold the integer {big}"):
+        s.update({"x": big})
+    assert s.values("x").tolist() == [1.0, 3.0]
+
+
+def test_finalize_leaves_other_files_under_plots_alone(tmp_path):
+    mine = tmp_path / "plots" / "my_figure.png"
+    mine.parent.mkdir()
+    mine.write_bytes(b"user data")
+    s = jh.HistoryState().update({"loss": 1.0}).update({"loss": 0.5})
+    export.finalize(s, tmp_path, run_id="a", echo=False)
+    export.finalize(s, tmp_path, run_id="b", plot=False)
+    assert mine.read_bytes() == b"user data"
+    assert not (tmp_path / "plots" / "mplot").exists()
+
+
+def test_run_names_are_limited_in_bytes(tmp_path):
+    with pytest.raises(ValueError, match="longer than 200 bytes"):
+        jh.History(run_name="é" * 101, report_dir=tmp_path)
+    jh.History(run_name="é" * 100, report_dir=tmp_path, distributed_history=False)
+
+
+def test_provenance_refuses_a_mesh_with_any_auto_axis():
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), (AxisType.Explicit, AxisType.Auto))
+    x = jax.device_put(np.arange(4.0, dtype=np.float32), NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match="Auto axes"):
+        jax.jit(lambda m: jh.distributed_stats(m, provenance=True, mesh=mesh))({"x": x})
+
+
+def test_a_failing_trace_write_never_raises_even_with_warnings_as_errors(tmp_path):
+    tracer = jh.trace.JSONTraceHandler(folder=str(tmp_path), run_name="t")
+    tracer.start()
+
+    class Broken:
+        closed = False
+
+        def write(self, data=None):
+            raise OSError(28, "No space left on device")
+
+        flush = close = write
+
+    tracer._file = Broken()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with jh.StopWatch("span"):
+            pass
+        tracer.close()
+    assert tracer.lost >= 1 and tracer.error is not None
+    # closed for good: no longer the active handler, though its file failed
+    assert not tracer.active and jh.trace._trace_state.active() is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -51,6 +52,7 @@ class Progress:
 
 
 _STAGING = itertools.count()
+PLOT_FOLDERS = ("mplot", "tplot")  # what finalize owns under {outdir}/plots
 
 
 def replace_folder(new: Path, target: Path) -> None:
@@ -140,17 +142,25 @@ def finalize(
         units = plot_units(state)
         arrays = sum(1 for u in units if u.raw is not None and state.shape(u.raw))
         progress = Progress(2 * len(units) + 2 * arrays, "finalize: plots")
-        # Drawn into a folder of their own, which then replaces plots/ whole:
-        # no plot of an earlier finalize stays beside these.
+        # Drawn into folders of their own, which then replace plots/mplot and
+        # plots/tplot whole: no plot of an earlier finalize stays beside these.
+        # (Only those two folders: anything else under plots/ is the user's.)
         staging = outdir / f".plots-{os.getpid()}-{next(_STAGING)}"
+        pending = None
         try:
             pending = start_png(
                 state, staging / "mplot", warmup, num_chains, progress=progress
             )  # drawn by worker processes while the terminal plots are made
             tplots = write_all(state, staging / "tplot", warmup, progress)
             images = pending.wait()
-            replace_folder(staging, outdir / "plots")
+            pending = None
+            (outdir / "plots").mkdir(exist_ok=True)
+            for kind in PLOT_FOLDERS:
+                (staging / kind).mkdir(parents=True, exist_ok=True)
+                replace_folder(staging / kind, outdir / "plots" / kind)
         finally:
+            if pending is not None:
+                pending.cancel()
             shutil.rmtree(staging, ignore_errors=True)
         progress.finish()
         final = outdir / "plots"
@@ -163,7 +173,10 @@ def finalize(
             for text in terminal.values():
                 print(text)
     else:  # plots of an earlier finalize are not this run's
-        shutil.rmtree(outdir / "plots", ignore_errors=True)
+        for kind in PLOT_FOLDERS:
+            shutil.rmtree(outdir / "plots" / kind, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (outdir / "plots").rmdir()  # only if nothing else is in it
     if report:
         path = outdir / "report.md"
         files.append(path)

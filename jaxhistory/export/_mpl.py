@@ -285,13 +285,28 @@ class PendingPlots:
             job_file = Path(self._tmp.name) / f"jobs{i}.pickle"
             job_file.write_bytes(pickle.dumps(jobs[i::workers]))
             out = open(job_file.with_suffix(".out"), "w+")  # noqa: SIM115
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "jaxhistory.export._draw_worker", job_file],
-                stdout=out,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "jaxhistory.export._draw_worker", job_file],
+                    stdout=out,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                )
+            except OSError:  # no interpreter to start: wait() draws them here
+                out.close()
+                continue
             self._procs.append((proc, out))
+
+    def cancel(self) -> None:
+        """Stops the workers and removes their files (a finalize that failed)."""
+        for proc, out in self._procs:
+            proc.kill()
+            proc.wait()
+            out.close()
+        self._procs = []
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
 
     def wait(self) -> list[Path]:
         drawn: set[str] = set()
@@ -303,8 +318,10 @@ class PendingPlots:
                 if self.progress:
                     self.progress(Path(line))
             out.close()
+        self._procs = []
         if self._tmp is not None:
             self._tmp.cleanup()
+            self._tmp = None
         # Inline, or what a failed worker left: drawn here (raising what the
         # worker would have raised).
         for job in self.jobs:
