@@ -260,10 +260,6 @@ def _draw_job(job: tuple) -> Path:
     return path
 
 
-def _draw_all(jobs: list[tuple], progress=None) -> list[Path]:
-    return PendingPlots(jobs, progress).wait()
-
-
 class PendingPlots:
     """Plots being drawn: in worker processes (one per core, at most 8) when
     there are many (a figure costs tens of milliseconds of pure Python, so
