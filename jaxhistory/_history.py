@@ -26,6 +26,7 @@ from jaxhistory._stats import Stats
 from jaxhistory._summary import NonfiniteWatch, SummaryLine, memory_token
 from jaxhistory._writer import Writer
 from jaxhistory.export._finalize import finalize as write_outputs
+from jaxhistory.export._units import MAX_PLOTS
 from jaxhistory.sinks import WandbSink, is_sink, writes_here
 from jaxhistory.sinks._jsonl import JsonlSink
 from jaxhistory.sinks._wandb import wandb_run
@@ -593,6 +594,7 @@ class History:
         num_chains: int = 128,
         plot: bool = True,
         save: bool = True,
+        max_plots: int | None = MAX_PLOTS,
     ):
         """Writes every output of the run into ``outdir``; returns the dataset.
 
@@ -632,6 +634,7 @@ class History:
             num_chains=num_chains,
             plot=plot,
             save=save,
+            max_plots=max_plots,
             report=self.report_enabled,
             jsonl=streamed,
             timestamps=stamps,

@@ -110,9 +110,15 @@ class HistoryState:
             except Exception:  # a tracer or a placeholder: kept as it is
                 pass
 
-    def _derive(self, tables: dict, next_step: int, attrs=None) -> HistoryState:
+    def _derive(
+        self, tables: dict, next_step: int, attrs=None, appended=None
+    ) -> HistoryState:
+        """A state of ``tables``; ``appended`` names the one key set whose entry
+        differs from this state's (its index is then carried over)."""
         data = _new_tables()
         data.tables = tables
+        if appended is not None:
+            data.carry(self.data, appended)
         new = _new_state()
         d = new.__dict__  # frozen: fill the new instance's dict directly
         d["data"] = data
@@ -150,18 +156,15 @@ class HistoryState:
         parts = self._parts(name)
         if len(parts) == 1:
             t, n, j = parts[0]
-            steps, values = t.view(n)
-            return steps, values[j]
+            return t.column(n, j)
         if not parts:
-            ks = next(ks for ks in self.data.tables if name in ks)
-            t = self.data.tables[ks][0]
-            j = ks.index(name)
-            return t.view(0)[0], t.view(0)[1][j]
+            ks = self.data.index()[name][0]
+            return self.data.tables[ks][0].column(0, ks.index(name))
         steps, values = [], []
         for t, n, j in parts:
-            s, v = t.view(n)
+            s, v = t.column(n, j)
             steps.append(s)
-            values.append(v[j])
+            values.append(v)
         steps, values = np.concatenate(steps), np.concatenate(values)
         order = np.argsort(steps, kind="stable")
         steps, values = steps[order], values[order]
@@ -177,17 +180,19 @@ class HistoryState:
         return self._records(name)[1]
 
     def _meta(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
-        tables = self.data.tables
-        found = [
-            (tables[ks][0].dtypes[ks.index(name)], tables[ks][0].shapes[ks.index(name)])
-            for ks in self.data.index().get(name, ())
-        ]
-        if not found:
+        # Records in several tables read back promoted to one dtype (values()).
+        found = self.data.meta().get(name)
+        if found is not None:
+            return found[1], found[0]
+        index = self.data.index()
+        if name not in index:
             raise KeyError(
                 f"no metric {name!r}; recorded: {', '.join(self.keys) or 'none'}"
             )
-        # Records in several tables read back promoted to one dtype (values()).
-        return np.result_type(*(d for d, _ in found)), found[0][1]
+        tables = self.data.tables  # a metric without rows: its declared type
+        table = tables[index[name][0]][0]
+        j = index[name][0].index(name)
+        return np.dtype(table.dtypes[j]), tuple(table.shapes[j])
 
     def dtype(self, name: str) -> np.dtype:
         """The storage dtype of ``name``."""
@@ -319,11 +324,11 @@ class HistoryState:
             table = _append(table, n, step, row, on_device)
             new = tables.copy()
             new[keys] = (table, n + 1)
-            return self._derive(new, max(self.next_step, step + 1))
+            return self._derive(new, max(self.next_step, step + 1), appended=keys)
         table = _append(table, n, step, row)
         new = tables.copy()
         new[keys] = (table, n + 1)
-        return self._derive(new, step + 1)
+        return self._derive(new, step + 1, appended=keys)
 
     @staticmethod
     def _step_entry(metrics: dict, step: Any) -> tuple[dict, Any]:
@@ -351,9 +356,23 @@ class HistoryState:
         """Refuses recording ``names`` (records of ``shapes``) at ``step``.
 
         Raises ValueError if one of them changes shape or already has a record at
-        ``step`` or later. Returns the stored dtype of each that has records. One
-        pass over the tables, whatever the number of names.
+        ``step`` or later. Returns the stored dtype of each that has records. A
+        step past every record needs only each name's shape (O(names)); an
+        earlier one, one pass over the tables.
         """
+        if step >= self.next_step:
+            meta, found = self.data.meta(), {}
+            for name, shape in zip(names, shapes, strict=True):
+                have = meta.get(name)
+                if have is None:
+                    continue
+                if have[0] != tuple(shape):
+                    raise ValueError(
+                        f"metric {name!r} changed shape from {have[0]} to "
+                        f"{tuple(shape)}"
+                    )
+                found[name] = have[1]
+            return found
         wanted = dict(zip(names, shapes, strict=True))
         found = {}
         for ks, (t, n) in self.data.tables.items():
@@ -496,7 +515,7 @@ class HistoryState:
             table = _append(table, n, step, tuple(np.ravel(vector.astype(dtype))))
         new = self.data.tables.copy()
         new[names] = (table, n + 1)
-        return self._derive(new, max(self.next_step, step + 1))
+        return self._derive(new, max(self.next_step, step + 1), appended=names)
 
     def extend(self, steps: Any, values: Mapping[str, Any]) -> HistoryState:
         """Records many steps at once from arrays (one host transfer for all).
@@ -537,7 +556,7 @@ class HistoryState:
             table.extend(steps, columns)
         new = self.data.tables.copy()
         new[keys] = (table, n + len(steps))
-        return self._derive(new, max(self.next_step, int(steps[-1]) + 1))
+        return self._derive(new, max(self.next_step, int(steps[-1]) + 1), appended=keys)
 
     def extend_from_buffer(self, buffer: Any) -> HistoryState:
         """Appends a :class:`~jaxhistory.MetricBuffer` in one device-to-host copy."""
@@ -602,11 +621,20 @@ class HistoryState:
         first = self._first_kept_step(warmup)
         out = {}
         for name in self.keys:
-            keep = self.steps(name) >= first
-            values = np.asarray(self.values(name)[keep], np.float64)
+            steps, values = self._records(name)
+            if len(steps) and steps[0] < first:
+                values = values[steps >= first]
+            values = np.asarray(values, np.float64)
             flat = values.reshape(-1)
-            finite = flat[np.isfinite(flat)]
             stats = dict.fromkeys(SUMMARY_STATS, math.nan)
+            if flat.size == 1:  # one value (a metric per sample): no NumPy calls
+                v = float(flat[0])
+                if math.isfinite(v):
+                    stats.update(mean=v, std=0.0, median=v, p10=v, p90=v, min=v, max=v)
+                stats.update(last=v, count=1, nonfinite=int(not math.isfinite(v)))
+                out[name] = stats
+                continue
+            finite = flat[np.isfinite(flat)]
             if finite.size:
                 p10, median, p90 = np.percentile(finite, [10, 50, 90])
                 stats.update(
@@ -848,7 +876,7 @@ def _append_floats(
         table = _append(table, n, step, row)
     tables = tables.copy()
     tables[keys] = (table, n + 1)
-    new = state._derive(tables, step + 1)
+    new = state._derive(tables, step + 1, appended=keys)
     return (new, total - total == 0.0) if finite else new
 
 

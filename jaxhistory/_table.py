@@ -291,6 +291,16 @@ class Table:
             a.flags.writeable = False
         return out[0], out[1:]
 
+    def column(self, n: int, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """Read-only arrays of the first ``n`` steps and of key ``j``'s values
+        (one column: :meth:`view` of a table with many keys costs a view each)."""
+        with self.lock:
+            if n > self.fill:
+                self.move_stage()
+            steps, values = self.steps[:n].view(), self.values[j][:n].view()
+        steps.flags.writeable = values.flags.writeable = False
+        return steps, values
+
     def leaves(self, n: int) -> list[Any]:
         """The pytree leaves of a view of ``n`` rows (steps, then each key's
         values), without waiting for device values: NumPy arrays where every row
@@ -327,6 +337,13 @@ class Table:
         return self.steps.nbytes + sum(v.nbytes for v in self.values)
 
 
+def _add_meta(meta: dict, keys: tuple[str, ...], table: Table) -> None:
+    for name, dtype, shape in zip(keys, table.dtypes, table.shapes, strict=True):
+        have = meta.get(name)
+        dtype = dtype if have is None else np.result_type(have[1], dtype)
+        meta[name] = (tuple(shape), dtype)
+
+
 def _scalar_dtype(dtypes, shapes) -> np.dtype | None:
     """The dtype shared by all columns if they are float scalars, else None."""
     one = dtypes and all(s == () for s in shapes) and len(set(dtypes)) == 1
@@ -341,7 +358,7 @@ class Tables:
     arrays; the key sets are static.
     """
 
-    __slots__ = ("_index", "tables")
+    __slots__ = ("_index", "_meta", "tables")
 
     def __init__(self, tables: dict[tuple[str, ...], tuple[Table, int]] | None = None):
         self.tables = {} if tables is None else tables
@@ -355,11 +372,44 @@ class Tables:
         except AttributeError:
             pass
         index: dict[str, list[tuple[str, ...]]] = {}
-        for keys in self.tables:
+        meta: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        for keys, (table, n) in self.tables.items():
             for name in keys:
                 index.setdefault(name, []).append(keys)
-        self._index = index
+            if n and isinstance(table, Table):
+                _add_meta(meta, keys, table)
+        self._index, self._meta = index, meta
         return index
+
+    def meta(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Metric name -> (record shape, dtype its values read back as) over the
+        tables with rows that hold it."""
+        try:
+            return self._meta
+        except AttributeError:
+            self.index()
+            return self._meta
+
+    def carry(self, parent: Tables, keys: tuple[str, ...]) -> None:
+        """Takes ``parent``'s index, where built, updated for a row appended to
+        ``keys`` (this object is ``parent``'s tables with that one entry changed):
+        recording a new key set costs O(its keys), not O(tables)."""
+        try:
+            index, meta = parent._index, parent._meta
+        except AttributeError:
+            return
+        table = self.tables[keys][0]
+        old = parent.tables.get(keys)
+        if old is not None and old[1] and old[0].dtypes == table.dtypes:
+            self._index, self._meta = index, meta
+            return
+        if old is None:
+            index = index.copy()
+            for name in keys:
+                index[name] = [*index.get(name, ()), keys]
+        meta = meta.copy()
+        _add_meta(meta, keys, table)
+        self._index, self._meta = index, meta
 
     def tree_flatten(self):
         leaves = []

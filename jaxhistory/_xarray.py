@@ -9,6 +9,15 @@ has gaps and records NaN, a ``_recorded`` mask (dims ``step`` x ``_metric``) tel
 recorded NaN from a missing record. A generated name that a metric already uses
 (a metric named ``_recorded``, or ``x_dim_0`` beside an array metric ``x``) gets
 ``_`` appended until it is free; the mask's names are kept in the dataset's attrs.
+
+Sparse metrics in bulk (more than :data:`LONG_FROM` scalar metrics, each recorded
+at fewer than one step in :data:`SPARSE_RATIO`: a metric per sample, say) would
+make a huge, mostly-NaN dataset and one netCDF variable each. They are stored
+instead in one long table of records: ``_long_step``, ``_long_index`` (into the
+``_long_metric`` coordinate of their names) and ``_long_value`` (float64), along
+a ``_long`` dimension, with each metric's dtype in ``_long_dtype``. The names used
+are kept in the ``jaxhistory_long`` attribute; ``from_dataset`` restores these
+metrics exactly, after the others.
 """
 
 from __future__ import annotations
@@ -47,10 +56,22 @@ MASK_DIM = "_metric"
 MASK_ATTR = "jaxhistory_mask"
 MASK_DIM_ATTR = "jaxhistory_mask_dim"
 NEXT_STEP_ATTR = "jaxhistory_next_step"
+LONG_ATTR = "jaxhistory_long"
+LONG_NAMES = (
+    "_long",
+    "_long_metric",
+    "_long_step",
+    "_long_index",
+    "_long_value",
+    "_long_dtype",
+)
+LONG_FROM = 256  # sparse scalar metrics in a dataset before they go long
+SPARSE_RATIO = 8  # sparse: recorded at fewer than 1 step in this many
 _GENERATED_ATTRS = (
     NEXT_STEP_ATTR,
     MASK_ATTR,
     MASK_DIM_ATTR,
+    LONG_ATTR,
     "jaxhistory_version",
     "jax_version",
 )
@@ -75,6 +96,7 @@ def to_dataset(
         return base
 
     data_vars, masks = {}, {}
+    columns, long = _split_long(columns, len(steps))
     for name, col_steps, values, dtype, shape in columns:
         dims = ("step", *(free(f"{name}_dim_{i}") for i in range(len(shape))))
         gaps = len(col_steps) < len(steps)
@@ -105,6 +127,20 @@ def to_dataset(
             ("step", mask_dim), np.stack(list(masks.values()), axis=1)
         )
         attrs.update({MASK_ATTR: mask, MASK_DIM_ATTR: mask_dim})
+    if long:
+        names = [free(n) for n in LONG_NAMES]
+        dim, metric_dim, step_, index_, value_, dtype_ = names
+        coords[metric_dim] = (metric_dim, [c[0] for c in long])
+        data_vars[step_] = xr.Variable(dim, np.concatenate([c[1] for c in long]))
+        data_vars[index_] = xr.Variable(
+            dim,
+            np.repeat(np.arange(len(long), dtype=np.int32), [len(c[1]) for c in long]),
+        )
+        data_vars[value_] = xr.Variable(
+            dim, np.concatenate([np.asarray(c[2], np.float64) for c in long])
+        )
+        data_vars[dtype_] = xr.Variable(metric_dim, [str(c[3]) for c in long])
+        attrs[LONG_ATTR] = ",".join(names)
     attrs.update(
         {
             NEXT_STEP_ATTR: next_step,
@@ -113,6 +149,55 @@ def to_dataset(
         }
     )
     return xr.Dataset(data_vars, coords=coords, attrs=attrs)
+
+
+def _split_long(columns: list[Column], n_steps: int) -> tuple[list, list]:
+    """(the columns stored one variable each, those stored in the long table)."""
+    sparse = [
+        i
+        for i, (_, col_steps, values, dtype, shape) in enumerate(columns)
+        if not shape
+        and len(col_steps) * SPARSE_RATIO < n_steps
+        and dtype.kind in "biuf"
+        and (dtype.kind == "f" or not len(values) or np.abs(values).max() <= 2**53)
+    ]
+    if len(sparse) <= LONG_FROM:
+        return columns, []
+    chosen = set(sparse)
+    return (
+        [c for i, c in enumerate(columns) if i not in chosen],
+        [columns[i] for i in sparse],
+    )
+
+
+def _long_names(ds) -> list[str] | None:
+    names = ds.attrs.get(LONG_ATTR)
+    return None if names is None else str(names).split(",")
+
+
+def _from_long(ds, names: list[str]) -> dict[str, tuple]:
+    if len(names) != len(LONG_NAMES) or not set(names[2:]) <= set(ds.variables):
+        raise ValueError(
+            f"the dataset's {LONG_ATTR} attribute ({','.join(names)}) does not name "
+            "its long table"
+        )
+    _, metric_dim, step_, index_, value_, dtype_ = names
+    variables = ds.variables
+    metrics = [str(n) for n in variables[metric_dim].values]
+    dtypes = [np.dtype(str(d)) for d in variables[dtype_].values]
+    steps = np.asarray(variables[step_].values, np.int64)
+    index = np.asarray(variables[index_].values, np.int64)
+    values = np.asarray(variables[value_].values, np.float64)
+    if len(index) and (index.min() < 0 or index.max() >= len(metrics)):
+        raise ValueError(f"{index_} points past the {len(metrics)} long metrics")
+    order = np.argsort(index, kind="stable")
+    ends = np.cumsum(np.bincount(index, minlength=len(metrics)))
+    starts = ends - np.bincount(index, minlength=len(metrics))
+    steps, values = steps[order], values[order]
+    return {
+        name: (steps[a:b].copy(), values[a:b].astype(dtype))
+        for name, dtype, a, b in zip(metrics, dtypes, starts, ends, strict=True)
+    }
 
 
 def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
@@ -128,9 +213,12 @@ def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
         table = np.asarray(ds[mask].values, bool)
         masks = {n: table[:, i] for i, n in enumerate(names)}
     columns = {}
+    long = _long_names(ds)
+    long_columns = {} if long is None else _from_long(ds, long)  # checked first
+    skip = {mask, *(long or ())}
     variables = ds.variables  # not ds[name]: that builds a DataArray per name
     for name in ds.data_vars:
-        if name == mask:
+        if name in skip:
             continue
         var = variables[name]
         if var.dims[0] != "step":
@@ -147,6 +235,7 @@ def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
             recorded = np.ones(len(steps), bool)
         kept = np.array(steps[recorded])
         columns[str(name)] = (kept, values[recorded].astype(dtype))
+    columns.update(long_columns)
     attrs = {k: v for k, v in ds.attrs.items() if k not in _GENERATED_ATTRS}
     next_step = int(ds.attrs.get(NEXT_STEP_ATTR, steps[-1] + 1 if len(steps) else 0))
     return columns, next_step, attrs
@@ -222,7 +311,7 @@ def _mask_names(ds) -> tuple[str, str]:
 def renamed(ds, fn):
     """``ds`` with its metric variables and dimensions renamed by ``fn``."""
     names = {}
-    keep = {"step", *_mask_names(ds)}
+    keep = {"step", *_mask_names(ds), *(_long_names(ds) or ())}
     for name in (*ds.data_vars, *ds.dims):
         if name not in keep and fn(str(name)) != name:
             names[name] = fn(str(name))

@@ -18,6 +18,7 @@ from jaxhistory._history_state import HistoryState
 from jaxhistory._xarray import read_netcdf
 from jaxhistory.export._finalize import finalize
 from jaxhistory.export._markdown import stats_table
+from jaxhistory.export._units import MAX_PLOTS
 from jaxhistory.trace import merge_traces
 
 __all__ = ["load_run", "main"]
@@ -57,6 +58,20 @@ def _warmup(text: str) -> float:
     return value
 
 
+def _max_plots(text: str) -> int | None:
+    if text == "all":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"max-plots must be a number or 'all', got {text!r}"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("max-plots must be >= 0")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxhistory", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +81,12 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--warmup", type=_warmup, default=0.0)
     report.add_argument("--num-chains", type=int, default=128)
     report.add_argument("--no-plots", action="store_true", help="skip the plots")
+    report.add_argument(
+        "--max-plots",
+        type=_max_plots,
+        default=MAX_PLOTS,
+        help=f"plot at most this many metrics (default {MAX_PLOTS}; 'all' for all)",
+    )
     report.add_argument("--run-name", default=None)
     summary = sub.add_parser("summary", help="print the statistics of a saved run")
     summary.add_argument("run", help="a run's JSONL log, dataset.nc or output folder")
@@ -126,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup=args.warmup,
         num_chains=args.num_chains,
         plot=not args.no_plots,
+        max_plots=args.max_plots,
         echo=False,
         jsonl=log,
     )

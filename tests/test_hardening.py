@@ -466,3 +466,187 @@ def test_a_failing_trace_write_never_raises_even_with_warnings_as_errors(tmp_pat
     assert tracer.lost >= 1 and tracer.error is not None
     # closed for good: no longer the active handler, though its file failed
     assert not tracer.active and jh.trace._trace_state.active() is None
+
+
+# ----- scale: plots capped, sparse metrics in a long table, linear recording ----
+
+
+def test_finalize_plots_at_most_max_plots_and_names_the_rest(tmp_path):
+    s = jh.HistoryState()
+    for step in range(3):
+        s = s.update({f"m{i}": float(i + step) for i in range(5)}, step=step)
+        s = s.update({"acc/mean": 0.5, "acc/std": 0.1, "acc/min": 0.4, "acc/max": 0.6})
+    written = []
+    export.finalize(s, tmp_path, run_id="r", echo=False, max_plots=2, written=written)
+    pngs = sorted(p.name for p in (tmp_path / "plots" / "mplot").iterdir())
+    txts = sorted(p.name for p in (tmp_path / "plots" / "tplot").iterdir())
+    # Cross-device statistics first, then recording order.
+    assert pngs == ["acc.png", "m0.png"] and txts == ["acc.txt", "m0.txt"]
+    report = (tmp_path / "report.md").read_text()
+    assert "Not plotted (4 metric(s), over finalize's max_plots=2" in report
+    assert "`m1`, `m2`, `m3`, `m4`" in report
+    assert "| m4 |" in report  # its statistics are still in the table
+    export.finalize(s, tmp_path, run_id="r", echo=False, max_plots=None)
+    assert len(list((tmp_path / "plots" / "mplot").iterdir())) == 6
+    assert "Not plotted" not in (tmp_path / "report.md").read_text()
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises(ValueError, match="max_plots"):
+            export.finalize(s, tmp_path / "bad", run_id="r", max_plots=bad)
+
+
+def test_finalize_plots_200_metrics_by_default(tmp_path):
+    from jaxhistory.export._units import MAX_PLOTS
+
+    s = jh.HistoryState()
+    names = [f"m{i:03d}" for i in range(MAX_PLOTS + 5)]
+    for step in range(2):
+        s = s.update(dict.fromkeys(names, float(step)), step=step)
+    export.finalize(s, tmp_path, run_id="r", echo=False)
+    assert len(list((tmp_path / "plots" / "mplot").iterdir())) == MAX_PLOTS == 200
+    assert "Not plotted (5 metric(s)" in (tmp_path / "report.md").read_text()
+
+
+def test_cli_report_takes_max_plots(tmp_path):
+    from jaxhistory import cli
+
+    s = jh.HistoryState()
+    for step in range(2):
+        s = s.update({f"m{i}": float(step) for i in range(4)}, step=step)
+    export.to_netcdf(s, tmp_path / "dataset.nc")
+    out = tmp_path / "out"
+    assert (
+        cli.main(
+            ["report", str(tmp_path / "dataset.nc"), "-o", str(out), "--max-plots", "1"]
+        )
+        == 0
+    )
+    assert [p.name for p in (out / "plots" / "mplot").iterdir()] == ["m0.png"]
+    assert (
+        cli.main(
+            [
+                "report",
+                str(tmp_path / "dataset.nc"),
+                "-o",
+                str(out),
+                "--max-plots",
+                "all",
+            ]
+        )
+        == 0
+    )
+    assert len(list((out / "plots" / "mplot").iterdir())) == 4
+    with pytest.raises(SystemExit):
+        cli.main(
+            [
+                "report",
+                str(tmp_path / "dataset.nc"),
+                "-o",
+                str(out),
+                "--max-plots",
+                "many",
+            ]
+        )
+
+
+def key_sets(n):
+    s = jh.HistoryState()
+    for i in range(n):
+        s = s.update({f"sample/{i}": float(i), "loss": 1.0 / (i + 1)}, step=i)
+    return s
+
+
+def test_sparse_metrics_in_bulk_go_to_one_long_table(tmp_path):
+    from jaxhistory import _xarray
+
+    n = 400  # > LONG_FROM sparse metrics
+    s = key_sets(n)
+    s = s.update({"sample/0": math.nan, "count/7": 2**53}, step=n)  # NaN, ints
+    s = s.update({"sample/1": -math.inf, "w": np.ones(2)}, step=n + 1)
+    ds = s.to_xarray()
+    # Dense: loss and the array metric; the rest is one table of records.
+    assert set(ds.data_vars) == {
+        "loss",
+        "w",
+        "_long_step",
+        "_long_index",
+        "_long_value",
+        "_long_dtype",
+    }
+    assert ds.sizes["_long"] == n + 3 and ds.sizes["_long_metric"] == n + 1
+    assert ds.attrs[_xarray.LONG_ATTR].split(",")[2] == "_long_step"
+    back = jh.HistoryState.from_xarray(ds)
+    assert_same(s, back)
+    assert back.dtype("count/7") == np.int64
+    path = tmp_path / "dataset.nc"
+    export.to_netcdf(s, path)
+    assert_same(s, jh.HistoryState.from_netcdf(path))
+    assert path.stat().st_size < 200_000  # not a 400 x 400 table of NaN
+    # Warmup drops the first steps from the long table too (as from the others:
+    # a metric all in the warmup keeps its name and no records).
+    kept = jh.HistoryState.from_xarray(s.to_xarray(warmup=300))
+    assert kept.steps("sample/299").tolist() == [] and kept.count("loss") == n - 300
+    assert kept.values("sample/300").tolist() == [300.0]
+
+
+def test_a_few_sparse_metrics_stay_variables_of_their_own():
+    ds = key_sets(20).to_xarray()
+    assert "sample/3" in ds.data_vars and "_long_value" not in ds.data_vars
+
+
+def test_the_long_table_never_takes_a_metrics_name():
+    s = key_sets(300).update({"_long_step": 1.0, "_long": 2.0}, step=300)
+    ds = s.to_xarray()
+    names = ds.attrs["jaxhistory_long"].split(",")
+    assert names[0] == "_long_" and names[2] == "_long_step_"
+    assert_same(s, jh.HistoryState.from_xarray(ds))
+
+
+def test_a_damaged_long_table_is_named():
+    ds = key_sets(300).to_xarray()
+    ds.attrs["jaxhistory_long"] = "a,b"
+    with pytest.raises(ValueError, match="does not name its long table"):
+        jh.HistoryState.from_xarray(ds)
+
+
+def test_a_new_key_set_at_a_new_step_never_scans_the_tables(monkeypatch):
+    from jaxhistory._table import Table
+
+    s = key_sets(50)
+    calls = []
+    real = Table.step_at
+    monkeypatch.setattr(Table, "step_at", lambda t, n: calls.append(1) or real(t, n))
+    for i in range(50, 100):
+        s = s.update({f"sample/{i}": 1.0, "loss": 0.5}, step=i)
+    assert not calls  # O(keys) per update, not O(tables)
+    assert s.count("loss") == 100 and s.dtype("loss") == np.float64
+    # The checks still hold across key sets: shape, and steps out of order.
+    with pytest.raises(ValueError, match="'loss' changed shape"):
+        s.update({"loss": np.ones(2), "new": 1.0}, step=100)
+    with pytest.raises(ValueError, match="'loss' was already recorded at step 99"):
+        s.update({"loss": 1.0, "new": 1.0}, step=99)
+    t = s.update({"sample/3": 1, "n": 1}, step=100)  # an int joins a float metric
+    assert t.dtype("sample/3") == np.float64 and t.dtype("n") == np.int64
+    assert s.count("loss") == 100  # the refused updates changed nothing
+
+
+def test_summary_of_single_values_matches_numpy():
+    s = jh.HistoryState()
+    for i, v in enumerate((2.5, math.nan, math.inf, -3)):
+        s = s.update({f"m{i}": v}, step=i)
+    got = s.summary()
+    assert got["m0"] | {} == {
+        "mean": 2.5,
+        "std": 0.0,
+        "median": 2.5,
+        "p10": 2.5,
+        "p90": 2.5,
+        "min": 2.5,
+        "max": 2.5,
+        "last": 2.5,
+        "count": 1,
+        "nonfinite": 0,
+    }
+    assert got["m3"]["mean"] == -3.0 and got["m3"]["std"] == np.std([-3.0])
+    for name in ("m1", "m2"):
+        assert math.isnan(got[name]["mean"]) and got[name]["nonfinite"] == 1
+    assert math.isnan(got["m1"]["last"]) and got["m2"]["last"] == math.inf

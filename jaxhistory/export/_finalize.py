@@ -21,7 +21,7 @@ from jaxhistory.export._markdown import to_markdown
 from jaxhistory.export._mpl import start_png
 from jaxhistory.export._netcdf import to_netcdf
 from jaxhistory.export._tplot import summary_choice, write_all
-from jaxhistory.export._units import plot_units
+from jaxhistory.export._units import MAX_PLOTS, capped, plot_units
 
 __all__ = ["Progress", "finalize"]
 
@@ -88,6 +88,7 @@ def finalize(
     echo: bool = True,
     environment: dict[str, Any] | None = None,
     written: list[Path] | None = None,
+    max_plots: int | None = MAX_PLOTS,
 ):
     """Writes the outputs of a run into ``outdir``; returns its ``xarray.Dataset``.
 
@@ -109,6 +110,11 @@ def finalize(
     ``environment`` replaces the description of this process's environment (the
     ``jaxhistory report`` command passes the one recorded with the run). The
     path of every file written is appended to ``written`` when it is a list.
+
+    At most ``max_plots`` metrics are plotted (None: all; a figure costs about
+    0.1 s of CPU): those with cross-device statistics first, then the others in
+    recording order. The report names the rest, whose statistics it holds
+    like every metric's.
     """
     if run_id is None:
         run_id = new_run_id(run_name)
@@ -118,6 +124,7 @@ def finalize(
     if run_name:
         attrs["run_name"] = run_name
     attrs["warmup_steps"] = warmup_count(warmup, len(state.all_steps()))
+    units, unplotted = capped(plot_units(state), max_plots) if plot else ([], [])
     if jax.process_index() != 0:
         ds = state.to_xarray()
         ds.attrs.update(netcdf_attrs(attrs))
@@ -139,7 +146,6 @@ def finalize(
     images: list[Path] = []
     terminal: dict[str, str] = {}
     if plot:
-        units = plot_units(state)
         arrays = sum(1 for u in units if u.raw is not None and state.shape(u.raw))
         progress = Progress(2 * len(units) + 2 * arrays, "finalize: plots")
         # Drawn into folders of their own, which then replace plots/mplot and
@@ -149,9 +155,9 @@ def finalize(
         pending = None
         try:
             pending = start_png(
-                state, staging / "mplot", warmup, num_chains, progress=progress
+                state, staging / "mplot", warmup, num_chains, progress, units
             )  # drawn by worker processes while the terminal plots are made
-            tplots = write_all(state, staging / "tplot", warmup, progress)
+            tplots = write_all(state, staging / "tplot", warmup, progress, units)
             images = pending.wait()
             pending = None
             (outdir / "plots").mkdir(exist_ok=True)
@@ -172,6 +178,11 @@ def finalize(
         if echo:
             for text in terminal.values():
                 print(text)
+            if unplotted:
+                print(
+                    f"finalize: {len(unplotted)} more metric(s) not plotted "
+                    f"(max_plots={max_plots}); their statistics are in report.md"
+                )
     else:  # plots of an earlier finalize are not this run's
         for kind in PLOT_FOLDERS:
             shutil.rmtree(outdir / "plots" / kind, ignore_errors=True)
@@ -189,6 +200,7 @@ def finalize(
             images=[p for p in images if p.suffix == ".png"],
             terminal_plots=terminal,
             files=files,
+            unplotted=[(u.title, max_plots) for u in unplotted],
         )
     if written is not None:
         written.extend(files)

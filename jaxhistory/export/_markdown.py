@@ -112,6 +112,7 @@ def to_markdown(
     images: list[str | os.PathLike] = (),
     terminal_plots: dict[str, str] | None = None,
     files: list[str | os.PathLike] = (),
+    unplotted: list[tuple[str, int]] = (),
 ) -> Path:
     """Writes the run's markdown report to ``path``; returns it.
 
@@ -119,7 +120,8 @@ def to_markdown(
     environment, a table of run-level statistics per metric after ``warmup``
     (mean, std, median, min, max, last, non-finite count, count), each image
     embedded by a link relative to the report, the terminal plots in fenced
-    blocks, and the list of output ``files``. Names are escaped so ``|`` or ``*``
+    blocks, the metrics left out of the plots (``unplotted``: ``(title, cap)``
+    pairs), and the list of output ``files``. Names are escaped so ``|`` or ``*``
     in a metric name cannot break the markdown.
     """
     path = Path(path)
@@ -157,6 +159,16 @@ def to_markdown(
             rel = Path(os.path.relpath(image, here)).as_posix()
             lines.append(f"![{md_escape(Path(image).stem)}](<{rel}>)")
             lines.append("")
+    if unplotted:
+        cap = unplotted[0][1]
+        names = ", ".join(
+            f"`{t}`" if "`" not in t else md_escape(t) for t, _ in unplotted
+        )
+        lines += [
+            "",
+            f"Not plotted ({len(unplotted)} metric(s), over finalize's "
+            f"max_plots={cap}; their statistics are in the table above): {names}",
+        ]
     if terminal_plots:
         lines += ["", "## Terminal plots", ""]
         for title, text in terminal_plots.items():

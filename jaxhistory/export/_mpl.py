@@ -223,15 +223,17 @@ def start_png(
     warmup: float = 0,
     num_chains: int = 128,
     progress=None,
+    units: list[PlotUnit] | None = None,
 ) -> PendingPlots:
     """:func:`to_png`, returning at once with the plots being drawn (in worker
-    processes when there are many); ``.wait()`` returns the paths."""
+    processes when there are many); ``.wait()`` returns the paths. ``units``
+    (of :func:`plot_units`) draws only those."""
     if not isinstance(num_chains, int) or num_chains < 1:
         raise ValueError(f"num_chains must be a positive int, got {num_chains!r}")
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     first = state._first_kept_step(warmup)
-    units = plot_units(state)
+    units = plot_units(state) if units is None else units
     stems = file_stems(u.title for u in units)
     taken = {stem.casefold() for stem in stems.values()}
     jobs = []  # (kind, arguments, path): the data read here, drawn anywhere

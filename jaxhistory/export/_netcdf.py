@@ -25,7 +25,9 @@ def to_netcdf(
 
     The file holds ``state.to_xarray(warmup)``: a ``step`` coordinate, one variable
     per metric with its dtype kept (float64 and int64 stay 64-bit), NaN where a
-    metric was not recorded, run metadata (``attrs``) as global attributes. netCDF
+    metric was not recorded (sparse metrics in bulk, a metric per sample, go in one
+    long table instead: :mod:`jaxhistory._xarray`), run metadata (``attrs``) as
+    global attributes. netCDF
     forbids ``/`` in names, so names are percent-encoded (``train/loss`` is stored
     as ``train%2Floss``, with the original in its ``long_name`` attribute);
     :func:`read_netcdf` and :meth:`HistoryState.from_netcdf` decode them. The file
@@ -47,7 +49,8 @@ def to_netcdf(
     ds.attrs = netcdf_attrs(ds.attrs)
     variables = ds.variables  # not ds[name]: that builds a DataArray per name
     for name in state.keys:
-        variables[name].attrs["long_name"] = name
+        if name in variables:  # not a metric of the long table
+            variables[name].attrs["long_name"] = name
     out = _xarray.encoded(ds)
     atomic_write(Path(path), lambda tmp: out.to_netcdf(tmp, engine="netcdf4"))
     return ds

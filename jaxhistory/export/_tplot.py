@@ -172,13 +172,14 @@ def to_terminal(
     return {path: text for _, path, text in write_all(state, outdir, warmup, progress)}
 
 
-def write_all(state, outdir, warmup=0, progress=None):
-    """to_terminal's work: ``[(unit, path, text)]`` for every plot written."""
+def write_all(state, outdir, warmup=0, progress=None, units=None):
+    """to_terminal's work: ``[(unit, path, text)]`` for every plot written
+    (of ``units``, by default every metric's)."""
     opts = settings()
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     first = state._first_kept_step(warmup)
-    units = plot_units(state)
+    units = plot_units(state) if units is None else units
     stems = file_stems(u.title for u in units)
     out = []
     for unit in units:

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 __all__ = ["MAX_POINTS", "PlotUnit", "bucket", "plot_units", "row_stats", "series"]
 
 MAX_POINTS = 5000  # longer series are reduced (for drawing only) to about this
+# Plots finalize draws by default: a figure costs about 0.1 s of CPU, so 1,000
+# metrics would take most of a minute; the rest are summarised in the report.
+MAX_PLOTS = 200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,26 @@ def plot_units(state: HistoryState) -> list[PlotUnit]:
             units.append(PlotUnit(name, name, {}))
             done.add(name)
     return units
+
+
+def capped(
+    units: list[PlotUnit], max_plots: int | None
+) -> tuple[list[PlotUnit], list[PlotUnit]]:
+    """(the units to draw, those left out) under a cap of ``max_plots`` (None:
+    no cap). Metrics with cross-device statistics come first, then the others
+    in recording order; both lists keep recording order."""
+    if max_plots is not None and (
+        isinstance(max_plots, bool) or not isinstance(max_plots, int) or max_plots < 0
+    ):
+        raise ValueError(f"max_plots must be an int >= 0 or None, got {max_plots!r}")
+    if max_plots is None or len(units) <= max_plots:
+        return list(units), []
+    ranked = sorted(range(len(units)), key=lambda i: (not units[i].stats, i))
+    chosen = set(ranked[:max_plots])
+    return (
+        [u for i, u in enumerate(units) if i in chosen],
+        [u for i, u in enumerate(units) if i not in chosen],
+    )
 
 
 def bucket(x: np.ndarray, y: np.ndarray, how: str, n: int = MAX_POINTS):
