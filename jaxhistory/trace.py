@@ -594,7 +594,8 @@ class JSONTraceHandler:
 def load_trace(path: str | os.PathLike) -> list[dict]:
     """The events of a trace file: a JSON array or ``{"traceEvents": [...]}``,
     plain or ``.gz``, complete or cut off anywhere (a missing ``]``, a trailing
-    comma, half an event: the complete events before it are returned)."""
+    comma, half an event: the complete events before it are returned, with a
+    warning naming the line where an event is cut off or damaged)."""
     path = Path(path)
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
@@ -630,8 +631,15 @@ def load_trace(path: str | os.PathLike) -> list[dict]:
             break
         try:
             event, pos = decoder.raw_decode(text, pos)
-        except ValueError:
-            break  # cut off inside this event
+        except ValueError:  # cut off inside this event, or damaged there
+            line = text.count("\n", 0, pos) + 1
+            warnings.warn(
+                f"{path}: the trace is cut off or damaged at line {line} (character "
+                f"{pos + 1}); the {len(events)} complete event(s) before it are kept",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            break
         if isinstance(event, dict):
             events.append(event)
     return events

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from unittest import mock
 
 import jax
@@ -581,3 +582,22 @@ def test_events_from_other_threads_during_a_rotate_are_all_written(tmp_path):
         e["name"] for p in t.paths for e in trace.load_trace(p) if e["ph"] == "i"
     ]
     assert len(written) == len(sent)
+
+
+def test_a_damaged_trace_warns_naming_the_line_and_keeps_the_events_before(
+    tmp_path,
+):
+    events = [
+        {"name": n, "ph": "X", "ts": 1.0, "dur": 2.0, "pid": 0, "tid": 1} for n in "ab"
+    ]
+    lines = "[\n" + ",\n".join(json.dumps(e) for e in events)
+    (tmp_path / "clean.json").write_text(lines + ",\n")  # a killed run: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert trace.load_trace(tmp_path / "clean.json") == events
+    (tmp_path / "half.json").write_text(lines + ',\n{"name": "c", "ph')
+    with pytest.warns(RuntimeWarning, match=r"half.json: .* at line 4 .* 2 complete"):
+        assert trace.load_trace(tmp_path / "half.json") == events
+    (tmp_path / "bad.json").write_text(lines.replace('"b"', "b", 1))
+    with pytest.warns(RuntimeWarning, match="line 3"):
+        assert trace.load_trace(tmp_path / "bad.json") == events[:1]
