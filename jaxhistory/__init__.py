@@ -9,6 +9,9 @@ Reducers compute statistics across devices inside jitted train steps:
   :func:`reduce_mean_collective` and friends, :func:`all_gather`,
   :func:`distributed_stats_collective`; on the host, :func:`collect_from_devices`.
 
+Accumulators that merge across batches and devices (``Average``, ``Accuracy``,
+``Std``, ``Collection``, ...): :mod:`jaxhistory.metrics`.
+
 Recording: :class:`HistoryState`, :class:`History`, :class:`MetricBuffer`; outputs
 in :mod:`jaxhistory.export`. End-of-stage reports: :func:`log_metrics`,
 :func:`metrics_format`, :func:`save_metrics`, :func:`save_state`,
@@ -20,7 +23,7 @@ Publishing and timing: :mod:`jaxhistory.publish` (``put_metric``, ``@prof``),
 ``import jaxhistory`` imports jax, numpy and orjson only.
 """
 
-from jaxhistory import _version, export, publish, sinks, trace
+from jaxhistory import _version, export, metrics, publish, sinks, trace
 from jaxhistory._buffer import MetricBuffer
 from jaxhistory._collective import (
     all_gather,
@@ -89,6 +92,7 @@ __all__ = [
     "launch_local",
     "live_array_bytes",
     "log_metrics",
+    "metrics",
     "metrics_format",
     "per_shard",
     "publish",

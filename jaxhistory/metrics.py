@@ -1,0 +1,868 @@
+"""Metric accumulators that merge across batches and devices.
+
+Each metric is an immutable pytree (a frozen dataclass registered with
+``jax.tree_util.register_dataclass``) of fixed shapes and dtypes, so it can be
+carried through ``jax.jit`` / ``nnx.jit``, ``lax.scan`` and ``lax.fori_loop``
+without retracing, and used from host code alike. The protocol:
+
+* ``M.empty(num_shards=0)``: the identity of ``merge``;
+* ``M.from_model_output(**outputs)``: the metric of one batch;
+* ``m.merge(other)``, and ``m.update(**outputs)``: the merge with one batch's;
+* ``m.compute(axis_name=None)``: the value.
+
+Per-device state. Every array of a metric has a leading *shard* axis: a batch
+sharded over ``S`` devices gives ``S`` partial states, each computed from its own
+shard (the batch is viewed as ``(S, B // S, ...)``), so updating moves no data
+between devices. ``compute`` gathers the partial states of every metric of a
+:class:`Collection` in one all-reduce per dtype (at most 2 collectives, float32
+and int32, for any number of metrics) and merges them on every device in shard
+order, which keeps it exact for uneven masks and padded last batches. ``S`` is
+read from the batch's sharding (explicitly sharded arrays, ``jax.make_mesh``'s
+default, and concrete arrays); on an ``Auto`` mesh inside jit pass
+``num_shards=`` (else ``S`` is 1 and each update reduces across devices, which is
+exact but costs an all-reduce per statistic per batch). Inside ``jax.shard_map``
+each device holds its own state (``S`` is 1 there) and ``compute(axis_name=...)``
+gathers over the mesh axis.
+
+``empty()`` has zero shards: merging it with anything returns the other side, so
+it can start a Python loop. A loop carry (``lax.scan``, ``fori_loop``) keeps one
+shape, so start it from ``M.empty(num_shards=S)``, ``S`` the number of shards of
+the batches (1 inside ``shard_map``).
+
+Accumulation is in float32 (float64 with ``jax_enable_x64`` and float64 inputs;
+bfloat16 and float16 inputs are widened), counts in int32. ``NaN`` in a counted
+value makes the result NaN, as in NumPy; masked values are never read, so padding
+may hold anything. A metric with nothing counted computes to NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxhistory._collective import bound_axis_size, check_axis_name
+from jaxhistory._stats import _num_shards
+from jaxhistory._tree import acc_dtype
+
+__all__ = [
+    "Accuracy",
+    "Average",
+    "Collection",
+    "Count",
+    "Last",
+    "Max",
+    "Metric",
+    "Min",
+    "Std",
+    "Sum",
+]
+
+_INT = jnp.int32
+
+
+def _float() -> jnp.dtype:
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))
+
+
+class Metric:
+    """The base of every metric: subclasses are made frozen dataclasses and
+    registered as pytrees (every field an array with a leading shard axis)."""
+
+    _fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "__annotations__" in cls.__dict__ or not dataclasses.is_dataclass(cls):
+            dataclasses.dataclass(frozen=True)(cls)
+        cls._fields = tuple(f.name for f in dataclasses.fields(cls))
+        jax.tree_util.register_dataclass(
+            cls, data_fields=list(cls._fields), meta_fields=[]
+        )
+
+    # ----- what each metric defines ---------------------------------------------
+    @classmethod
+    def _identity(cls, num_shards: int) -> dict[str, jax.Array]:
+        raise NotImplementedError
+
+    @classmethod
+    def _from_batch(cls, batch: _Batch, outputs: Mapping[str, Any]) -> Metric:
+        raise NotImplementedError
+
+    def _combine(self, other: Metric) -> Metric:
+        raise NotImplementedError
+
+    def _fold(self) -> Metric:
+        """The merge of every shard, in shard order: one shard."""
+        raise NotImplementedError
+
+    def _value(self) -> jax.Array:
+        raise NotImplementedError
+
+    # ----- the protocol -----------------------------------------------------------
+    @classmethod
+    def empty(cls, num_shards: int = 0) -> Metric:
+        """The identity of :meth:`merge`, with ``num_shards`` shards (0: merging
+        returns the other side; give the batches' shard count for a loop carry)."""
+        if (
+            isinstance(num_shards, bool)
+            or not isinstance(num_shards, numbers.Integral)
+            or num_shards < 0
+        ):
+            raise ValueError(f"num_shards must be an int >= 0, got {num_shards!r}")
+        return cls(**cls._identity(int(num_shards)))
+
+    @classmethod
+    def from_model_output(cls, *, num_shards: int | None = None, **outputs) -> Metric:
+        """The metric of one batch. ``outputs`` are the model's outputs by name
+        (each metric reads the ones it needs and ignores the rest), with an
+        optional ``mask`` (batch-first, true for the examples to count).
+        ``num_shards``: see the module notes (read from the sharding if omitted).
+        """
+        return cls._from_batch(_Batch(cls, outputs, num_shards), outputs)
+
+    def update(self, *, num_shards: int | None = None, **outputs) -> Metric:
+        """``self.merge(type(self).from_model_output(**outputs))``."""
+        return self.merge(
+            type(self).from_model_output(num_shards=num_shards, **outputs)
+        )
+
+    @property
+    def num_shards(self) -> int:
+        """How many partial states this metric holds."""
+        return int(np.shape(getattr(self, self._fields[0]))[0])
+
+    def merge(self, other: Metric) -> Metric:
+        """The metric of both: associative, with :meth:`empty` as identity."""
+        if type(other) is not type(self):
+            raise TypeError(
+                f"cannot merge {type(self).__name__} with {type(other).__name__}"
+            )
+        if other.num_shards == 0:
+            return self
+        if self.num_shards == 0:
+            return other
+        if self.num_shards != other.num_shards:
+            raise ValueError(
+                f"cannot merge a {type(self).__name__} of {self.num_shards} shards "
+                f"with one of {other.num_shards}: batches split over different "
+                "device counts (start a loop carry from empty(num_shards=...))"
+            )
+        a, b = _aligned(self, other)
+        return a._combine(b)
+
+    def compute(self, axis_name: Any = None) -> jax.Array:
+        """The value over every shard (and, inside ``shard_map``, over the mesh
+        axis ``axis_name``). Returns a JAX array without waiting for it."""
+        (gathered,) = _gather([self], axis_name)
+        return gathered._fold()._value()
+
+    def _replace(self, **fields) -> Metric:
+        return dataclasses.replace(self, **fields)
+
+    def _leaves(self) -> list[jax.Array]:
+        return [getattr(self, f) for f in self._fields]
+
+
+class _Batch:
+    """One batch's mask, shard count and the view of arrays as shards."""
+
+    def __init__(self, metric: type, outputs: Mapping[str, Any], num_shards):
+        self.metric = metric.__name__
+        self.outputs = outputs
+        self.given = num_shards
+        mask = outputs.get("mask")
+        self.mask = None if mask is None else jnp.asarray(mask)
+        if self.mask is not None and self.mask.ndim != 1:
+            raise ValueError(
+                f"{self.metric}: mask must be one flag per example (shape (batch,)), "
+                f"got shape {self.mask.shape}"
+            )
+        self.shards: int | None = None
+
+    def get(self, name: str) -> jax.Array:
+        if name not in self.outputs or self.outputs[name] is None:
+            given = ", ".join(sorted(self.outputs)) or "none"
+            raise TypeError(
+                f"{self.metric}.from_model_output needs {name}= (given: {given})"
+            )
+        value = self.outputs[name]
+        if isinstance(value, jax.core.Tracer | jax.Array):
+            return value
+        dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
+        if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, bool)):
+            raise TypeError(f"{self.metric}: {name} must be numeric, got {dtype}")
+        return jnp.asarray(value)
+
+    def split(self, x: jax.Array, name: str) -> jax.Array:
+        """``x`` (batch first) viewed as ``(S, B // S, ...)``."""
+        if x.ndim == 0:
+            raise ValueError(f"{self.metric}: {name} needs a batch axis, got a scalar")
+        if self.mask is not None and self.mask.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"{self.metric}: {name} has {x.shape[0]} examples but mask has "
+                f"{self.mask.shape[0]}"
+            )
+        s = self._shards(x, name)
+        if x.shape[0] == 0:  # an empty batch: nothing to view (nor to move)
+            return jnp.zeros((s, 0, *x.shape[1:]), x.dtype)
+        return x.reshape((s, x.shape[0] // s, *x.shape[1:]))
+
+    def _shards(self, x: jax.Array, name: str) -> int:
+        if self.shards is not None:
+            return self.shards
+        known = _num_shards(x)
+        given = self._given()
+        if given is not None:
+            if known is not None and known != given:
+                raise ValueError(
+                    f"{self.metric}: num_shards={given} but {name}'s batch axis is "
+                    f"sharded {known} ways"
+                )
+            known = given
+        s = known or 1
+        if x.shape[0] % s:
+            raise ValueError(
+                f"{self.metric}: a batch of {x.shape[0]} does not split into {s} "
+                "equal shards (pad the batch to a multiple)"
+            )
+        self.shards = s
+        return s
+
+    def weights(self, x: jax.Array, name: str) -> jax.Array:
+        """The mask as ``(S, B // S, 1...)`` flags for ``x`` split."""
+        shards = self.split(x, name)
+        if self.mask is None:
+            return jnp.ones(shards.shape[:2] + (1,) * (shards.ndim - 2), bool)
+        m = self.split(self.mask.astype(bool), "mask")
+        return m.reshape(m.shape + (1,) * (shards.ndim - 2))
+
+    def values(self, name: str) -> tuple[jax.Array, jax.Array]:
+        """Output ``name`` in its accumulation dtype as ``(S, B // S, ...)`` and
+        the flags of the values to count, of the same shape. A scalar is one
+        value, in the last shard (it is not per example: the mask does not
+        apply)."""
+        x = self.get(name)
+        x = x.astype(acc_dtype(x.dtype))
+        if x.ndim == 0:
+            s = self._given() or 1
+            self.shards = self.shards or s
+            s = self.shards
+            return jnp.broadcast_to(x, (s, 1)), (jnp.arange(s) == s - 1)[:, None]
+        v = self.split(x, name)
+        return v, jnp.broadcast_to(self.weights(x, name), v.shape)
+
+    def _given(self) -> int | None:
+        given = self.given
+        if given is None:
+            return None
+        if (
+            isinstance(given, bool)
+            or not isinstance(given, numbers.Integral)
+            or given < 1
+        ):
+            raise ValueError(f"num_shards must be a positive int, got {given!r}")
+        return int(given)
+
+
+def _sum(x: jax.Array) -> jax.Array:
+    """Sum over everything but the shard axis."""
+    return jnp.sum(x, axis=tuple(range(1, x.ndim)))
+
+
+def _elements(x: jax.Array) -> int:
+    return math.prod(x.shape[2:])
+
+
+# ----- the metrics -----------------------------------------------------------------
+
+
+class Average(Metric):
+    """The (weighted) mean of every value counted.
+
+    Reads ``values`` (one per example, or an array per example whose elements all
+    count), an optional ``mask`` and, with :meth:`from_output`'s ``weights=``, a
+    weight per example. Scalars count as one example.
+    """
+
+    total: jax.Array
+    weight: jax.Array
+
+    argname: ClassVar[str] = "values"
+    weightname: ClassVar[str | None] = None
+
+    @classmethod
+    def from_output(cls, argname: str, weights: str | None = None) -> type[Average]:
+        """An Average of the model output ``argname`` (weighted by the output
+        ``weights`` per example, if given)."""
+        return _variant(cls, argname=argname, weightname=weights)
+
+    @classmethod
+    def _identity(cls, n):
+        f = _float()
+        return {"total": jnp.zeros(n, f), "weight": jnp.zeros(n, f)}
+
+    @classmethod
+    def _from_batch(cls, batch, outputs):
+        v, flags = batch.values(cls.argname)
+        w = flags.astype(v.dtype)
+        if cls.weightname is not None:
+            given = batch.get(cls.weightname)
+            shape = batch.get(cls.argname).shape
+            if given.ndim != 1 or not shape or given.shape[0] != shape[0]:
+                raise ValueError(
+                    f"Average: {cls.weightname} must be one weight per example of "
+                    f"{cls.argname} (shape ({shape[0] if shape else 'batch'},)), got "
+                    f"shape {given.shape}"
+                )
+            g = batch.split(given.astype(v.dtype), cls.weightname)
+            w = w * g.reshape(g.shape + (1,) * (v.ndim - g.ndim))
+        # where, not a product: a masked NaN must not count
+        return cls(total=_sum(jnp.where(w != 0, v * w, 0)), weight=_sum(w))
+
+    def _combine(self, o):
+        return self._replace(total=self.total + o.total, weight=self.weight + o.weight)
+
+    def _fold(self):
+        return self._replace(
+            total=jnp.sum(self.total, keepdims=True)[:1],
+            weight=jnp.sum(self.weight, keepdims=True)[:1],
+        )
+
+    def _value(self):
+        return (self.total / self.weight)[0]
+
+
+class Sum(Metric):
+    """The sum of every value counted (``values``, optional ``mask``)."""
+
+    total: jax.Array
+
+    argname: ClassVar[str] = "values"
+
+    @classmethod
+    def from_output(cls, argname: str) -> type[Sum]:
+        return _variant(cls, argname=argname)
+
+    @classmethod
+    def _identity(cls, n):
+        return {"total": jnp.zeros(n, _float())}
+
+    @classmethod
+    def _from_batch(cls, batch, outputs):
+        v, w = batch.values(cls.argname)
+        return cls(total=_sum(jnp.where(w, v, 0)))
+
+    def _combine(self, o):
+        return self._replace(total=self.total + o.total)
+
+    def _fold(self):
+        return self._replace(total=jnp.sum(self.total, keepdims=True)[:1])
+
+    def _value(self):
+        return self.total[0]
+
+
+class Count(Metric):
+    """How many examples were counted: the true entries of ``mask``, or the
+    batch size of ``values`` without one."""
+
+    count: jax.Array
+
+    argname: ClassVar[str] = "values"
+
+    @classmethod
+    def from_output(cls, argname: str) -> type[Count]:
+        return _variant(cls, argname=argname)
+
+    @classmethod
+    def _identity(cls, n):
+        return {"count": jnp.zeros(n, _INT)}
+
+    @classmethod
+    def _from_batch(cls, batch, outputs):
+        if batch.mask is not None:
+            m = batch.split(batch.mask.astype(bool), "mask")
+            return cls(count=_sum(m.astype(_INT)))
+        _, w = batch.values(cls.argname)
+        return cls(count=jnp.sum(w[:, :, *(0,) * (w.ndim - 2)], axis=1, dtype=_INT))
+
+    def _combine(self, o):
+        return self._replace(count=self.count + o.count)
+
+    def _fold(self):
+        return self._replace(count=jnp.sum(self.count, keepdims=True)[:1])
+
+    def _value(self):
+        return self.count[0]
+
+
+class _Extreme(Metric):
+    value: jax.Array
+    count: jax.Array
+
+    argname: ClassVar[str] = "values"
+    _pick: ClassVar[Callable] = staticmethod(jnp.maximum)
+    _reduce: ClassVar[Callable] = staticmethod(jnp.max)
+    _start: ClassVar[float] = -math.inf
+
+    @classmethod
+    def from_output(cls, argname: str):
+        return _variant(cls, argname=argname)
+
+    @classmethod
+    def _identity(cls, n):
+        return {"value": jnp.full(n, cls._start, _float()), "count": jnp.zeros(n, _INT)}
+
+    @classmethod
+    def _from_batch(cls, batch, outputs):
+        v, w = batch.values(cls.argname)
+        axes = tuple(range(1, v.ndim))
+        value = cls._reduce(jnp.where(w, v, cls._start), axis=axes, initial=cls._start)
+        return cls(value=value, count=jnp.sum(w, axis=axes, dtype=_INT))
+
+    def _combine(self, o):
+        return self._replace(
+            value=self._pick(self.value, o.value), count=self.count + o.count
+        )
+
+    def _fold(self):
+        value = self._reduce(self.value, initial=self._start, keepdims=True)
+        return self._replace(
+            value=value.reshape(1), count=jnp.sum(self.count, keepdims=True)[:1]
+        )
+
+    def _value(self):
+        return jnp.where(self.count[0] > 0, self.value[0], jnp.nan)
+
+
+class Max(_Extreme):
+    """The largest value counted (``values``, optional ``mask``; NaN wins)."""
+
+
+class Min(_Extreme):
+    """The smallest value counted (``values``, optional ``mask``; NaN wins)."""
+
+    _pick: ClassVar[Callable] = staticmethod(jnp.minimum)
+    _reduce: ClassVar[Callable] = staticmethod(jnp.min)
+    _start: ClassVar[float] = math.inf
+
+
+class Last(Metric):
+    """The last value counted: of the last batch merged that counted any, its
+    last unmasked example (in batch order across devices). ``values``: a scalar
+    (a learning rate) or one value per example.
+
+    State per shard: the value, ``stamp`` (the position, among the batches
+    merged, of the batch it came from; 0 for none) and ``clock`` (how many
+    batches were merged), so that merging stays associative and the shards'
+    values can be ordered when gathered."""
+
+    value: jax.Array
+    stamp: jax.Array
+    clock: jax.Array
+
+    argname: ClassVar[str] = "values"
+
+    @classmethod
+    def from_output(cls, argname: str) -> type[Last]:
+        return _variant(cls, argname=argname)
+
+    @classmethod
+    def _identity(cls, n):
+        zeros = jnp.zeros(n, _INT)
+        return {"value": jnp.zeros(n, _float()), "stamp": zeros, "clock": zeros}
+
+    @classmethod
+    def _from_batch(cls, batch, outputs):
+        if batch.get(cls.argname).ndim > 1:
+            raise ValueError(
+                f"Last: {cls.argname} must be a scalar or one value per example, "
+                f"got shape {batch.get(cls.argname).shape}"
+            )
+        v, w = batch.values(cls.argname)
+        per = v.shape[1]
+        if per:  # the index of the last true flag of each shard (0 where none)
+            last = per - 1 - jnp.argmax(w[:, ::-1], axis=1)
+            value = jnp.take_along_axis(v, last[:, None], axis=1)[:, 0]
+        else:
+            value = jnp.zeros(v.shape[0], v.dtype)
+        has = jnp.any(w, axis=1)
+        return cls(
+            value=jnp.where(has, value, 0),
+            stamp=has.astype(_INT),
+            clock=jnp.ones(v.shape[0], _INT),
+        )
+
+    def _combine(self, o):
+        later = o.stamp > 0
+        return self._replace(
+            value=jnp.where(later, o.value, self.value),
+            stamp=jnp.where(later, self.clock + o.stamp, self.stamp),
+            clock=self.clock + o.clock,
+        )
+
+    def _fold(self):
+        n = self.stamp.shape[0]
+        if n == 0:
+            return type(self).empty(1)
+        # the latest batch; within it, the last shard that counted any
+        k = n - 1 - jnp.argmax(self.stamp[::-1])
+        return self._replace(
+            value=self.value[k][None], stamp=self.stamp[k][None], clock=self.clock[:1]
+        )
+
+    def _value(self):
+        return jnp.where(self.stamp[0] > 0, self.value[0], jnp.nan)
+
+
+class Std(Metric):
+    """The standard deviation (population, ``ddof=0``) of every value counted,
+    by Chan's parallel merge of (count, mean, sum of squared deviations): stable
+    in float32 for values like 1e4 +- 1, where sums of squares lose every digit.
+    ``values`` (every element counts), optional ``mask``."""
+
+    count: jax.Array
+    mean: jax.Array
+    m2: jax.Array
+
+    argname: ClassVar[str] = "values"
+
+    @classmethod
+    def from_output(cls, argname: str) -> type[Std]:
+        return _variant(cls, argname=argname)
+
+    @classmethod
+    def _identity(cls, n):
+        f = _float()
+        return {
+            "count": jnp.zeros(n, f),
+            "mean": jnp.zeros(n, f),
+            "m2": jnp.zeros(n, f),
+        }
+
+    @classmethod
+    def _from_batch(cls, batch, outputs):
+        v, w = batch.values(cls.argname)
+        count = _sum(w.astype(v.dtype))
+        safe = jnp.maximum(count, 1)
+        mean = _sum(jnp.where(w, v, 0)) / safe
+        dev = v - mean.reshape((-1,) + (1,) * (v.ndim - 1))
+        m2 = _sum(jnp.where(w, dev * dev, 0))
+        return cls(count=count, mean=mean, m2=m2)
+
+    def _combine(self, o):
+        n = self.count + o.count
+        delta = o.mean - self.mean
+        frac = jnp.where(n > 0, o.count / jnp.maximum(n, 1), 0)
+        mean = jnp.where(o.count > 0, self.mean + delta * frac, self.mean)
+        m2 = self.m2 + o.m2 + jnp.where(n > 0, delta * delta * self.count * frac, 0)
+        return self._replace(count=n, mean=mean, m2=m2)
+
+    def _fold(self):
+        n = jnp.sum(self.count)
+        mean = jnp.sum(jnp.where(self.count > 0, self.count * self.mean, 0))
+        mean = mean / jnp.maximum(n, 1)
+        dev = jnp.where(self.count > 0, self.mean - mean, 0)
+        m2 = jnp.sum(self.m2) + jnp.sum(self.count * dev * dev)
+        return self._replace(count=n[None], mean=mean[None], m2=m2[None])
+
+    def _value(self):
+        return jnp.sqrt(self.m2[0] / self.count[0])
+
+
+class Accuracy(Metric):
+    """The fraction of examples whose label is predicted: from ``logits``
+    (batch x classes; with :meth:`top` a label among the ``k`` largest counts,
+    ties in the label's favour) or from ``predictions`` (class ids), against
+    ``labels``, with an optional ``mask``."""
+
+    correct: jax.Array
+    count: jax.Array
+
+    top_k: ClassVar[int] = 1
+
+    @classmethod
+    def top(cls, k: int) -> type[Accuracy]:
+        """Top-``k`` accuracy from ``logits``."""
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+            raise ValueError(f"Accuracy.top needs a positive int k, got {k!r}")
+        return _variant(cls, top_k=int(k))
+
+    @classmethod
+    def _identity(cls, n):
+        return {"correct": jnp.zeros(n, _INT), "count": jnp.zeros(n, _INT)}
+
+    @classmethod
+    def _from_batch(cls, batch, outputs):
+        labels = batch.get("labels")
+        if labels.dtype.kind not in "iu":
+            raise TypeError(f"Accuracy: labels must be integers, got {labels.dtype}")
+        if outputs.get("logits") is not None:
+            logits = batch.get("logits")
+            if logits.ndim != labels.ndim + 1 or logits.shape[:-1] != labels.shape:
+                raise ValueError(
+                    f"Accuracy: logits {logits.shape} must be labels {labels.shape} "
+                    "plus a class axis"
+                )
+            if cls.top_k == 1:
+                hit = jnp.argmax(logits, axis=-1) == labels
+            else:
+                mine = jnp.take_along_axis(logits, labels[..., None], axis=-1)
+                above = jnp.sum(logits > mine, axis=-1)
+                hit = above < cls.top_k
+        elif outputs.get("predictions") is not None:
+            if cls.top_k != 1:
+                raise ValueError("Accuracy.top(k) with k > 1 needs logits=")
+            predictions = batch.get("predictions")
+            if predictions.shape != labels.shape:
+                raise ValueError(
+                    f"Accuracy: predictions {predictions.shape} and labels "
+                    f"{labels.shape} differ in shape"
+                )
+            hit = predictions == labels
+        else:
+            batch.get("logits")  # raises, naming what is needed
+        if labels.ndim == 0:
+            raise ValueError("Accuracy: labels needs a batch axis, got a scalar")
+        hit = batch.split(hit, "labels")
+        w = jnp.broadcast_to(batch.weights(labels, "labels"), hit.shape)
+        return cls(correct=_sum((hit & w).astype(_INT)), count=_sum(w.astype(_INT)))
+
+    def _combine(self, o):
+        return self._replace(
+            correct=self.correct + o.correct, count=self.count + o.count
+        )
+
+    def _fold(self):
+        return self._replace(
+            correct=jnp.sum(self.correct, keepdims=True)[:1],
+            count=jnp.sum(self.count, keepdims=True)[:1],
+        )
+
+    def _value(self):
+        return self.correct[0].astype(_float()) / self.count[0]
+
+
+@functools.cache
+def _variant(base: type, **config) -> type:
+    """A subclass of ``base`` with ``config`` as class attributes (cached, so the
+    same declaration gives the same pytree type, as jit and scan carries need)."""
+    for name, value in config.items():
+        if name.endswith("name") and value is not None and not isinstance(value, str):
+            raise TypeError(f"{base.__name__}: {name} must be a str, got {value!r}")
+    label = ",".join(f"{k}={v!r}" for k, v in config.items())
+    return type(f"{base.__name__}[{label}]", (base,), dict(config))
+
+
+def _sharded(x: Any) -> Any:
+    """``x``'s sharding if explicit axes shard it, else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or all(p is None for p in spec):
+        return None
+    if not isinstance(x, jax.core.Tracer) and isinstance(x, jax.Array):
+        return x.sharding  # concrete: on real devices
+    return sharding
+
+
+def _aligned(*trees: Any) -> tuple:
+    """``trees`` with every leaf on the sharding of the first leaf that explicit
+    axes shard (a replicated identity beside a sharded batch's state): JAX's
+    select needs its operands sharded alike."""
+    leaves = [x for t in trees for x in jax.tree.leaves(t)]
+    target = next((sh for sh in map(_sharded, leaves) if sh is not None), None)
+    if target is None:
+        return trees
+
+    def move(x):
+        sh = _sharded(x)
+        if sh is not None and sh.spec == target.spec:
+            return x
+        if isinstance(x, jax.core.Tracer):
+            return jax.sharding.reshard(x, target)
+        return jax.device_put(x, target)
+
+    return tuple(jax.tree.map(move, t) for t in trees)
+
+
+# ----- gathering partial states ------------------------------------------------------
+
+
+def _gather(metrics: list[Metric], axis_name: Any) -> list[Metric]:
+    """``metrics`` with every shard's partial state on every device (shard
+    order), in one all-reduce per dtype; unchanged when there is nothing to
+    gather (one shard and no axis)."""
+    leaves, treedef = jax.tree.flatten(metrics)
+    shards = {int(np.shape(x)[0]) for x in leaves}
+    if len(shards) > 1:
+        raise ValueError(
+            f"the metrics hold different shard counts ({sorted(shards)}): compute "
+            "them separately"
+        )
+    s = shards.pop() if shards else 0
+    if s == 0 or (axis_name is None and s == 1):
+        return metrics
+    if axis_name is None:
+        slots, mine = s, jnp.eye(s, dtype=bool)[:, :, None]  # (S, S, 1)
+    else:
+        size = bound_axis_size(axis_name, "compute")
+        axis_name = check_axis_name(axis_name)
+        here = lax.axis_index(axis_name)
+        slots, mine = size, (jnp.arange(size) == here)[:, None, None]  # (P, 1, 1)
+    (leaves,) = _aligned(leaves)  # a scalar's state beside a sharded batch's
+    by_dtype: dict[Any, list[int]] = {}
+    for i, x in enumerate(leaves):
+        by_dtype.setdefault(jnp.dtype(x.dtype), []).append(i)
+    out = list(leaves)
+    for idx in by_dtype.values():
+        table = jnp.stack([leaves[i] for i in idx], axis=-1)  # (S, K)
+        if axis_name is None:
+            # Row r of the result is shard r's state; summing away the sharded
+            # axis is the one all-reduce. where, not a product: NaN * 0 is NaN.
+            full = jnp.sum(jnp.where(mine, table[None], 0), axis=1)  # (S, K)
+        else:
+            full = lax.psum(jnp.where(mine, table[None], 0), axis_name)  # (P, S, K)
+            full = full.reshape(slots * s, len(idx))
+        for j, i in enumerate(idx):
+            out[i] = full[:, j]
+    return jax.tree.unflatten(treedef, out)
+
+
+# ----- Collection --------------------------------------------------------------------
+
+
+class Collection:
+    """A named group of metrics, updated, merged and computed together.
+
+    Declared in one line, like CLU's::
+
+        Metrics = jh.metrics.Collection.create(
+            loss=jh.metrics.Average.from_output("loss"),
+            accuracy=jh.metrics.Accuracy,
+            loss_std=jh.metrics.Std.from_output("loss"),
+        )
+        m = Metrics.empty()
+        m = m.update(loss=per_example_loss, logits=logits, labels=y, mask=valid)
+        m.compute()  # {"loss": ..., "accuracy": ..., "loss_std": ...}
+
+    ``compute`` gathers every metric's per-device state in at most 2 collectives
+    (one per state dtype), whatever the number of metrics.
+    """
+
+    _metrics: ClassVar[dict[str, type[Metric]]] = {}
+
+    @staticmethod
+    def create(**metrics: type[Metric]) -> type[Collection]:
+        """A Collection class holding ``metrics`` (name -> metric class)."""
+        if not metrics:
+            raise ValueError("Collection.create needs at least one metric")
+        for name, metric in metrics.items():
+            if not (isinstance(metric, type) and issubclass(metric, Metric)):
+                raise TypeError(
+                    f"Collection.create: {name}= must be a metric class (Average, "
+                    f"Accuracy, Std.from_output('loss'), ...), got {metric!r}"
+                )
+            if metric in (Metric, _Extreme):
+                raise TypeError(f"Collection.create: {name}= is not a concrete metric")
+        cls = type("Collection", (Collection,), {"_metrics": dict(metrics)})
+        fields = list(metrics)
+        cls.__init__ = _collection_init(fields)
+        jax.tree_util.register_pytree_node(
+            cls,
+            lambda c: ([getattr(c, f) for f in fields], None),
+            lambda _, children: cls(*children),
+        )
+        return cls
+
+    def __getattr__(self, name: str):
+        raise AttributeError(
+            f"no metric {name!r} in this Collection; it has {', '.join(self._metrics)}"
+        )
+
+    def __repr__(self) -> str:
+        inner = ", ".join(
+            f"{k}={type(getattr(self, k)).__name__}" for k in self._metrics
+        )
+        return f"Collection({inner})"
+
+    @classmethod
+    def empty(cls, num_shards: int = 0) -> Collection:
+        cls._check_declared()
+        return cls(*(m.empty(num_shards) for m in cls._metrics.values()))
+
+    @classmethod
+    def from_model_output(
+        cls, *, num_shards: int | None = None, **outputs
+    ) -> Collection:
+        """Every metric of one batch (each reads the outputs it needs); one shard
+        count for all, read from ``mask`` or the first batched output."""
+        cls._check_declared()
+        if num_shards is None:
+            num_shards = _batch_shards(outputs)
+        return cls(
+            *(
+                m.from_model_output(num_shards=num_shards, **outputs)
+                for m in cls._metrics.values()
+            )
+        )
+
+    def update(self, *, num_shards: int | None = None, **outputs) -> Collection:
+        return self.merge(
+            type(self).from_model_output(num_shards=num_shards, **outputs)
+        )
+
+    def merge(self, other: Collection) -> Collection:
+        if type(other) is not type(self):
+            raise TypeError("cannot merge Collections of different declarations")
+        return type(self)(
+            *(getattr(self, k).merge(getattr(other, k)) for k in self._metrics)
+        )
+
+    def compute(self, axis_name: Any = None) -> dict[str, jax.Array]:
+        """Every metric's value, by name: one gather for all of them (at most 2
+        collectives). Returns JAX arrays without waiting for them."""
+        metrics = [getattr(self, k) for k in self._metrics]
+        counted = [m for m in metrics if m.num_shards]
+        gathered = iter(_gather(counted, axis_name))
+        values = {}
+        for name, m in zip(self._metrics, metrics, strict=True):
+            done = next(gathered) if m.num_shards else m
+            values[name] = done._fold()._value()
+        return values
+
+    @classmethod
+    def _check_declared(cls) -> None:
+        if not cls._metrics:
+            raise TypeError(
+                "declare a Collection with Collection.create(name=Metric, ...)"
+            )
+
+
+def _batch_shards(outputs: Mapping[str, Any]) -> int | None:
+    names = ["mask", *(k for k in outputs if k != "mask")]
+    for name in names:
+        x = outputs.get(name)
+        if isinstance(x, jax.Array | jax.core.Tracer) and x.ndim:
+            known = _num_shards(x)
+            if known is not None:
+                return known
+    return None
+
+
+def _collection_init(fields: list[str]):
+    def __init__(self, *metrics):
+        if len(metrics) != len(fields):
+            raise TypeError(f"a Collection of {fields} takes {len(fields)} metrics")
+        for name, m in zip(fields, metrics, strict=True):
+            object.__setattr__(self, name, m)
+
+    return __init__

@@ -1,0 +1,426 @@
+"""jaxhistory.metrics: every accumulator against float64 NumPy, on the host, on
+an 8-device mesh under jit and per device under shard_map (check_vma=True)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxhistory as jh
+from jaxhistory import metrics as M
+
+C = 5  # classes
+ALL = M.Collection.create(
+    mean=M.Average.from_output("values"),
+    total=M.Sum.from_output("values"),
+    n=M.Count.from_output("values"),
+    hi=M.Max.from_output("values"),
+    lo=M.Min.from_output("values"),
+    last=M.Last.from_output("values"),
+    std=M.Std.from_output("values"),
+    acc=M.Accuracy,
+    acc3=M.Accuracy.top(3),
+)
+
+
+def reference(batches) -> dict[str, float]:
+    """Float64 NumPy over the unmasked examples of every batch, in order."""
+    v = np.concatenate([np.asarray(b["values"], np.float64) for b in batches])
+    m = np.concatenate([np.asarray(b["mask"], bool) for b in batches])
+    logits = np.concatenate([np.asarray(b["logits"], np.float64) for b in batches])
+    labels = np.concatenate([b["labels"] for b in batches])
+    x = v[m]
+    none = not x.size
+    hit = logits.argmax(-1) == labels
+    mine = np.take_along_axis(logits, labels[:, None], -1)
+    hit3 = (logits > mine).sum(-1) < 3
+    return {
+        "mean": math.nan if none else x.mean(),
+        "total": x.sum(),
+        "n": x.size,
+        "hi": math.nan if none else x.max(),
+        "lo": math.nan if none else x.min(),
+        "last": math.nan if none else x[-1],
+        "std": math.nan if none else x.std(),
+        "acc": math.nan if none else hit[m].mean(),
+        "acc3": math.nan if none else hit3[m].mean(),
+    }
+
+
+def make_batches(case: str, rng) -> list[dict]:
+    sizes = [16, 16, 8] if case != "empty" else [16, 0, 8]
+    batches = []
+    for i, b in enumerate(sizes):
+        values = rng.normal(size=b)
+        if case == "offset":
+            values = 1e4 + values  # sum of squares would lose every digit
+        mask = rng.random(b) > 0.3
+        if i == len(sizes) - 1:
+            mask[b // 2 :] = False  # a padded last batch: uneven across devices
+        if case == "all_masked" and i == 1:
+            mask[:] = False
+            values[:] = np.nan  # padding may hold anything
+        if case == "nan" and i == 1:
+            values[3], mask[3] = np.nan, True
+        if case == "ints":
+            values = rng.integers(-50, 50, size=b).astype(np.int32)
+        elif case == "bf16":
+            values = jnp.asarray(values, jnp.bfloat16)
+        else:
+            values = values.astype(np.float32)
+        batches.append(
+            {
+                "values": values,
+                "mask": mask,
+                "logits": rng.normal(size=(b, C)).astype(np.float32),
+                "labels": rng.integers(0, C, size=b).astype(np.int32),
+            }
+        )
+    return batches
+
+
+def run_host(batches):
+    m = ALL.empty()
+    for b in batches:
+        m = m.update(**b)
+    return m.compute()
+
+
+def run_spmd(batches, mesh):
+    sharded = NamedSharding(mesh, P("data"))
+    step = jax.jit(lambda m, b: m.update(**b))
+    m = ALL.empty(num_shards=8)
+    for b in batches:
+        m = step(m, jax.device_put(b, sharded))
+    return jax.jit(lambda m: m.compute())(m)
+
+
+def run_shard_map(batches, mesh):
+    step = jax.jit(
+        jax.shard_map(
+            lambda m, b: m.update(**b),
+            mesh=mesh,
+            in_specs=(P("data"), P("data")),
+            out_specs=P("data"),
+            check_vma=True,
+        )
+    )
+    compute = jax.jit(
+        jax.shard_map(
+            lambda m: m.compute(axis_name="data"),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P(),
+            check_vma=True,
+        )
+    )
+    sharded = NamedSharding(mesh, P("data"))
+    # one shard per device inside shard_map
+    m = jax.device_put(ALL.empty(num_shards=8), sharded)
+    for b in batches:
+        m = step(m, jax.device_put(b, sharded))
+    return compute(m)
+
+
+CASES = ["plain", "offset", "nan", "bf16", "ints", "empty", "all_masked"]
+
+
+@pytest.mark.parametrize("mode", ["host", "spmd", "shard_map"])
+@pytest.mark.parametrize("case", CASES)
+def test_every_metric_matches_float64_numpy(case, mode, mesh):
+    batches = make_batches(case, np.random.default_rng(CASES.index(case)))
+    run = {"host": run_host, "spmd": run_spmd, "shard_map": run_shard_map}[mode]
+    got = run(batches) if mode == "host" else run(batches, mesh)
+    want = reference(batches)
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert isinstance(got[name], jax.Array), name  # never waited for
+        rtol = 2e-4 if name == "std" and case == "offset" else 1e-5
+        np.testing.assert_allclose(
+            np.asarray(got[name], np.float64),
+            value,
+            rtol=rtol,
+            atol=1e-4 if name in ("total", "std") else 0,
+            err_msg=f"{name} ({case}, {mode})",
+        )
+
+
+def test_std_is_stable_in_float32_where_sums_of_squares_fail():
+    x = (1e4 + np.random.default_rng(0).normal(size=4096)).astype(np.float32)
+    m = M.Std.empty()
+    for chunk in np.split(x, 16):
+        m = m.update(values=chunk, num_shards=8)
+    got = float(m.compute())
+    want = x.astype(np.float64).std()
+    assert abs(got - want) / want < 1e-4
+    with np.errstate(invalid="ignore"):  # float32 sums of squares: var < 0 here
+        naive = np.sqrt(np.mean(np.square(x)) - np.square(np.mean(x)))
+    assert not abs(naive - want) / want < 1e-2  # what the merge avoids
+
+
+# ----- collectives -------------------------------------------------------------------
+
+
+def test_a_collection_computes_in_2_collectives_and_updates_in_none(mesh):
+    batch = jax.device_put(
+        make_batches("plain", np.random.default_rng(0))[0],
+        NamedSharding(mesh, P("data")),
+    )
+    m = ALL.empty(num_shards=8).update(**batch)
+    counts = jh.collective_counts(lambda m: m.compute(), m)
+    assert sum(counts.values()) <= 2, counts
+    assert jh.collective_counts(lambda m, b: m.update(**b), m, batch) == {}
+    one = M.Collection.create(loss=M.Average.from_output("values"))
+    single = one.empty(num_shards=8).update(values=batch["values"])
+    assert sum(jh.collective_counts(lambda m: m.compute(), single).values()) == 1
+
+
+def test_shard_map_compute_gathers_in_2_collectives(mesh):
+    m = jax.device_put(ALL.empty(num_shards=8), NamedSharding(mesh, P("data")))
+    f = jax.shard_map(
+        lambda m: m.compute(axis_name="data"),
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P(),
+        check_vma=True,
+    )
+    counts = jh.collective_counts(f, m)
+    assert sum(counts.values()) <= 2, counts
+
+
+def test_one_shard_computes_without_collectives():
+    m = ALL.empty().update(**make_batches("plain", np.random.default_rng(1))[0])
+    assert m.acc.num_shards == 1
+    assert jh.collective_counts(lambda m: m.compute(), m) == {}
+
+
+# ----- loops -------------------------------------------------------------------------
+
+
+def test_scan_and_fori_loop_carry_a_collection_without_retracing(mesh):
+    batches = make_batches("plain", np.random.default_rng(2))[:2]
+    stacked = jax.device_put(
+        jax.tree.map(lambda *x: np.stack(x), *batches),
+        NamedSharding(mesh, P(None, "data")),
+    )
+    traces = []
+
+    @jax.jit
+    def evaluate(stacked):
+        traces.append(1)
+
+        def body(m, b):
+            return m.update(**b), None
+
+        m, _ = jax.lax.scan(body, ALL.empty(num_shards=8), stacked)
+        return m.compute()
+
+    got = evaluate(stacked)
+    evaluate(stacked)
+    assert len(traces) == 1
+    want = reference(batches)
+    for name in want:
+        np.testing.assert_allclose(
+            float(got[name]), want[name], rtol=1e-5, err_msg=name
+        )
+
+    @jax.jit
+    def fori(stacked):
+        def body(i, m):
+            return m.update(**jax.tree.map(lambda x: x[i], stacked))
+
+        return jax.lax.fori_loop(0, 2, body, ALL.empty(num_shards=8)).compute()
+
+    np.testing.assert_allclose(float(fori(stacked)["mean"]), want["mean"], rtol=1e-5)
+
+
+# ----- merge: associative, empty() its identity ---------------------------------------
+
+batch_values = st.lists(
+    st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=0, max_size=12
+).map(lambda v: v[: len(v) - len(v) % 4])
+
+
+def host_metric(values, seed):
+    rng = np.random.default_rng(seed)
+    n = len(values)
+    return ALL.from_model_output(
+        values=np.asarray(values, np.float32),
+        mask=rng.random(n) > 0.3,
+        logits=rng.normal(size=(n, C)).astype(np.float32),
+        labels=rng.integers(0, C, size=n).astype(np.int32),
+        num_shards=4,
+    )
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch_values, batch_values, batch_values)
+def test_merge_is_associative_and_empty_is_its_identity(a, b, c):
+    x, y, z = host_metric(a, 0), host_metric(b, 1), host_metric(c, 2)
+    left = x.merge(y).merge(z).compute()
+    right = x.merge(y.merge(z)).compute()
+    for name in left:
+        np.testing.assert_allclose(
+            np.asarray(left[name]), np.asarray(right[name]), rtol=1e-5, atol=1e-3
+        )
+    for identity in (ALL.empty(), ALL.empty(num_shards=4)):
+        for merged in (identity.merge(x), x.merge(identity)):
+            for got, want in zip(
+                jax.tree.leaves(merged), jax.tree.leaves(x), strict=True
+            ):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# ----- host use, History, flax --------------------------------------------------
+
+
+def test_history_records_a_collections_compute_in_one_update():
+    m = ALL.empty()
+    for b in make_batches("plain", np.random.default_rng(3)):
+        m = m.update(**b)
+    h = jh.History(distributed_history=False)
+    h.update({"eval": m.compute()}, step=10)
+    state = h.state
+    assert sorted(k for k in state.keys if k.startswith("eval/")) == sorted(
+        f"eval/{k}" for k in ALL._metrics
+    )
+    assert state.steps("eval/acc").tolist() == [10]
+    h.close()
+
+
+def test_scalars_count_once_and_follow_the_batch_shards(mesh):
+    Lr = M.Collection.create(
+        lr=M.Last.from_output("lr"), loss=M.Average.from_output("loss")
+    )
+    loss = jax.device_put(
+        np.arange(16.0, dtype=np.float32), NamedSharding(mesh, P("data"))
+    )
+    m = Lr.empty(num_shards=8)
+    for lr in (0.1, 0.05):
+        m = jax.jit(lambda m, lr, loss: m.update(lr=lr, loss=loss))(m, lr, loss)
+    out = m.compute()
+    assert float(out["lr"]) == pytest.approx(0.05) and float(out["loss"]) == 7.5
+    avg = M.Average.empty().update(values=2.0).update(values=4.0)
+    assert float(avg.compute()) == 3.0
+
+
+def test_weighted_average_and_arrays_per_example():
+    m = M.Average.from_output("x", weights="w").from_model_output(
+        x=np.array([[1.0, 3.0], [10.0, 10.0], [np.nan, 0.0]]),
+        w=np.array([1.0, 3.0, 0.0]),
+    )
+    assert float(m.compute()) == pytest.approx((1 + 3 + 3 * 20) / 8)
+    s = M.Std.from_output("x").from_model_output(x=np.arange(8.0).reshape(4, 2))
+    assert float(s.compute()) == pytest.approx(np.arange(8.0).std())
+
+
+def test_collection_lives_in_an_nnx_module_and_in_a_train_state():
+    nnx = pytest.importorskip("flax.nnx")
+    Metrics = M.Collection.create(
+        loss=M.Average.from_output("loss"), accuracy=M.Accuracy
+    )
+
+    class Classifier(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, C, rngs=rngs)
+            self.metrics = nnx.data(Metrics.empty(num_shards=1))
+
+    model = Classifier(nnx.Rngs(0))
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    y = rng.integers(0, C, size=8).astype(np.int32)
+
+    @nnx.jit
+    def eval_step(model, x, y):
+        logits = model.linear(x)
+        loss = -jax.nn.log_softmax(logits)[jnp.arange(len(y)), y]
+        model.metrics = model.metrics.update(loss=loss, logits=logits, labels=y)
+
+    eval_step(model, x, y)
+    eval_step(model, x, y)
+    got = model.metrics.compute()
+    logits = np.asarray(model.linear(x))
+    assert float(got["accuracy"]) == pytest.approx((logits.argmax(1) == y).mean())
+
+    # ... or carried beside the parameters in a train state (a plain pytree).
+    state = {"params": nnx.state(model.linear), "metrics": Metrics.empty(num_shards=1)}
+    state = jax.jit(
+        lambda s: {
+            **s,
+            "metrics": s["metrics"].update(loss=x[:, 0], logits=logits, labels=y),
+        }
+    )(state)
+    assert float(state["metrics"].compute()["loss"]) == pytest.approx(x[:, 0].mean())
+
+
+# ----- bad input ----------------------------------------------------------------------
+
+
+def test_bad_input_gets_a_clear_error():
+    with pytest.raises(TypeError, match=r"needs loss= \(given: values\)"):
+        M.Average.from_output("loss").from_model_output(values=np.ones(4))
+    with pytest.raises(ValueError, match="mask has 3"):
+        M.Average.from_model_output(values=np.ones(4), mask=np.ones(3, bool))
+    with pytest.raises(ValueError, match=r"mask must be one flag per example"):
+        M.Average.from_model_output(values=np.ones(4), mask=np.ones((4, 1), bool))
+    with pytest.raises(ValueError, match="does not split into 3 equal shards"):
+        M.Average.from_model_output(values=np.ones(4), num_shards=3)
+    with pytest.raises(ValueError, match="num_shards must be a positive int"):
+        M.Average.from_model_output(values=np.ones(4), num_shards=0)
+    with pytest.raises(ValueError, match="num_shards must be an int >= 0"):
+        M.Average.empty(-1)
+    with pytest.raises(TypeError, match="must be numeric"):
+        M.Average.from_model_output(values=np.array(["a"]))
+    with pytest.raises(TypeError, match="must be numeric"):
+        M.Average.from_model_output(values=[object()])
+    with pytest.raises(TypeError, match="labels must be integers"):
+        M.Accuracy.from_model_output(predictions=np.ones(2), labels=np.ones(2))
+    with pytest.raises(TypeError, match="needs logits="):
+        M.Accuracy.from_model_output(labels=np.ones(2, np.int32))
+    with pytest.raises(ValueError, match="plus a class axis"):
+        M.Accuracy.from_model_output(logits=np.ones(2), labels=np.ones(2, np.int32))
+    with pytest.raises(ValueError, match="needs logits"):
+        M.Accuracy.top(2).from_model_output(
+            predictions=np.ones(2, np.int32), labels=np.ones(2, np.int32)
+        )
+    for k in (0, 1.5, True):
+        with pytest.raises(ValueError, match="positive int k"):
+            M.Accuracy.top(k)
+    with pytest.raises(ValueError, match="one value per example"):
+        M.Last.from_model_output(values=np.ones((2, 2)))
+    with pytest.raises(ValueError, match="one weight per example"):
+        M.Average.from_output("x", weights="w").from_model_output(
+            x=np.ones(4), w=np.ones(3)
+        )
+
+
+def test_merging_what_does_not_fit_is_refused():
+    a = M.Average.from_model_output(values=np.ones(8), num_shards=8)
+    b = M.Average.from_model_output(values=np.ones(8), num_shards=4)
+    with pytest.raises(ValueError, match="of 8 shards with one of 4"):
+        a.merge(b)
+    with pytest.raises(TypeError, match="cannot merge Average with Sum"):
+        a.merge(M.Sum.empty())
+    with pytest.raises(TypeError, match="different declarations"):
+        ALL.empty().merge(M.Collection.create(x=M.Sum).empty())
+    assert float(a.merge(a).compute()) == 1.0  # and nothing recorded changed
+
+
+def test_collection_declarations_are_checked():
+    with pytest.raises(ValueError, match="at least one metric"):
+        M.Collection.create()
+    with pytest.raises(TypeError, match="loss= must be a metric class"):
+        M.Collection.create(loss=M.Average.empty())
+    with pytest.raises(TypeError, match="loss= must be a metric class"):
+        M.Collection.create(loss="Average")
+    with pytest.raises(TypeError, match="declare a Collection"):
+        M.Collection.empty()
+    with pytest.raises(AttributeError, match="no metric 'los' in this Collection"):
+        _ = ALL.empty().los
+    assert M.Average.from_output("x") is M.Average.from_output("x")  # one pytree type
