@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_publish.py --out benchmarks/results/publish.md
 	$(BIN)/python benchmarks/bench_multihost.py --out benchmarks/results/multihost.md
 	$(BIN)/python benchmarks/bench_scale.py --out benchmarks/results/scale.md
+	$(BIN)/python benchmarks/bench_metrics.py --out benchmarks/results/metrics.md
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

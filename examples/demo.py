@@ -12,6 +12,10 @@ across devices without leaving the jitted train step:
   :func:`jaxhistory.distributed_stats` computes that loss's mean, max, min and
   standard deviation across the shards on device, in two all-reduces;
 * the host fetches the statistics only for logged steps, in one ``jax.device_get``;
+* every ``--eval-every`` steps, a held-out set of 1,000 examples is evaluated in
+  padded batches with a :class:`jaxhistory.metrics.Collection` (the loss's mean and
+  standard deviation, and the example count): each device keeps its own partial
+  sums, the padding is masked out, and ``compute`` gathers them in 2 all-reduces;
 * every step is recorded in a :class:`jaxhistory.History` without waiting for the
   device, and ``history.finalize`` writes the run's outputs at the end: the dataset
   (``dataset.nc``), the JSONL log, matplotlib and terminal plots and ``report.md``.
@@ -47,6 +51,14 @@ from jaxhistory import trace
 IN_FEATURES = 16
 HIDDEN = 64
 NUM_EXAMPLES = 8192
+NUM_EVAL = 1000  # not a multiple of the batch: the last eval batch is padded
+
+# Eval metrics: per-device partial state, merged over batches, gathered at the end.
+EvalMetrics = jaxhistory.metrics.Collection.create(
+    loss=jaxhistory.metrics.Average.from_output("loss"),
+    loss_std=jaxhistory.metrics.Std.from_output("loss"),
+    examples=jaxhistory.metrics.Count.from_output("loss"),
+)
 
 # Simulated CPU devices run their collectives on a small pool of host threads; when
 # more than about 16 jitted steps containing cross-device collectives are queued
@@ -69,15 +81,19 @@ class MLP(nnx.Module):
         return self.out(x)
 
 
-def make_dataset(seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Synthetic regression data: a smooth nonlinear target plus a little noise."""
+def make_dataset(seed: int) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """Synthetic regression data, a smooth nonlinear target plus a little noise:
+    the training set and a held-out set of ``NUM_EVAL`` examples."""
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(NUM_EXAMPLES, IN_FEATURES)).astype(np.float32)
     w = rng.normal(size=(IN_FEATURES, 1)).astype(np.float32) / np.sqrt(IN_FEATURES)
     v = rng.normal(size=(IN_FEATURES, 1)).astype(np.float32) / np.sqrt(IN_FEATURES)
-    y = np.sin(2.0 * x @ w) + 0.5 * (x @ v) ** 2
-    y += 0.05 * rng.normal(size=y.shape).astype(np.float32)
-    return x, y.astype(np.float32)
+    sets = []
+    for inputs in (x, rng.normal(size=(NUM_EVAL, IN_FEATURES)).astype(np.float32)):
+        y = np.sin(2.0 * inputs @ w) + 0.5 * (inputs @ v) ** 2
+        y += 0.05 * rng.normal(size=y.shape).astype(np.float32)
+        sets.append((inputs, y.astype(np.float32)))
+    return tuple(sets)
 
 
 @nnx.jit
@@ -97,6 +113,29 @@ def train_step(
     return stats, optax.global_norm(grads)
 
 
+@nnx.jit
+def eval_step(model: MLP, metrics, x: jax.Array, y: jax.Array, mask: jax.Array):
+    """Adds one (padded) batch to the eval metrics: no data moves between devices."""
+    per_example = jnp.mean(jnp.square(model(x) - y), axis=-1)
+    return metrics.update(loss=per_example, mask=mask)
+
+
+def evaluate(model: MLP, data, batch_size: int, sharding) -> dict[str, jax.Array]:
+    """The eval metrics over ``data`` in padded batches (JAX arrays, not waited for)."""
+    xs, ys = data
+    metrics = EvalMetrics.empty(num_shards=jax.device_count())
+    for start in range(0, len(xs), batch_size):
+        n = min(batch_size, len(xs) - start)
+        x = np.zeros((batch_size, xs.shape[1]), np.float32)
+        y = np.zeros((batch_size, ys.shape[1]), np.float32)
+        x[:n], y[:n] = xs[start : start + n], ys[start : start + n]
+        mask = np.arange(batch_size) < n  # False on the padding
+        batch = jax.device_put((x, y), sharding)
+        mask = jax.device_put(mask, NamedSharding(sharding.mesh, P("data")))
+        metrics = eval_step(model, metrics, *batch, mask)
+    return metrics.compute()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="training steps")
@@ -107,17 +146,20 @@ def main(argv: list[str] | None = None) -> None:
         "--outdir", default="outputs/demo", help="where finalize writes the outputs"
     )
     parser.add_argument("--lr", type=float, default=3e-3, help="learning rate")
+    parser.add_argument(
+        "--eval-every", type=int, default=50, help="steps between evaluations"
+    )
     args = parser.parse_args(argv)
 
     n = jax.device_count()
     if args.batch_size % n:
         parser.error(f"--batch-size {args.batch_size} must be a multiple of {n}")
-    if args.steps < 1 or args.log_every < 1:
-        parser.error("--steps and --log-every must be positive")
+    if args.steps < 1 or args.log_every < 1 or args.eval_every < 1:
+        parser.error("--steps, --log-every and --eval-every must be positive")
 
     mesh = jax.make_mesh((n,), ("data",))
     batch_sharding = NamedSharding(mesh, P("data", None))
-    xs, ys = make_dataset(args.seed)
+    (xs, ys), held_out = make_dataset(args.seed)  # held_out: never trained on
     batch_rng = np.random.default_rng(args.seed + 1)
 
     # Host RSS and device memory of each stage (on CPU devices: live array bytes).
@@ -169,6 +211,11 @@ def main(argv: list[str] | None = None) -> None:
                         f"std={s['loss/std']:.6f}  grad_norm={grad_norm:.4f}",
                         flush=True,
                     )
+            if step % args.eval_every == 0 or step == args.steps:
+                # eval/loss, eval/loss_std, eval/examples, recorded without waiting
+                results = evaluate(model, held_out, args.batch_size, batch_sharding)
+                history.update({"eval": results}, step=step, summarize=False)
+                jax.block_until_ready(results)  # its all-reduces: keep the queue short
             elif step % MAX_STEPS_IN_FLIGHT == 0:
                 # See MAX_STEPS_IN_FLIGHT: never let too many steps queue up.
                 jax.block_until_ready(out)

@@ -125,3 +125,17 @@ def test_bench_scale_quick(tmp_path):
     for label in ("100 metrics x 200 steps, with plots", "1,000 key sets, no plots"):
         row = re.search(rf"^\| {re.escape(label)} \| [\d.]+ \| ([\d.]+) \|", text, re.M)
         assert row and float(row.group(1)) > 0, f"no figure for {label}:\n{text}"
+
+
+def test_bench_metrics_quick(tmp_path):
+    _, text = run_quick("bench_metrics.py", tmp_path)
+    row = re.search(
+        r"^\| jaxhistory `Collection`[^|]* \| 0 \| ([12]) \| (\d+) \| ([\d.]+) "
+        r"\| yes \|",
+        text,
+        re.M,
+    )
+    assert row, text  # no collective per update, at most 2 per compute, exact
+    assert re.search(
+        r"^\| flax `nnx.MultiMetric`[^|]* \| \d+ \| \d+ \| \d+ \|", text, re.M
+    )

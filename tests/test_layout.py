@@ -66,6 +66,7 @@ LAYERS = {
     "jaxhistory.export._draw_worker": EFFECTS,
     "jaxhistory._buffer": DEVICE,
     "jaxhistory._memory": DEVICE,
+    "jaxhistory.metrics": DEVICE,  # accumulators: per-device state, jit and shard_map
     # Pure data: the history's tables and their conversions, no files or threads.
     "jaxhistory._table": DATA,
     "jaxhistory._history_state": DATA,

@@ -424,3 +424,33 @@ def test_collection_declarations_are_checked():
     with pytest.raises(AttributeError, match="no metric 'los' in this Collection"):
         _ = ALL.empty().los
     assert M.Average.from_output("x") is M.Average.from_output("x")  # one pytree type
+
+
+def test_an_auto_mesh_needs_num_shards_for_per_device_state():
+    from jax.sharding import AxisType
+
+    auto = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    batch = jax.device_put(
+        make_batches("plain", np.random.default_rng(5))[0], NamedSharding(auto, P("data"))
+    )
+    want = reference([batch])
+    # Inside jit the shard count of an Auto axis is unknown: given, the state is
+    # per device (no collective per update); not given, one shard (still exact).
+    for num_shards, shards in ((8, 8), (None, 1)):
+
+        def step(m, b, num_shards=num_shards):
+            return m.update(num_shards=num_shards, **b)
+
+        m = jax.jit(step)(ALL.empty(num_shards=shards), batch)
+        assert m.acc.num_shards == shards
+        got = m.compute()
+        for name in ("mean", "std", "acc", "last"):
+            np.testing.assert_allclose(float(got[name]), want[name], rtol=1e-5)
+        if shards == 8:
+            counts = jh.collective_counts(step, ALL.empty(num_shards=8), batch)
+            assert counts == {}, counts
+    with pytest.raises(ValueError, match="num_shards=4 but values's batch axis"):
+        M.Average.from_model_output(
+            values=jax.device_put(np.ones(8), NamedSharding(auto, P("data"))),
+            num_shards=4,
+        )

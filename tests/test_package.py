@@ -44,6 +44,7 @@ def test_missing_optional_package_names_the_pip_install(monkeypatch):
 
 def test_missing_extra_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "flax", None)
+    monkeypatch.setitem(sys.modules, "flax.nnx", None)  # imported by other tests
     with pytest.raises(ImportError, match=r"pip install 'jaxhistory\[nnx\]'"):
         import_optional("flax.nnx", "the nnx integration")
 
