@@ -431,7 +431,8 @@ def test_an_auto_mesh_needs_num_shards_for_per_device_state():
 
     auto = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     batch = jax.device_put(
-        make_batches("plain", np.random.default_rng(5))[0], NamedSharding(auto, P("data"))
+        make_batches("plain", np.random.default_rng(5))[0],
+        NamedSharding(auto, P("data")),
     )
     want = reference([batch])
     # Inside jit the shard count of an Auto axis is unknown: given, the state is
