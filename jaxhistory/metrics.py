@@ -285,7 +285,19 @@ def _elements(x: jax.Array) -> int:
 # ----- the metrics -----------------------------------------------------------------
 
 
-class Average(Metric):
+class _OfOutput(Metric):
+    """A metric of one model output: ``values``, or the name given to
+    :meth:`from_output`."""
+
+    argname: ClassVar[str] = "values"
+
+    @classmethod
+    def from_output(cls, argname: str):
+        """This metric of the model output named ``argname``."""
+        return _variant(cls, argname=argname)
+
+
+class Average(_OfOutput):
     """The (weighted) mean of every value counted.
 
     Reads ``values`` (one per example, or an array per example whose elements all
@@ -296,7 +308,6 @@ class Average(Metric):
     total: jax.Array
     weight: jax.Array
 
-    argname: ClassVar[str] = "values"
     weightname: ClassVar[str | None] = None
 
     @classmethod
@@ -341,16 +352,10 @@ class Average(Metric):
         return (self.total / self.weight)[0]
 
 
-class Sum(Metric):
+class Sum(_OfOutput):
     """The sum of every value counted (``values``, optional ``mask``)."""
 
     total: jax.Array
-
-    argname: ClassVar[str] = "values"
-
-    @classmethod
-    def from_output(cls, argname: str) -> type[Sum]:
-        return _variant(cls, argname=argname)
 
     @classmethod
     def _identity(cls, n):
@@ -371,17 +376,11 @@ class Sum(Metric):
         return self.total[0]
 
 
-class Count(Metric):
+class Count(_OfOutput):
     """How many examples were counted: the true entries of ``mask``, or the
     batch size of ``values`` without one."""
 
     count: jax.Array
-
-    argname: ClassVar[str] = "values"
-
-    @classmethod
-    def from_output(cls, argname: str) -> type[Count]:
-        return _variant(cls, argname=argname)
 
     @classmethod
     def _identity(cls, n):
@@ -405,18 +404,13 @@ class Count(Metric):
         return self.count[0]
 
 
-class _Extreme(Metric):
+class _Extreme(_OfOutput):
     value: jax.Array
     count: jax.Array
 
-    argname: ClassVar[str] = "values"
     _pick: ClassVar[Callable] = staticmethod(jnp.maximum)
     _reduce: ClassVar[Callable] = staticmethod(jnp.max)
     _start: ClassVar[float] = -math.inf
-
-    @classmethod
-    def from_output(cls, argname: str):
-        return _variant(cls, argname=argname)
 
     @classmethod
     def _identity(cls, n):
@@ -456,7 +450,7 @@ class Min(_Extreme):
     _start: ClassVar[float] = math.inf
 
 
-class Last(Metric):
+class Last(_OfOutput):
     """The last value counted: of the last batch merged that counted any, its
     last unmasked example (in batch order across devices). ``values``: a scalar
     (a learning rate) or one value per example.
@@ -469,12 +463,6 @@ class Last(Metric):
     value: jax.Array
     stamp: jax.Array
     clock: jax.Array
-
-    argname: ClassVar[str] = "values"
-
-    @classmethod
-    def from_output(cls, argname: str) -> type[Last]:
-        return _variant(cls, argname=argname)
 
     @classmethod
     def _identity(cls, n):
@@ -524,7 +512,7 @@ class Last(Metric):
         return jnp.where(self.stamp[0] > 0, self.value[0], jnp.nan)
 
 
-class Std(Metric):
+class Std(_OfOutput):
     """The standard deviation (population, ``ddof=0``) of every value counted,
     by Chan's parallel merge of (count, mean, sum of squared deviations): stable
     in float32 for values like 1e4 +- 1, where sums of squares lose every digit.
@@ -533,12 +521,6 @@ class Std(Metric):
     count: jax.Array
     mean: jax.Array
     m2: jax.Array
-
-    argname: ClassVar[str] = "values"
-
-    @classmethod
-    def from_output(cls, argname: str) -> type[Std]:
-        return _variant(cls, argname=argname)
 
     @classmethod
     def _identity(cls, n):
@@ -771,7 +753,7 @@ class Collection:
                     f"Collection.create: {name}= must be a metric class (Average, "
                     f"Accuracy, Std.from_output('loss'), ...), got {metric!r}"
                 )
-            if metric in (Metric, _Extreme):
+            if metric in (Metric, _OfOutput, _Extreme):
                 raise TypeError(f"Collection.create: {name}= is not a concrete metric")
         cls = type("Collection", (Collection,), {"_metrics": dict(metrics)})
         fields = list(metrics)

@@ -514,38 +514,17 @@ def test_cli_report_takes_max_plots(tmp_path):
         s = s.update({f"m{i}": float(step) for i in range(4)}, step=step)
     export.to_netcdf(s, tmp_path / "dataset.nc")
     out = tmp_path / "out"
-    assert (
-        cli.main(
-            ["report", str(tmp_path / "dataset.nc"), "-o", str(out), "--max-plots", "1"]
-        )
-        == 0
-    )
+
+    def report(cap):
+        args = ["report", str(tmp_path / "dataset.nc"), "-o", str(out)]
+        return cli.main([*args, "--max-plots", cap])
+
+    assert report("1") == 0
     assert [p.name for p in (out / "plots" / "mplot").iterdir()] == ["m0.png"]
-    assert (
-        cli.main(
-            [
-                "report",
-                str(tmp_path / "dataset.nc"),
-                "-o",
-                str(out),
-                "--max-plots",
-                "all",
-            ]
-        )
-        == 0
-    )
+    assert report("all") == 0
     assert len(list((out / "plots" / "mplot").iterdir())) == 4
     with pytest.raises(SystemExit):
-        cli.main(
-            [
-                "report",
-                str(tmp_path / "dataset.nc"),
-                "-o",
-                str(out),
-                "--max-plots",
-                "many",
-            ]
-        )
+        report("many")
 
 
 def key_sets(n):
