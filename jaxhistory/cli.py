@@ -9,12 +9,14 @@ A.json B.json -o merged.json`` merges Chrome trace files onto one clock.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
 
 from jaxhistory._env import ENV_LABELS
 from jaxhistory._history_state import HistoryState
+from jaxhistory._version import __version__
 from jaxhistory._xarray import read_netcdf
 from jaxhistory.export._finalize import finalize
 from jaxhistory.export._markdown import stats_table
@@ -72,14 +74,33 @@ def _max_plots(text: str) -> int | None:
     return value
 
 
+WARMUP_HELP = (
+    "steps left out of the statistics and plots: a fraction of the steps below 1 "
+    "(0.05) or a number of steps (10); default: the warmup recorded with the run "
+    "(a dataset file), else 0"
+)
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxhistory", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="jaxhistory",
+        description=__doc__.replace("``", ""),  # plain text, not reST, in --help
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"jaxhistory {__version__}"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     report = sub.add_parser("report", help="regenerate every output of a saved run")
     report.add_argument("run", help="a run's JSONL log, dataset.nc or output folder")
     report.add_argument("-o", "--outdir", required=True, help="where to write")
-    report.add_argument("--warmup", type=_warmup, default=0.0)
-    report.add_argument("--num-chains", type=int, default=128)
+    report.add_argument("--warmup", type=_warmup, default=None, help=WARMUP_HELP)
+    report.add_argument(
+        "--num-chains",
+        type=int,
+        default=128,
+        help="series drawn per array metric in its ridge and heatmap plots",
+    )
     report.add_argument("--no-plots", action="store_true", help="skip the plots")
     report.add_argument(
         "--max-plots",
@@ -87,10 +108,12 @@ def _parser() -> argparse.ArgumentParser:
         default=MAX_PLOTS,
         help=f"plot at most this many metrics (default {MAX_PLOTS}; 'all' for all)",
     )
-    report.add_argument("--run-name", default=None)
+    report.add_argument(
+        "--run-name", default=None, help="the run's name in the report's title"
+    )
     summary = sub.add_parser("summary", help="print the statistics of a saved run")
     summary.add_argument("run", help="a run's JSONL log, dataset.nc or output folder")
-    summary.add_argument("--warmup", type=_warmup, default=0.0)
+    summary.add_argument("--warmup", type=_warmup, default=None, help=WARMUP_HELP)
     merge = sub.add_parser(
         "merge-traces", help="merge Chrome trace files onto one clock"
     )
@@ -114,7 +137,17 @@ def _merge(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the command; returns its exit status (2: a bad or unreadable run)."""
     args = _parser().parse_args(argv)
+    try:
+        return _main(args)
+    except BrokenPipeError:  # `jaxhistory summary RUN | head`: the reader left
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error at exit
+        return 0
+
+
+def _main(args) -> int:
     if args.command == "merge-traces":
         return _merge(args)
     try:
@@ -122,8 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         print(f"jaxhistory: {err}", file=sys.stderr)
         return 2
+    if not len(state):
+        print(f"jaxhistory: {args.run} holds no complete record", file=sys.stderr)
+        return 2
+    if args.warmup is None:  # the warmup the run's own report used
+        args.warmup = float(attrs.get("warmup_steps", 0))
     if args.command == "summary":
-        print("\n".join(stats_table(state, args.warmup)))
+        print("\n".join(stats_table(state, args.warmup)), flush=True)
         return 0
     source = _run_file(args.run)
     outdir = Path(args.outdir)

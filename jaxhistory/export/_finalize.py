@@ -196,6 +196,7 @@ def finalize(
             path,
             warmup=warmup,
             run_id=run_id,
+            run_name=run_name,
             environment=env,
             images=[p for p in images if p.suffix == ".png"],
             terminal_plots=terminal,

@@ -113,10 +113,12 @@ def to_markdown(
     terminal_plots: dict[str, str] | None = None,
     files: list[str | os.PathLike] = (),
     unplotted: list[tuple[str, int]] = (),
+    run_name: str | None = None,
 ) -> Path:
     """Writes the run's markdown report to ``path``; returns it.
 
-    Sections: a header (run id, when, steps, metrics, warmup dropped), the
+    Sections: a header (the run name given, else its id; the id; when, steps,
+    metrics, warmup dropped), the
     environment, a table of run-level statistics per metric after ``warmup``
     (mean, std, median, min, max, last, non-finite count, count), each image
     embedded by a link relative to the report, the terminal plots in fenced
@@ -128,7 +130,9 @@ def to_markdown(
     here = path.parent
     steps = state.all_steps()
     dropped = warmup_count(warmup, len(steps))
-    lines = [f"# Run report: {md_escape(run_id or 'run')}", ""]
+    lines = [f"# Run report: {md_escape(run_name or run_id or 'run')}", ""]
+    if run_name and run_id and run_id != run_name:
+        lines.append(f"- run id: {md_escape(run_id)}")
     when = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
     lines.append(f"- written: {when}")
     if len(steps):

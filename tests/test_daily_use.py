@@ -1,0 +1,108 @@
+"""The rough edges of daily use: the command line, traces and the names users of
+the carried-over systems reach for."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jaxhistory as jh
+from jaxhistory import cli, export
+
+
+def run_cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "jaxhistory", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def saved_run(tmp_path, warmup=0.0):
+    s = jh.HistoryState()
+    for i in range(20):
+        s = s.update({"loss": 10.0 if i < 10 else 1.0}, step=i)
+    export.finalize(s, tmp_path / "run", run_id="r1", plot=False, warmup=warmup)
+    return s
+
+
+# ----- the command line ---------------------------------------------------------------
+
+
+def test_help_is_plain_text_and_every_option_is_explained(capsys):
+    for args in (["--help"], ["report", "--help"], ["summary", "--help"]):
+        with pytest.raises(SystemExit) as done:
+            cli.main(args)
+        assert done.value.code == 0
+        text = capsys.readouterr().out
+        assert "``" not in text and ":func:" not in text
+    with pytest.raises(SystemExit):
+        cli.main(["report", "--help"])
+    text = capsys.readouterr().out
+    for option in ("--warmup", "--num-chains", "--run-name", "--max-plots"):
+        line = next(ln for ln in text.splitlines() if option in ln)
+        following = text[text.index(line) :].split("\n  -")[0]
+        assert len(following.split()) > 3, f"{option} has no help:\n{text}"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"jaxhistory {jh.__version__}"
+
+
+def test_summary_piped_to_head_ends_quietly(tmp_path):
+    s = jh.HistoryState().update({f"metric_{i:04d}": float(i) for i in range(3000)})
+    export.to_netcdf(s, tmp_path / "big.nc")
+    done = subprocess.run(
+        f"{sys.executable} -m jaxhistory summary {tmp_path / 'big.nc'} | head -2",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert len(done.stdout.splitlines()) == 2
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+
+
+def test_summary_of_a_dataset_uses_its_recorded_warmup(tmp_path):
+    saved_run(tmp_path, warmup=10)
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "| loss | 1 |" in report  # the first 10 steps (loss 10) left out
+    out = run_cli("summary", tmp_path / "run" / "dataset.nc")
+    assert out.returncode == 0 and "| loss | 1 |" in out.stdout, out.stdout
+    out = run_cli("summary", tmp_path / "run" / "dataset.nc", "--warmup", "0")
+    assert "| loss | 5.5 |" in out.stdout  # asked for: every step
+
+
+def test_report_names_the_run_given_for_a_jsonl_log(tmp_path):
+    saved_run(tmp_path)
+    out = run_cli(
+        "report", tmp_path / "run" / "r1.jsonl", "-o", tmp_path / "again",
+        "--run-name", "baseline", "--no-plots",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = (tmp_path / "again" / "report.md").read_text()
+    assert report.startswith("# Run report: baseline\n")
+    assert "- run id: r1" in report
+
+
+@pytest.mark.parametrize("content", ["", "not json\n", '{"step": 1, "metr'])
+def test_a_log_with_no_complete_record_exits_2(tmp_path, content):
+    log = tmp_path / "empty.jsonl"
+    log.write_text(content)
+    for args in (("summary", log), ("report", log, "-o", tmp_path / "out")):
+        out = run_cli(*args)
+        assert out.returncode == 2, out.stdout
+        assert "holds no complete record" in out.stderr
+
+
+def test_summary_rows_match_numpy(tmp_path):
+    s = saved_run(tmp_path)
+    out = run_cli("summary", tmp_path / "run", "--warmup", "0")
+    mean = np.mean(s.values("loss"))
+    assert f"| loss | {mean:g} |" in out.stdout
