@@ -116,9 +116,9 @@ class StopWatch:
         self.seconds = (end_ns - start_ns) / 1e9
         handler = _trace_state.active()
         if handler is not None:
-            args = {"seconds": self.seconds}
-            if exc_type is not None:
-                args["error"] = exc_type.__name__
+            # The span's duration is its time: no per-span arguments, so
+            # profilers (speedscope) group every span of one name together.
+            args = {} if exc_type is None else {"error": exc_type.__name__}
             handler.complete(self.msg, start_ns, end_ns, cat="StopWatch", args=args)
         if exc_type is not None:
             return  # nothing recorded or logged for a block that raised

@@ -423,7 +423,7 @@ class JSONTraceHandler:
         host = socket.gethostname()
         world = self._vars.get("world_size", 1)
         for name, args in (
-            ("process_name", {"name": f"process {pid} ({host})"}),
+            ("process_name", {"name": f"{self.run_name}: process {pid} ({host})"}),
             ("process_sort_index", {"sort_index": pid}),
             ("process_labels", {"labels": f"rank {pid} of {world}"}),
             ("clock_sync", dict(self._sync)),
@@ -645,6 +645,19 @@ def load_trace(path: str | os.PathLike) -> list[dict]:
     return events
 
 
+def _identity(e: dict) -> tuple:
+    """What makes two merged events the same (times to the nanosecond: a merged
+    file's times were shifted and are shifted back)."""
+
+    def when(key):
+        v = e.get(key)
+        return round(v, 3) if isinstance(v, int | float) else v
+
+    args = json.dumps(e.get("args"), sort_keys=True, default=str)
+    return (e.get("pid"), e.get("tid"), e.get("ph"), e.get("name"), when("ts"),
+            when("dur"), e.get("id"), args)  # fmt: skip
+
+
 def _processes(events: list[dict]) -> dict[int, dict]:
     syncs = {}
     for e in events:
@@ -662,8 +675,13 @@ def merge_traces(
     Processes of one run (the same clock sync) are aligned at the barrier they
     synced at; separate runs are placed by wall clock. Each process keeps one
     pid (its process index, renumbered only where two runs share one).
-    Truncated inputs are read as far as they go.
+    Truncated inputs are read as far as they go. An event already merged (the
+    same process, thread, name, phase, time, duration and arguments: a file given
+    twice, or beside a merge that holds it) is kept once. ``paths`` may be one
+    path.
     """
+    if isinstance(paths, str | os.PathLike):
+        paths = [paths]
     paths = [Path(p) for p in paths]
     if not paths:
         raise ValueError("merge_traces needs at least one trace file")
@@ -682,7 +700,7 @@ def merge_traces(
     first_wall = min(walls.values(), default=0.0)
     new_pid: dict[tuple, int] = {}
     used: set[int] = set()
-    out_events, seen_meta = [], set()
+    out_events, seen_meta, seen = [], set(), set()
     for index, (events, syncs) in enumerate(loaded):
         for e in events:
             pid = e.get("pid", 0)
@@ -716,8 +734,13 @@ def merge_traces(
                 if ident in seen_meta:
                     continue  # one of each metadata event per process/thread
                 seen_meta.add(ident)
-            elif isinstance(e.get("ts"), int | float):
-                e["ts"] = e["ts"] + shift
+            else:
+                if isinstance(e.get("ts"), int | float):
+                    e["ts"] = e["ts"] + shift
+                ident = _identity(e)
+                if ident in seen:
+                    continue  # the same span from another copy of its file
+                seen.add(ident)
             out_events.append(e)
     meta = [e for e in out_events if e.get("ph") == "M"]
     timed = [e for e in out_events if e.get("ph") != "M"]
