@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxhistory import _memory, _trace_state
 from jaxhistory._codec import read_stamps
@@ -551,6 +552,14 @@ class History:
 
     def _live_sinks(self) -> tuple:
         return self.sinks if self._sinks_open else ()
+
+    @property
+    def history(self) -> dict[str, np.ndarray]:
+        """Every metric's values so far, by name (read-only NumPy arrays, one
+        value per record; the steps are ``history.state.steps(name)``): the dict
+        view of the run, as ezpz's ``History.history``. Waits for device values."""
+        state = self.state
+        return {name: state.values(name) for name in state.keys}
 
     def flush(self) -> None:
         """Writes the queued JSONL lines and sink records now (waiting for their

@@ -41,6 +41,7 @@ __all__ = [
     "NullMetricHandler",
     "SinkHandler",
     "configure",
+    "getStream",
     "get_stream",
     "prof",
     "put_metric",
@@ -153,20 +154,41 @@ class SinkHandler(MetricHandler):
 
 
 class MetricStream:
-    """A group's view of the registry: ``add_value(name, value)``."""
+    """A group's stream of metrics: ``add_value(name, value)``.
 
-    def __init__(self, group_name: str, registry: _Registry):
+    ``MetricStream(group, handler)`` (torchelastic's form) sends every value to
+    ``handler`` (a :class:`MetricHandler` or a sink); :func:`get_stream` gives a
+    stream that looks the group's handler up at each value, so configuring later
+    still takes effect.
+    """
+
+    def __init__(self, group_name: str, handler: Any = None):
+        if not isinstance(group_name, str) or not group_name:
+            raise ValueError(f"group_name must be a non-empty str, got {group_name!r}")
         self.group_name = group_name
-        self._registry = registry
+        if handler is None or isinstance(handler, _Registry):
+            self._registry, self._fixed = handler or _registry(), None
+        else:
+            self._registry, self._fixed = None, _as_handler(handler)
 
     @property
     def handler(self) -> MetricHandler:
         """The handler this group's metrics go to now."""
+        if self._fixed is not None:
+            return self._fixed
         return self._registry.handler(self.group_name)
 
     def add_value(self, metric_name: str, metric_value: Any) -> None:
-        """Publishes one value to the group's current handler."""
-        self._registry.publish(self.group_name, metric_name, metric_value)
+        """Publishes one value to the group's handler."""
+        if not isinstance(metric_name, str) or not metric_name:
+            raise ValueError(
+                f"metric name must be a non-empty str, got {metric_name!r}"
+            )
+        if self._fixed is not None:
+            data = MetricData(time.time(), self.group_name, metric_name, metric_value)
+            self._fixed.emit(data)
+        else:
+            self._registry.publish(self.group_name, metric_name, metric_value)
 
 
 class _Registry:
@@ -208,8 +230,8 @@ def _as_handler(handler: Any) -> MetricHandler:
     if is_sink(handler):
         return SinkHandler(handler)
     raise TypeError(
-        f"configure needs a MetricHandler or a sink (write/flush/close), got "
-        f"{type(handler).__name__}"
+        f"a metric handler must be a MetricHandler or a sink (write/flush/close), "
+        f"got {type(handler).__name__}"
     )
 
 
@@ -247,6 +269,9 @@ def get_stream(group: str = DEFAULT_GROUP) -> MetricStream:
     if not isinstance(group, str) or not group:
         raise ValueError(f"group must be a non-empty str, got {group!r}")
     return MetricStream(group, _registry())
+
+
+getStream = get_stream  # torchelastic's name
 
 
 def put_metric(name: str, value: Any, metric_group: str = DEFAULT_GROUP) -> None:

@@ -156,3 +156,44 @@ def test_merged_runs_are_labelled_by_run_name_and_spans_group_by_name(tmp_path):
         1 / 0  # noqa: B018
     failed = [e for e in trace.load_trace(t.paths[0]) if e["ph"] == "X"]
     assert failed[0]["args"] == {"error": "ZeroDivisionError"}
+
+
+# ----- names users of the carried-over systems reach for --------------------------
+
+
+def test_metric_stream_in_torchelastics_form_and_getstream():
+    from jaxhistory import publish
+
+    got = []
+
+    class Keep(publish.MetricHandler):
+        def emit(self, data):
+            got.append((data.group_name, data.name, data.value))
+
+    stream = publish.MetricStream("agent", Keep())
+    stream.add_value("restarts", 1)
+    assert got == [("agent", "restarts", 1)]
+    with publish.scoped():
+        publish.configure(Keep(), group="io")
+        publish.getStream("io").add_value("bytes", 4096)
+        publish.MetricStream("io").add_value("files", 2)  # the registry's handler
+    assert got[1:] == [("io", "bytes", 4096), ("io", "files", 2)]
+    with pytest.raises(TypeError, match="must be a MetricHandler or a sink"):
+        publish.MetricStream("agent", object())
+    with pytest.raises(ValueError, match="group_name must be a non-empty str"):
+        publish.MetricStream("", Keep())
+    with pytest.raises(ValueError, match="metric name must be a non-empty str"):
+        stream.add_value(3, 1)
+
+
+def test_history_has_a_dict_view_of_its_values():
+    h = jh.History(distributed_history=False)
+    for i in range(3):
+        h.update({"loss": 1.0 / (i + 1), "acc": i}, summarize=False)
+    view = h.history
+    assert list(view) == ["loss", "acc"]
+    np.testing.assert_array_equal(view["loss"], [1.0, 0.5, 1 / 3])
+    assert view["acc"].tolist() == [0, 1, 2]
+    with pytest.raises(ValueError):
+        view["acc"][0] = 5  # read-only: the record is not changed through it
+    h.close()
