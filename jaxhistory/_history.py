@@ -63,8 +63,9 @@ class History:
             each process its own file.
         jsonl_overwrite: truncate an existing JSONL log instead of appending to it
             (appending continues a resumed run).
-        log_every: summarize (and so wait for device values) only every N updates;
-            the others record without waiting and return ``""``.
+        log_every: summarize (and so wait for device values) only at steps that
+            are multiples of N (N, 2N, ...; and step 0); the others record without
+            waiting and return ``""``.
         run_name: the first part of ``run_id`` (``{run_name}-{YYYYmmdd-HHMMSS}``,
             with ``-2``, ``-3``, ... where that id is taken), which names the
             JSONL log and is recorded in the outputs. A name, never a path:
@@ -266,7 +267,7 @@ class History:
                 if step is None:
                     label, step, items = _step_entry(items, label)
                 record, step_used = self._record_items(list(items.items()), step)
-            want_line = summarize and not (self._updates % self.log_every)
+            want_line = summarize and not (step_used % self.log_every)
             self._updates += 1
             now = time.time()
             if self._log_path is None:  # else the log keeps the times

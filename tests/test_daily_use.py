@@ -197,3 +197,11 @@ def test_history_has_a_dict_view_of_its_values():
     with pytest.raises(ValueError):
         view["acc"][0] = 5  # read-only: the record is not changed through it
     h.close()
+
+
+def test_log_every_n_summarizes_at_n_2n():
+    h = jh.History(distributed_history=False, log_every=10)
+    lines = {step: h.update({"loss": 1.0, "step": step}) for step in range(1, 31)}
+    assert [step for step, line in lines.items() if line] == [10, 20, 30]
+    assert lines[20].startswith("step=20")
+    h.close()
