@@ -29,10 +29,10 @@ it can start a Python loop. A loop carry (``lax.scan``, ``fori_loop``) keeps one
 shape, so start it from ``M.empty(num_shards=S)``, ``S`` the number of shards of
 the batches (1 inside ``shard_map``).
 
-Accumulation is in float32 (float64 with ``jax_enable_x64`` and float64 inputs;
-bfloat16 and float16 inputs are widened), counts in int32. ``NaN`` in a counted
+Accumulation is in float32 (float64 with ``jax_enable_x64``; bfloat16 and float16
+inputs are widened); ``Count`` and ``Accuracy`` count in int32. ``NaN`` in a counted
 value makes the result NaN, as in NumPy; masked values are never read, so padding
-may hold anything. A metric with nothing counted computes to NaN.
+may hold anything. ``Sum`` and ``Count`` of nothing are 0, the others NaN.
 """
 
 from __future__ import annotations
@@ -127,10 +127,20 @@ class Metric:
         optional ``mask`` (batch-first, true for the examples to count).
         ``num_shards``: see the module notes (read from the sharding if omitted).
         """
-        return cls._from_batch(_Batch(cls, outputs, num_shards), outputs)
+        batch = cls._from_batch(_Batch(cls, outputs, num_shards), outputs)
+        # The identity's dtypes (float32 or float64 by jax_enable_x64, int32
+        # counts): a loop carry keeps one type, and compute stays at 2 dtypes.
+        like = cls._identity(0)
+        return batch._replace(
+            **{f: getattr(batch, f).astype(like[f].dtype) for f in cls._fields}
+        )
 
     def update(self, *, num_shards: int | None = None, **outputs) -> Metric:
-        """``self.merge(type(self).from_model_output(**outputs))``."""
+        """``self.merge(type(self).from_model_output(**outputs))``, the batch
+        split into this metric's shard count unless ``num_shards`` says
+        otherwise."""
+        if num_shards is None and self.num_shards:
+            num_shards = self.num_shards
         return self.merge(
             type(self).from_model_output(num_shards=num_shards, **outputs)
         )
@@ -256,7 +266,11 @@ class _Batch:
             s = self._given() or 1
             self.shards = self.shards or s
             s = self.shards
-            return jnp.broadcast_to(x, (s, 1)), (jnp.arange(s) == s - 1)[:, None]
+            flags = (jnp.arange(s) == s - 1)[:, None]
+            manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
+            if manual:  # in shard_map every device holds the scalar: count it once
+                flags = flags & (lax.axis_index(tuple(manual)) == 0)
+            return jnp.broadcast_to(x, (s, 1)), flags
         v = self.split(x, name)
         return v, jnp.broadcast_to(self.weights(x, name), v.shape)
 
@@ -273,9 +287,9 @@ class _Batch:
         return int(given)
 
 
-def _sum(x: jax.Array) -> jax.Array:
+def _sum(x: jax.Array, dtype: Any = None) -> jax.Array:
     """Sum over everything but the shard axis."""
-    return jnp.sum(x, axis=tuple(range(1, x.ndim)))
+    return jnp.sum(x, axis=tuple(range(1, x.ndim)), dtype=dtype)
 
 
 def _elements(x: jax.Array) -> int:
@@ -335,7 +349,8 @@ class Average(_OfOutput):
                     f"shape {given.shape}"
                 )
             g = batch.split(given.astype(v.dtype), cls.weightname)
-            w = w * g.reshape(g.shape + (1,) * (v.ndim - g.ndim))
+            g = g.reshape(g.shape + (1,) * (v.ndim - g.ndim))
+            w = jnp.where(flags, g, 0)  # not a product: padding's weight is unread
         # where, not a product: a masked NaN must not count
         return cls(total=_sum(jnp.where(w != 0, v * w, 0)), weight=_sum(w))
 
@@ -388,10 +403,10 @@ class Count(_OfOutput):
 
     @classmethod
     def _from_batch(cls, batch, outputs):
-        if batch.mask is not None:
+        if batch.mask is not None and outputs.get(cls.argname) is None:
             m = batch.split(batch.mask.astype(bool), "mask")
-            return cls(count=_sum(m.astype(_INT)))
-        _, w = batch.values(cls.argname)
+            return cls(count=_sum(m, _INT))
+        _, w = batch.values(cls.argname)  # a scalar is one value, mask or not
         return cls(count=jnp.sum(w[:, :, *(0,) * (w.ndim - 2)], axis=1, dtype=_INT))
 
     def _combine(self, o):
@@ -601,6 +616,8 @@ class Accuracy(Metric):
                 mine = jnp.take_along_axis(logits, labels[..., None], axis=-1)
                 above = jnp.sum(logits > mine, axis=-1)
                 hit = above < cls.top_k
+            # a label outside the classes (an ignore index such as -100) misses
+            hit = hit & (labels >= 0) & (labels < logits.shape[-1])
         elif outputs.get("predictions") is not None:
             if cls.top_k != 1:
                 raise ValueError("Accuracy.top(k) with k > 1 needs logits=")
@@ -617,7 +634,7 @@ class Accuracy(Metric):
             raise ValueError("Accuracy: labels needs a batch axis, got a scalar")
         hit = batch.split(hit, "labels")
         w = jnp.broadcast_to(batch.weights(labels, "labels"), hit.shape)
-        return cls(correct=_sum((hit & w).astype(_INT)), count=_sum(w.astype(_INT)))
+        return cls(correct=_sum(hit & w, _INT), count=_sum(w, _INT))
 
     def _combine(self, o):
         return self._replace(
@@ -641,6 +658,8 @@ def _variant(base: type, **config) -> type:
     for name, value in config.items():
         if name.endswith("name") and value is not None and not isinstance(value, str):
             raise TypeError(f"{base.__name__}: {name} must be a str, got {value!r}")
+    if all(getattr(base, k) == v for k, v in config.items()):
+        return base  # Accuracy.top(1) is Accuracy: one pytree type
     label = ",".join(f"{k}={v!r}" for k, v in config.items())
     return type(f"{base.__name__}[{label}]", (base,), dict(config))
 
@@ -798,6 +817,12 @@ class Collection:
         )
 
     def update(self, *, num_shards: int | None = None, **outputs) -> Collection:
+        """``self.merge(type(self).from_model_output(**outputs))``, the batch
+        split into this collection's shard count unless ``num_shards`` says
+        otherwise."""
+        if num_shards is None:
+            metrics = [getattr(self, k) for k in self._metrics]
+            num_shards = next((m.num_shards for m in metrics if m.num_shards), None)
         return self.merge(
             type(self).from_model_output(num_shards=num_shards, **outputs)
         )

@@ -455,3 +455,86 @@ def test_an_auto_mesh_needs_num_shards_for_per_device_state():
             values=jax.device_put(np.ones(8), NamedSharding(auto, P("data"))),
             num_shards=4,
         )
+
+
+# ----- review findings ----------------------------------------------------------------
+
+
+def test_padding_may_hold_a_nan_weight():
+    w = np.array([1.0, 2.0, np.nan, np.inf])
+    m = M.Average.from_output("x", weights="w").from_model_output(
+        x=np.array([1.0, 4.0, 5.0, 6.0]), w=w, mask=np.array([1, 1, 0, 0], bool)
+    )
+    assert float(m.compute()) == pytest.approx(3.0)
+
+
+def test_a_scalar_counts_once_inside_shard_map(mesh):
+    C = M.Collection.create(
+        lr_sum=M.Sum.from_output("lr"),
+        lr_n=M.Count.from_output("lr"),
+        loss=M.Average.from_output("loss"),
+    )
+    f = jax.jit(
+        jax.shard_map(
+            lambda b: (
+                C.empty(num_shards=1).update(lr=0.5, loss=b).compute(axis_name="data")
+            ),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P(),
+            check_vma=True,
+        )
+    )
+    out = f(jax.device_put(np.arange(16.0), NamedSharding(mesh, P("data"))))
+    assert float(out["lr_sum"]) == 0.5 and int(out["lr_n"]) == 1
+    assert float(out["loss"]) == 7.5
+
+
+def test_states_keep_their_dtypes_with_x64():
+    with jax.enable_x64(True):
+        a = ALL.from_model_output(**make_batches("plain", np.random.default_rng(7))[0])
+        e = ALL.empty(num_shards=1)
+        for got, want in zip(jax.tree.leaves(a), jax.tree.leaves(e), strict=True):
+            assert got.dtype == want.dtype
+        assert {x.dtype for x in jax.tree.leaves(a)} == {
+            np.dtype(np.float64),
+            np.dtype(np.int32),
+        }
+
+
+def test_labels_outside_the_classes_are_misses_at_any_k():
+    logits = np.array([[3.0, 2.0, 1.0]] * 4, np.float32)
+    labels = np.array([-100, 5, 0, 1], np.int32)
+    for k, want in ((1, 0.25), (2, 0.5), (3, 0.5)):
+        m = M.Accuracy.top(k).from_model_output(logits=logits, labels=labels)
+        assert float(m.compute()) == want, k
+
+
+def test_count_of_a_scalar_is_one_mask_or_not():
+    C = M.Collection.create(n=M.Count.from_output("lr"))
+    for mask in (None, np.arange(16) < 5):
+        m = C.empty().update(lr=0.5, loss=np.ones(16), mask=mask)
+        assert int(m.compute()["n"]) == 1
+
+
+def test_a_sharded_carry_takes_a_scalar_and_unsharded_batches():
+    m = M.Last.empty(num_shards=8).update(values=0.1).update(values=0.2)
+    assert m.num_shards == 8 and float(m.compute()) == pytest.approx(0.2)
+    a = M.Average.empty(num_shards=8).update(values=np.arange(16.0))
+    assert a.num_shards == 8 and float(a.compute()) == 7.5
+
+
+def test_a_declaration_with_the_defaults_is_the_class_itself():
+    assert M.Accuracy.top(1) is M.Accuracy
+    assert M.Average.from_output("values") is M.Average
+    merged = M.Average.from_model_output(values=np.ones(2)).merge(
+        M.Average.from_output("values").from_model_output(values=np.ones(2))
+    )
+    assert float(merged.compute()) == 1.0
+
+
+def test_sum_and_count_of_nothing_are_zero():
+    m = ALL.empty().update(**make_batches("all_masked", np.random.default_rng(0))[1])
+    out = m.compute()
+    assert float(out["total"]) == 0.0 and int(out["n"]) == 0
+    assert np.isnan(float(out["mean"])) and np.isnan(float(out["hi"]))

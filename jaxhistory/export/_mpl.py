@@ -14,7 +14,17 @@ import numpy as np
 
 from jaxhistory._names import file_stems
 from jaxhistory._optional import import_optional
-from jaxhistory.export._units import PlotUnit, bucket, plot_units, row_stats, series
+from jaxhistory.export._units import (
+    MARKERS_UP_TO,
+    PlotUnit,
+    bucket,
+    constant,
+    log_scale,
+    plot_units,
+    row_stats,
+    series,
+    unit_label,
+)
 
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState
@@ -48,10 +58,37 @@ def _axes(fig):
     return ax
 
 
+def _marker(x: np.ndarray) -> str | None:
+    return "o" if len(x) <= MARKERS_UP_TO else None
+
+
+def _draw_constant(unit: PlotUnit, x: np.ndarray, value: float, path: Path) -> None:
+    """A metric that never changed: its value, not a line on a meaningless axis."""
+    fig = _figure()
+    fig.text(0.5, 0.58, f"{value:.6g}", ha="center", va="center", fontsize=28)
+    fig.text(
+        0.5,
+        0.4,
+        f"constant over {len(x)} records (steps {int(x[0])} to {int(x[-1])})",
+        ha="center",
+        va="center",
+        fontsize=11,
+        color="0.35",
+    )
+    fig.suptitle(unit.title)
+    _save(fig, path)
+
+
 def _draw_unit(data: dict[str, tuple], unit: PlotUnit, path: Path) -> None:
     """Draws one unit from ``data``, its series by name (warmup left out)."""
+    if not unit.stats and unit.raw is not None:
+        x, y = data[unit.raw]
+        value = constant(y)
+        if value is not None:
+            return _draw_constant(unit, x, value, path)
     fig = _figure()
     ax = _axes(fig)
+    drawn: list[np.ndarray] = []
     if unit.stats:
         x, mean = data[unit.stats["mean"]]
         _, std = data[unit.stats["std"]]
@@ -65,23 +102,21 @@ def _draw_unit(data: dict[str, tuple], unit: PlotUnit, path: Path) -> None:
             ax.fill_between(
                 xb, lo_b, hi_b, alpha=0.15, color="C0", lw=0, label="min-max"
             )
+            # mean ± std never leaves the min-max envelope (an accuracy above 1,
+            # a loss below 0 would be drawn otherwise)
             ax.fill_between(
                 xb,
-                mean_b - std_b,
-                mean_b + std_b,
+                np.fmax(mean_b - std_b, lo_b),
+                np.fmin(mean_b + std_b, hi_b),
                 alpha=0.35,
                 color="C0",
                 lw=0,
                 label="mean ± std",
             )
             ax.plot(
-                xb,
-                mean_b,
-                color="C0",
-                lw=1.2,
-                label="mean",
-                marker="o" if len(xb) == 1 else None,
+                xb, mean_b, color="C0", lw=1.2, label="mean", marker=_marker(xb), ms=3
             )
+            drawn += [lo_b, hi_b]
     if unit.raw is not None:
         x, y = data[unit.raw]
         if y.ndim > 1:
@@ -100,13 +135,9 @@ def _draw_unit(data: dict[str, tuple], unit: PlotUnit, path: Path) -> None:
                 label=f"min-max of {chains.shape[1]}",
             )
             ax.plot(
-                xb,
-                mean_b,
-                color="C1",
-                lw=1.2,
-                label="mean",
-                marker="o" if len(xb) == 1 else None,
+                xb, mean_b, color="C1", lw=1.2, label="mean", marker=_marker(xb), ms=3
             )
+            drawn += [lo_b, hi_b]
         else:
             xb, yb = bucket(x, y, "envelope")
             ax.plot(
@@ -115,10 +146,17 @@ def _draw_unit(data: dict[str, tuple], unit: PlotUnit, path: Path) -> None:
                 color="C1" if unit.stats else "C0",
                 lw=1.0,
                 label=unit.raw if unit.stats else None,
-                marker="o" if len(xb) == 1 else None,
+                marker=_marker(xb),
+                ms=3,
             )
+            drawn.append(yb)
     ax.set_title(unit.title)
     ax.set_xlabel("step")
+    label = unit_label(unit.title)
+    if label:
+        ax.set_ylabel(label)
+    if drawn and log_scale(*drawn):
+        ax.set_yscale("log")
     ax.grid(alpha=0.3)
     if not ax.lines and not ax.collections:
         ax.text(

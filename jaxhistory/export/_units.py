@@ -84,6 +84,36 @@ def capped(
     )
 
 
+MARKERS_UP_TO = 50  # points: a series this short is drawn with markers
+DECADES = 3  # a positive series spanning this many decades gets a log axis
+
+
+def constant(y: np.ndarray) -> float | None:
+    """The value of a series of 2 or more records whose finite values are all
+    one value (a learning rate held fixed), else None."""
+    if y.ndim != 1 or len(y) < 2:
+        return None
+    finite = y[np.isfinite(y)]
+    if finite.size < 2 or finite.size != y.size or finite.min() != finite.max():
+        return None
+    return float(finite[0])
+
+
+def log_scale(*ys: np.ndarray) -> bool:
+    """Whether positive series span :data:`DECADES` decades or more."""
+    finite = [y[np.isfinite(y)] for y in ys]
+    values = np.concatenate(finite) if finite else np.empty(0)
+    if values.size < 2 or values.min() <= 0:
+        return False
+    return values.max() / values.min() >= 10.0**DECADES
+
+
+def unit_label(name: str) -> str | None:
+    """The y axis label a metric's name implies: timings are in seconds."""
+    parts = name.split("/")
+    return "seconds" if "timing" in parts[:-1] else None
+
+
 def bucket(x: np.ndarray, y: np.ndarray, how: str, n: int = MAX_POINTS):
     """Reduces a long series to about ``n`` points for drawing.
 
