@@ -205,3 +205,71 @@ def test_log_every_n_summarizes_at_n_2n():
     assert [step for step, line in lines.items() if line] == [10, 20, 30]
     assert lines[20].startswith("step=20")
     h.close()
+
+
+# ----- plots -----------------------------------------------------------------------
+
+
+def capture_axes(monkeypatch):
+    """Records what the matplotlib plots of this process draw."""
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    calls = []
+    for cls, name in ((Axes, "fill_between"), (Axes, "plot"), (Axes, "set_yscale"),
+                      (Axes, "set_ylabel"), (Figure, "text")):  # fmt: skip
+        real = getattr(cls, name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):
+            calls.append((_name, args, kwargs))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, spy)
+    return calls
+
+
+def test_the_std_band_stays_inside_the_min_max_envelope(tmp_path, monkeypatch):
+    calls = capture_axes(monkeypatch)
+    s = jh.HistoryState()
+    for i in range(5):  # an accuracy: mean + std would pass 1
+        s = s.update(
+            {"acc/mean": 0.95, "acc/std": 0.1, "acc/min": 0.8, "acc/max": 1.0}, step=i
+        )
+    export.to_png(s, tmp_path)
+    bands = [
+        c for c in calls if c[0] == "fill_between" and c[2].get("label") == "mean ± std"
+    ]
+    _, (_, lower, upper), _ = bands[0]
+    assert np.all(upper <= 1.0) and np.all(lower >= 0.8)
+    assert np.allclose(upper, 1.0) and np.allclose(lower, 0.85)
+
+
+def test_a_constant_is_shown_as_a_value(tmp_path, monkeypatch):
+    calls = capture_axes(monkeypatch)
+    s = jh.HistoryState()
+    for i in range(10):
+        s = s.update({"lr": 3e-3}, step=i)
+    export.to_png(s, tmp_path / "png")
+    texts = [c[1][2] for c in calls if c[0] == "text"]
+    assert "0.003" in texts and not [c for c in calls if c[0] == "plot"]
+    text = export.to_terminal(s, tmp_path / "txt")
+    assert list(text.values()) == [
+        "lr: constant 0.003 over 10 records (steps 0 to 9)\n"
+    ]
+
+
+def test_short_series_have_markers_decades_a_log_axis_timings_seconds(
+    tmp_path, monkeypatch
+):
+    calls = capture_axes(monkeypatch)
+    s = jh.HistoryState()
+    for i in range(100):
+        s = s.update({"train/loss": 10.0 ** (-i / 20), "timing/step": 0.1 + i}, step=i)
+        if i % 25 == 0:
+            s = s.update({"eval/loss": 1.0 / (i + 1)}, step=i)
+    export.to_png(s, tmp_path)
+    markers = [c[2].get("marker") for c in calls if c[0] == "plot"]
+    assert markers == [None, None, "o"]  # train/loss, timing, eval/loss (4 points)
+    assert ("set_yscale", ("log",), {}) in calls  # train/loss spans 5 decades
+    assert sum(c[0] == "set_yscale" for c in calls) == 1
+    assert ("set_ylabel", ("seconds",), {}) in calls

@@ -27,7 +27,14 @@ import numpy as np
 
 from jaxhistory._names import file_stems
 from jaxhistory._optional import import_optional
-from jaxhistory.export._units import PlotUnit, bucket, plot_units, row_stats, series
+from jaxhistory.export._units import (
+    PlotUnit,
+    bucket,
+    constant,
+    plot_units,
+    row_stats,
+    series,
+)
 
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState
@@ -138,6 +145,12 @@ def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
         return text if drawn else f"{title}: no finite values recorded\n"
     if unit.raw is not None:
         x, y = _series(state, unit.raw, first)
+        value = None if unit.stats else constant(y)
+        if value is not None:  # a value, not a flat line at a 0.0 tick
+            return (
+                f"{unit.title}: constant {value:.6g} over {len(x)} records "
+                f"(steps {int(x[0])} to {int(x[-1])})\n"
+            )
         xb, yb = bucket(x, y, "envelope", points)
         marker = opts["raw_marker"] if unit.stats else opts["marker"]
         drawn |= _add_line(fig, unit.raw, xb, yb, marker)
