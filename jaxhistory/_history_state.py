@@ -111,14 +111,25 @@ class HistoryState:
                 pass
 
     def _derive(
-        self, tables: dict, next_step: int, attrs=None, appended=None
+        self, tables: dict, next_step: int, attrs=None, appended=None, same=False
     ) -> HistoryState:
         """A state of ``tables``; ``appended`` names the one key set whose entry
-        differs from this state's (its index is then carried over)."""
+        differs from this state's (its index is then carried over); ``same``:
+        a row was appended in place to a table of this state's (same index)."""
         data = _new_tables()
         data.tables = tables
-        if appended is not None:
-            data.carry(self.data, appended)
+        parent = self.data
+        if same:
+            data._index, data._meta = parent._index, parent._meta
+        elif appended is None or parent._index is None:
+            data._index = data._meta = None
+        else:
+            old = parent.tables.get(appended)
+            if old is not None and old[1] and old[0] is tables[appended][0]:
+                data._index, data._meta = parent._index, parent._meta  # appended
+            else:
+                data._index = data._meta = None
+                data.carry(parent, appended)
         new = _new_state()
         d = new.__dict__  # frozen: fill the new instance's dict directly
         d["data"] = data
@@ -876,7 +887,7 @@ def _append_floats(
         table = _append(table, n, step, row)
     tables = tables.copy()
     tables[keys] = (table, n + 1)
-    new = state._derive(tables, step + 1, appended=keys)
+    new = state._derive(tables, step + 1, appended=keys, same=appended and n > 0)
     return (new, total - total == 0.0) if finite else new
 
 

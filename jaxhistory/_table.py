@@ -362,15 +362,14 @@ class Tables:
 
     def __init__(self, tables: dict[tuple[str, ...], tuple[Table, int]] | None = None):
         self.tables = {} if tables is None else tables
+        self._index = self._meta = None
 
     def index(self) -> dict[str, list[tuple[str, ...]]]:
         """Metric name -> the key sets of the tables holding it, in recording
         order; built on first use (a state's tables never change after it is
         made), so reading many metrics of a state with many tables is linear."""
-        try:
+        if self._index is not None:
             return self._index
-        except AttributeError:
-            pass
         index: dict[str, list[tuple[str, ...]]] = {}
         meta: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         for keys, (table, n) in self.tables.items():
@@ -384,19 +383,16 @@ class Tables:
     def meta(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """Metric name -> (record shape, dtype its values read back as) over the
         tables with rows that hold it."""
-        try:
-            return self._meta
-        except AttributeError:
+        if self._meta is None:
             self.index()
-            return self._meta
+        return self._meta
 
     def carry(self, parent: Tables, keys: tuple[str, ...]) -> None:
         """Takes ``parent``'s index, where built, updated for a row appended to
         ``keys`` (this object is ``parent``'s tables with that one entry changed):
         recording a new key set costs O(its keys), not O(tables)."""
-        try:
-            index, meta = parent._index, parent._meta
-        except AttributeError:
+        index, meta = parent._index, parent._meta
+        if index is None:
             return
         table = self.tables[keys][0]
         old = parent.tables.get(keys)
