@@ -146,6 +146,27 @@ def stat_names(
     )
 
 
+_ORDER = {s: i for i, s in enumerate(("mean", "std", "min", "max", *PROVENANCE))}
+
+
+@functools.lru_cache(maxsize=256)
+def grouped(names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names`` with each metric's rows together: ``name`` itself, then
+    ``name/mean``, ``/std``, ``/min``, ``/max`` and its device indices (a
+    multi-metric ``Stats`` records all means, then all maxes, ...); metrics in
+    order of first appearance. Cached: the same names come at every update."""
+    families: dict[str, list[str]] = {}
+    for n in names:
+        base, _, stat = n.rpartition("/")
+        families.setdefault(base if base and stat in _ORDER else n, []).append(n)
+    out: list[str] = []
+    for base, members in families.items():
+        out += sorted(
+            members, key=lambda n: -1 if n == base else _ORDER[n[len(base) + 1 :]]
+        )
+    return tuple(out)
+
+
 def aggregated_names(names) -> set[str]:
     """The names that belong to a complete ``name/{mean,max,min,std}`` group,
     with the group's :data:`PROVENANCE` names where recorded."""

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from jaxhistory import _trace_state
-from jaxhistory._names import PROVENANCE, stat_names
+from jaxhistory._names import PROVENANCE, grouped, stat_names
 from jaxhistory._record import Batch
 from jaxhistory._stats import Stats
 
@@ -252,7 +252,7 @@ class Writer:
                     with contextlib.suppress(Exception):
                         self.on_stats(step, _on_host(s, values), prefix)
             out.update(zip(names, values, strict=True))
-        return out
+        return {n: out[n] for n in grouped(tuple(out))}  # one metric's stats together
 
     def _fan_out(self, batch: Batch) -> None:
         targets = list(self.sinks)

@@ -24,7 +24,7 @@ def run_cli(*args):
 def saved_run(tmp_path, warmup=0.0):
     s = jh.HistoryState()
     for i in range(20):
-        s = s.update({"loss": 10.0 if i < 10 else 1.0}, step=i)
+        s = s.update({"loss": 10.0 if i < 10 else float(i)}, step=i)
     export.finalize(s, tmp_path / "run", run_id="r1", plot=False, warmup=warmup)
     return s
 
@@ -72,11 +72,11 @@ def test_summary_piped_to_head_ends_quietly(tmp_path):
 def test_summary_of_a_dataset_uses_its_recorded_warmup(tmp_path):
     saved_run(tmp_path, warmup=10)
     report = (tmp_path / "run" / "report.md").read_text()
-    assert "| loss | 1 |" in report  # the first 10 steps (loss 10) left out
+    assert "| loss | 14.5 |" in report  # the first 10 steps (loss 10) left out
     out = run_cli("summary", tmp_path / "run" / "dataset.nc")
-    assert out.returncode == 0 and "| loss | 1 |" in out.stdout, out.stdout
+    assert out.returncode == 0 and "| loss | 14.5 |" in out.stdout, out.stdout
     out = run_cli("summary", tmp_path / "run" / "dataset.nc", "--warmup", "0")
-    assert "| loss | 5.5 |" in out.stdout  # asked for: every step
+    assert "| loss | 12.25 |" in out.stdout  # asked for: every step
 
 
 def test_report_names_the_run_given_for_a_jsonl_log(tmp_path):
@@ -269,7 +269,82 @@ def test_short_series_have_markers_decades_a_log_axis_timings_seconds(
             s = s.update({"eval/loss": 1.0 / (i + 1)}, step=i)
     export.to_png(s, tmp_path)
     markers = [c[2].get("marker") for c in calls if c[0] == "plot"]
-    assert markers == [None, None, "o"]  # train/loss, timing, eval/loss (4 points)
+    # train vs eval (train, eval), train/loss, timing, eval/loss (4 points)
+    assert markers == [None, "o", None, None, "o"]
     assert ("set_yscale", ("log",), {}) in calls  # train/loss spans 5 decades
-    assert sum(c[0] == "set_yscale" for c in calls) == 1
+    assert sum(c[0] == "set_yscale" for c in calls) == 2  # and train vs eval
     assert ("set_ylabel", ("seconds",), {}) in calls
+
+
+# ----- report, log and summary: one metric's rows together -------------------------
+
+
+def test_one_metrics_statistics_stay_together_and_constants_print_once(tmp_path):
+    import json
+
+    from jaxhistory._stats import Stats
+
+    h = jh.History(distributed_history=False, jsonl_path=tmp_path / "run.jsonl")
+    for i in range(3):
+        table = np.array([[1.0, 0.5], [2.0, 0.7], [0.5, 0.4], [0.1, 0.05]]) + i
+        # rows: mean, max, min, std; one column per metric
+        h.update({"train": Stats(("loss", "acc"), table), "lr": 3e-3}, summarize=False)
+    h.finalize(tmp_path / "out", plot=False)
+    h.close()
+    grouped = [
+        "train/loss/mean", "train/loss/std", "train/loss/min", "train/loss/max",
+        "train/acc/mean", "train/acc/std", "train/acc/min", "train/acc/max",
+    ]  # fmt: skip
+    line = json.loads((tmp_path / "run.jsonl").read_text().splitlines()[0])
+    assert list(line["aggregated"]) == grouped
+    report = (tmp_path / "out" / "report.md").read_text().replace("\\", "")
+    rows = [
+        ln.split(" | ")[0][2:] for ln in report.splitlines() if ln.startswith("| train")
+    ]
+    assert rows == grouped
+    assert "Constant (the same at every record): lr = 0.003" in report
+    assert "| lr |" not in report
+    out = run_cli("summary", tmp_path / "run.jsonl")
+    assert out.stdout.index("train/loss/max") < out.stdout.index("train/acc/mean")
+
+
+def test_train_and_eval_of_one_metric_share_a_plot(tmp_path, monkeypatch):
+    calls = capture_axes(monkeypatch)
+    s = jh.HistoryState()
+    for i in range(100):
+        s = s.update(
+            {"train/loss/mean": 1.0 / (i + 1), "train/loss/std": 0.01,
+             "train/loss/min": 0.9 / (i + 1), "train/loss/max": 1.1 / (i + 1),
+             "train/acc": i / 100},
+            step=i,
+        )  # fmt: skip
+        if i % 20 == 0:
+            s = s.update({"eval/loss": 1.2 / (i + 1), "val/acc": i / 120}, step=i)
+    units = export.plot_units(s)
+    titles = [u.title for u in units]
+    assert titles[:2] == ["loss: train vs eval", "train/loss"]
+    assert "acc: train vs val" in titles and "eval/loss" in titles  # kept too
+    paths = export.to_png(s, tmp_path / "png")
+    assert (tmp_path / "png" / "loss_train_vs_eval.png") in paths
+    labels = [c[2].get("label") for c in calls if c[0] == "plot"]
+    assert "train mean" in labels and "eval" in labels and "val" in labels
+    eval_line = next(c for c in calls if c[0] == "plot" and c[2].get("label") == "eval")
+    assert eval_line[2]["marker"] == "o"  # 5 points
+    text = export.to_terminal(s, tmp_path / "txt")
+    compare = next(t for p, t in text.items() if p.name == "loss_train_vs_eval.txt")
+    assert "eval" in compare and "mean" in compare
+
+
+def test_the_terminal_legend_is_under_the_plot_not_over_the_data(tmp_path):
+    s = jh.HistoryState()
+    for i in range(100):
+        s = s.update(
+            {"loss/mean": 1 / (i + 1), "loss/std": 0.05, "loss/min": 0.5 / (i + 1),
+             "loss/max": 2.5 if i == 3 else 1.5 / (i + 1)},
+            step=i,
+        )  # fmt: skip
+    (text,) = export.to_terminal(s, tmp_path).values()
+    lines = text.rstrip("\n").splitlines()
+    assert lines[-1].split() == ["·", "mean", "-", "min", "+", "max", "*", "std"]
+    top = next(ln for ln in lines if ln.startswith("2.5"))
+    assert "+" in top  # the early spike is visible, not under a legend box

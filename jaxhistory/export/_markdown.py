@@ -15,7 +15,7 @@ import numpy as np
 from jaxhistory._dtypes import warmup_count
 from jaxhistory._env import ENV_LABELS
 from jaxhistory._files import atomic_write
-from jaxhistory._names import PROVENANCE, aggregated_names
+from jaxhistory._names import PROVENANCE, aggregated_names, grouped
 from jaxhistory._provenance import device_label
 
 if TYPE_CHECKING:
@@ -42,18 +42,33 @@ def _number(value: Any) -> str:
 
 
 def stats_table(state: HistoryState, warmup: float = 0) -> list[str]:
-    """Markdown table rows of run-level statistics per metric after ``warmup``."""
+    """Markdown table rows of run-level statistics per metric after ``warmup``:
+    one metric's rows together (``loss/mean``, ``/std``, ``/min``, ``/max``),
+    and the metrics that never changed listed once, below the table."""
     summary = state.summary(warmup)
     if not summary:
         return ["No metrics were recorded."]
     header = "| metric | " + " | ".join(TABLE_STATS) + " |"
     rows = [header, "|---|" + "---:|" * len(TABLE_STATS)]
     where = _provenance_names(state.keys)
-    for name, stats in summary.items():
+    constants = []
+    for name in grouped(tuple(summary)):
+        stats = summary[name]
         if name in where:
             continue  # device indices: in the devices section
+        if (
+            stats["count"] >= 2
+            and not stats["nonfinite"]
+            and stats["min"] == stats["max"]
+        ):
+            constants.append(f"{md_escape(name)} = {_number(stats['last'])}")
+            continue
         cells = " | ".join(_number(stats[s]) for s in TABLE_STATS)
         rows.append(f"| {md_escape(name)} | {cells} |")
+    if len(rows) == 2:
+        rows = []
+    if constants:
+        rows += ["", "Constant (the same at every record): " + ", ".join(constants)]
     return rows
 
 

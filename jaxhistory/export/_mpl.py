@@ -81,7 +81,7 @@ def _draw_constant(unit: PlotUnit, x: np.ndarray, value: float, path: Path) -> N
 
 def _draw_unit(data: dict[str, tuple], unit: PlotUnit, path: Path) -> None:
     """Draws one unit from ``data``, its series by name (warmup left out)."""
-    if not unit.stats and unit.raw is not None:
+    if not unit.stats and not unit.others and unit.raw is not None:
         x, y = data[unit.raw]
         value = constant(y)
         if value is not None:
@@ -89,6 +89,7 @@ def _draw_unit(data: dict[str, tuple], unit: PlotUnit, path: Path) -> None:
     fig = _figure()
     ax = _axes(fig)
     drawn: list[np.ndarray] = []
+    who = "train " if unit.others else ""  # train vs eval: say which is which
     if unit.stats:
         x, mean = data[unit.stats["mean"]]
         _, std = data[unit.stats["std"]]
@@ -100,7 +101,7 @@ def _draw_unit(data: dict[str, tuple], unit: PlotUnit, path: Path) -> None:
             _, mean_b = bucket(x, mean, "mean")
             _, std_b = bucket(x, std, "mean")
             ax.fill_between(
-                xb, lo_b, hi_b, alpha=0.15, color="C0", lw=0, label="min-max"
+                xb, lo_b, hi_b, alpha=0.15, color="C0", lw=0, label=f"{who}min-max"
             )
             # mean ± std never leaves the min-max envelope (an accuracy above 1,
             # a loss below 0 would be drawn otherwise)
@@ -111,10 +112,16 @@ def _draw_unit(data: dict[str, tuple], unit: PlotUnit, path: Path) -> None:
                 alpha=0.35,
                 color="C0",
                 lw=0,
-                label="mean ± std",
+                label=f"{who}mean ± std",
             )
             ax.plot(
-                xb, mean_b, color="C0", lw=1.2, label="mean", marker=_marker(xb), ms=3
+                xb,
+                mean_b,
+                color="C0",
+                lw=1.2,
+                label=f"{who}mean",
+                marker=_marker(xb),
+                ms=3,
             )
             drawn += [lo_b, hi_b]
     if unit.raw is not None:
@@ -145,11 +152,18 @@ def _draw_unit(data: dict[str, tuple], unit: PlotUnit, path: Path) -> None:
                 yb,
                 color="C1" if unit.stats else "C0",
                 lw=1.0,
-                label=unit.raw if unit.stats else None,
+                label=unit.raw if unit.stats or unit.others else None,
                 marker=_marker(xb),
                 ms=3,
             )
             drawn.append(yb)
+    for i, (label, name) in enumerate(unit.others):
+        x, y = data[name]
+        xb, yb = bucket(x, y, "envelope")
+        ax.plot(
+            xb, yb, color=f"C{i + 2}", lw=1.4, label=label, marker=_marker(xb), ms=4
+        )
+        drawn.append(yb)
     ax.set_title(unit.title)
     ax.set_xlabel("step")
     label = unit_label(unit.title)

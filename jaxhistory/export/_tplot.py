@@ -102,7 +102,9 @@ def _add_line(fig, label: str, x: np.ndarray, y: np.ndarray, marker: str) -> boo
     if not idx.size:
         return False
     # plotext aborts the process on NaN in a connected series: never pass one.
-    series = fig.signal(x[idx].tolist(), y[idx].tolist(), marker=marker).label(label)
+    # No plotext legend: its box covers the first tenth of the data (the legend
+    # is a line under the plot instead, see render).
+    series = fig.signal(x[idx].tolist(), y[idx].tolist(), marker=marker)
     series = series.lines()
     for k in np.flatnonzero(np.diff(idx) > 1) + 1:
         series.line(int(k), False)
@@ -110,7 +112,9 @@ def _add_line(fig, label: str, x: np.ndarray, y: np.ndarray, marker: str) -> boo
     return True
 
 
-def _render(plt, fig, title: str, xs: list[np.ndarray], xlabel: str = "step") -> str:
+def _render(
+    plt, fig, title: str, xs: list[np.ndarray], xlabel: str = "step", legend=()
+) -> str:
     fig.title(title)
     fig.label(xlabel, "x")
     allx = np.concatenate(xs) if xs else np.empty(0)
@@ -119,7 +123,11 @@ def _render(plt, fig, title: str, xs: list[np.ndarray], xlabel: str = "step") ->
         lo, hi = np.floor(allx.min()), np.ceil(allx.max())
         ticks = sorted({round(float(v)) for v in np.linspace(lo, hi, 5)})
         fig.ruler("x").ticks(ticks, [str(t) for t in ticks])
-    return plt.uncolorize(fig.build().string(colorless=True)).rstrip() + "\n"
+    text = plt.uncolorize(fig.build().string(colorless=True)).rstrip() + "\n"
+    if len(legend) > 1:  # which marker is which line, under the plot
+        shown = "   ".join(f"{'⠿' if m in NAMED_MARKERS else m} {n}" for m, n in legend)
+        text += f"    {shown}\n"
+    return text
 
 
 def _series(state, name, first):
@@ -133,6 +141,7 @@ def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
     points = 4 * opts["width"]
     xs = []
     drawn = False
+    legend = []
     if opts["type"] == "hist":
         name = unit.stats.get("mean") or unit.raw
         values = series(state, name, first)[1].reshape(-1)
@@ -145,7 +154,7 @@ def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
         return text if drawn else f"{title}: no finite values recorded\n"
     if unit.raw is not None:
         x, y = _series(state, unit.raw, first)
-        value = None if unit.stats else constant(y)
+        value = None if unit.stats or unit.others else constant(y)
         if value is not None:  # a value, not a flat line at a 0.0 tick
             return (
                 f"{unit.title}: constant {value:.6g} over {len(x)} records "
@@ -153,18 +162,29 @@ def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
             )
         xb, yb = bucket(x, y, "envelope", points)
         marker = opts["raw_marker"] if unit.stats else opts["marker"]
-        drawn |= _add_line(fig, unit.raw, xb, yb, marker)
+        if _add_line(fig, unit.raw, xb, yb, marker):
+            drawn = True
+            legend.append((marker, "train" if unit.others else unit.raw))
         xs.append(xb)
     for stat, marker in STAT_MARKERS.items():
         if stat in unit.stats:
             x, y = _series(state, unit.stats[stat], first)
             how = stat if stat in ("min", "max") else "mean"
             xb, yb = bucket(x, y, how, points)
-            drawn |= _add_line(fig, stat, xb, yb, marker)
+            if _add_line(fig, stat, xb, yb, marker):
+                drawn = True
+                legend.append((marker, f"train {stat}" if unit.others else stat))
             xs.append(xb)
+    for label, name in unit.others:
+        x, y = _series(state, name, first)
+        xb, yb = bucket(x, y, "envelope", points)
+        if _add_line(fig, label, xb, yb, "x"):
+            drawn = True
+            legend.append(("x", label))
+        xs.append(xb)
     if not drawn:
         return f"{unit.title}: no finite values recorded\n"
-    return _render(plt, fig, unit.title, xs)
+    return _render(plt, fig, unit.title, xs, legend=legend)
 
 
 def to_terminal(

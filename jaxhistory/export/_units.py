@@ -23,15 +23,22 @@ MAX_PLOTS = 200
 @dataclasses.dataclass(frozen=True)
 class PlotUnit:
     """One plot. ``stats`` maps mean/max/min/std to metric names (may be empty);
-    ``raw`` is the metric drawn as is (None when only statistics exist)."""
+    ``raw`` is the metric drawn as is (None when only statistics exist);
+    ``others`` are ``(label, metric)`` lines drawn over them (train vs eval)."""
 
     title: str
     raw: str | None
     stats: dict[str, str]
+    others: tuple[tuple[str, str], ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(n for n in (self.raw, *self.stats.values()) if n is not None)
+        named = (self.raw, *self.stats.values(), *(n for _, n in self.others))
+        return tuple(n for n in named if n is not None)
+
+
+# Prefixes of metrics compared with ``train/...`` on one plot.
+EVAL_PREFIXES = ("eval/", "val/", "valid/", "validation/", "test/")
 
 
 def plot_units(state: HistoryState) -> list[PlotUnit]:
@@ -61,7 +68,33 @@ def plot_units(state: HistoryState) -> list[PlotUnit]:
         else:
             units.append(PlotUnit(name, name, {}))
             done.add(name)
-    return units
+    return _with_comparisons(state, units)
+
+
+def _with_comparisons(state: HistoryState, units: list[PlotUnit]) -> list[PlotUnit]:
+    """``units`` with, before each ``train/X``, a plot of ``train/X`` and
+    ``eval/X`` (``val/X``, ``test/X``, ...) together: the comparison everybody
+    wants. Scalar metrics only."""
+    by_title = {u.title: u for u in units}
+
+    def scalar(u: PlotUnit) -> bool:
+        return all(not state.shape(n) for n in u.names)
+
+    out = []
+    for u in units:
+        if u.title.startswith("train/") and scalar(u):
+            suffix = u.title[len("train/") :]
+            others = []
+            for prefix in EVAL_PREFIXES:
+                other = by_title.get(prefix + suffix)
+                if other is not None and scalar(other):
+                    others.append((prefix[:-1], other.stats.get("mean") or other.raw))
+            if others:
+                versus = " and ".join(label for label, _ in others)
+                title = f"{suffix}: train vs {versus}"
+                out.append(PlotUnit(title, u.raw, u.stats, tuple(others)))
+        out.append(u)
+    return out
 
 
 def capped(
