@@ -97,6 +97,14 @@ class History:
             infinite, the summary line shows the device and its process
             (``loss=nan(NaN on device 3 (process 1))``) and a warning, once per
             metric, names the step, the metric, the device and the process.
+        resume: continue a run: its JSONL log (the run id is the file's name, and
+            the log is appended to unless ``jsonl_path`` or ``report_dir`` says
+            otherwise), its ``dataset.nc`` or finalize folder (the run id
+            recorded there), or a HistoryState. Its records become this
+            History's; later updates go on from its last step.
+        resume_step: with ``resume``, leave out the records at this step and
+            later: the steps a restart from an earlier checkpoint (of step
+            ``resume_step - 1``) records again. In the log, the later line wins.
 
     With several processes and distributed history, each update that reduces
     something also records ``straggler/process`` (the process that reached the
@@ -130,6 +138,8 @@ class History:
         sinks: Sequence[Any] = (),
         use_wandb: bool | None = None,
         provenance: bool = True,
+        resume: str | os.PathLike | HistoryState | None = None,
+        resume_step: int | None = None,
     ):
         if keys is not None and (
             isinstance(keys, str) or not all(isinstance(k, str) for k in keys)
@@ -176,13 +186,25 @@ class History:
         self.log_every = log_every
         self.state = HistoryState()
         check_run_name(run_name)
+        resumed_id = None
+        if resume is not None:
+            self.state, resumed_id, log = _resumed(resume, resume_step, run_name)
+            if log is not None and self.jsonl_path is None and self.report_dir is None:
+                self.jsonl_path = log  # the run's own log goes on
+            if log is not None and self.jsonl_overwrite and self._same(log):
+                raise ValueError(
+                    f"jsonl_overwrite=True would erase {log}, the log this run "
+                    "resumes from"
+                )
+        elif resume_step is not None:
+            raise ValueError("resume_step needs resume= (the run to continue)")
         taken = None
         if self.report_dir is not None and self.jsonl_path is None:
             # a log of that name exists (an earlier run, or another process's
             # started in the same second): take the next id
             report_dir = self.report_dir
             taken = lambda run_id: (report_dir / f"{run_id}.jsonl").exists()
-        self.run_id = new_run_id(run_name, taken)
+        self.run_id = resumed_id or new_run_id(run_name, taken)
         self.mesh = None  # the mesh of the per-device metrics, once one is seen
         self._updates = 0
         self._reducer = Reducer(provenance)
@@ -472,6 +494,9 @@ class History:
         return memory_token(sample, rss, self._rss_peak), tuple(mem.items())
 
     # ----- outputs -----------------------------------------------------------------
+    def _same(self, log: Path) -> bool:
+        return self.jsonl_path is not None and Path(self.jsonl_path) == log
+
     def _jsonl_target(self) -> Path | None:
         """Where this process streams its JSONL log, or None.
 
@@ -667,6 +692,43 @@ def _step_entry(metrics: dict, label: str = "step") -> tuple[str, Any, dict]:
             step = as_step(key, metrics[key])
             return key, step, {k: v for k, v in metrics.items() if k != key}
     return label, None, metrics
+
+
+def _resumed(resume: Any, resume_step: int | None, run_name: str | None):
+    """(state, run id, log) of the run ``resume`` names: a HistoryState, a JSONL
+    log (its name is the run id; History goes on appending to it), a dataset
+    file or a finalize folder; records at ``resume_step`` and later are left
+    out (the steps a restart from an earlier checkpoint records again)."""
+    log = None
+    if isinstance(resume, HistoryState):
+        state, run_id = resume, dict(resume.attrs).get("run_id")
+    elif isinstance(resume, str | os.PathLike):
+        path = Path(resume)
+        if path.is_dir():
+            path = path / "dataset.nc"
+        if not path.is_file():
+            raise FileNotFoundError(f"resume: no run log or dataset at {path}")
+        if path.suffix == ".jsonl":
+            state, run_id, log = HistoryState.from_jsonl(path), path.stem, path
+        elif path.suffix in (".nc", ".nc4", ".netcdf"):
+            state = HistoryState.from_netcdf(path)
+            run_id = dict(state.attrs).get("run_id")
+        else:
+            raise ValueError(f"resume: expected a .jsonl log or a .nc dataset: {path}")
+    else:
+        raise TypeError(
+            "resume takes a HistoryState, a JSONL log, a dataset file or a finalize "
+            f"folder, got {type(resume).__name__}"
+        )
+    if run_name is not None:
+        raise ValueError(
+            "resume continues the run with its own run id; give run_name only to a "
+            "new run"
+        )
+    if resume_step is not None:
+        step = as_step("resume_step", resume_step)
+        state = state.before(step)
+    return state, run_id, log
 
 
 def _sinks_here(sinks: Sequence[Any], use_wandb: bool | None) -> tuple:

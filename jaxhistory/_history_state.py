@@ -594,6 +594,18 @@ class HistoryState:
             new[(name,)] = (Table.from_arrays((name,), steps, [values]), len(steps))
         return self._derive(new, max(self.next_step, other.next_step))
 
+    def before(self, step: int) -> HistoryState:
+        """This history without its records at ``step`` and later (a run that
+        restarts from a checkpoint of step ``step - 1`` records them again);
+        ``next_step`` is ``step`` at most."""
+        columns = {}
+        for name in self.keys:
+            steps, values = self._records(name)
+            keep = steps < step
+            columns[name] = (np.array(steps[keep]), np.array(values[keep]))
+        out = self._from_columns(columns, min(self.next_step, step))
+        return out.with_attrs(**dict(self.attrs)) if self.attrs else out
+
     def with_attrs(self, **attrs: Any) -> HistoryState:
         """A state with run metadata ``attrs`` added (carried into exports)."""
         merged = dict(self.attrs) | attrs

@@ -348,3 +348,49 @@ def test_the_terminal_legend_is_under_the_plot_not_over_the_data(tmp_path):
     assert lines[-1].split() == ["·", "mean", "-", "min", "+", "max", "*", "std"]
     top = next(ln for ln in lines if ln.startswith("2.5"))
     assert "+" in top  # the early spike is visible, not under a legend box
+
+
+# ----- resume ---------------------------------------------------------------------
+
+
+def test_a_crashed_run_resumes_from_its_log_with_its_run_id(tmp_path):
+    first = jh.History(distributed_history=False, report_dir=tmp_path, run_name="r")
+    for i in range(10):
+        first.update({"loss": float(i)}, step=i, summarize=False)
+    first.close()  # the crash: the checkpoint is of step 5
+    log = tmp_path / f"{first.run_id}.jsonl"
+    again = jh.History(distributed_history=False, resume=log, resume_step=6)
+    assert again.run_id == first.run_id and again.state.steps("loss").tolist() == list(
+        range(6)
+    )
+    for i in range(6, 12):
+        again.update({"loss": 100.0 + i}, step=i, summarize=False)
+    again.finalize(tmp_path / "out", plot=False)
+    again.close()
+    back = jh.HistoryState.from_jsonl(log)  # the same log, appended to
+    assert back.steps("loss").tolist() == list(range(12))
+    assert back.values("loss").tolist() == [
+        *range(6),
+        *(100.0 + i for i in range(6, 12)),
+    ]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert report.startswith(f"# Run report: {first.run_id}")
+    # From a dataset or a state, and what is refused.
+    from_nc = jh.History(distributed_history=False, resume=tmp_path / "out")
+    assert from_nc.run_id == first.run_id and from_nc.state.count("loss") == 12
+    from_nc.close()
+    state = jh.History(distributed_history=False, resume=back).state
+    assert state.count("loss") == 12
+    with pytest.raises(ValueError, match="give run_name only to a new run"):
+        jh.History(resume=log, run_name="other")
+    with pytest.raises(ValueError, match="resume_step needs resume="):
+        jh.History(resume_step=3)
+    with pytest.raises(FileNotFoundError, match="no run log or dataset"):
+        jh.History(resume=tmp_path / "missing.jsonl")
+    with pytest.raises(TypeError, match="resume takes a HistoryState"):
+        jh.History(resume=3)
+    with pytest.raises(ValueError, match="would erase"):
+        jh.History(resume=log, jsonl_path=log, jsonl_overwrite=True)
+    with pytest.raises(ValueError, match="already recorded at step 11"):
+        h = jh.History(distributed_history=False, resume=back)
+        h.update({"loss": 1.0}, step=11)
