@@ -3,7 +3,9 @@
 ``jaxhistory report RUN -o OUTDIR`` regenerates every output (dataset, plots,
 terminal plots, report, JSONL) from a run's JSONL log or ``dataset.nc``;
 ``jaxhistory summary RUN`` prints its statistics table; ``jaxhistory merge-traces
-A.json B.json -o merged.json`` merges Chrome trace files onto one clock.
+A.json B.json -o merged.json`` merges Chrome trace files onto one clock;
+``jaxhistory launch -n 4 module:function`` runs a function in 4 local JAX
+processes that form one job, their output prefixed with ``[process i]``.
 """
 
 from __future__ import annotations
@@ -119,7 +121,58 @@ def _parser() -> argparse.ArgumentParser:
     )
     merge.add_argument("traces", nargs="+", help="trace files (.json or .json.gz)")
     merge.add_argument("-o", "--output", required=True, help="the merged file")
+    launch = sub.add_parser(
+        "launch", help="run a function in N local JAX processes forming one job"
+    )
+    launch.add_argument("target", help="the function: package.module:function")
+    launch.add_argument("args", nargs="*", help="arguments for it (as strings)")
+    launch.add_argument(
+        "-n", "--num-processes", type=int, default=2, help="processes (default 2)"
+    )
+    launch.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=2,
+        help="simulated CPU devices in each process (default 2)",
+    )
+    launch.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds for the whole job; past it every process is killed (600)",
+    )
+    launch.add_argument(
+        "--output",
+        default="stream",
+        help="'stream' (every line as [process i] line, the default), a folder "
+        "(process-{i}.log each) or 'none'",
+    )
     return parser
+
+
+def _launch(args) -> int:
+    from jaxhistory.launch import LaunchError, launch_local
+
+    output = None if args.output == "none" else args.output
+    try:
+        results = launch_local(
+            args.target,
+            args.num_processes,
+            args.devices_per_process,
+            args=tuple(args.args),
+            timeout=args.timeout,
+            output=output,
+        )
+    except LaunchError as err:
+        print(f"jaxhistory: {err}", file=sys.stderr)
+        return 1
+    except (TypeError, ValueError) as err:
+        print(f"jaxhistory: {err}", file=sys.stderr)
+        return 2
+    for pid, result in enumerate(results):
+        if result is not None:
+            print(f"[process {pid}] returned {result!r}")
+    return 0
 
 
 def _merge(args) -> int:
@@ -150,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args) -> int:
     if args.command == "merge-traces":
         return _merge(args)
+    if args.command == "launch":
+        return _launch(args)
     try:
         state, attrs = load_run(args.run)
     except (OSError, ValueError) as err:

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -95,6 +96,7 @@ def launch_local(
     kwargs: dict[str, Any] | None = None,
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
+    output: str | os.PathLike | None = "stream",
 ) -> list[Any]:
     """Runs ``target`` in ``num_processes`` local JAX processes; returns their results.
 
@@ -112,6 +114,11 @@ def launch_local(
         timeout: seconds for the whole job. Past it every process is killed: a
             process that skips a collective would otherwise hang the others forever.
         env: extra environment variables for the processes.
+        output: where each process's output (stdout and stderr) goes while it
+            runs: ``"stream"`` (default) prints every line to this process's
+            stdout as ``[process i] line``; a folder writes
+            ``{folder}/process-{i}.log`` per process; None keeps it only for
+            the error message of a failed job.
 
     Returns:
         The return values, indexed by process id.
@@ -127,6 +134,12 @@ def launch_local(
     """
     if num_processes < 1 or devices_per_process < 1:
         raise ValueError("num_processes and devices_per_process must be at least 1")
+    if output is not None and output != "stream":
+        if not isinstance(output, str | os.PathLike):
+            raise TypeError(
+                f"output must be 'stream', a folder or None, got {output!r}"
+            )
+        Path(output).mkdir(parents=True, exist_ok=True)
     name = _target_name(target)
     port = free_port()
     env_out = dict(os.environ)
@@ -148,6 +161,7 @@ def launch_local(
         tmpdir = Path(tmp)
         procs: list[subprocess.Popen] = []
         logs: list[Any] = []
+        readers: list[threading.Thread] = []
         timed_out = False
         try:
             for pid in range(num_processes):
@@ -158,20 +172,28 @@ def launch_local(
                 )
                 spec_path = tmpdir / f"spec-{pid}.pkl"
                 spec_path.write_bytes(pickle.dumps(spec))
-                logs.append(open(tmpdir / f"log-{pid}.txt", "w+b"))  # noqa: SIM115
+                if output is None or output == "stream":
+                    log_path = tmpdir / f"log-{pid}.txt"
+                else:
+                    log_path = Path(output) / f"process-{pid}.log"
+                logs.append(open(log_path, "w+b"))  # noqa: SIM115
                 procs.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "jaxhistory._launch_worker", spec_path],
-                        stdout=logs[-1],
+                        stdout=logs[-1] if output != "stream" else subprocess.PIPE,
                         stderr=subprocess.STDOUT,
                         stdin=subprocess.DEVNULL,
                         env=env_out,
                         start_new_session=True,
                     )
                 )
+                if output == "stream":
+                    readers.append(_stream(procs[-1], pid, logs[-1]))
             timed_out = _wait(procs, time.monotonic() + timeout)
         finally:
             _kill(procs)
+            for reader in readers:
+                reader.join(timeout=5)
         texts = {}
         for pid, log in enumerate(logs):
             log.seek(0)
@@ -198,6 +220,26 @@ def launch_local(
         )
         raise LaunchError(f"{head} ({name})\n{detail}\n{shown}", texts)
     return results
+
+
+_PRINT = threading.Lock()  # one line at a time from the processes' readers
+
+
+def _stream(proc: subprocess.Popen, pid: int, log) -> threading.Thread:
+    """A thread copying ``proc``'s output to ``log`` and, line by line with a
+    ``[process i]`` prefix, to this process's stdout."""
+
+    def copy():
+        for line in iter(proc.stdout.readline, b""):
+            log.write(line)
+            text = line.decode(errors="replace").rstrip("\n")
+            with _PRINT, contextlib.suppress(Exception):  # a closed stdout
+                print(f"[process {pid}] {text}", flush=True)
+        proc.stdout.close()
+
+    thread = threading.Thread(target=copy, name=f"launch-output-{pid}", daemon=True)
+    thread.start()
+    return thread
 
 
 def _wait(procs: Sequence[subprocess.Popen], deadline: float) -> bool:

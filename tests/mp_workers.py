@@ -364,3 +364,14 @@ def straggler_run(steps: int, slow: int, sleep: float) -> dict:
         "lag": np.asarray(state.values("straggler/lag")).tolist(),
         "keys": sorted(state.keys),
     }
+
+
+def say(word: str = "hi") -> int:
+    """Prints two lines (stdout and stderr); returns the process index."""
+    import sys
+
+    import jax
+
+    print(f"{word} from {jax.process_index()}", flush=True)
+    print(f"{word} on stderr", file=sys.stderr, flush=True)
+    return jax.process_index()

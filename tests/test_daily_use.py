@@ -394,3 +394,51 @@ def test_a_crashed_run_resumes_from_its_log_with_its_run_id(tmp_path):
     with pytest.raises(ValueError, match="already recorded at step 11"):
         h = jh.History(distributed_history=False, resume=back)
         h.update({"loss": 1.0}, step=11)
+
+
+# ----- launching a local multi-process job ----------------------------------------
+
+
+@pytest.mark.slow
+def test_launched_processes_output_is_streamed_with_a_prefix(capsys, tmp_path):
+    import mp_workers
+
+    assert jh.launch_local(mp_workers.say, 2, args=("hey",), timeout=120) == [0, 1]
+    out = capsys.readouterr().out
+    for pid in (0, 1):
+        assert f"[process {pid}] hey from {pid}" in out
+        assert f"[process {pid}] hey on stderr" in out
+    # To files it names instead, or nowhere.
+    jh.launch_local(mp_workers.say, 2, timeout=120, output=tmp_path / "logs")
+    assert capsys.readouterr().out == ""
+    assert "hi from 1" in (tmp_path / "logs" / "process-1.log").read_text()
+    jh.launch_local(mp_workers.say, 2, timeout=120, output=None)
+    assert capsys.readouterr().out == ""
+    with pytest.raises(TypeError, match="output must be 'stream', a folder or None"):
+        jh.launch_local(mp_workers.say, 2, output=3)
+
+
+@pytest.mark.slow
+def test_the_launch_command(tmp_path):
+    import os
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path])}
+    cmd = [sys.executable, "-m", "jaxhistory", "launch", "-n", "2"]
+    done = subprocess.run(
+        [*cmd, "mp_workers:say", "yo"], capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "[process 1] yo from 1" in done.stdout
+    assert "[process 0] returned 0" in done.stdout
+    failed = subprocess.run(
+        [*cmd, "mp_workers:fail_on_process_one", "--timeout", "120"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert failed.returncode == 1 and "launched processes failed" in failed.stderr
+    bad = subprocess.run(
+        [*cmd, "no_colon"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert bad.returncode == 2 and "must look like" in bad.stderr
