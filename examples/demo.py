@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> None:
         # Records every step; a JSONL log streams to the output folder meanwhile.
         history = jaxhistory.History(
             keys=["train/loss"],
+            log_every=args.log_every,  # perf/steps_per_sec and perf/eta_sec there
+            total_steps=args.steps,
             report_dir=args.outdir,
             run_name=f"demo-seed{args.seed}",
         )

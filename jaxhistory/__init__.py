@@ -38,7 +38,7 @@ from jaxhistory._collective import (
 from jaxhistory._distributed import distributed_default
 from jaxhistory._history import History
 from jaxhistory._history_state import HistoryState, warmup_count
-from jaxhistory._hlo import collective_counts
+from jaxhistory._hlo import collective_counts, step_flops
 from jaxhistory._memory import (
     MemorySample,
     MemoryTracker,
@@ -111,6 +111,7 @@ __all__ = [
     "save_metrics",
     "save_state",
     "sinks",
+    "step_flops",
     "trace",
     "warmup_count",
 ]

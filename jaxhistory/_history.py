@@ -105,6 +105,13 @@ class History:
         resume_step: with ``resume``, leave out the records at this step and
             later: the steps a restart from an earlier checkpoint (of step
             ``resume_step - 1``) records again. In the log, the later line wins.
+        total_steps, flops_per_step, peak_flops: progress. At each step that is
+            a multiple of ``log_every``, to a dict update, History adds
+            ``perf/steps_per_sec`` (since the previous summarized step), with
+            ``total_steps`` ``perf/eta_sec`` (seconds to the last step), and with
+            ``flops_per_step`` (:func:`~jaxhistory.step_flops` of the compiled
+            step) and ``peak_flops`` (the peak FLOP/s of every device the step
+            runs on, together) ``perf/mfu``, the model FLOPs utilisation.
 
     With several processes and distributed history, each update that reduces
     something also records ``straggler/process`` (the process that reached the
@@ -140,6 +147,9 @@ class History:
         provenance: bool = True,
         resume: str | os.PathLike | HistoryState | None = None,
         resume_step: int | None = None,
+        total_steps: int | None = None,
+        flops_per_step: float | None = None,
+        peak_flops: float | None = None,
     ):
         if keys is not None and (
             isinstance(keys, str) or not all(isinstance(k, str) for k in keys)
@@ -184,6 +194,7 @@ class History:
         self.jsonl_path = None if jsonl_path is None else Path(jsonl_path)
         self.jsonl_overwrite = bool(jsonl_overwrite)
         self.log_every = log_every
+        self._progress = Progress.of(total_steps, flops_per_step, peak_flops)
         self.state = HistoryState()
         check_run_name(run_name)
         resumed_id = None
@@ -273,6 +284,9 @@ class History:
         ):
             label, step, metrics = _step_entry(metrics)
         with self._lock:
+            if self._progress is not None and type(metrics) is dict:
+                at = self.state.next_step if step is None else step
+                metrics = self._progress.add(metrics, at, self.log_every)
             fast = None
             if type(metrics) is dict and not self._reduce_host:
                 # The state's fast path: the same names as earlier all-float
@@ -692,6 +706,53 @@ def _step_entry(metrics: dict, label: str = "step") -> tuple[str, Any, dict]:
             step = as_step(key, metrics[key])
             return key, step, {k: v for k, v in metrics.items() if k != key}
     return label, None, metrics
+
+
+class Progress:
+    """Steps per second, the time left and the model FLOPs utilisation, added
+    to the metrics of summarized steps."""
+
+    def __init__(self, total: int | None, flops: float | None, peak: float | None):
+        self.total, self.flops, self.peak = total, flops, peak
+        self.last: tuple[int, float] | None = None
+
+    @classmethod
+    def of(cls, total, flops, peak) -> Progress | None:
+        if total is not None and (
+            isinstance(total, bool) or not isinstance(total, int) or total < 1
+        ):
+            raise ValueError(f"total_steps must be a positive int, got {total!r}")
+        for name, value in (("flops_per_step", flops), ("peak_flops", peak)):
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not value > 0
+                or value == float("inf")
+            ):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if (flops is None) != (peak is None):
+            raise ValueError(
+                "MFU needs both flops_per_step (jaxhistory.step_flops of the step) "
+                "and peak_flops (the devices' peak FLOP/s)"
+            )
+        if total is None and flops is None:
+            return None
+        return cls(total, flops, peak)
+
+    def add(self, metrics: dict, step: int, log_every: int) -> dict:
+        if not isinstance(step, int) or step % log_every:
+            return metrics
+        now = time.perf_counter()
+        last, self.last = self.last, (step, now)
+        if last is None or step <= last[0] or now <= last[1]:
+            return metrics  # the first line: no rate yet
+        rate = (step - last[0]) / (now - last[1])
+        out = {**metrics, "perf/steps_per_sec": rate}
+        if self.total is not None:
+            out["perf/eta_sec"] = max(self.total - step, 0) / rate
+        if self.flops is not None:
+            out["perf/mfu"] = rate * self.flops / self.peak
+        return out
 
 
 def _resumed(resume: Any, resume_step: int | None, run_name: str | None):

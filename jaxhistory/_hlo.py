@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["collective_counts"]
+__all__ = ["collective_counts", "step_flops"]
 
 COLLECTIVES = (
     "all-reduce",
@@ -52,3 +52,24 @@ def collective_counts(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, int]
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     compiled = jitted.lower(*args, **kwargs).compile()
     return count_in_hlo(compiled.as_text())
+
+
+def step_flops(fn: Callable, *args: Any, **kwargs: Any) -> float:
+    """The FLOPs of one call of ``fn`` on ``args``, from XLA's cost analysis of
+    the compiled program (all devices together): ``flops_per_step`` for
+    ``History(..., peak_flops=...)``'s model FLOPs utilisation.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import jaxhistory as jh
+        >>> jh.step_flops(lambda a, b: a @ b, jnp.ones((4, 8)), jnp.ones((8, 2)))
+        128.0
+    """
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    cost = jitted.lower(*args, **kwargs).compile().cost_analysis()
+    if isinstance(cost, list | tuple):  # one entry per program on older JAX
+        cost = cost[0] if cost else {}
+    flops = (cost or {}).get("flops")
+    if flops is None or flops < 0:
+        raise ValueError(f"XLA's cost analysis of {fn!r} holds no FLOP count")
+    return float(flops)

@@ -442,3 +442,36 @@ def test_the_launch_command(tmp_path):
         [*cmd, "no_colon"], capture_output=True, text=True, env=env, timeout=300
     )
     assert bad.returncode == 2 and "must look like" in bad.stderr
+
+
+# ----- progress: steps/s, ETA, MFU --------------------------------------------------
+
+
+def test_progress_steps_per_second_eta_and_mfu(monkeypatch):
+    from jaxhistory import _history
+
+    clock = iter(float(t) for t in range(100))
+    monkeypatch.setattr(_history.time, "perf_counter", lambda: next(clock))
+    flops = jh.step_flops(lambda a, b: a @ b, np.ones((4, 8)), np.ones((8, 2)))
+    assert flops == 128.0
+    h = jh.History(
+        distributed_history=False, log_every=10, total_steps=100,
+        flops_per_step=flops, peak_flops=1024.0,
+    )  # fmt: skip
+    lines = [h.update({"loss": 1.0}, step=i) for i in range(1, 31)]
+    state = h.state
+    assert state.steps("perf/steps_per_sec").tolist() == [20, 30]  # not at step 10
+    # 10 steps per 1 s of the fake clock (one reading per summarized step)
+    assert state.values("perf/steps_per_sec").tolist() == [10.0, 10.0]
+    assert state.values("perf/eta_sec").tolist() == [8.0, 7.0]
+    assert state.values("perf/mfu").tolist() == [1.25, 1.25]  # 10 * 128 / 1024
+    assert "perf/eta_sec=7" in lines[29] and "perf/mfu=1.25" in lines[29]
+    assert state.steps("loss").tolist() == list(range(1, 31))
+    h.close()
+    for bad, match in (
+        ({"total_steps": 0}, "total_steps must be a positive int"),
+        ({"flops_per_step": 1.0}, "MFU needs both"),
+        ({"peak_flops": -1.0, "flops_per_step": 1.0}, "peak_flops must be a positive"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            jh.History(**bad)
