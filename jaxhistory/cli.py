@@ -23,6 +23,7 @@ from jaxhistory._xarray import read_netcdf
 from jaxhistory.export._finalize import finalize
 from jaxhistory.export._markdown import stats_table
 from jaxhistory.export._units import MAX_PLOTS
+from jaxhistory.launch import LaunchError, launch_local
 from jaxhistory.trace import merge_traces
 
 __all__ = ["load_run", "main"]
@@ -151,8 +152,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _launch(args) -> int:
-    from jaxhistory.launch import LaunchError, launch_local
-
     output = None if args.output == "none" else args.output
     try:
         results = launch_local(

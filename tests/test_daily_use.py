@@ -345,7 +345,9 @@ def test_the_terminal_legend_is_under_the_plot_not_over_the_data(tmp_path):
         )  # fmt: skip
     (text,) = export.to_terminal(s, tmp_path).values()
     lines = text.rstrip("\n").splitlines()
-    assert lines[-1].split() == ["·", "mean", "-", "min", "+", "max", "*", "std"]
+    assert lines[-1].split() == [
+        "·", "mean", "-", "min", "+", "max", "*", "std", "(right", "axis)"
+    ]  # fmt: skip
     top = next(ln for ln in lines if ln.startswith("2.5"))
     assert "+" in top  # the early spike is visible, not under a legend box
 

@@ -494,16 +494,14 @@ def test_finalize_plots_at_most_max_plots_and_names_the_rest(tmp_path):
             export.finalize(s, tmp_path / "bad", run_id="r", max_plots=bad)
 
 
-def test_finalize_plots_200_metrics_by_default(tmp_path):
+def test_finalize_plots_200_metrics_by_default():
+    import inspect
+
     from jaxhistory.export._units import MAX_PLOTS
 
-    s = jh.HistoryState()
-    names = [f"m{i:03d}" for i in range(MAX_PLOTS + 5)]
-    for step in range(2):
-        s = s.update(dict.fromkeys(names, float(step)), step=step)
-    export.finalize(s, tmp_path, run_id="r", echo=False)
-    assert len(list((tmp_path / "plots" / "mplot").iterdir())) == MAX_PLOTS == 200
-    assert "Not plotted (5 metric(s)" in (tmp_path / "report.md").read_text()
+    for fn in (export.finalize, jh.History.finalize):
+        assert inspect.signature(fn).parameters["max_plots"].default == MAX_PLOTS
+    assert MAX_PLOTS == 200  # capping itself: test_finalize_plots_at_most_max_plots
 
 
 def test_cli_report_takes_max_plots(tmp_path):

@@ -95,7 +95,9 @@ def _figure(width: int, height: int):
     return plt, fig
 
 
-def _add_line(fig, label: str, x: np.ndarray, y: np.ndarray, marker: str) -> bool:
+def _add_line(
+    fig, label: str, x: np.ndarray, y: np.ndarray, marker: str, yside=None
+) -> bool:
     """Draws a finite-only line with gaps where points are not finite."""
     x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
     idx = np.flatnonzero(np.isfinite(x) & np.isfinite(y))
@@ -104,7 +106,7 @@ def _add_line(fig, label: str, x: np.ndarray, y: np.ndarray, marker: str) -> boo
     # plotext aborts the process on NaN in a connected series: never pass one.
     # No plotext legend: its box covers the first tenth of the data (the legend
     # is a line under the plot instead, see render).
-    series = fig.signal(x[idx].tolist(), y[idx].tolist(), marker=marker)
+    series = fig.signal(x[idx].tolist(), y[idx].tolist(), marker=marker, yside=yside)
     series = series.lines()
     for k in np.flatnonzero(np.diff(idx) > 1) + 1:
         series.line(int(k), False)
@@ -171,9 +173,13 @@ def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
             x, y = _series(state, unit.stats[stat], first)
             how = stat if stat in ("min", "max") else "mean"
             xb, yb = bucket(x, y, how, points)
-            if _add_line(fig, stat, xb, yb, marker):
+            # std on an axis of its own (right): on the values' axis it is a
+            # flat line at the bottom
+            side = "right" if stat == "std" else None
+            if _add_line(fig, stat, xb, yb, marker, side):
                 drawn = True
-                legend.append((marker, f"train {stat}" if unit.others else stat))
+                name = f"train {stat}" if unit.others else stat
+                legend.append((marker, f"{name} (right axis)" if side else name))
             xs.append(xb)
     for label, name in unit.others:
         x, y = _series(state, name, first)
