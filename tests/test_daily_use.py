@@ -477,3 +477,28 @@ def test_progress_steps_per_second_eta_and_mfu(monkeypatch):
     ):
         with pytest.raises(ValueError, match=match):
             jh.History(**bad)
+
+
+# ----- the dataset -----------------------------------------------------------------
+
+
+def test_the_dataset_has_the_wall_clock_time_of_each_step(tmp_path):
+    import xarray as xr
+
+    h = jh.History(distributed_history=False, jsonl_path=tmp_path / "run.jsonl")
+    for i in range(5):
+        h.update({"loss": 1.0 / (i + 1), "time": float(i)}, summarize=False)
+    h.finalize(tmp_path / "out", plot=False)
+    h.close()
+    with xr.open_dataset(tmp_path / "out" / "dataset.nc") as ds:  # plain xarray
+        times = ds["time_"].values  # "time" is a metric here
+        assert times.dtype.kind == "M" and len(times) == 5
+        assert np.all(np.diff(times.astype("int64")) >= 0)
+        year = times[0].astype("datetime64[Y]").astype(int) + 1970
+        assert year >= 2024
+    back = jh.HistoryState.from_netcdf(tmp_path / "out" / "dataset.nc")
+    assert back.values("time").tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    s = jh.HistoryState().update({"loss": 1.0}, step=3)
+    export.to_netcdf(s, tmp_path / "no_times.nc")  # no timestamps: no coordinate
+    with xr.open_dataset(tmp_path / "no_times.nc") as ds:
+        assert "time" not in ds.coords

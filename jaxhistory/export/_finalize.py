@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 
+from jaxhistory._codec import read_stamps
 from jaxhistory._dtypes import warmup_count
 from jaxhistory._env import MAX_RUN_NAME, check_run_name, netcdf_attrs, new_run_id
 from jaxhistory._env import environment as run_environment
@@ -134,7 +135,10 @@ def finalize(
     files: list[Path] = []
     if save:
         path = outdir / "dataset.nc"
-        ds = to_netcdf(state, path, attrs=attrs)
+        stamps = timestamps
+        if stamps is None and jsonl is not None and Path(jsonl).is_file():
+            stamps = read_stamps(Path(jsonl))  # the times the log recorded
+        ds = to_netcdf(state, path, attrs=attrs, timestamps=stamps)
         files.append(path)
     else:
         ds = state.to_xarray()

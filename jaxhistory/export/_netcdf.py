@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from jaxhistory import _xarray
 from jaxhistory._env import netcdf_attrs
@@ -20,6 +23,7 @@ def to_netcdf(
     path: str | os.PathLike,
     warmup: float = 0,
     attrs: dict[str, Any] | None = None,
+    timestamps: Mapping[int, float] | None = None,
 ):
     """Writes ``state`` to a netCDF-4 file at ``path``; returns the dataset written.
 
@@ -34,6 +38,11 @@ def to_netcdf(
     is written to a temporary name and renamed, so a crash leaves the old file or
     the new one, never part of one, and a rerun replaces the file.
 
+    ``timestamps`` (step -> wall-clock seconds since the epoch, as History and
+    its JSONL log record them) add a ``time`` coordinate along ``step`` (NaT
+    where unknown; ``time_`` if a metric is named ``time``), which plain xarray
+    opens as datetimes.
+
     Example:
         >>> import tempfile, pathlib, jaxhistory as jh
         >>> s = jh.HistoryState().update({"train": {"loss": 0.5}, "step": 3})
@@ -44,6 +53,24 @@ def to_netcdf(
     """
     import_optional("netCDF4", "to_netcdf")
     ds = state.to_xarray(warmup)
+    if timestamps:
+        steps = np.asarray(ds["step"].values)
+        stamps = np.array([timestamps.get(int(t), np.nan) for t in steps], np.float64)
+        name = "time"
+        while name in ds.variables:
+            name += "_"
+        ds = ds.assign_coords(
+            {
+                name: (
+                    "step",
+                    stamps,
+                    {
+                        "units": "seconds since 1970-01-01",
+                        "long_name": "wall-clock time of the step's record",
+                    },
+                )
+            }
+        )
     if attrs:
         ds.attrs.update(attrs)
     ds.attrs = netcdf_attrs(ds.attrs)
