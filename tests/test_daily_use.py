@@ -6,19 +6,10 @@ import sys
 
 import numpy as np
 import pytest
+from test_export import _cli as run_cli  # the command in a fresh process
 
 import jaxhistory as jh
 from jaxhistory import cli, export
-
-
-def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "jaxhistory", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
 
 
 def saved_run(tmp_path, warmup=0.0):
