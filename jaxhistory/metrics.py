@@ -75,7 +75,13 @@ def _float() -> jnp.dtype:
 
 class Metric:
     """The base of every metric: subclasses are made frozen dataclasses and
-    registered as pytrees (every field an array with a leading shard axis)."""
+    registered as pytrees (every field an array with a leading shard axis).
+
+    A metric class defines ``_identity(num_shards)`` (its fields' identity
+    values), ``_from_batch(batch, outputs)`` (one batch's per-shard state),
+    ``_combine(other)`` (two states of the same shards, shard by shard),
+    ``_fold()`` (every shard merged in shard order, into one) and ``_value()``
+    (the result of a one-shard state)."""
 
     _fields: ClassVar[tuple[str, ...]] = ()
 
@@ -87,25 +93,6 @@ class Metric:
         jax.tree_util.register_dataclass(
             cls, data_fields=list(cls._fields), meta_fields=[]
         )
-
-    # ----- what each metric defines ---------------------------------------------
-    @classmethod
-    def _identity(cls, num_shards: int) -> dict[str, jax.Array]:
-        raise NotImplementedError
-
-    @classmethod
-    def _from_batch(cls, batch: _Batch, outputs: Mapping[str, Any]) -> Metric:
-        raise NotImplementedError
-
-    def _combine(self, other: Metric) -> Metric:
-        raise NotImplementedError
-
-    def _fold(self) -> Metric:
-        """The merge of every shard, in shard order: one shard."""
-        raise NotImplementedError
-
-    def _value(self) -> jax.Array:
-        raise NotImplementedError
 
     # ----- the protocol -----------------------------------------------------------
     @classmethod
