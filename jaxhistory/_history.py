@@ -27,6 +27,7 @@ from jaxhistory._stats import Stats
 from jaxhistory._summary import NonfiniteWatch, SummaryLine, memory_token
 from jaxhistory._writer import Writer
 from jaxhistory.export._finalize import finalize as write_outputs
+from jaxhistory.export._load import load_run, run_file
 from jaxhistory.export._units import MAX_PLOTS
 from jaxhistory.sinks import WandbSink, is_sink, writes_here
 from jaxhistory.sinks._jsonl import JsonlSink
@@ -764,18 +765,17 @@ def _resumed(resume: Any, resume_step: int | None, run_name: str | None):
     if isinstance(resume, HistoryState):
         state, run_id = resume, dict(resume.attrs).get("run_id")
     elif isinstance(resume, str | os.PathLike):
-        path = Path(resume)
-        if path.is_dir():
-            path = path / "dataset.nc"
-        if not path.is_file():
-            raise FileNotFoundError(f"resume: no run log or dataset at {path}")
+        try:
+            state, attrs = load_run(resume)  # as `jaxhistory report` reads a run
+        except FileNotFoundError as err:
+            raise FileNotFoundError(
+                f"resume: no run log or dataset at {resume} ({err})"
+            ) from None
+        path = run_file(resume)
         if path.suffix == ".jsonl":
-            state, run_id, log = HistoryState.from_jsonl(path), path.stem, path
-        elif path.suffix in (".nc", ".nc4", ".netcdf"):
-            state = HistoryState.from_netcdf(path)
-            run_id = dict(state.attrs).get("run_id")
+            run_id, log = path.stem, path
         else:
-            raise ValueError(f"resume: expected a .jsonl log or a .nc dataset: {path}")
+            run_id = attrs.get("run_id")
     else:
         raise TypeError(
             "resume takes a HistoryState, a JSONL log, a dataset file or a finalize "

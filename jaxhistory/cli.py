@@ -17,43 +17,15 @@ import sys
 from pathlib import Path
 
 from jaxhistory._env import ENV_LABELS
-from jaxhistory._history_state import HistoryState
 from jaxhistory._version import __version__
-from jaxhistory._xarray import read_netcdf
 from jaxhistory.export._finalize import finalize
+from jaxhistory.export._load import load_run, run_file
 from jaxhistory.export._markdown import stats_table
 from jaxhistory.export._units import MAX_PLOTS
 from jaxhistory.launch import LaunchError, launch_local
 from jaxhistory.trace import merge_traces
 
 __all__ = ["load_run", "main"]
-
-
-def _run_file(path: str | Path) -> Path:
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"no such run file: {path}")
-    if path.is_dir():
-        if not (path / "dataset.nc").is_file():
-            raise ValueError(f"{path} is a folder without a dataset.nc")
-        path = path / "dataset.nc"
-    if path.suffix not in (".jsonl", ".nc", ".nc4", ".netcdf"):
-        raise ValueError(f"{path}: expected a .jsonl log or a .nc dataset")
-    return path
-
-
-def load_run(path: str | Path):
-    """The HistoryState in a JSONL log (``.jsonl``), a dataset file (``.nc``) or a
-    folder holding ``dataset.nc``, and the run's recorded attributes (run id,
-    environment; none for a JSONL log)."""
-    path = _run_file(path)
-    if path.suffix == ".jsonl":
-        return HistoryState.from_jsonl(path), {}
-    ds = read_netcdf(path)
-    attrs = dict(ds.attrs)
-    for name in ds.data_vars:
-        ds.variables[name].attrs.pop("long_name", None)
-    return HistoryState.from_xarray(ds), attrs
 
 
 def _warmup(text: str) -> float:
@@ -217,7 +189,7 @@ def _main(args) -> int:
     if args.command == "summary":
         print("\n".join(stats_table(state, args.warmup)), flush=True)
         return 0
-    source = _run_file(args.run)
+    source = run_file(args.run)
     outdir = Path(args.outdir)
     if source.suffix == ".jsonl":
         run_id = source.stem

@@ -1,0 +1,40 @@
+"""Loading a saved run: its JSONL log, its dataset file or its finalize folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jaxhistory._history_state import HistoryState
+from jaxhistory._xarray import read_netcdf
+
+__all__ = ["load_run", "run_file"]
+
+
+def run_file(path: str | Path) -> Path:
+    """The file a run path names: a ``.jsonl`` log, a ``.nc`` dataset, or the
+    ``dataset.nc`` of a finalize folder. Raises FileNotFoundError or ValueError
+    naming the path."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no such run file: {path}")
+    if path.is_dir():
+        if not (path / "dataset.nc").is_file():
+            raise ValueError(f"{path} is a folder without a dataset.nc")
+        path = path / "dataset.nc"
+    if path.suffix not in (".jsonl", ".nc", ".nc4", ".netcdf"):
+        raise ValueError(f"{path}: expected a .jsonl log or a .nc dataset")
+    return path
+
+
+def load_run(path: str | Path):
+    """The HistoryState in a JSONL log (``.jsonl``), a dataset file (``.nc``) or a
+    folder holding ``dataset.nc``, and the run's recorded attributes (run id,
+    environment; none for a JSONL log)."""
+    path = run_file(path)
+    if path.suffix == ".jsonl":
+        return HistoryState.from_jsonl(path), {}
+    ds = read_netcdf(path)  # its attributes whole (the environment too)
+    attrs = dict(ds.attrs)
+    for name in ds.data_vars:
+        ds.variables[name].attrs.pop("long_name", None)
+    return HistoryState.from_xarray(ds), attrs
