@@ -375,3 +375,56 @@ def say(word: str = "hi") -> int:
     print(f"{word} from {jax.process_index()}", flush=True)
     print(f"{word} on stderr", file=sys.stderr, flush=True)
     return jax.process_index()
+
+
+def metrics_across_processes() -> dict:
+    """A Collection over a mesh of every device of every process: per-process
+    batch parts, one global batch, exact against NumPy on the whole batch."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxhistory import metrics as M
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+    Metrics = M.Collection.create(
+        loss=M.Average.from_output("loss"),
+        loss_std=M.Std.from_output("loss"),
+        acc=M.Accuracy,
+        last=M.Last.from_output("loss"),
+    )
+    rng = np.random.default_rng(0)
+    batches = []
+    for b in range(3):
+        size = 4 * n
+        mask = rng.random(size) > 0.3
+        if b == 2:
+            mask[size // 3 :] = False  # padding on the later processes only
+        batches.append(
+            {
+                "loss": (1e3 + rng.normal(size=size)).astype(np.float32),
+                "logits": rng.normal(size=(size, 5)).astype(np.float32),
+                "labels": rng.integers(0, 5, size=size).astype(np.int32),
+                "mask": mask,
+            }
+        )
+    per = 4 * n // jax.process_count()
+    me = jax.process_index()
+    step = jax.jit(lambda m, b: m.update(**b))
+    m = Metrics.empty(num_shards=n)
+    for batch in batches:
+        local = {k: v[me * per : (me + 1) * per] for k, v in batch.items()}
+        glob = {
+            k: jax.make_array_from_process_local_data(sharding, v)
+            for k, v in local.items()
+        }
+        m = step(m, glob)
+    out = jax.jit(lambda m: m.compute())(m)
+    got = {k: float(np.asarray(v)) for k, v in out.items()}
+    cat = {k: np.concatenate([b[k] for b in batches]) for k in batches[0]}
+    x = cat["loss"].astype(np.float64)[cat["mask"]]
+    hit = (cat["logits"].argmax(1) == cat["labels"])[cat["mask"]]
+    want = {"loss": x.mean(), "loss_std": x.std(), "acc": hit.mean(), "last": x[-1]}
+    return {"got": got, "want": want}

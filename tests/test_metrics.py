@@ -538,3 +538,17 @@ def test_sum_and_count_of_nothing_are_zero():
     out = m.compute()
     assert float(out["total"]) == 0.0 and int(out["n"]) == 0
     assert np.isnan(float(out["mean"])) and np.isnan(float(out["hi"]))
+
+
+@pytest.mark.slow
+def test_a_collection_over_the_devices_of_several_processes():
+    """2 processes x 2 devices, one global batch assembled from each process's
+    part: every process computes the same exact values."""
+    results = jh.launch_local(
+        "mp_workers:metrics_across_processes", 2, 2, timeout=180, output=None
+    )
+    for r in results:
+        for name, want in r["want"].items():
+            rtol = 2e-4 if name == "loss_std" else 1e-5
+            np.testing.assert_allclose(r["got"][name], want, rtol=rtol, err_msg=name)
+    assert results[0]["got"] == results[1]["got"]
