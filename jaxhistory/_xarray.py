@@ -18,6 +18,10 @@ instead in one long table of records: ``_long_step``, ``_long_index`` (into the
 a ``_long`` dimension, with each metric's dtype in ``_long_dtype``. The names used
 are kept in the ``jaxhistory_long`` attribute; ``from_dataset`` restores these
 metrics exactly, after the others.
+
+The dataset file (:func:`to_tree`, :func:`from_tree`) holds the same variables
+with each metric path as netCDF groups, so plain xarray reads ``train/loss/mean``
+as ``xr.open_datatree(path)["train/loss/mean"]``.
 """
 
 from __future__ import annotations
@@ -38,10 +42,11 @@ from jaxhistory._version import __version__
 __all__ = [
     "MASK",
     "MASK_DIM",
-    "encoded",
     "from_dataset",
+    "from_tree",
     "read_netcdf",
     "to_dataset",
+    "to_tree",
 ]
 
 # A column: (name, steps, values, storage dtype, record shape)
@@ -241,34 +246,10 @@ def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
     return columns, next_step, attrs
 
 
-def encoded(ds):
-    """``ds`` with netCDF-safe names (:func:`~jaxhistory.export.encode_netcdf`);
-    a name whose encoding is too long for netCDF is stored as ``_h{crc32}``
-    with the metric's name in its ``jaxhistory_name`` attribute."""
-    out = renamed(ds, encode_netcdf)
-    short, used = {}, set(map(str, (*out.data_vars, *out.dims)))
-    for name in (*out.data_vars, *out.dims):
-        if len(str(name).encode()) <= NC_MAX_NAME:
-            continue
-        crc = zlib.crc32(str(name).encode())
-        new = f"_h{crc:08x}"
-        while new in used:
-            crc += 1
-            new = f"_h{crc:08x}"
-        used.add(new)
-        short[name] = new
-    if not short:
-        return out
-    out = out.rename(short)
-    for name, new in short.items():
-        if new in out.data_vars:
-            out[new].attrs[NAME_ATTR] = decode_netcdf(str(name))
-    return out
-
-
 def read_netcdf(path: str | os.PathLike):
-    """The dataset in a file written by :func:`jaxhistory.export.to_netcdf`, with
-    metric names decoded.
+    """The dataset in a file written by :func:`jaxhistory.export.to_netcdf`, flat,
+    with the metric names as recorded (``train/loss``), as :func:`to_dataset`
+    makes it.
 
     The file is read into memory and closed.
     """
@@ -278,16 +259,22 @@ def read_netcdf(path: str | os.PathLike):
     if not path.is_file():
         raise FileNotFoundError(f"no dataset file at {path}")
     try:
-        with xr.open_dataset(path, engine="netcdf4") as ds:
-            ds = ds.load()
+        with xr.open_datatree(path, engine="netcdf4") as tree:
+            tree = tree.load()
     except (OSError, RuntimeError) as err:  # netCDF's "HDF error" and friends
         raise OSError(
             f"cannot read the dataset {path}: {err} (the file is cut off, damaged "
             "or not netCDF-4)"
         ) from err
+    if tree.attrs.get(LAYOUT_ATTR) == LAYOUT:
+        ds = from_tree(tree)
+    else:  # a file of an earlier version: percent-encoded names, no groups
+        ds = tree.to_dataset(inherit=False)
     ds.attrs = {
         k: v.item() if isinstance(v, np.generic) else v for k, v in ds.attrs.items()
     }
+    if tree.attrs.get(LAYOUT_ATTR) == LAYOUT:
+        return ds
     ds = renamed(ds, decode_netcdf)
     variables = ds.variables
     long = {
@@ -316,3 +303,131 @@ def renamed(ds, fn):
         if name not in keep and fn(str(name)) != name:
             names[name] = fn(str(name))
     return ds.rename(names) if names else ds
+
+
+# ----- the dataset file: one netCDF group per metric path ------------------------
+LAYOUT_ATTR = "jaxhistory_layout"
+LAYOUT = "groups"
+ORDER_ATTR = "jaxhistory_order"  # a metric's place in the history's order
+
+
+def _component(part: str) -> str:
+    """One part of a metric's path as a netCDF name (short enough, encoded)."""
+    out = encode_netcdf(part)
+    if len(out.encode()) > NC_MAX_NAME:
+        out = f"_h{zlib.crc32(part.encode()):08x}"
+    return out
+
+
+def _free_in(name: str, taken: set[str]) -> str:
+    while name in taken:
+        name += "_"
+    taken.add(name)
+    return name
+
+
+def to_tree(ds):
+    """The ``xarray.DataTree`` a dataset file holds for :func:`to_dataset`'s ``ds``.
+
+    A metric ``a/b/c`` is the variable ``c`` of the group ``a/b``, so plain xarray
+    reads it as ``xr.open_datatree(path)["a/b/c"]`` (and ``xr.open_dataset(path,
+    group="a/b")["c"]``); metrics without ``/`` and the coordinates (``step``,
+    ``time``) are in the root group, whose coordinates every group inherits. Each
+    part of a path is :func:`~jaxhistory.export.encode_netcdf`-encoded (a plain
+    name stays as it is). Where a variable cannot have its natural name (a metric
+    ``loss`` beside the group of ``loss/std``, ``x/step``, a part too long for
+    netCDF) it gets a free one and its full name in the ``jaxhistory_name``
+    attribute. Each metric's place in the history is in ``jaxhistory_order``.
+    """
+    xr = import_optional("xarray", "to_netcdf")
+    internal = {*_mask_names(ds), *(_long_names(ds) or ())}
+    metrics = [n for n in ds.data_vars if n not in internal]
+    root_names = {*map(str, ds.coords), *map(str, internal)}
+    reserved = {*map(str, ds.coords)}  # inherited by every group
+    # Group paths first: a group's name is taken before any variable's.
+    paths: dict[str, tuple[str, ...]] = {}
+    children: dict[tuple[str, ...], set[str]] = {}
+    for name in metrics:
+        parts = str(name).split("/")
+        group: tuple[str, ...] = ()
+        for part in parts[:-1]:
+            comp = _component(part)
+            if not group and comp in root_names:
+                comp = _free_in(comp, set(root_names))
+            children.setdefault(group, set()).add(comp)
+            group = (*group, comp)
+        paths[name] = group
+    taken: dict[tuple[str, ...], set[str]] = {
+        g: {*names, *reserved} for g, names in children.items()
+    }
+    taken.setdefault((), set()).update(root_names)
+    nodes: dict[tuple[str, ...], dict[str, Any]] = {}
+    # Dimension names unique in the whole tree: a group sees its parents' ones.
+    used_dims = {"step", *root_names}
+    for n in internal & set(ds.variables):
+        used_dims.update(map(str, ds.variables[n].dims))
+    for names in children.values():
+        used_dims.update(names)
+    placed = []
+    for order, name in enumerate(metrics):
+        group = paths[name]
+        in_group = taken.setdefault(group, set(reserved))
+        leaf = _free_in(_component(str(name).split("/")[-1]), in_group)
+        used_dims.add(leaf)
+        placed.append((order, name, group, leaf))
+    for order, name, group, leaf in placed:
+        var = ds.variables[name]
+        dims = (
+            "step",
+            *(_free_in(f"{leaf}_dim_{i}", used_dims) for i in range(var.ndim - 1)),
+        )
+        attrs = {**var.attrs, ORDER_ATTR: order}
+        decoded = "/".join(decode_netcdf(p) for p in (*group, leaf))
+        if decoded != name:
+            attrs[NAME_ATTR] = str(name)
+        nodes.setdefault(group, {})[leaf] = xr.Variable(dims, var.data, attrs=attrs)
+    root = xr.Dataset(
+        {n: ds.variables[n] for n in ds.data_vars if n in internal} | nodes.pop((), {}),
+        coords=ds.coords,
+        attrs={**ds.attrs, LAYOUT_ATTR: LAYOUT},
+    )
+    tree = {"/": root}
+    tree.update({"/".join(g): xr.Dataset(v) for g, v in nodes.items()})
+    return xr.DataTree.from_dict(tree)
+
+
+def from_tree(tree):
+    """The flat dataset (metric names with ``/``, as :func:`to_dataset` makes)
+    of a tree written by :func:`to_tree`."""
+    xr = import_optional("xarray", "read_netcdf")
+    root = tree.to_dataset(inherit=False)
+    internal = {*_mask_names(root), *(_long_names(root) or ())}
+    found = []
+    for node in tree.subtree:
+        local = node.to_dataset(inherit=False)
+        parts = () if node is tree else tuple(node.path.strip("/").split("/"))
+        for leaf, var in local.data_vars.items():
+            if node is tree and leaf in internal:
+                continue
+            attrs = dict(var.attrs)
+            name = attrs.pop(NAME_ATTR, None)
+            if name is None:
+                name = "/".join(decode_netcdf(p) for p in (*parts, str(leaf)))
+            order = attrs.pop(ORDER_ATTR, len(found))
+            found.append((int(order), str(name), var.variable, attrs))
+    found.sort(key=lambda item: item[0])
+    taken = {"step", *(name for _, name, _, _ in found)}
+    data_vars = {}
+    for _, name, var, attrs in found:
+        if var.dims[:1] != ("step",):
+            raise ValueError(f"variable {name!r} is not indexed by step first")
+        dims = (
+            "step",
+            *(_free_in(f"{name}_dim_{i}", taken) for i in range(var.ndim - 1)),
+        )
+        data_vars[name] = xr.Variable(dims, var.data, attrs=attrs)
+    for n in internal:
+        if n in root.data_vars:
+            data_vars[n] = root.variables[n]
+    attrs = {k: v for k, v in root.attrs.items() if k != LAYOUT_ATTR}
+    return xr.Dataset(data_vars, coords=root.coords, attrs=attrs)

@@ -1,4 +1,4 @@
-"""The run's dataset file: netCDF-4, written atomically, names encoded losslessly."""
+"""The run's dataset file: netCDF-4, a group per metric path, written atomically."""
 
 from __future__ import annotations
 
@@ -31,10 +31,14 @@ def to_netcdf(
     per metric with its dtype kept (float64 and int64 stay 64-bit), NaN where a
     metric was not recorded (sparse metrics in bulk, a metric per sample, go in one
     long table instead: :mod:`jaxhistory._xarray`), run metadata (``attrs``) as
-    global attributes. netCDF
-    forbids ``/`` in names, so names are percent-encoded (``train/loss`` is stored
-    as ``train%2Floss``, with the original in its ``long_name`` attribute);
-    :func:`read_netcdf` and :meth:`HistoryState.from_netcdf` decode them. The file
+    global attributes. Each metric path is a netCDF group, so plain xarray reads a
+    metric by its name: ``xr.open_datatree(path)["train/loss/mean"]``, or
+    ``xr.open_dataset(path, group="train/loss")["mean"]``; the root group holds
+    the coordinates and the metrics without ``/`` (see
+    :func:`jaxhistory._xarray.to_tree` for names that cannot be groups). Each
+    variable's ``long_name`` is the metric's name. :func:`read_netcdf` returns the
+    flat dataset of :meth:`HistoryState.to_xarray`, and
+    :meth:`HistoryState.from_netcdf` the state, exactly. The file
     is written to a temporary name and renamed, so a crash leaves the old file or
     the new one, never part of one, and a rerun replaces the file.
 
@@ -78,8 +82,8 @@ def to_netcdf(
     for name in state.keys:
         if name in variables:  # not a metric of the long table
             variables[name].attrs["long_name"] = name
-    out = _xarray.encoded(ds)
-    atomic_write(Path(path), lambda tmp: out.to_netcdf(tmp, engine="netcdf4"))
+    tree = _xarray.to_tree(ds)
+    atomic_write(Path(path), lambda tmp: tree.to_netcdf(tmp, engine="netcdf4"))
     return ds
 
 
