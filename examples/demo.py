@@ -205,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
                 summarize=False,
             )
             if step % args.log_every == 0 or step == args.steps:
-                with jaxhistory.StopWatch("wait and log", history=history):
+                # Timed after this step's update: step= records it at this step.
+                with jaxhistory.StopWatch("wait and log", history=history, step=step):
                     s, grad_norm = jax.device_get(out)  # one transfer for all
                     print(
                         f"step={step:4d}  loss mean={s['loss/mean']:.6f} "

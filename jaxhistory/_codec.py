@@ -1,7 +1,8 @@
 """The JSONL line codec: one strict-JSON line per record, a column at a time.
 
 A line is ``{"step":42,"timestamp":1732240000.123,"process_index":0,
-"metrics":{...},"aggregated":{...}}`` (published metrics add ``"group"``):
+"run_id":"exp-20261123-153700","metrics":{...},"aggregated":{...}}`` (``run_id``
+where the writer knows it; published metrics add ``"group"``):
 ``metrics`` holds what was recorded as given, ``aggregated`` the cross-device
 statistics (``name/mean``, ``name/max``, ``name/min``, ``name/std``). NaN and
 infinities are written as the strings ``"NaN"``, ``"Infinity"`` and
@@ -35,6 +36,7 @@ __all__ = [
     "jsonable",
     "jsonl_value",
     "read_columns",
+    "read_run_id",
     "read_stamps",
 ]
 
@@ -168,6 +170,7 @@ def encode_records(batch: Batch) -> bytes:
     line = (
         b'{"step":%s,"timestamp":%s,"process_index":'
         + b"%d" % batch.process_index
+        + _run_id_field(batch.run_id)
         + b',"metrics":{%s},"aggregated":'
         + agg
         + b"}\n"
@@ -184,6 +187,33 @@ def encode_records(batch: Batch) -> bytes:
     return b"".join(out)
 
 
+def _run_id_field(run_id: str | None) -> bytes:
+    """``,"run_id":"..."`` for a line template (``%`` doubled), or nothing."""
+    if run_id is None:
+        return b""
+    return b',"run_id":' + orjson.dumps(run_id).replace(b"%", b"%%")
+
+
+def read_run_id(path: Path, tail: int = 1 << 20) -> str | None:
+    """The run id on the last complete line of a JSONL log that has one (read
+    from the end: at most ``tail`` bytes), or None (a log without run ids)."""
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        size = f.tell()
+        f.seek(max(0, size - tail))
+        lines = f.read().split(b"\n")
+    for line in reversed(lines):
+        if b'"run_id"' not in line:
+            continue
+        try:
+            run_id = orjson.loads(line).get("run_id")
+        except (ValueError, AttributeError):
+            continue  # a cut-off or damaged line
+        if isinstance(run_id, str):
+            return run_id
+    return None
+
+
 def _encode_each(batch: Batch) -> bytes:
     """:func:`encode_records` record by record (names holding '},{', groups)."""
     out = []
@@ -193,6 +223,8 @@ def _encode_each(batch: Batch) -> bytes:
             "timestamp": None if r.timestamp is None else float(r.timestamp),
             "process_index": r.process_index,
         }
+        if batch.run_id is not None:
+            record["run_id"] = batch.run_id
         if r.group is not None:
             record["group"] = r.group
         record["metrics"] = _clean(r.metrics)

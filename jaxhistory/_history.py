@@ -587,7 +587,7 @@ class History:
                 self._log_failed = True
                 self._writing = bool(self._live_sinks())
         sinks = [s for s in (self._log, *self._live_sinks()) if s is not None]
-        self._writer = Writer(sinks, self._watch.check)
+        self._writer = Writer(sinks, self._watch.check, run_id=self.run_id)
         # Writes what is queued when this History goes (or at exit).
         weakref.finalize(self, self._writer.close)
 
@@ -772,8 +772,8 @@ def _resumed(resume: Any, resume_step: int | None, run_name: str | None):
                 f"resume: no run log or dataset at {resume} ({err})"
             ) from None
         path = run_file(resume)
-        if path.suffix == ".jsonl":
-            run_id, log = path.stem, path
+        if path.suffix == ".jsonl":  # the run id of its lines (older logs: its name)
+            run_id, log = attrs.get("run_id") or path.stem, path
         else:
             run_id = attrs.get("run_id")
     else:

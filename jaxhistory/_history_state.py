@@ -723,7 +723,8 @@ class HistoryState:
         or one cut off before a resumed run appended) are skipped with a warning;
         every other record is kept. Where several lines record a metric at the
         same step (a run resumed from an earlier checkpoint), the later line wins.
-        Integers come back as int64, other numbers as float64.
+        Integers come back as int64, other numbers as float64. The run id of the
+        log's lines (the last one) is in ``attrs["run_id"]``.
         """
         path = Path(path)
         if not path.is_file():
@@ -750,7 +751,10 @@ class HistoryState:
                 arr = arr.astype(np.float64)
             columns[name] = _later_wins(steps_arr, arr)  # the later line wins
         next_step = max((int(s[-1]) + 1 for s, _ in columns.values()), default=0)
-        return cls._from_columns(columns, next_step)
+        run_id = _codec.read_run_id(path)
+        return cls._from_columns(
+            columns, next_step, {"run_id": run_id} if run_id else None
+        )
 
     @classmethod
     def _from_columns(

@@ -46,6 +46,7 @@ class Batch:
         "groups",
         "metrics",
         "process_index",
+        "run_id",
         "stamps",
         "steps",
     )
@@ -63,6 +64,7 @@ class Batch:
         self.aggregated, self.groups = aggregated, groups
         self.process_index = process_index
         self.finite = False  # every metric value is known to be a finite float
+        self.run_id: str | None = None  # written on every JSONL line, where set
         self._records: list[Record] | None = None
 
     @classmethod

@@ -13,12 +13,20 @@ fraction of a second behind even a loop that does nothing but record. A sink tha
 hangs cannot stop the training: after :attr:`Writer.MAX_WAIT` seconds of waiting
 the oldest queued updates are dropped from the sinks (never from the history),
 with one warning, and :attr:`Writer.dropped` counts them.
+
+One line per step: records of the same step that follow each other (an update,
+then a timing or an evaluation of that step) are merged into one record, the
+later value winning. The thread holds the latest step's record until a record of
+another step arrives, :meth:`Writer.flush` or :meth:`Writer.close` is called, or
+it is :attr:`Writer.HOLD` seconds old; a record of that step arriving later
+still gets a line of its own (readers merge them, the later value winning).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import math
 import threading
 import time
@@ -69,9 +77,13 @@ class Writer:
     WAKE_AT = 2048  # queued updates that wake the thread at once
     MAX_PENDING = 8192  # queued updates at which the training thread waits
     MAX_WAIT = 10.0  # seconds it waits at most before updates are dropped
+    HOLD = 1.0  # seconds the latest step's record waits for more of that step
 
-    def __init__(self, sinks: Sequence[Any] = (), on_stats: Any = None):
+    def __init__(
+        self, sinks: Sequence[Any] = (), on_stats: Any = None, run_id: str | None = None
+    ):
         self.sinks = list(sinks)
+        self.run_id = run_id  # on every JSONL line, where given
         # called as on_stats(step, stats, prefix) with each Stats on the host
         self.on_stats = on_stats
         self.process_index = jax.process_index()
@@ -84,6 +96,7 @@ class Writer:
         self._wake = threading.Event()
         self._closed = False
         self._warned: set[Any] = set()
+        self._held: Batch | None = None  # the latest step's record, not yet written
         self._thread = threading.Thread(
             target=self._run, name="jaxhistory-writer", daemon=True
         )
@@ -171,21 +184,31 @@ class Writer:
             self._wake.wait(self.INTERVAL)
             self._wake.clear()
             try:
-                self.flush()
+                self._drain(hold=True)
             except Exception as err:  # never let the thread die
                 self._warn_once("thread", f"writing failed: {err!r}")
 
     def flush(self) -> None:
-        """Writes every queued update now (waiting for its device values) and
-        flushes the sinks."""
+        """Writes every queued update now (waiting for its device values), the
+        latest step's record too, and flushes the sinks."""
+        self._drain(hold=False)
+
+    def _drain(self, hold: bool) -> None:
         with self._drain_lock:
             steps, stamps, metrics, stats, hosts = self._take()
             with self._space:
                 self._space.notify_all()
-            if not steps:
+            held, self._held = self._held, None
+            if not steps and held is None:
                 return
-            batch = self._resolve(steps, stamps, metrics, stats, hosts)
-            self._fan_out(batch)
+            batch = (
+                self._resolve(steps, stamps, metrics, stats, hosts) if steps else None
+            )
+            batch = _merged(held, batch)
+            if hold:
+                self._held, batch = _hold_last(batch, self.HOLD)
+            if batch is not None:
+                self._fan_out(batch)
 
     def _resolve(self, steps, stamps, metrics, stats, hosts) -> Batch:
         """The queued updates with their values on the host (this waits for
@@ -214,6 +237,7 @@ class Writer:
             )
         batch = Batch(steps, stamps, metrics, aggregated, None, self.process_index)
         batch.finite = hosts.count(3) == len(hosts)
+        batch.run_id = self.run_id
         return batch
 
     @staticmethod
@@ -291,3 +315,74 @@ class Writer:
         if self._thread is not threading.current_thread():
             self._thread.join()
         self.flush()
+
+
+def _merged(held: Batch | None, batch: Batch | None) -> Batch | None:
+    """``held`` then ``batch`` as one batch, with records of the same step that
+    follow each other merged into one (the later value winning; the first
+    timestamp kept)."""
+    parts = [b for b in (held, batch) if b is not None]
+    if not parts:
+        return None
+    first = parts[0]
+    if len(parts) == 1 and not _repeats(first.steps):
+        return first
+    steps = [t for b in parts for t in b.steps]
+    stamps = [t for b in parts for t in b.stamps]
+    metrics = [m for b in parts for m in b.metrics]
+    aggregated = None
+    if any(b.aggregated is not None for b in parts):
+        aggregated = [a for b in parts for a in (b.aggregated or [{}] * len(b.steps))]
+    out_steps, out_stamps, out_metrics, out_agg = [], [], [], []
+    for i, step in enumerate(steps):
+        if out_steps and step is not None and step == out_steps[-1]:
+            out_metrics[-1] = {**out_metrics[-1], **metrics[i]}
+            if aggregated is not None:
+                out_agg[-1] = {**out_agg[-1], **aggregated[i]}
+            continue
+        out_steps.append(step)
+        out_stamps.append(stamps[i])
+        out_metrics.append(metrics[i])
+        if aggregated is not None:
+            out_agg.append(aggregated[i])
+    out = Batch(
+        out_steps,
+        out_stamps,
+        out_metrics,
+        out_agg if aggregated is not None else None,
+        None,
+        first.process_index,
+    )
+    out.finite = all(b.finite for b in parts)
+    out.run_id = first.run_id
+    return out
+
+
+def _repeats(steps: list) -> bool:
+    return any(a == b and a is not None for a, b in itertools.pairwise(steps))
+
+
+def _hold_last(batch: Batch | None, seconds: float) -> tuple:
+    """(the batch's last record, held back while younger than ``seconds``, or
+    None; the rest of the batch, or None when nothing is left)."""
+    if batch is None or batch.steps[-1] is None:
+        return None, batch
+    stamp = batch.stamps[-1]
+    if stamp is None or time.time() - stamp >= seconds:
+        return None, batch
+    k = len(batch.steps) - 1
+    last = _slice(batch, k, k + 1)
+    return last, (_slice(batch, 0, k) if k else None)
+
+
+def _slice(batch: Batch, a: int, b: int) -> Batch:
+    out = Batch(
+        batch.steps[a:b],
+        batch.stamps[a:b],
+        batch.metrics[a:b],
+        None if batch.aggregated is None else batch.aggregated[a:b],
+        None,
+        batch.process_index,
+    )
+    out.finite, out.run_id = batch.finite, batch.run_id
+    return out

@@ -192,7 +192,7 @@ def _main(args) -> int:
     source = run_file(args.run)
     outdir = Path(args.outdir)
     if source.suffix == ".jsonl":
-        run_id = source.stem
+        run_id = attrs.get("run_id") or source.stem  # older logs: the file name
         log = outdir / source.name  # the log keeps its timestamps: copy it
         outdir.mkdir(parents=True, exist_ok=True)
         if not log.exists() or not log.samefile(source):

@@ -389,6 +389,113 @@ def test_a_crashed_run_resumes_from_its_log_with_its_run_id(tmp_path):
         h.update({"loss": 1.0}, step=11)
 
 
+def test_every_log_line_carries_the_run_id(tmp_path):
+    """Finding: the JSONL carried no run id; resume took it from the file name."""
+    import json
+
+    h = jh.History(distributed_history=False, report_dir=tmp_path, run_name="exp")
+    for i in range(3):
+        h.update({"loss": float(i)}, summarize=False)
+    h.close()
+    log = tmp_path / f"{h.run_id}.jsonl"
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) == 3 and {r["run_id"] for r in lines} == {h.run_id}
+    renamed = log.rename(tmp_path / "copied.jsonl")  # the name no longer says it
+    assert dict(jh.HistoryState.from_jsonl(renamed).attrs)["run_id"] == h.run_id
+    again = jh.History(distributed_history=False, resume=renamed)
+    assert again.run_id == h.run_id
+    again.close()
+    assert run_cli(
+        "report", str(renamed), "--outdir", str(tmp_path / "r"), "--no-plots"
+    )
+    assert f"# Run report: {h.run_id}" in (tmp_path / "r" / "report.md").read_text()
+    # A whole state written out, and a stream of one's own
+    export.to_jsonl(
+        jh.HistoryState().update({"a": 1.0}), tmp_path / "w.jsonl", run_id="w1"
+    )
+    assert json.loads((tmp_path / "w.jsonl").read_text())["run_id"] == "w1"
+    odd = 'a"b%s\\n'
+    stream = export.JsonlStream(tmp_path / "s.jsonl", run_id=odd)
+    stream.add(0, {"x": 1.0})
+    stream.close()
+    assert json.loads((tmp_path / "s.jsonl").read_text())["run_id"] == odd
+    assert dict(jh.HistoryState.from_jsonl(tmp_path / "s.jsonl").attrs)["run_id"] == odd
+
+
+# ----- steps: what was timed for a step is recorded at that step -------------------
+
+
+def _log_lines(path):
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_step_timed_after_its_update_shares_its_line(tmp_path):
+    """Finding: in the demo's loop (update, then a timed wait-and-log, then an
+    evaluation at the same step) the timing of step 10 landed at step 11, and
+    step 200 had two lines in the JSONL."""
+    log = tmp_path / "run.jsonl"
+    h = jh.History(distributed_history=False, jsonl_path=log)
+    for step in range(1, 21):
+        h.update({"step": step, "loss": 1.0 / step}, summarize=False)
+        if step % 10 == 0:
+            with jh.StopWatch("wait and log", history=h, step=step):
+                pass
+            h.update({"eval": {"loss": 0.5}}, step=step, summarize=False)
+    h.close()
+    lines = _log_lines(log)
+    steps = [r["step"] for r in lines]
+    assert steps == list(range(1, 21))  # one line per step
+    ten = lines[9]["metrics"]
+    assert set(ten) == {"loss", "timing/wait_and_log", "eval/loss"}
+    assert h.state.steps("timing/wait_and_log").tolist() == [10, 20]
+    assert jh.HistoryState.from_jsonl(log).steps("eval/loss").tolist() == [10, 20]
+
+
+def test_a_steps_line_waits_for_more_of_that_step_but_not_for_ever(tmp_path):
+    from jaxhistory._writer import Writer
+
+    log = tmp_path / "s.jsonl"
+    stream = export.JsonlStream(log)
+    stream.add(1, {"a": 1.0})
+    stream._drain(hold=True)  # the thread's write: step 1 may get more
+    assert log.read_text() == ""
+    stream.add(1, {"b": 2.0})
+    stream.add(2, {"a": 3.0})
+    stream._drain(hold=True)  # step 2 came: step 1 is over
+    assert [(r["step"], r["metrics"]) for r in _log_lines(log)] == [
+        (1, {"a": 1.0, "b": 2.0})
+    ]
+    stream.flush()  # flush writes the held line too
+    assert [r["step"] for r in _log_lines(log)] == [1, 2]
+    stream.add(2, {"late": 4.0})  # after its line was written: a line of its own
+    stream.add(3, {"a": 5.0}, timestamp=0.0)  # an old record is never held
+    stream._drain(hold=True)
+    stream.close()
+    assert [r["step"] for r in _log_lines(log)] == [1, 2, 2, 3]
+    back = jh.HistoryState.from_jsonl(log)
+    assert back.steps("late").tolist() == [2] and back.values("a").tolist() == [
+        1.0,
+        3.0,
+        5.0,
+    ]
+    assert Writer.HOLD <= 1.0
+
+
+def test_the_latest_steps_line_reaches_the_log_within_the_hold(tmp_path):
+    import time
+
+    log = tmp_path / "run.jsonl"
+    h = jh.History(distributed_history=False, jsonl_path=log)
+    h.update({"loss": 1.0}, step=0, summarize=False)
+    deadline = time.monotonic() + 20
+    while not log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [r["step"] for r in _log_lines(log)] == [0]  # without a flush
+    h.close()
+
+
 # ----- launching a local multi-process job ----------------------------------------
 
 

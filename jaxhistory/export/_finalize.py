@@ -146,7 +146,8 @@ def finalize(
     if jsonl is not None:
         files.append(Path(jsonl))
     elif save:
-        files.append(to_jsonl(state, outdir / f"{run_id}.jsonl", timestamps))
+        log = to_jsonl(state, outdir / f"{run_id}.jsonl", timestamps, run_id=run_id)
+        files.append(log)
     images: list[Path] = []
     terminal: dict[str, str] = {}
     if plot:

@@ -34,13 +34,15 @@ def to_jsonl(
     timestamps: Mapping[int, float] | None = None,
     process_index: int = 0,
     overwrite: bool = True,
+    run_id: str | None = None,
 ) -> Path:
     """Writes ``state`` as JSONL, one line per step; returns the path.
 
     ``timestamps`` maps steps to wall-clock times (``null`` where unknown).
     Complete ``name/{mean,max,min,std}`` groups go under ``aggregated``. With
     ``overwrite`` the file is replaced atomically; otherwise the lines are
-    appended (after ending a cut-off last line).
+    appended (after ending a cut-off last line). ``run_id`` is written on every
+    line where given.
     """
     path = Path(path)
     timestamps = timestamps or {}
@@ -76,16 +78,11 @@ def to_jsonl(
         metrics = [per_step[step][0] for step in order]
         aggregated = [per_step[step][1] for step in order]
     get = timestamps.get
-    text = encode_records(
-        Batch(
-            order,
-            [get(step) for step in order],
-            metrics,
-            aggregated,
-            None,
-            process_index,
-        )
+    batch = Batch(
+        order, [get(step) for step in order], metrics, aggregated, None, process_index
     )
+    batch.run_id = run_id
+    text = encode_records(batch)
     if overwrite:
         atomic_write(path, lambda tmp: tmp.write_bytes(text))
     else:
@@ -134,7 +131,9 @@ class JsonlStream(Writer):
     writes the lines about five times a second, flushing them to the operating
     system, so a process killed with SIGKILL loses well under a second of records
     and every complete line stays readable. ``sinks`` get the same records.
-    ``path`` None: sinks only.
+    ``path`` None: sinks only. ``run_id`` is written on every line where given.
+    Records of one step that follow each other share a line (see
+    :class:`~jaxhistory._writer.Writer`).
     """
 
     def __init__(
@@ -142,10 +141,13 @@ class JsonlStream(Writer):
         path: str | os.PathLike | None,
         overwrite: bool = False,
         sinks: Any = (),
+        run_id: str | None = None,
     ):
         self.path = None if path is None else Path(path)
         self.log = None if path is None else JsonlSink(self.path, overwrite)
-        super().__init__([s for s in (self.log, *sinks) if s is not None])
+        super().__init__(
+            [s for s in (self.log, *sinks) if s is not None], run_id=run_id
+        )
 
     @property
     def error(self) -> BaseException | None:

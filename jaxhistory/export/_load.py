@@ -29,10 +29,11 @@ def run_file(path: str | Path) -> Path:
 def load_run(path: str | Path):
     """The HistoryState in a JSONL log (``.jsonl``), a dataset file (``.nc``) or a
     folder holding ``dataset.nc``, and the run's recorded attributes (run id,
-    environment; none for a JSONL log)."""
+    environment; a JSONL log's run id from its lines)."""
     path = run_file(path)
     if path.suffix == ".jsonl":
-        return HistoryState.from_jsonl(path), {}
+        state = HistoryState.from_jsonl(path)
+        return state, dict(state.attrs)
     ds = read_netcdf(path)  # its attributes whole (the environment too)
     attrs = dict(ds.attrs)
     for name in ds.data_vars:
