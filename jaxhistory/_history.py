@@ -272,7 +272,8 @@ class History:
 
         The JSONL log and the sinks are written by one background thread, at least
         five times a second. It is never more than a few thousand updates (and,
-        unless a sink hangs, well under a second) behind: when it cannot keep up,
+        unless a sink hangs, well under a second, the latest step's line aside:
+        it waits up to 1 s for more of its step) behind: when it cannot keep up,
         ``update`` waits for it.
         """
         if type(precision) is not int or precision < 0:

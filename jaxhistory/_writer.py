@@ -9,7 +9,8 @@ How far behind it may fall is bounded. The thread writes at least every
 :attr:`Writer.INTERVAL` seconds, and as soon as :attr:`Writer.WAKE_AT` updates are
 queued. When :attr:`Writer.MAX_PENDING` updates are queued the training thread
 waits (back-pressure) until the thread has taken them, so the log on disk stays a
-fraction of a second behind even a loop that does nothing but record. A sink that
+fraction of a second behind even a loop that does nothing but record (the latest
+step's record aside: see below). A sink that
 hangs cannot stop the training: after :attr:`Writer.MAX_WAIT` seconds of waiting
 the oldest queued updates are dropped from the sinks (never from the history),
 with one warning, and :attr:`Writer.dropped` counts them.

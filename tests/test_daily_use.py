@@ -267,6 +267,64 @@ def test_short_series_have_markers_decades_a_log_axis_timings_seconds(
     assert ("set_ylabel", ("seconds",), {}) in calls
 
 
+def test_rates_and_durations_say_their_unit():
+    from jaxhistory.export._units import unit_label
+
+    assert unit_label("timing/data") == "seconds"
+    assert unit_label("perf/eta_sec") == "seconds"
+    assert unit_label("perf/steps_per_sec") == "steps per second"
+    assert unit_label("perf/mfu") == "fraction of peak FLOP/s"
+    assert unit_label("train/loss") is None and unit_label("timing") is None
+
+
+def test_the_reports_plots_are_grouped_per_family(tmp_path):
+    """Finding: the report's plots came in recording order, constants too."""
+    s = jh.HistoryState()
+    for i in range(1, 21):
+        s = s.update(
+            {
+                "grad_norm": 1.0 / i,
+                "lr": 3e-3,
+                "train/loss": 1.0 / i,
+                "timing/step": 0.1 * i,
+                "train/acc": i / 20,
+            },
+            step=i,
+        )
+        if i % 5 == 0:
+            s = s.update({"eval/loss": 1.2 / i}, step=i)
+    export.finalize(s, tmp_path / "out", run_id="r", echo=False)
+    report = (tmp_path / "out" / "report.md").read_text()
+    plots = report[report.index("## Plots") : report.index("## Terminal plots")]
+    order = [
+        ln.strip("# ").replace("\\", "")
+        for ln in plots.splitlines()
+        if ln.startswith(("### ", "!["))
+    ]
+    names = [
+        ln.split("]")[0].lstrip("![") if ln.startswith("![") else ln for ln in order
+    ]
+    assert names == [
+        "train vs eval",
+        "loss_train_vs_eval",
+        "train",
+        "train_loss",
+        "train_acc",
+        "timing",
+        "timing_step",
+        "eval",
+        "eval_loss",
+        "other",
+        "grad_norm",
+    ]  # lr is constant: listed once under the table, not plotted here
+    assert (tmp_path / "out" / "plots" / "mplot" / "lr.png").is_file()
+    # paths alone (no titles) stay one list, as before
+    text = export.to_markdown(
+        s, tmp_path / "r.md", images=[tmp_path / "a.png", tmp_path / "b.png"]
+    ).read_text()
+    assert "![a](<a.png>)" in text and "###" not in text.split("## Plots")[1]
+
+
 # ----- report, log and summary: one metric's rows together -------------------------
 
 
@@ -480,7 +538,7 @@ def test_a_steps_line_waits_for_more_of_that_step_but_not_for_ever(tmp_path):
         3.0,
         5.0,
     ]
-    assert Writer.HOLD <= 1.0
+    assert Writer.HOLD <= 1.0  # a SIGKILL loses at most about a second
 
 
 def test_the_latest_steps_line_reaches_the_log_within_the_hold(tmp_path):

@@ -28,6 +28,8 @@ def test_demo_runs_and_loss_decreases(tmp_path):
             "30",
             "--log-every",
             "10",
+            "--eval-every",
+            "10",
             "--outdir",
             str(tmp_path / "out"),
         ],
@@ -78,6 +80,15 @@ def test_demo_runs_and_loss_decreases(tmp_path):
     assert results["init_mem_device_alloc_delta"] > 0  # parameters and Adam state
     assert results["train_loss"] == float(state.last("train/loss/mean"))
     assert state.count("timing/wait_and_log") == 3
+    # One log line per step, with the run id: the timing and the evaluation of
+    # steps 10, 20 and 30 on the line of their step
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 31))
+    assert {r["run_id"] for r in lines} == {log.stem}
+    assert state.steps("timing/wait_and_log").tolist() == [10, 20, 30]
+    assert state.steps("eval/loss").tolist() == [10, 20, 30]
+    assert "timing/wait_and_log" in lines[9]["metrics"]
+    assert "eval/loss" in lines[9]["metrics"]
     events = jh.trace.load_trace(out / "traces" / "merged_trace.json")
     spans = [e for e in events if e["ph"] == "X"]
     assert len([e for e in spans if e["name"] == "dispatch step"]) == 30

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from jaxhistory._dtypes import warmup_count
 from jaxhistory._env import MAX_RUN_NAME, check_run_name, netcdf_attrs, new_run_id
 from jaxhistory._env import environment as run_environment
 from jaxhistory._history_state import HistoryState
+from jaxhistory._names import file_stems
 from jaxhistory.export._jsonl import to_jsonl
 from jaxhistory.export._markdown import to_markdown
 from jaxhistory.export._mpl import start_png
@@ -203,7 +205,7 @@ def finalize(
             run_id=run_id,
             run_name=run_name,
             environment=env,
-            images=[p for p in images if p.suffix == ".png"],
+            images=_titled([p for p in images if p.suffix == ".png"], units),
             terminal_plots=terminal,
             files=files,
             unplotted=[(u.title, max_plots) for u in unplotted],
@@ -211,3 +213,19 @@ def finalize(
     if written is not None:
         written.extend(files)
     return ds
+
+
+def _titled(images: list[Path], units: list) -> list:
+    """``(title, path)`` for each image of a plot unit (its extra ridge and
+    heatmap images too), the path alone for any other."""
+    by_stem = {
+        stem: title for title, stem in file_stems(u.title for u in units).items()
+    }
+    out: list = []
+    for path in images:
+        stem = path.stem
+        title = by_stem.get(stem)
+        if title is None:  # {stem}.ridge, {stem}.heatmap-2, ...
+            title = by_stem.get(re.sub(r"\.(ridge|heatmap)(-\d+)?$", "", stem))
+        out.append(path if title is None else (title, path))
+    return out

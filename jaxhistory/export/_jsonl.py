@@ -130,7 +130,8 @@ class JsonlStream(Writer):
     ``add`` only queues the record (device values are not waited for); the thread
     writes the lines about five times a second, flushing them to the operating
     system, so a process killed with SIGKILL loses well under a second of records
-    and every complete line stays readable. ``sinks`` get the same records.
+    (and the latest step's line, which waits up to 1 s for more of its step) and
+    every complete line stays readable. ``sinks`` get the same records.
     ``path`` None: sinks only. ``run_id`` is written on every line where given.
     Records of one step that follow each other share a line (see
     :class:`~jaxhistory._writer.Writer`).

@@ -56,11 +56,7 @@ def stats_table(state: HistoryState, warmup: float = 0) -> list[str]:
         stats = summary[name]
         if name in where:
             continue  # device indices: in the devices section
-        if (
-            stats["count"] >= 2
-            and not stats["nonfinite"]
-            and stats["min"] == stats["max"]
-        ):
+        if _constant(stats):
             constants.append(f"{md_escape(name)} = {_number(stats['last'])}")
             continue
         cells = " | ".join(_number(stats[s]) for s in TABLE_STATS)
@@ -70,6 +66,41 @@ def stats_table(state: HistoryState, warmup: float = 0) -> list[str]:
     if constants:
         rows += ["", "Constant (the same at every record): " + ", ".join(constants)]
     return rows
+
+
+def _constant(stats: dict) -> bool:
+    """Whether a metric's summary shows one value at every record."""
+    return bool(
+        stats["count"] >= 2 and not stats["nonfinite"] and stats["min"] == stats["max"]
+    )
+
+
+def _plot_sections(state: HistoryState, warmup: float, images: list) -> list[str]:
+    """The report's plots, one section per family: the train-vs-eval figures,
+    then each first part of a metric path (``train``, ``eval``, ``timing``) in the
+    order first recorded, then the metrics without one. ``images`` holds paths, or
+    ``(title, path)`` pairs; constants are left out (the table lists them)."""
+    summary = state.summary(warmup)
+    families: dict[str, list[str]] = {}
+    for item in images:
+        title, image = item if isinstance(item, tuple) else (None, item)
+        if title is not None and title in summary and _constant(summary[title]):
+            continue  # its value is listed once, below the table
+        if title is None:
+            family = ""
+        elif ": " in title and " vs " in title:  # a comparison, e.g. train vs eval
+            family = title.split(": ", 1)[1]
+        else:
+            family = title.split("/", 1)[0] if "/" in title else "other"
+        families.setdefault(family, []).append(image)
+    order = sorted(families, key=lambda f: (" vs " not in f, f == "other"))
+    lines = []
+    for family in order:
+        if family:
+            lines += [f"### {md_escape(family)}", ""]
+        for image in families[family]:
+            lines += [f"![{md_escape(Path(image).stem)}](<{image}>)", ""]
+    return lines
 
 
 def _provenance_names(keys) -> set[str]:
@@ -118,6 +149,10 @@ def devices_section(state: HistoryState) -> list[str]:
     return lines
 
 
+def _relative(path: str | os.PathLike, here: Path) -> str:
+    return Path(os.path.relpath(path, here)).as_posix()
+
+
 def to_markdown(
     state: HistoryState,
     path: str | os.PathLike,
@@ -136,10 +171,12 @@ def to_markdown(
     metrics, warmup dropped), the
     environment, a table of run-level statistics per metric after ``warmup``
     (mean, std, median, min, max, last, non-finite count, count), each image
-    embedded by a link relative to the report, the terminal plots in fenced
-    blocks, the metrics left out of the plots (``unplotted``: ``(title, cap)``
-    pairs), and the list of output ``files``. Names are escaped so ``|`` or ``*``
-    in a metric name cannot break the markdown.
+    embedded by a link relative to the report (``images``: paths, or ``(title,
+    path)`` pairs, which are grouped per family: train vs eval first, then by
+    the first part of the metric path; constants are left out), the terminal
+    plots in fenced blocks, the metrics left out of the plots (``unplotted``:
+    ``(title, cap)`` pairs), and the list of output ``files``. Names are escaped
+    so ``|`` or ``*`` in a metric name cannot break the markdown.
     """
     path = Path(path)
     here = path.parent
@@ -173,11 +210,13 @@ def to_markdown(
     if devices:
         lines += ["", "## Devices", "", *devices]
     if images:
-        lines += ["", "## Plots", ""]
-        for image in images:
-            rel = Path(os.path.relpath(image, here)).as_posix()
-            lines.append(f"![{md_escape(Path(image).stem)}](<{rel}>)")
-            lines.append("")
+        relative = [
+            (item[0], _relative(item[1], here))
+            if isinstance(item, tuple)
+            else _relative(item, here)
+            for item in images
+        ]
+        lines += ["", "## Plots", "", *_plot_sections(state, warmup, relative)]
     if unplotted:
         cap = unplotted[0][1]
         names = ", ".join(

@@ -169,6 +169,7 @@ def _draw_unit(data: dict[str, tuple], unit: PlotUnit, path: Path) -> None:
     label = unit_label(unit.title)
     if label:
         ax.set_ylabel(label)
+        fig.subplots_adjust(left=0.12)  # room for the label beside wide ticks
     if drawn and log_scale(*drawn):
         ax.set_yscale("log")
     ax.grid(alpha=0.3)

@@ -142,9 +142,17 @@ def log_scale(*ys: np.ndarray) -> bool:
 
 
 def unit_label(name: str) -> str | None:
-    """The y axis label a metric's name implies: timings are in seconds."""
+    """The y axis label a metric's name implies: timings and ``*_sec`` in
+    seconds, ``*_per_sec`` as a rate, ``*mfu`` as a fraction of the peak."""
     parts = name.split("/")
-    return "seconds" if "timing" in parts[:-1] else None
+    last = parts[-1]
+    if last.endswith("_per_sec"):
+        return f"{last.removesuffix('_per_sec')} per second"
+    if "timing" in parts[:-1] or last.endswith(("_sec", "_seconds")):
+        return "seconds"
+    if last == "mfu":
+        return "fraction of peak FLOP/s"
+    return None
 
 
 def bucket(x: np.ndarray, y: np.ndarray, how: str, n: int = MAX_POINTS):
