@@ -308,9 +308,8 @@ class History:
             want_line = summarize and not (step_used % self.log_every)
             self._updates += 1
             now = time.time()
-            if self._log_path is None:  # else the log keeps the times
-                self._stamp_steps.append(step_used)
-                self._stamp_times.append(now)
+            self._stamp_steps.append(step_used)  # 16 bytes an update
+            self._stamp_times.append(now)
             token, side = "", ()
             if self._side:
                 token, side = self._side_values(step_used)
@@ -530,13 +529,18 @@ class History:
             return self.report_dir / f"{self.run_id}.jsonl"
         return None
 
-    def _timestamps(self) -> dict[int, float]:
-        """Step -> wall time of the updates, for a log written from the state:
-        those kept while no log was streamed, and those of every line a
-        streamed log holds (one that failed or fell behind is written again)."""
-        stamps = dict(zip(self._stamp_steps, self._stamp_times, strict=True))
+    def _timestamps(self, state: HistoryState) -> dict[int, float]:
+        """Step -> wall time of the updates (the first at a step), for the
+        dataset's time coordinate and a log written from the state; the log's
+        times for steps this History did not record (a resumed run's)."""
+        steps, times = self._stamp_steps, self._stamp_times
+        stamps = dict(zip(reversed(steps), reversed(times), strict=True))
         path = self._log_path
-        if path is not None and path.is_file():
+        if (
+            path is not None
+            and path.is_file()
+            and not stamps.keys() >= set(state.all_steps().tolist())
+        ):
             for step, stamp in read_stamps(path).items():
                 stamps.setdefault(step, stamp)
         return stamps
@@ -674,7 +678,7 @@ class History:
             streamed = self._log_path if self._streamed else None
             if self._log_failed:
                 streamed = None
-            stamps = None if streamed else self._timestamps()
+            stamps = self._timestamps(state)
         files: list[Path] = []
         ds = write_outputs(
             state,

@@ -426,6 +426,12 @@ def test_a_crashed_run_resumes_from_its_log_with_its_run_id(tmp_path):
     ]
     report = (tmp_path / "out" / "report.md").read_text()
     assert report.startswith(f"# Run report: {first.run_id}")
+    import xarray as xr
+
+    with xr.open_dataset(tmp_path / "out" / "dataset.nc") as ds:
+        times = ds["time"].values  # the first run's from its log, then its own
+        assert len(times) == 12 and not np.isnat(times).any()
+        assert np.all(np.diff(times.astype("int64")) >= 0)
     # From a dataset or a state, and what is refused.
     from_nc = jh.History(distributed_history=False, resume=tmp_path / "out")
     assert from_nc.run_id == first.run_id and from_nc.state.count("loss") == 12
@@ -732,3 +738,21 @@ def test_a_dataset_file_of_the_earlier_flat_layout_still_reads(tmp_path):
     back = jh.HistoryState.from_netcdf(tmp_path / "old.nc")
     assert set(back.keys) == {"train/loss", "lr"}
     assert back.values("train/loss").tolist() == [0.5, 0.25]
+
+
+def test_the_times_of_a_log_are_read_whatever_wrote_it(tmp_path):
+    from jaxhistory._codec import read_stamps
+
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text(
+        '{"step":1,"timestamp":1700000000.5,"process_index":0,"metrics":{}}\n'
+        '{"step":2,"timestamp":null,"process_index":0,"metrics":{}}\n'
+        '{"step":1,"timestamp":1700000009.0,"process_index":0,"metrics":{}}\n'
+        '{"step":3,"timestamp":1.7e9,"process_index":0,"metr'  # cut off
+    )
+    assert read_stamps(ours) == {1: 1700000000.5, 3: 1.7e9}  # the first wins
+    other = tmp_path / "other.jsonl"  # keys in another order
+    other.write_text('{"timestamp": 5.0, "step": 4}\nnot json\n{"step": 5}\n')
+    assert read_stamps(other) == {4: 5.0}
+    (tmp_path / "empty.jsonl").write_text("")
+    assert read_stamps(tmp_path / "empty.jsonl") == {}
