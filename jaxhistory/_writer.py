@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import math
+import operator
 import threading
 import time
 import warnings
@@ -321,29 +321,54 @@ class Writer:
 def _merged(held: Batch | None, batch: Batch | None) -> Batch | None:
     """``held`` then ``batch`` as one batch, with records of the same step that
     follow each other merged into one (the later value winning; the first
-    timestamp kept)."""
-    parts = [b for b in (held, batch) if b is not None]
-    if not parts:
-        return None
-    first = parts[0]
-    if len(parts) == 1 and not _repeats(first.steps):
-        return first
-    steps = [t for b in parts for t in b.steps]
-    stamps = [t for b in parts for t in b.stamps]
-    metrics = [m for b in parts for m in b.metrics]
+    timestamp kept). Without such records, lists are only joined."""
+    if held is None or batch is None:
+        joined = batch if held is None else held
+        if joined is None or not _repeats(joined.steps):
+            return joined
+        return _merge_runs(joined)
+    joined = _joined(held, batch)
+    if held.steps[-1] != batch.steps[0] and not _repeats(batch.steps):
+        return joined
+    return _merge_runs(joined)
+
+
+def _joined(a: Batch, b: Batch) -> Batch:
     aggregated = None
-    if any(b.aggregated is not None for b in parts):
-        aggregated = [a for b in parts for a in (b.aggregated or [{}] * len(b.steps))]
+    if a.aggregated is not None or b.aggregated is not None:
+        aggregated = (a.aggregated or [{}] * len(a.steps)) + (
+            b.aggregated or [{}] * len(b.steps)
+        )
+    out = Batch(
+        a.steps + b.steps,
+        a.stamps + b.stamps,
+        a.metrics + b.metrics,
+        aggregated,
+        None,
+        a.process_index,
+    )
+    out.finite, out.run_id = a.finite and b.finite, a.run_id
+    return out
+
+
+def _repeats(steps: list) -> bool:
+    """Whether two records that follow each other share a step (C-speed scan)."""
+    return any(map(operator.eq, steps[:-1], steps[1:]))
+
+
+def _merge_runs(batch: Batch) -> Batch:
+    """``batch`` with each run of records of one step merged into one."""
+    steps, aggregated = batch.steps, batch.aggregated
     out_steps, out_stamps, out_metrics, out_agg = [], [], [], []
     for i, step in enumerate(steps):
         if out_steps and step is not None and step == out_steps[-1]:
-            out_metrics[-1] = {**out_metrics[-1], **metrics[i]}
+            out_metrics[-1] = {**out_metrics[-1], **batch.metrics[i]}
             if aggregated is not None:
                 out_agg[-1] = {**out_agg[-1], **aggregated[i]}
             continue
         out_steps.append(step)
-        out_stamps.append(stamps[i])
-        out_metrics.append(metrics[i])
+        out_stamps.append(batch.stamps[i])
+        out_metrics.append(batch.metrics[i])
         if aggregated is not None:
             out_agg.append(aggregated[i])
     out = Batch(
@@ -352,15 +377,10 @@ def _merged(held: Batch | None, batch: Batch | None) -> Batch | None:
         out_metrics,
         out_agg if aggregated is not None else None,
         None,
-        first.process_index,
+        batch.process_index,
     )
-    out.finite = all(b.finite for b in parts)
-    out.run_id = first.run_id
+    out.finite, out.run_id = batch.finite, batch.run_id
     return out
-
-
-def _repeats(steps: list) -> bool:
-    return any(a == b and a is not None for a, b in itertools.pairwise(steps))
 
 
 def _hold_last(batch: Batch | None, seconds: float) -> tuple:

@@ -756,3 +756,31 @@ def test_the_times_of_a_log_are_read_whatever_wrote_it(tmp_path):
     assert read_stamps(other) == {4: 5.0}
     (tmp_path / "empty.jsonl").write_text("")
     assert read_stamps(tmp_path / "empty.jsonl") == {}
+
+
+def test_records_of_one_step_merge_only_where_they_follow_each_other():
+    from jaxhistory._record import Batch
+    from jaxhistory._writer import _merged
+
+    def batch(steps, aggregated=None):
+        out = Batch(
+            steps,
+            [float(i) for i in range(len(steps))],
+            [{f"m{i}": i} for i in range(len(steps))],
+            aggregated,
+        )
+        out.finite, out.run_id = True, "r"
+        return out
+
+    held = batch([3], [{"a/mean": 1.0}])
+    new = batch([3, 3, 4, None, None, 3])
+    out = _merged(held, new)
+    assert out.steps == [3, 4, None, None, 3]  # a later record of 3: its own line
+    assert out.metrics[0] == {"m0": 0, "m1": 1}  # held, then the batch's two
+    assert out.aggregated[0] == {"a/mean": 1.0} and out.aggregated[1] == {}
+    assert out.stamps[0] == 0.0 and out.run_id == "r" and out.finite
+    plain = batch([1, 2, 3])
+    assert _merged(None, plain) is plain  # nothing to merge: the same batch
+    joined = _merged(batch([0]), plain)
+    assert joined.steps == [0, 1, 2, 3] and joined.aggregated is None
+    assert _merged(None, None) is None and _merged(held, None) is held
