@@ -98,11 +98,12 @@ class History:
             infinite, the summary line shows the device and its process
             (``loss=nan(NaN on device 3 (process 1))``) and a warning, once per
             metric, names the step, the metric, the device and the process.
-        resume: continue a run: its JSONL log (the run id is the file's name, and
-            the log is appended to unless ``jsonl_path`` or ``report_dir`` says
-            otherwise), its ``dataset.nc`` or finalize folder (the run id
-            recorded there), or a HistoryState. Its records become this
-            History's; later updates go on from its last step.
+        resume: continue a run: its JSONL log (the run id is on its lines; an
+            older log's is its file name; the log is appended to unless
+            ``jsonl_path`` or ``report_dir`` says otherwise), its ``dataset.nc``
+            or finalize folder (the run id recorded there), or a HistoryState.
+            Its records become this History's; later updates go on from its
+            last step.
         resume_step: with ``resume``, leave out the records at this step and
             later: the steps a restart from an earlier checkpoint (of step
             ``resume_step - 1``) records again. In the log, the later line wins.
@@ -763,9 +764,10 @@ class Progress:
 
 def _resumed(resume: Any, resume_step: int | None, run_name: str | None):
     """(state, run id, log) of the run ``resume`` names: a HistoryState, a JSONL
-    log (its name is the run id; History goes on appending to it), a dataset
-    file or a finalize folder; records at ``resume_step`` and later are left
-    out (the steps a restart from an earlier checkpoint records again)."""
+    log (the run id on its lines, else its name; History goes on appending to
+    it), a dataset file or a finalize folder; records at ``resume_step`` and
+    later are left out (the steps a restart from an earlier checkpoint records
+    again)."""
     log = None
     if isinstance(resume, HistoryState):
         state, run_id = resume, dict(resume.attrs).get("run_id")
