@@ -389,8 +389,8 @@ def _hold_last(batch: Batch | None, seconds: float) -> tuple:
     if batch is None or batch.steps[-1] is None:
         return None, batch
     stamp = batch.stamps[-1]
-    if stamp is None or time.time() - stamp >= seconds:
-        return None, batch
+    if stamp is None or not 0 <= time.time() - stamp < seconds:
+        return None, batch  # old, or a time of the caller's own (in the future)
     k = len(batch.steps) - 1
     last = _slice(batch, k, k + 1)
     return last, (_slice(batch, 0, k) if k else None)

@@ -536,13 +536,16 @@ def test_a_steps_line_waits_for_more_of_that_step_but_not_for_ever(tmp_path):
     stream.add(2, {"late": 4.0})  # after its line was written: a line of its own
     stream.add(3, {"a": 5.0}, timestamp=0.0)  # an old record is never held
     stream._drain(hold=True)
+    stream.add(4, {"a": 6.0}, timestamp=4e9)  # nor one with a time in the future
+    stream._drain(hold=True)
+    assert [r["step"] for r in _log_lines(log)] == [1, 2, 2, 3, 4]
     stream.close()
-    assert [r["step"] for r in _log_lines(log)] == [1, 2, 2, 3]
     back = jh.HistoryState.from_jsonl(log)
     assert back.steps("late").tolist() == [2] and back.values("a").tolist() == [
         1.0,
         3.0,
         5.0,
+        6.0,
     ]
     assert Writer.HOLD <= 1.0  # a SIGKILL loses at most about a second
 
