@@ -196,14 +196,23 @@ def _run_id_field(run_id: str | None) -> bytes:
 
 
 def read_run_id(path: Path, tail: int = 1 << 20) -> str | None:
-    """The run id on the last complete line of a JSONL log that has one (read
-    from the end: at most ``tail`` bytes), or None (a log without run ids)."""
+    """The run id on the last line of a JSONL log that has one, or None (a log
+    without run ids). The last ``tail`` bytes are read first; where no complete
+    line there has one (lines longer than that), the whole log line by line."""
     with open(path, "rb") as f:
         f.seek(0, 2)
         size = f.tell()
         f.seek(max(0, size - tail))
         lines = f.read().split(b"\n")
-    for line in reversed(lines):
+    found = _last_run_id(reversed(lines))
+    if found is None and size > tail:
+        with open(path, "rb") as f:
+            found = _last_run_id(list(f)[::-1])
+    return found
+
+
+def _last_run_id(lines) -> str | None:
+    for line in lines:
         if b'"run_id"' not in line:
             continue
         try:
@@ -305,20 +314,23 @@ def read_stamps(path: Path) -> dict[int, float]:
     """
     data = Path(path).read_bytes()
     stamps: dict[int, float] = {}
-    for step, stamp in _HEAD.findall(data):
+    heads = _HEAD.findall(data)
+    for step, stamp in heads:
         try:
             stamps.setdefault(int(step), float(stamp))
         except ValueError:
             continue  # not a number after all
-    if stamps or b'"timestamp"' not in data:
-        return stamps
-    with open(path, "rb") as f:
-        for line in f:
-            try:
-                record = orjson.loads(line)
-                step, stamp = record["step"], record["timestamp"]
-            except (ValueError, KeyError, TypeError):
-                continue  # a cut-off or damaged line
-            if type(step) is int and isinstance(stamp, float):
-                stamps.setdefault(step, stamp)
+    unknown = data.count(b'"timestamp":null')
+    if len(heads) + unknown == data.count(b'"timestamp":'):
+        return stamps  # every line with a time was read by its head
+    for line in data.splitlines():  # lines written another way
+        if b'"timestamp"' not in line or _HEAD.match(line):
+            continue
+        try:
+            record = orjson.loads(line)
+            step, stamp = record["step"], record["timestamp"]
+        except (ValueError, KeyError, TypeError):
+            continue  # a cut-off or damaged line
+        if type(step) is int and isinstance(stamp, float):
+            stamps.setdefault(step, stamp)
     return stamps

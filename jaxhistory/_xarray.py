@@ -27,6 +27,7 @@ as ``xr.open_datatree(path)["train/loss/mean"]``.
 from __future__ import annotations
 
 import os
+import unicodedata
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -266,14 +267,13 @@ def read_netcdf(path: str | os.PathLike):
             f"cannot read the dataset {path}: {err} (the file is cut off, damaged "
             "or not netCDF-4)"
         ) from err
-    if tree.attrs.get(LAYOUT_ATTR) == LAYOUT:
-        ds = from_tree(tree)
-    else:  # a file of an earlier version: percent-encoded names, no groups
-        ds = tree.to_dataset(inherit=False)
+    grouped = tree.attrs.get(LAYOUT_ATTR) == LAYOUT
+    # (else a file of an earlier version: percent-encoded names, no groups)
+    ds = from_tree(tree) if grouped else tree.to_dataset(inherit=False)
     ds.attrs = {
         k: v.item() if isinstance(v, np.generic) else v for k, v in ds.attrs.items()
     }
-    if tree.attrs.get(LAYOUT_ATTR) == LAYOUT:
+    if grouped:
         return ds
     ds = renamed(ds, decode_netcdf)
     variables = ds.variables
@@ -312,16 +312,24 @@ ORDER_ATTR = "jaxhistory_order"  # a metric's place in the history's order
 
 
 def _component(part: str) -> str:
-    """One part of a metric's path as a netCDF name (short enough, encoded)."""
-    out = encode_netcdf(part)
-    if len(out.encode()) > NC_MAX_NAME:
-        out = f"_h{zlib.crc32(part.encode()):08x}"
-    return out
+    """One part of a metric's path as a netCDF name: encoded, in Unicode's NFC
+    form (netCDF normalizes names to it), at most 255 bytes."""
+    return _fit(unicodedata.normalize("NFC", encode_netcdf(part)))
+
+
+def _fit(name: str) -> str:
+    """``name``, or ``_h{crc32}`` where it is too long for netCDF."""
+    if len(name.encode()) <= NC_MAX_NAME:
+        return name
+    return f"_h{zlib.crc32(name.encode()):08x}"
 
 
 def _free_in(name: str, taken: set[str]) -> str:
+    """``name`` (hashed where too long for netCDF) with ``_`` appended until
+    ``taken`` does not hold it; added to ``taken``."""
+    name = _fit(name)
     while name in taken:
-        name += "_"
+        name = _fit(name + "_")
     taken.add(name)
     return name
 
@@ -334,58 +342,57 @@ def to_tree(ds):
     group="a/b")["c"]``); metrics without ``/`` and the coordinates (``step``,
     ``time``) are in the root group, whose coordinates every group inherits. Each
     part of a path is :func:`~jaxhistory.export.encode_netcdf`-encoded (a plain
-    name stays as it is). Where a variable cannot have its natural name (a metric
-    ``loss`` beside the group of ``loss/std``, ``x/step``, a part too long for
-    netCDF) it gets a free one and its full name in the ``jaxhistory_name``
-    attribute. Each metric's place in the history is in ``jaxhistory_order``.
+    name stays as it is). Where a name cannot be used as it is (a metric
+    ``loss`` beside the group of ``loss/std``: netCDF has one namespace for both;
+    a part named like a coordinate, ``x/step``; a part over 255 bytes; two parts
+    that are the same name to netCDF) a free one is used instead (``_``
+    appended, or ``_h`` and a CRC-32), and a variable whose path no longer spells
+    its name has the name in its ``jaxhistory_name`` attribute. Each metric's
+    place in the history is in ``jaxhistory_order``.
     """
     xr = import_optional("xarray", "to_netcdf")
     internal = {*_mask_names(ds), *(_long_names(ds) or ())}
-    metrics = [n for n in ds.data_vars if n not in internal]
-    root_names = {*map(str, ds.coords), *map(str, internal)}
-    reserved = {*map(str, ds.coords)}  # inherited by every group
-    # Group paths first: a group's name is taken before any variable's.
+    metrics = [str(n) for n in ds.data_vars if n not in internal]
+    coords = {str(n) for n in ds.coords}  # inherited by every group
+    # The names taken in each group: the coordinates everywhere; in the root,
+    # the internal variables too. Groups are named before variables, so a
+    # clash renames the one variable, not every metric under the group.
+    taken: dict[tuple[str, ...], set[str]] = {(): {*coords, *map(str, internal)}}
+    groups: dict[tuple[tuple[str, ...], str], str] = {}
     paths: dict[str, tuple[str, ...]] = {}
-    children: dict[tuple[str, ...], set[str]] = {}
     for name in metrics:
-        parts = str(name).split("/")
         group: tuple[str, ...] = ()
-        for part in parts[:-1]:
-            comp = _component(part)
-            if not group and comp in root_names:
-                comp = _free_in(comp, set(root_names))
-            children.setdefault(group, set()).add(comp)
+        for part in name.split("/")[:-1]:
+            comp = groups.get((group, part))
+            if comp is None:
+                comp = _free_in(_component(part), taken.setdefault(group, {*coords}))
+                groups[group, part] = comp
             group = (*group, comp)
         paths[name] = group
-    taken: dict[tuple[str, ...], set[str]] = {
-        g: {*names, *reserved} for g, names in children.items()
-    }
-    taken.setdefault((), set()).update(root_names)
-    nodes: dict[tuple[str, ...], dict[str, Any]] = {}
-    # Dimension names unique in the whole tree: a group sees its parents' ones.
-    used_dims = {"step", *root_names}
-    for n in internal & set(ds.variables):
-        used_dims.update(map(str, ds.variables[n].dims))
-    for names in children.values():
-        used_dims.update(names)
-    placed = []
-    for order, name in enumerate(metrics):
-        group = paths[name]
-        in_group = taken.setdefault(group, set(reserved))
-        leaf = _free_in(_component(str(name).split("/")[-1]), in_group)
-        used_dims.add(leaf)
-        placed.append((order, name, group, leaf))
-    for order, name, group, leaf in placed:
-        var = ds.variables[name]
-        dims = (
-            "step",
-            *(_free_in(f"{leaf}_dim_{i}", used_dims) for i in range(var.ndim - 1)),
+    leaves = {
+        name: _free_in(
+            _component(name.split("/")[-1]), taken.setdefault(paths[name], {*coords})
         )
+        for name in metrics
+    }
+    # Dimension names unique in the whole tree (a group sees its parents' ones)
+    # and apart from every variable's and group's name.
+    used_dims = {*map(str, ds.dims)} - {
+        d for n in metrics for d in ds.variables[n].dims[1:]
+    }
+    for names in taken.values():
+        used_dims |= names
+    nodes: dict[tuple[str, ...], dict[str, Any]] = {}
+    for order, name in enumerate(metrics):
+        group, leaf = paths[name], leaves[name]
+        var = ds.variables[name]
+        extra = [_free_in(f"{leaf}_dim_{i}", used_dims) for i in range(var.ndim - 1)]
         attrs = {**var.attrs, ORDER_ATTR: order}
-        decoded = "/".join(decode_netcdf(p) for p in (*group, leaf))
-        if decoded != name:
-            attrs[NAME_ATTR] = str(name)
-        nodes.setdefault(group, {})[leaf] = xr.Variable(dims, var.data, attrs=attrs)
+        if "/".join(decode_netcdf(p) for p in (*group, leaf)) != name:
+            attrs[NAME_ATTR] = name
+        nodes.setdefault(group, {})[leaf] = xr.Variable(
+            ("step", *extra), var.data, attrs=attrs
+        )
     root = xr.Dataset(
         {n: ds.variables[n] for n in ds.data_vars if n in internal} | nodes.pop((), {}),
         coords=ds.coords,

@@ -709,13 +709,19 @@ def test_the_dataset_file_keeps_names_that_cannot_be_groups(tmp_path):
 
     names = ["loss/std", "loss", "x/step", "step/x", "a//b", "/a", "a/", "é/ü"]
     names += ["p" * 300 + "/y", "z/" + "q" * 300, "t/arr", "arr", "%2F/_x"]
+    # found in review: a group named like a coordinate below the root; names
+    # that reach netCDF's 255 bytes once made free or given a dimension; the
+    # same name in two Unicode forms (netCDF stores NFC)
+    names += ["a/step/x", "b/c/time/x", "M" * 255, "M" * 255 + "/x"]
+    names += ["e\u0301", "\u00e9", "n/e\u0301/x", "L" * 250]
     s = jh.HistoryState()
     for i in range(3):
         row = {n: float(i + k) for k, n in enumerate(names)}
         row["t/arr"] = np.ones((2, 2)) * i
         row["arr"] = np.arange(3.0) + i
+        row["L" * 250] = np.arange(2.0) + i  # its dimension's name is too long
         s = s.update(row, step=i)
-    export.to_netcdf(s, tmp_path / "d.nc")
+    export.to_netcdf(s, tmp_path / "d.nc", timestamps={0: 1e9, 1: 1e9 + 1})
     back = jh.HistoryState.from_netcdf(tmp_path / "d.nc")
     assert back.keys == s.keys
     for name in names:
@@ -787,3 +793,30 @@ def test_records_of_one_step_merge_only_where_they_follow_each_other():
     joined = _merged(batch([0]), plain)
     assert joined.steps == [0, 1, 2, 3] and joined.aggregated is None
     assert _merged(None, None) is None and _merged(held, None) is held
+
+
+def test_the_run_id_of_a_log_whose_last_lines_are_long(tmp_path):
+    """Found in review: a last line over the 1 MiB read from the end lost it."""
+    path = tmp_path / "big.jsonl"
+    stream = export.JsonlStream(path, run_id="exp-1")
+    stream.add(0, {"loss": 1.0})
+    stream.add(1, {"big": np.arange(200_000, dtype=np.float64)})
+    stream.close()
+    assert path.stat().st_size > 1 << 20
+    assert dict(jh.HistoryState.from_jsonl(path).attrs)["run_id"] == "exp-1"
+    h = jh.History(distributed_history=False, resume=path)
+    assert h.run_id == "exp-1"
+    h.close()
+
+
+def test_the_times_of_a_log_mixing_its_lines_with_others(tmp_path):
+    """Found in review: a log with both kinds of line lost the others' times."""
+    from jaxhistory._codec import read_stamps
+
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(
+        '{"timestamp": 10.0, "step": 0}\n'
+        '{"step":1,"timestamp":11.0,"process_index":0,"metrics":{}}\n'
+        '{"step":2,"timestamp":null,"process_index":0,"metrics":{}}\n'
+    )
+    assert read_stamps(path) == {0: 10.0, 1: 11.0}
