@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -18,7 +17,6 @@ from jaxhistory._dtypes import warmup_count
 from jaxhistory._env import MAX_RUN_NAME, check_run_name, netcdf_attrs, new_run_id
 from jaxhistory._env import environment as run_environment
 from jaxhistory._history_state import HistoryState
-from jaxhistory._names import file_stems
 from jaxhistory.export._jsonl import to_jsonl
 from jaxhistory.export._markdown import to_markdown
 from jaxhistory.export._mpl import start_png
@@ -151,6 +149,7 @@ def finalize(
         log = to_jsonl(state, outdir / f"{run_id}.jsonl", timestamps, run_id=run_id)
         files.append(log)
     images: list[Path] = []
+    titles: dict[Path, str] = {}  # image -> the title of its plot
     terminal: dict[str, str] = {}
     if plot:
         arrays = sum(1 for u in units if u.raw is not None and state.shape(u.raw))
@@ -166,6 +165,7 @@ def finalize(
             )  # drawn by worker processes while the terminal plots are made
             tplots = write_all(state, staging / "tplot", warmup, progress, units)
             images = pending.wait()
+            titles = pending.titles
             pending = None
             (outdir / "plots").mkdir(exist_ok=True)
             for kind in PLOT_FOLDERS:
@@ -177,6 +177,7 @@ def finalize(
             shutil.rmtree(staging, ignore_errors=True)
         progress.finish()
         final = outdir / "plots"
+        titles = {final / p.relative_to(staging): t for p, t in titles.items()}
         images = [final / p.relative_to(staging) for p in images]
         tplots = [(u, final / p.relative_to(staging), t) for u, p, t in tplots]
         files += images + [path for _, path, _ in tplots]
@@ -205,7 +206,7 @@ def finalize(
             run_id=run_id,
             run_name=run_name,
             environment=env,
-            images=_titled([p for p in images if p.suffix == ".png"], units),
+            images=[(titles[p], p) for p in images if p.suffix == ".png"],
             terminal_plots=terminal,
             files=files,
             unplotted=[(u.title, max_plots) for u in unplotted],
@@ -213,19 +214,3 @@ def finalize(
     if written is not None:
         written.extend(files)
     return ds
-
-
-def _titled(images: list[Path], units: list) -> list:
-    """``(title, path)`` for each image of a plot unit (its extra ridge and
-    heatmap images too), the path alone for any other."""
-    by_stem = {
-        stem: title for title, stem in file_stems(u.title for u in units).items()
-    }
-    out: list = []
-    for path in images:
-        stem = path.stem
-        title = by_stem.get(stem)
-        if title is None:  # {stem}.ridge, {stem}.heatmap-2, ...
-            title = by_stem.get(re.sub(r"\.(ridge|heatmap)(-\d+)?$", "", stem))
-        out.append(path if title is None else (title, path))
-    return out

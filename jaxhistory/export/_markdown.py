@@ -41,11 +41,15 @@ def _number(value: Any) -> str:
     return f"{value:.6g}"
 
 
-def stats_table(state: HistoryState, warmup: float = 0) -> list[str]:
+def stats_table(
+    state: HistoryState, warmup: float = 0, summary: dict | None = None
+) -> list[str]:
     """Markdown table rows of run-level statistics per metric after ``warmup``:
     one metric's rows together (``loss/mean``, ``/std``, ``/min``, ``/max``),
-    and the metrics that never changed listed once, below the table."""
-    summary = state.summary(warmup)
+    and the metrics that never changed listed once, below the table.
+    ``summary``: ``state.summary(warmup)``, where the caller has it already."""
+    if summary is None:
+        summary = state.summary(warmup)
     if not summary:
         return ["No metrics were recorded."]
     header = "| metric | " + " | ".join(TABLE_STATS) + " |"
@@ -75,12 +79,12 @@ def _constant(stats: dict) -> bool:
     )
 
 
-def _plot_sections(state: HistoryState, warmup: float, images: list) -> list[str]:
+def _plot_sections(summary: dict, images: list) -> list[str]:
     """The report's plots, one section per family: the train-vs-eval figures,
     then each first part of a metric path (``train``, ``eval``, ``timing``) in the
     order first recorded, then the metrics without one. ``images`` holds paths, or
-    ``(title, path)`` pairs; constants are left out (the table lists them)."""
-    summary = state.summary(warmup)
+    ``(title, path)`` pairs; constants are left out (the table lists them).
+    ``summary``: the run's statistics (:meth:`HistoryState.summary`)."""
     families: dict[str, list[str]] = {}
     for item in images:
         title, image = item if isinstance(item, tuple) else (None, item)
@@ -205,7 +209,8 @@ def to_markdown(
     else:
         lines.append("Not recorded.")
     lines += ["", "## Metrics", ""]
-    lines += stats_table(state, warmup)
+    summary = state.summary(warmup)  # once, for the table and the plots
+    lines += stats_table(state, warmup, summary)
     devices = devices_section(state)
     if devices:
         lines += ["", "## Devices", "", *devices]
@@ -216,7 +221,7 @@ def to_markdown(
             else _relative(item, here)
             for item in images
         ]
-        lines += ["", "## Plots", "", *_plot_sections(state, warmup, relative)]
+        lines += ["", "## Plots", "", *_plot_sections(summary, relative)]
     if unplotted:
         cap = unplotted[0][1]
         names = ", ".join(

@@ -319,10 +319,15 @@ class PendingPlots:
     """Plots being drawn: in worker processes (one per core, at most 8) when
     there are many (a figure costs tens of milliseconds of pure Python, so
     1,000 metrics would take a minute on one core), so the caller can do other
-    work meanwhile; :meth:`wait` returns the paths once all are written."""
+    work meanwhile; :meth:`wait` returns the paths once all are written.
+    ``titles`` maps each path to the title of the plot unit it draws."""
 
     def __init__(self, jobs: list[tuple], progress=None):
         self.jobs, self.progress = jobs, progress
+        self.titles = {
+            path: args[1].title if kind == "unit" else args[0]
+            for kind, args, path in jobs
+        }
         self._procs: list = []
         self._tmp = None
         workers = min(os.cpu_count() or 1, 8)
