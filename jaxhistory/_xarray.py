@@ -96,10 +96,7 @@ def to_dataset(
     taken = {"step", *(c[0] for c in columns)}
 
     def free(base: str) -> str:  # a generated name no metric uses
-        while base in taken:
-            base += "_"
-        taken.add(base)
-        return base
+        return _free(base, taken)
 
     data_vars, masks = {}, {}
     columns, long = _split_long(columns, len(steps))
@@ -324,6 +321,15 @@ def _fit(name: str) -> str:
     return f"_h{zlib.crc32(name.encode()):08x}"
 
 
+def _free(name: str, taken: set[str]) -> str:
+    """``name`` with ``_`` appended until ``taken`` does not hold it (as
+    :func:`to_dataset` names dimensions in memory); added to ``taken``."""
+    while name in taken:
+        name += "_"
+    taken.add(name)
+    return name
+
+
 def _free_in(name: str, taken: set[str]) -> str:
     """``name`` (hashed where too long for netCDF) with ``_`` appended until
     ``taken`` does not hold it; added to ``taken``."""
@@ -430,7 +436,7 @@ def from_tree(tree):
             raise ValueError(f"variable {name!r} is not indexed by step first")
         dims = (
             "step",
-            *(_free_in(f"{name}_dim_{i}", taken) for i in range(var.ndim - 1)),
+            *(_free(f"{name}_dim_{i}", taken) for i in range(var.ndim - 1)),
         )
         data_vars[name] = xr.Variable(dims, var.data, attrs=attrs)
     for n in internal:

@@ -733,6 +733,7 @@ def test_the_dataset_file_keeps_names_that_cannot_be_groups(tmp_path):
         assert tree["t/arr"].shape == (3, 2, 2) and tree["arr"].shape == (3, 3)
     flat = export.read_netcdf(tmp_path / "d.nc")
     assert flat["t/arr"].dims == ("step", "t/arr_dim_0", "t/arr_dim_1")
+    assert flat["L" * 250].dims == s.to_xarray()["L" * 250].dims  # as in memory
 
 
 def test_a_dataset_file_of_the_earlier_flat_layout_still_reads(tmp_path):
