@@ -1,4 +1,4 @@
-"""Counting the collectives XLA compiled into a function."""
+"""What XLA compiled a function into: its collectives and its FLOPs."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ COLLECTIVES = (
 )
 # An HLO instruction reads `%name = <type> opcode(operands), ...`; async collectives
 # appear as `opcode-start(` / `opcode-done(` pairs, counted once by their start.
+_DEVICE_FIELDS = ("num_partitions", "replica_count")
 _OPCODE = re.compile(
     r"\s(" + "|".join(re.escape(op) for op in COLLECTIVES) + r")(-start)?\("
 )
@@ -54,10 +55,30 @@ def collective_counts(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, int]
     return count_in_hlo(compiled.as_text())
 
 
+def devices_in_hlo(hlo_text: str) -> int:
+    """The number of devices a compiled HLO module runs on: its partitions
+    (SPMD) times its replicas, from the module's header line."""
+    header = hlo_text.split("\n", 1)[0]
+    count = 1
+    for field in _DEVICE_FIELDS:
+        found = re.search(rf"\b{field}=(\d+)", header)
+        count *= int(found.group(1)) if found else 1
+    return count
+
+
 def step_flops(fn: Callable, *args: Any, **kwargs: Any) -> float:
-    """The FLOPs of one call of ``fn`` on ``args``, from XLA's cost analysis of
-    the compiled program (all devices together): ``flops_per_step`` for
-    ``History(..., peak_flops=...)``'s model FLOPs utilisation.
+    """The FLOPs of one call of ``fn`` on ``args``, all devices together: the
+    ``flops_per_step`` for ``History(..., peak_flops=...)``'s model FLOPs
+    utilisation, with ``peak_flops`` the peak FLOP/s of all those devices.
+
+    XLA's cost analysis of a compiled SPMD program counts one device's share;
+    this is that count times the number of devices the program runs on. So
+    the same global computation gives the same count on one device or with its
+    batch sharded over many (a ``1024x256 @ 256x512`` matmul is 268,435,456
+    either way), and work that every device repeats counts once per device (the
+    same matmul on replicated inputs on 8 devices is 8 times as much): that is
+    the work the devices do, which is what ``peak_flops`` bounds. Collectives'
+    arithmetic (an all-reduce's additions) counts too.
 
     Example:
         >>> import jax.numpy as jnp
@@ -66,10 +87,11 @@ def step_flops(fn: Callable, *args: Any, **kwargs: Any) -> float:
         128.0
     """
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-    cost = jitted.lower(*args, **kwargs).compile().cost_analysis()
+    compiled = jitted.lower(*args, **kwargs).compile()
+    cost = compiled.cost_analysis()
     if isinstance(cost, list | tuple):  # one entry per program on older JAX
         cost = cost[0] if cost else {}
     flops = (cost or {}).get("flops")
     if flops is None or flops < 0:
         raise ValueError(f"XLA's cost analysis of {fn!r} holds no FLOP count")
-    return float(flops)
+    return float(flops) * devices_in_hlo(compiled.as_text())

@@ -644,6 +644,35 @@ def test_progress_steps_per_second_eta_and_mfu(monkeypatch):
             jh.History(**bad)
 
 
+def test_step_flops_counts_the_work_of_every_device(mesh):
+    """The same global matmul gives the same count on one device or with its
+    batch sharded over 8; work repeated on every device counts on each."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    a, b = np.ones((1024, 256), np.float32), np.ones((256, 512), np.float32)
+    matmul = 2 * 1024 * 256 * 512
+    assert matmul == 268_435_456
+    fn = jax.jit(lambda x, y: x @ y)
+    assert jh.step_flops(fn, a, b) == matmul  # one device
+    batch = jax.device_put(a, NamedSharding(mesh, P("data")))
+    whole = jax.device_put(b, NamedSharding(mesh, P()))
+    assert jh.step_flops(fn, batch, whole) == matmul  # 8 devices, 1/8 each
+    copies = jax.device_put(a, NamedSharding(mesh, P()))
+    assert jh.step_flops(fn, copies, whole) == 8 * matmul  # each device all of it
+    # shard_map: each device's block, plus the all-reduce's additions
+    summed = jax.shard_map(
+        lambda x, y: jax.lax.psum(x @ y, "data"),
+        mesh=mesh,
+        in_specs=(P(None, "data"), P("data")),
+        out_specs=P(),
+    )
+    cols = jax.device_put(a, NamedSharding(mesh, P(None, "data")))
+    rows = jax.device_put(b, NamedSharding(mesh, P("data")))
+    assert jh.step_flops(summed, cols, rows) == matmul + 8 * 1024 * 512
+
+
 # ----- the dataset -----------------------------------------------------------------
 
 
