@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxhistory._env import env_flag
 from jaxhistory._names import COUNTER_KEYS
-from jaxhistory._provenance import Layout, concrete_layout
+from jaxhistory._provenance import Layout, check_provenance, concrete_layout
 from jaxhistory._stats import Stats, global_stats
 from jaxhistory._tree import flatten_metrics
 
@@ -83,7 +83,7 @@ class Reducer:
 
     def __init__(self, provenance: bool = True):
         self.multi_process = jax.process_count() > 1
-        self.provenance = bool(provenance)
+        self.provenance = check_provenance(provenance, "History")
         self._fns: dict[tuple, Any] = {}  # jitted reductions per set of layouts
         self._id = next(_REDUCERS)
         self._agreed: set[tuple[str, ...]] = set()  # name sets all processes use

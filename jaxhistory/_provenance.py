@@ -23,6 +23,7 @@ import numpy as np
 __all__ = [
     "Layout",
     "ShardTables",
+    "check_provenance",
     "concrete_layout",
     "device_label",
     "global_index",
@@ -117,10 +118,25 @@ def _context_mesh() -> Any:
     return mesh
 
 
+def _ids(mesh: jax.sharding.Mesh) -> list[int]:
+    return [d.id for d in mesh.devices.flat]
+
+
 def _mesh_for(abstract: Any, mesh: Any, caller: str) -> jax.sharding.Mesh:
-    for candidate in (mesh, _context_mesh()):
-        if candidate is not None and _matches(candidate, abstract):
-            return candidate
+    context = _context_mesh()
+    if context is not None and not _matches(context, abstract):
+        context = None
+    if mesh is not None and _matches(mesh, abstract):
+        if context is not None and _ids(context) != _ids(mesh):
+            raise ValueError(
+                f"{caller}: mesh= lists devices {_ids(mesh)} but the mesh of "
+                f"jax.set_mesh, which the values are on, lists {_ids(context)}: "
+                "devices are named from the mesh's order, so pass the mesh the "
+                "values are on (or leave mesh= out)"
+            )
+        return mesh
+    if context is not None:
+        return context
     if mesh is not None:
         axes = dict(zip(abstract.axis_names, abstract.axis_sizes, strict=True))
         raise ValueError(
@@ -134,28 +150,42 @@ def _mesh_for(abstract: Any, mesh: Any, caller: str) -> jax.sharding.Mesh:
     )
 
 
-def layout_of(value: Any, mesh: Any, caller: str) -> Layout:
-    """The layout of a (possibly traced) global array.
+def check_provenance(value: Any, caller: str) -> bool:
+    """``value`` as a bool; TypeError unless it is one (``"yes"``, 1, None)."""
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    raise TypeError(
+        f"{caller}: provenance must be True or False, got {value!r:.40} "
+        f"({type(value).__name__})"
+    )
+
+
+def layout_of(value: Any, mesh: Any, caller: str) -> tuple[Layout, Any]:
+    """The layout of a (possibly traced) global array, and the value to reduce.
 
     Concrete arrays carry their sharding. Under jit the sharding is read from
     the value's type, which is exact on Explicit mesh axes (``jax.make_mesh``'s
-    default); the devices come from ``mesh`` or ``jax.set_mesh``.
+    default); the devices come from ``mesh`` or ``jax.set_mesh``. A traced
+    sharded value comes back placed on that mesh (no data moves when it is the
+    values' own), so jit refuses to compile when the values are on other devices
+    or on the same ones in another order, instead of naming the wrong device.
     """
     shape = tuple(value.shape)
     if not isinstance(value, jax.core.Tracer) and isinstance(value, jax.Array):
-        return concrete_layout(value.sharding, shape)
+        return concrete_layout(value.sharding, shape), value
     sharding = getattr(jax.typeof(value), "sharding", None)
     abstract = getattr(sharding, "mesh", None)
     if abstract is None or not getattr(abstract, "axis_names", ()):
         # No mesh: one device runs it, the default one (or the mesh's first).
+        # Replicated, its holder is the lowest device: the mesh's order is moot.
         context = mesh if mesh is not None else _context_mesh()
         if context is not None:
             replicated = jax.sharding.NamedSharding(
                 context, jax.sharding.PartitionSpec()
             )
-            return concrete_layout(replicated, shape)
+            return concrete_layout(replicated, shape), value
         first = global_index()[jax.devices()[0].id]
-        return Layout(np.zeros(shape, np.int32), np.array([first], np.int32))
+        return Layout(np.zeros(shape, np.int32), np.array([first], np.int32)), value
     auto = jax.sharding.AxisType.Auto
     types = dict(zip(abstract.axis_names, abstract.axis_types, strict=True))
     if any(t == auto for t in types.values()):
@@ -168,7 +198,12 @@ def layout_of(value: Any, mesh: Any, caller: str) -> Layout:
         )
     concrete = _mesh_for(abstract, mesh, caller)
     named = jax.sharding.NamedSharding(concrete, sharding.spec)
-    return concrete_layout(named, shape)
+    return concrete_layout(named, shape), _values_must_be_on_this_mesh(value, named)
+
+
+def _values_must_be_on_this_mesh(value: Any, named: Any) -> Any:
+    # Named so that jit's error on a mismatch points here.
+    return jax.device_put(value, named)
 
 
 def positional_layout(value: Any) -> Layout | None:

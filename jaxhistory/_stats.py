@@ -30,6 +30,7 @@ from jaxhistory._collective import AxisName, bound_axis_size, check_axis_name
 from jaxhistory._names import PROVENANCE, STATS
 from jaxhistory._provenance import (
     Layout,
+    check_provenance,
     layout_of,
     positional_layout,
     shard_tables,
@@ -236,7 +237,9 @@ def distributed_stats(
             (``jax.make_mesh``'s default), and the mesh's devices from
             ``jax.set_mesh`` or ``mesh``.
         mesh: the mesh the values are on, for ``provenance`` under jit outside
-            ``jax.set_mesh``.
+            ``jax.set_mesh``. Its devices in another order than the values'
+            mesh's (or other devices) make jit refuse to compile the call,
+            rather than name the wrong device.
 
     Returns:
         A :class:`Stats` mapping, read like a flat dict: ``name/mean``,
@@ -247,7 +250,9 @@ def distributed_stats(
 
     Raises:
         ValueError: a leaf is empty; or, with provenance, the mesh's devices or
-            a value's sharding cannot be known here.
+            a value's sharding cannot be known here, or ``mesh`` lists other
+            devices than the mesh of ``jax.set_mesh``.
+        TypeError: ``provenance`` is not a bool.
 
     Leaves of the same shape, dtype and sharding are stacked, so ``K`` of them
     compile to two all-reduces in total (one max, one sum), whatever ``K``;
@@ -263,10 +268,14 @@ def distributed_stats(
         >>> stats.table.shape
         (4, 1)
     """
+    provenance = check_provenance(provenance, "distributed_stats")
     leaves, _ = flatten_metrics(metrics)
     _check_nonempty(leaves)
     if provenance:
-        layouts = [layout_of(lf.value, mesh, "distributed_stats") for lf in leaves]
+        layouts = []
+        for lf in leaves:
+            layout, lf.value = layout_of(lf.value, mesh, "distributed_stats")
+            layouts.append(layout)
     else:  # which values share a device: one collective for per-device values
         layouts = [positional_layout(lf.value) for lf in leaves]
     return global_stats(leaves, layouts, provenance=provenance)[0]
@@ -422,7 +431,10 @@ def distributed_stats_collective(
             as for :func:`distributed_stats`, in the same two collectives. Every
             mesh axis must be manual in the shard_map; the mesh's devices come
             from ``jax.set_mesh`` or ``mesh`` (the mesh given to shard_map).
-        mesh: the shard_map's mesh, for ``provenance`` outside ``jax.set_mesh``.
+        mesh: the shard_map's mesh, for ``provenance`` outside ``jax.set_mesh``:
+            the same devices in the same order (inside shard_map the devices
+            cannot be checked against it; under ``jax.set_mesh`` a ``mesh``
+            listing other devices is a ValueError).
 
     Returns:
         A :class:`Stats` mapping of ``name/mean``, ``name/max``, ``name/min`` and
@@ -443,6 +455,7 @@ def distributed_stats_collective(
         True
     """
     caller = "distributed_stats_collective"
+    provenance = check_provenance(provenance, caller)
     size = bound_axis_size(axis_name, caller)
     axis_name = check_axis_name(axis_name)
     leaves, _ = flatten_metrics(metrics)

@@ -383,3 +383,76 @@ def test_statistics_without_provenance_on_any_mesh_order():
     np.testing.assert_allclose(float(out["x/std"]), values.std(), rtol=1e-5)
     np.testing.assert_allclose(float(out["y/std"]), values[:4].std(), rtol=1e-5)
     assert float(out["x/max"]) == values.max()
+
+
+def reversed_mesh():
+    devices = np.array(jax.devices()[::-1])
+    return jax.sharding.Mesh(
+        devices, ("data",), axis_types=(jax.sharding.AxisType.Explicit,)
+    )
+
+
+def test_a_mesh_listing_the_devices_in_another_order_is_refused(mesh):
+    """Values on devices 0..7, mesh= lists 7..0: no device is named from the
+    wrong order (the min, on device 0, was named device 7)."""
+    x = put(mesh, np.arange(8.0))
+    rev = reversed_mesh()
+    step = jax.jit(lambda m: jh.distributed_stats(m, provenance=True, mesh=rev))
+    with pytest.raises(ValueError, match=r"incompatible devices") as err:
+        step({"x": x})
+    assert "[0, 1, 2, 3, 4, 5, 6, 7]" in str(err.value)
+    assert "[7, 6, 5, 4, 3, 2, 1, 0]" in str(err.value)
+    # The mesh the values are on names the device that holds the min.
+    right = jax.jit(lambda m: jh.distributed_stats(m, provenance=True, mesh=mesh))
+    out = right({"x": x})
+    assert [int(out[f"x/{s}"]) for s in ("argmax", "argmin")] == [7, 0]
+    # Values on the reversed mesh with that mesh: the holder of the min, by id.
+    y = put(rev, np.arange(8.0))  # position 0 (the min) is on device 7
+    out = jax.jit(lambda m: jh.distributed_stats(m, provenance=True, mesh=rev))(
+        {"y": y}
+    )
+    assert [int(out[f"y/{s}"]) for s in ("argmax", "argmin")] == [0, 7]
+
+
+@pytest.mark.parametrize("family", ["spmd", "collective"])
+def test_a_mesh_unlike_the_context_mesh_is_refused(family, mesh):
+    """Under jax.set_mesh, a mesh= listing the devices in another order."""
+    x = put(mesh, np.arange(8.0))
+    rev = reversed_mesh()
+    if family == "spmd":
+        fn, arg = jax.jit(spmd(rev)), {"x": x}
+    else:
+        inner = jax.shard_map(
+            lambda m: jh.distributed_stats_collective(
+                {"x": m[0]}, "data", provenance=True, mesh=rev
+            ),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P(),
+        )
+        fn, arg = jax.jit(inner), x
+    refused = pytest.raises(ValueError, match=r"mesh= lists devices \[7, 6")
+    with jax.set_mesh(mesh), refused as err:
+        fn(arg)
+    assert "jax.set_mesh" in str(err.value)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None, np.array(True)])
+def test_provenance_must_be_a_bool(bad, mesh):
+    x = put(mesh, np.arange(8.0))
+    with pytest.raises(TypeError, match=r"provenance must be True or False"):
+        jh.distributed_stats({"x": x}, provenance=bad)
+    with pytest.raises(TypeError, match=r"distributed_stats_collective: provenance"):
+        jax.jit(
+            jax.shard_map(
+                lambda v: jh.distributed_stats_collective({"x": v[0]}, "data", bad),
+                mesh=mesh,
+                in_specs=P("data"),
+                out_specs=P(),
+            )
+        )(x)
+    with pytest.raises(TypeError, match=r"History: provenance must be True or False"):
+        jh.History(provenance=bad)
+    # np.bool_ is a bool
+    out = jh.distributed_stats({"x": x}, provenance=np.True_)
+    assert int(out["x/argmin"]) == 0
