@@ -20,7 +20,7 @@ from jax import lax
 
 from jaxhistory import _ops
 from jaxhistory._names import named_leaves
-from jaxhistory._tree import Leaf, acc_dtype, flatten_metrics
+from jaxhistory._tree import Leaf, acc_dtype, check_depth, flatten_metrics
 
 __all__ = [
     "all_gather",
@@ -343,6 +343,7 @@ def collect_from_devices(metrics: Any) -> Any:
         >>> jh.collect_from_devices({"loss": np.array([0.5, 0.25])})
         {'loss': [np.float64(0.5), np.float64(0.25)]}
     """
+    check_depth(metrics)
     pairs, treedef = named_leaves(metrics)
     names = [name or "<root>" for name, _ in pairs]
     values = [v for _, v in pairs]

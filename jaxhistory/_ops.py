@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxhistory._tree import Leaf, acc_dtype
+from jaxhistory._tree import Leaf, acc_dtype, check_depth
 
 OPS = ("mean", "sum", "max", "min", "std")
 
@@ -81,6 +81,7 @@ def per_leaf(value: Any, leaves: list[Leaf], treedef: Any, what: str) -> list[An
     """
     if value is None:
         return [None] * len(leaves)
+    check_depth(value, what)
     structure = jax.tree_util.tree_structure(value)
     if structure == treedef:
         return jax.tree_util.tree_leaves(value)

@@ -225,3 +225,36 @@ def test_collect_from_devices_rejects_bad_input():
         jh.collect_from_devices({"a": np.zeros(8), "b": np.zeros(4)})
     with pytest.raises(TypeError, match="'name'"):
         jh.collect_from_devices({"name": np.array(["a", "b"])})
+
+
+def test_trees_deeper_than_the_limit_are_refused(mesh):
+    """In shard_map and on the host: a ValueError naming the limit."""
+
+    def nested(depth, leaf):
+        for _ in range(depth):
+            leaf = {"a": leaf}
+        return leaf
+
+    x = sharded(mesh, jnp.arange(8.0))
+    for reducer in (
+        jh.reduce_mean_collective,
+        jh.reduce_std_collective,
+        lambda t, axis: jh.reduce_custom_collective(t, "max", axis),
+        jh.all_gather,
+        jh.distributed_stats_collective,
+    ):
+        with pytest.raises(ValueError, match=r"more than 100 levels deep"):
+            run(mesh, lambda v, r=reducer: r(nested(2000, v[0]), "data"), x)
+    with pytest.raises(ValueError, match=r"mask nest more than 100 levels"):
+        run(
+            mesh,
+            lambda v: jh.reduce_mean_collective(
+                {"x": v[0]}, "data", mask=nested(101, True)
+            ),
+            x,
+        )
+    with pytest.raises(ValueError, match=r"metrics nest more than 100 levels"):
+        jh.collect_from_devices(nested(2000, np.arange(8.0)))
+    out = run(mesh, lambda v: jh.reduce_mean_collective(nested(100, v[0]), "data"), x)
+    assert float(jax.tree.leaves(out)[0]) == 3.5
+    assert float(jnp.ones(2).sum()) == 2.0  # JAX still works

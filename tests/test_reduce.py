@@ -296,3 +296,35 @@ def test_host_int64_within_int32_range_is_fine():
 def test_callable_returning_a_non_array_names_the_metric():
     with pytest.raises(TypeError, match="'x' returned a dict"):
         jh.reduce_custom({"x": jnp.ones(2)}, {"x": lambda v: {"a": v}})
+
+
+def nested(depth, leaf=1.0):
+    tree = leaf
+    for _ in range(depth):
+        tree = {"a": tree}
+    return tree
+
+
+def test_a_tree_deeper_than_the_limit_is_refused_before_any_recursion():
+    """A 2000-deep dict raises ValueError naming the limit, not RecursionError,
+    and JAX works normally afterwards; 100 levels are still reduced."""
+    assert float(jax.tree.leaves(jh.reduce_mean(nested(100)))[0]) == 1.0
+    deep = nested(2000)
+    for call in (
+        *(lambda t, r=r: r(t) for r in REDUCERS),
+        lambda t: jh.reduce_custom(t, "max"),
+        lambda t: jh.reduce_mean({"x": 1.0}, weights=t),
+    ):
+        with pytest.raises(ValueError, match=r"more than 100 levels deep"):
+            call(deep)
+    with pytest.raises(ValueError, match=r"weights nest more than 100 levels"):
+        jh.reduce_mean(nested(100), weights=nested(101))
+    with pytest.raises(ValueError, match=r"mask nest more than 100 levels"):
+        jh.reduce_mean(nested(100), mask=nested(101, True))
+    # the next JAX calls work
+    assert float(jnp.ones(3).sum()) == 3.0
+    assert float(jax.jit(lambda x: x * 2)(2.0)) == 4.0
+    looped = []
+    looped.append(looped)  # a list that holds itself never ends
+    with pytest.raises(ValueError, match=r"more than 100 levels deep"):
+        jh.reduce_mean({"x": looped})

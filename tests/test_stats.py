@@ -329,3 +329,13 @@ def test_collective_mixed_shapes_keep_their_columns(mesh):
             want = getattr(np, stat)(ref)
             np.testing.assert_allclose(out[f"{name}/{stat}"], want, rtol=1e-5)
     assert float(out["t/std"]) == 0.0 and float(out["t/mean"]) == 3.0
+
+
+def test_a_tree_deeper_than_the_limit_is_refused(mesh):
+    tree = per_device(mesh, np.arange(8.0))
+    for _ in range(2000):
+        tree = {"a": tree}
+    for provenance in (False, True):
+        with pytest.raises(ValueError, match=r"more than 100 levels deep"):
+            jh.distributed_stats(tree, provenance=provenance)
+    assert float(jnp.ones(2).sum()) == 2.0  # JAX still works
