@@ -233,7 +233,7 @@ def _check_same_names(reducer: int, round_: int, names: tuple[str, ...]) -> None
         except Exception as err:  # the runtime's deadline error
             raise TimeoutError(
                 f"process {other} did not send its metric names within "
-                f"{NAMES_TIMEOUT_S:g} s (process {me} records {list(names)}): every "
+                f"{NAMES_TIMEOUT_S:g} s (process {me} records {_shown(names)}): every "
                 "process must call History.update with distributed history, with "
                 f"the same metric names ({type(err).__name__})"
             ) from None
@@ -241,15 +241,21 @@ def _check_same_names(reducer: int, round_: int, names: tuple[str, ...]) -> None
     if len(set(everyone.values())) > 1:
         common = set.intersection(*(set(v) for v in everyone.values()))
         parts = [
-            f"process {p} has {sorted(set(v) - common) or 'no other names'}"
+            f"process {p} has {_shown(set(v) - common) or 'no other names'}"
             for p, v in sorted(everyone.items())
         ]
         raise ValueError(
             "processes passed different metrics to History.update: "
             + "; ".join(parts)
-            + f" (all have {sorted(common)}). Every process must record the same "
+            + f" (all have {_shown(common)}). Every process must record the same "
             "names for distributed history"
         )
+
+
+def _shown(names: Any) -> list[str]:
+    """The user's metric names among ``names``, sorted: without the arrival
+    times History adds itself."""
+    return sorted(n for n in names if n not in ARRIVAL)
 
 
 def _per_process_rows(

@@ -209,6 +209,21 @@ def mismatched_names() -> str:
     return "no error"
 
 
+def names_differ_beside_a_shared_one() -> str:
+    """Both processes record "loss"; process 0 also "acc", process 1 "lost"."""
+    import jax
+
+    import jaxhistory as jh
+
+    history = jh.History(distributed_history=True)
+    other = "acc" if jax.process_index() == 0 else "lost"
+    try:
+        history.update({"loss": 1.0, other: 2.0})
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def finalize_run(outdir: str, steps: int) -> dict:
     """A distributed History with a shared and a per-process JSONL log, finalized.
 

@@ -92,3 +92,17 @@ def test_free_port_can_be_bound_on_loopback():
     assert 1024 <= port <= 65535
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_the_name_mismatch_error_lists_only_the_metrics_the_user_recorded():
+    results = jh.launch_local(
+        "mp_workers:names_differ_beside_a_shared_one", 2, 1, timeout=120
+    )
+    for message in results:
+        assert "processes passed different metrics to History.update" in message
+        assert "process 0 has ['acc']" in message, message
+        assert "process 1 has ['lost']" in message, message
+        assert "(all have ['loss'])" in message, message
+        assert "straggler" not in message, message
+    timed_out = jh.launch_local("mp_workers:names_timeout", 2, 1, timeout=120)[0]
+    assert "(process 0 records ['loss'])" in timed_out["error"], timed_out
