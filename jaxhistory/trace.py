@@ -32,6 +32,7 @@ import json
 import math
 import os
 import random
+import re
 import socket
 import string
 import threading
@@ -65,9 +66,19 @@ FILE_VARS = (*FOLDER_VARS, "epoch", "batch", "step")
 FLUSH_SECONDS = 0.5
 
 
-def _check_template(template: str, allowed: tuple[str, ...], what: str) -> None:
+def _check_template(
+    template: str, allowed: tuple[str, ...], what: str, inside: bool = False
+) -> None:
+    """ValueError unless ``template`` is a format string of ``allowed`` variables;
+    ``inside``: a path kept inside the folder (relative, no ``..`` part)."""
     if not isinstance(template, str) or not template:
         raise ValueError(f"{what} must be a non-empty str, got {template!r}")
+    if inside and _leaves_folder(template):
+        raise ValueError(
+            f"{what} {template!r} leaves the trace folder (an absolute path or a "
+            "'..' part); name a file inside the folder, and choose the folder with "
+            "folder="
+        )
     for _, field, _spec, _conv in string.Formatter().parse(template):
         if field is None:
             continue
@@ -77,6 +88,12 @@ def _check_template(template: str, allowed: tuple[str, ...], what: str) -> None:
                 f"{what} {template!r} uses an unknown variable {{{field}}}; "
                 f"available: {', '.join('{' + v + '}' for v in allowed)}"
             )
+
+
+def _leaves_folder(name: str) -> bool:
+    """Whether a file name relative to a folder points outside it."""
+    parts = re.split(r"[\\/]", name)
+    return os.path.isabs(name) or name.startswith(("/", "\\")) or ".." in parts
 
 
 def _sanitize(value: Any) -> Any:
@@ -155,18 +172,25 @@ class JSONTraceHandler:
         filename: format string of each trace file; the folder's variables plus
             ``{epoch}``, ``{batch}``, ``{step}`` (given to :meth:`start` and
             :meth:`rotate`). Include ``{rank}`` when several processes share a
-            folder. An unknown variable is a ValueError naming it.
+            folder. An unknown variable, an absolute path or a ``..`` part is a
+            ValueError naming it.
         merged_trace_filename: at :meth:`close`, local rank 0 of each node merges
             every trace file in the folder into this file (same variables as
-            ``folder``); None to skip.
+            ``folder``, a name inside it); None to skip.
         overwrite: if False, a folder holding files (hidden ones ignored) is a
-            FileExistsError at :meth:`start`.
-        num_traces_to_keep: keep only this process's newest N finished files
-            (-1 keeps all); older ones it wrote are deleted on :meth:`rotate`.
+            FileExistsError at :meth:`start`. If True, :meth:`start` deletes the
+            folder's files named like ``filename`` and ``merged_trace_filename``
+            (an earlier run's, of any rank), so none of them is merged into this
+            run's trace; other files are left alone.
+        num_traces_to_keep: keep only this process's newest N >= 1 finished
+            files (-1 keeps all); older ones it wrote are deleted on
+            :meth:`rotate`.
         run_name: ``{run_name}``; default ``run-{YYYYmmdd-HHMMSS}``.
 
     Every process must call :meth:`start` and :meth:`close` (each holds one small
     all-gather in a multi-process run, the barrier the clocks are synced at).
+    A file opened by :meth:`rotate` that gets no event before :meth:`close` (the
+    file after the last epoch) is deleted there, not left holding only metadata.
     Files are JSON arrays written one event per line and flushed about twice a
     second, so a file cut off by a crash still loads (:func:`load_trace`, and
     Perfetto, accept a missing ``]``). Times are microseconds on this process's
@@ -184,17 +208,23 @@ class JSONTraceHandler:
         run_name: str | None = None,
     ):
         _check_template(folder, FOLDER_VARS, "folder")
-        _check_template(filename, FILE_VARS, "filename")
+        _check_template(filename, FILE_VARS, "filename", inside=True)
         if merged_trace_filename is not None:
-            _check_template(merged_trace_filename, FOLDER_VARS, "merged_trace_filename")
+            _check_template(
+                merged_trace_filename,
+                FOLDER_VARS,
+                "merged_trace_filename",
+                inside=True,
+            )
         if (
             isinstance(num_traces_to_keep, bool)
             or not isinstance(num_traces_to_keep, int)
+            or num_traces_to_keep == 0
             or num_traces_to_keep < -1
         ):
             raise ValueError(
-                f"num_traces_to_keep must be -1 or a count >= 0, got "
-                f"{num_traces_to_keep!r}"
+                "num_traces_to_keep must be -1 (keep every file) or a count >= 1 "
+                f"(0 would leave no trace at all), got {num_traces_to_keep!r}"
             )
         check_run_name(run_name)
         if run_name is None:
@@ -212,6 +242,7 @@ class JSONTraceHandler:
         self._file = None
         self._path: Path | None = None
         self._first = True
+        self._events = 0  # events of the open file, metadata left out
         self._last_flush = 0.0
         self._started = False
         self.error: BaseException | None = None  # the last failed write
@@ -244,6 +275,8 @@ class JSONTraceHandler:
         self._vars["run_name"] = self.run_name
         folder = Path(self.folder_template.format(**self._vars))
         problem = self._folder_problem(folder)
+        if self.overwrite:  # before the barrier: no process has a file open yet
+            self._clear_earlier_files(folder)
         # Every process checks before anyone writes; all raise together (a
         # process that raised alone would leave the others in the next barrier).
         if _any_process(problem is not None):
@@ -260,6 +293,7 @@ class JSONTraceHandler:
             "sync_wall": sync_wall,
             "sync_id": ranks["sync_id"],
             "process_index": ranks["rank"],
+            "run_name": self.run_name,
         }
         self._counter_clock = (sync_wall, sync_ns)
         path = self._open(epoch, batch, step)
@@ -287,6 +321,19 @@ class JSONTraceHandler:
             self._wake.set()
             flusher.join()
             self._flusher = None
+
+    def _clear_earlier_files(self, folder: Path) -> None:
+        """Deletes the files in ``folder`` named like this handler's trace and
+        merged files (an earlier run's, of any rank and epoch)."""
+        if not folder.is_dir():
+            return
+        templates = [self.filename_template, self.merged_trace_filename]
+        for template in filter(None, templates):
+            glob, pattern = _name_pattern(template)
+            for path in folder.glob(glob):
+                name = path.relative_to(folder).as_posix()
+                if pattern.fullmatch(name) and path.is_file() and not path.is_symlink():
+                    path.unlink(missing_ok=True)
 
     def _folder_problem(self, folder: Path) -> str | None:
         if self.overwrite or not folder.is_dir():
@@ -332,7 +379,11 @@ class JSONTraceHandler:
         self._started = False
         self._stop_flusher()
         with self._lock:
+            empty = self._events == 0 and len(self.paths) > 1
             self._finish()
+            if empty and self._path in self.paths:  # opened by rotate, never used
+                self._path.unlink(missing_ok=True)
+                self.paths.remove(self._path)
         self._prune()
         if self.merged_trace_filename is None:
             return
@@ -349,10 +400,10 @@ class JSONTraceHandler:
                 and not p.name.startswith(".")
                 and p.name.endswith((".json", ".json.gz"))
             ]
-            if sources:  # num_traces_to_keep=0 may have deleted them all
+            if sources:
                 try:
                     merge_traces(sources, merged)
-                except OSError as err:  # close() runs in the traced program
+                except (OSError, ValueError) as err:  # runs in the traced program
                     with contextlib.suppress(Warning):
                         warnings.warn(
                             f"cannot write the merged trace {merged}: {err}",
@@ -368,7 +419,10 @@ class JSONTraceHandler:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
         names = dict(self._vars, epoch=epoch, batch=batch, step=step)
-        path = self.folder / self.filename_template.format(**names)
+        name = self.filename_template.format(**names)
+        if _leaves_folder(name):
+            raise ValueError(f"trace file name {name!r} leaves the folder")
+        path = self.folder / name
         if path in self.paths or (path.exists() and not self.overwrite):
             raise FileExistsError(
                 f"trace file {path} exists; give rotate() a new epoch, batch or step "
@@ -389,6 +443,7 @@ class JSONTraceHandler:
 
     def _start_file(self, path: Path) -> None:
         self._first = True
+        self._events = 0
         self._path = path
         try:
             self._file = open(path, "wb")  # noqa: SIM115
@@ -463,6 +518,8 @@ class JSONTraceHandler:
         try:
             self._file.write((b"[\n" if self._first else b",\n") + orjson.dumps(event))
             self._first = False
+            if event["ph"] != "M":
+                self._events += 1
             now = time.monotonic()
             if now - self._last_flush > FLUSH_SECONDS:
                 self._file.flush()
@@ -590,13 +647,36 @@ class JSONTraceHandler:
                 self._last_flush = time.monotonic()
 
 
+def _name_pattern(template: str) -> tuple[str, re.Pattern]:
+    """A glob and a regex matching the names ``template`` formats to: numbers
+    where it has a number variable, any name where it has ``{run_name}``."""
+    glob, regex = [], []
+    for literal, field, _spec, _conv in string.Formatter().parse(template):
+        glob.append(re.sub(r"([*?\[])", r"[\1]", literal))
+        regex.append(re.escape(literal))
+        if field is not None:
+            glob.append("*")
+            regex.append(r"[^/]+" if field.startswith("run_name") else r"-?\d+")
+    return "".join(glob), re.compile("".join(regex))
+
+
 # ----- reading and merging ---------------------------------------------------------
 def load_trace(path: str | os.PathLike) -> list[dict]:
     """The events of a trace file: a JSON array or ``{"traceEvents": [...]}``,
     plain or ``.gz``, complete or cut off anywhere (a missing ``]``, a trailing
     comma, half an event: the complete events before it are returned, with a
-    warning naming the line where an event is cut off or damaged)."""
-    path = Path(path)
+    warning naming the line where an event is cut off or damaged).
+
+    Raises:
+        ValueError: naming the file, for a file that is no trace (no event
+            array, ``traceEvents`` that is not a list, or gzip data that is
+            damaged rather than cut off).
+    """
+    return _read_trace(Path(path))[0]
+
+
+def _read_trace(path: Path) -> tuple[list[dict], dict]:
+    """(the events, the ``otherData`` object) of a trace file."""
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
         try:
@@ -604,20 +684,35 @@ def load_trace(path: str | os.PathLike) -> list[dict]:
         except (EOFError, OSError, zlib.error):  # cut off: what was written so far
             try:
                 raw = zlib.decompressobj(wbits=31).decompress(raw)
-            except zlib.error:
-                raw = b""  # not even a complete gzip header
+            except zlib.error as err:
+                raise ValueError(
+                    f"{path} is not a Chrome trace: its gzip data is damaged ({err})"
+                ) from None
     text = raw.decode("utf-8", errors="replace")
     if not text.strip():
-        return []  # cut off before the first byte of the array
+        return [], {}  # cut off before the first byte of the array
     try:
         data = json.loads(text)
     except ValueError:
         data = None
     if isinstance(data, list):
-        return [e for e in data if isinstance(e, dict)]
+        return [e for e in data if isinstance(e, dict)], {}
     if isinstance(data, dict):
         events = data.get("traceEvents", [])
-        return [e for e in events if isinstance(e, dict)]
+        if not isinstance(events, list):
+            raise ValueError(
+                f"{path} is not a Chrome trace: its traceEvents is a "
+                f"{type(events).__name__}, not a list of events"
+            )
+        other = data.get("otherData")
+        return [e for e in events if isinstance(e, dict)], (
+            other if isinstance(other, dict) else {}
+        )
+    if data is not None:
+        raise ValueError(
+            f"{path} is not a Chrome trace (a JSON {type(data).__name__}, not an "
+            "event array)"
+        )
     start = text.find(
         "[", text.find('"traceEvents"') if text.lstrip().startswith("{") else 0
     )
@@ -637,12 +732,12 @@ def load_trace(path: str | os.PathLike) -> list[dict]:
                 f"{path}: the trace is cut off or damaged at line {line} (character "
                 f"{pos + 1}); the {len(events)} complete event(s) before it are kept",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             break
         if isinstance(event, dict):
             events.append(event)
-    return events
+    return events, {}
 
 
 def _identity(e: dict) -> tuple:
@@ -658,12 +753,111 @@ def _identity(e: dict) -> tuple:
             when("dur"), e.get("id"), args)  # fmt: skip
 
 
-def _processes(events: list[dict]) -> dict[int, dict]:
+def _processes(events: list[dict], path: Path) -> dict[int, dict]:
+    """Each process's clock sync (its ``clock_sync`` args), by pid; a ValueError
+    naming the file and the argument for a pid or a sync that is malformed."""
     syncs = {}
     for e in events:
+        pid = e.get("pid", 0)
+        if isinstance(pid, bool) or not isinstance(pid, int | str | None):
+            raise ValueError(
+                f"{path}: an event {str(e.get('name'))[:80]!r} has pid {pid!r:.80}; "
+                "a pid is a number"
+            )
         if e.get("ph") == "M" and e.get("name") == "clock_sync":
-            syncs[e.get("pid", 0)] = dict(e.get("args", {}))
+            args = e.get("args", {})
+            if not isinstance(args, dict):
+                raise ValueError(
+                    f"{path}: the clock_sync of pid {pid} has args {args!r:.80}; "
+                    "expected an object with sync_ts, sync_wall and sync_id"
+                )
+            for key in ("sync_ts", "sync_wall"):
+                value = args.get(key, 0.0)
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, int | float)
+                    or not math.isfinite(value)
+                ):
+                    raise ValueError(
+                        f"{path}: the clock_sync of pid {pid} has {key} "
+                        f"{value!r:.80}; it must be a finite number"
+                    )
+            if not isinstance(args.get("sync_id"), int | str | None):
+                raise ValueError(
+                    f"{path}: the clock_sync of pid {pid} has sync_id "
+                    f"{args.get('sync_id')!r:.80}; it must be a number or a string"
+                )
+            syncs[pid] = dict(args)
     return syncs
+
+
+MERGED_MARK = "jaxhistory merged trace"  # otherData["merged"] of a merged file
+
+
+def _check_output(out_path: Path, paths: list[Path], runs: set) -> None:
+    """ValueError unless ``out_path`` may receive the merge: a new file, or a
+    merged trace of the same runs (a re-merge); never an input, a trace of one
+    process (arguments in the wrong order), another run's merge, another kind of
+    file, or something that is not a plain file (a device, a link)."""
+    for path in paths:
+        same = path.absolute() == out_path.absolute() or (
+            out_path.exists() and path.exists() and os.path.samefile(path, out_path)
+        )
+        if same:
+            raise ValueError(
+                f"the merged trace's path {out_path} is also one of the traces to "
+                "merge; merge_traces(paths, out_path) takes the inputs first and "
+                "writes a new out_path: give it another name"
+            )
+    if not os.path.lexists(out_path):
+        return
+    if out_path.is_symlink() or not out_path.is_file():
+        kind = "a link" if out_path.is_symlink() else "not a plain file"
+        raise ValueError(
+            f"the merged trace's path {out_path} exists and is {kind}; it is "
+            "left as it is: give the merged trace a new file name"
+        )
+    if out_path.stat().st_size == 0:
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            events, other = _read_trace(out_path)
+    except (OSError, ValueError):
+        raise ValueError(
+            f"the merged trace's path {out_path} exists and is not a trace; it is "
+            "left as it is: give the merged trace a new file name"
+        ) from None
+    if other.get("merged") != MERGED_MARK:
+        raise ValueError(
+            f"the merged trace's path {out_path} is an existing trace that "
+            "merge_traces did not write (a process's own trace?); it is left as it "
+            "is. merge_traces(paths, out_path) takes the inputs first: give the "
+            "merged trace a new file name"
+        )
+    theirs = {
+        e.get("args", {}).get("sync_id")
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "clock_sync"
+        and isinstance(e.get("args"), dict)
+    }
+    foreign = theirs - runs
+    if foreign:
+        names = sorted(
+            {
+                str(e["args"].get("run_name", e["args"].get("sync_id")))
+                for e in events
+                if e.get("name") == "clock_sync"
+                and isinstance(e.get("args"), dict)
+                and e["args"].get("sync_id") in foreign
+            }
+        )
+        raise ValueError(
+            f"the merged trace's path {out_path} holds the trace of another run "
+            f"({', '.join(names)[:200]}) that the inputs do not; it is left as it "
+            "is: give the merged trace a new file name, or delete that file"
+        )
 
 
 def merge_traces(
@@ -678,7 +872,15 @@ def merge_traces(
     Truncated inputs are read as far as they go. An event already merged (the
     same process, thread, name, phase, time, duration and arguments: a file given
     twice, or beside a merge that holds it) is kept once. ``paths`` may be one
-    path.
+    path. The file is ``{"otherData": {"merged": ...}, "traceEvents": [...]}``.
+
+    Raises:
+        ValueError: an input that is no trace, or has a malformed ``clock_sync``
+            (naming the file); an ``out_path`` that is one of ``paths``, an
+            existing trace merge_traces did not write (a process's own file:
+            ``merge_traces(out, inp)`` in the wrong order), a merged trace of a
+            run the inputs do not hold, another existing file, or not a plain
+            file (a device, a link). Nothing is written then.
     """
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
@@ -688,7 +890,10 @@ def merge_traces(
     loaded = []
     for path in paths:
         events = load_trace(path)
-        loaded.append((events, _processes(events)))
+        loaded.append((events, _processes(events, path)))
+    out_path = Path(out_path)
+    runs = {s.get("sync_id") for _, syncs in loaded for s in syncs.values()}
+    _check_output(out_path, paths, runs)
     # A process is (sync_id, original pid); its shift puts its sync point on the
     # merged clock: 0 for the earliest run, later runs by their wall-clock start.
     walls: dict[Any, float] = {}
@@ -749,13 +954,13 @@ def merge_traces(
         timed,
         key=lambda e: (0, e["ts"]) if isinstance(e.get("ts"), int | float) else (1, 0),
     )
-    out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     lines = ",\n".join(
         json.dumps(_sanitize(e), allow_nan=False, separators=(",", ":"))
         for e in itertools.chain(meta, rest)
     )
-    text = "[\n" + lines + "\n]\n"
+    other = json.dumps({"merged": MERGED_MARK, "files": len(paths)})
+    text = f'{{"otherData":{other},\n"traceEvents":[\n{lines}\n]}}\n'
     if out_path.name.endswith(".gz"):
         atomic_write(
             out_path, lambda tmp: tmp.write_bytes(gzip.compress(text.encode()))

@@ -119,6 +119,7 @@ def test_format_variables_and_unknown_ones(tmp_path):
     )
     with t:
         t.rotate(step=5, epoch=1)
+        t.instant("in the second file")
     assert [p.name for p in t.paths] == [
         "s0-e0-b0-r0-l0-n0.json",
         "s5-e1-b0-r0-l0-n0.json",
@@ -154,12 +155,13 @@ def test_rotation_keeps_the_newest_files_of_this_process_only(tmp_path):
         overwrite=True,
         merged_trace_filename=None,
     )
-    other.write_text("[]")
     with t:
+        other.write_text("[]")  # written after the start barrier, as it would be
         for batch in range(1, 5):
             with jh.StopWatch(f"b{batch}"):
                 pass
             t.rotate(batch=batch)
+        t.instant("in the last file")
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["ep0-ba0-rank1.json", "ep0-ba3-rank0.json", "ep0-ba4-rank0.json"]
     assert [p.name for p in t.paths] == ["ep0-ba3-rank0.json", "ep0-ba4-rank0.json"]
@@ -483,11 +485,18 @@ def test_rotate_to_an_existing_name_keeps_the_handler_working(tmp_path):
     assert "still traced" in names
 
 
-def test_keeping_no_traces_closes_cleanly(tmp_path):
-    with trace.JSONTraceHandler(folder=str(tmp_path), num_traces_to_keep=0) as t:
+def test_keeping_no_traces_is_refused_naming_the_argument(tmp_path):
+    """num_traces_to_keep=0 would leave no trace and say nothing: refused."""
+    with pytest.raises(ValueError, match=r"num_traces_to_keep .*>= 1.* got 0"):
+        trace.JSONTraceHandler(folder=str(tmp_path), num_traces_to_keep=0)
+    assert not list(tmp_path.iterdir())
+    with trace.JSONTraceHandler(folder=str(tmp_path), num_traces_to_keep=1) as t:
+        t.instant("a")
         t.rotate(batch=1)
-    assert t.paths == [] and t.merged_path is None
-    assert not [p for p in tmp_path.iterdir()]
+        t.instant("b")
+    assert [p.name for p in t.paths] == ["ep0-ba1-rank0.json"]
+    names = {e["name"] for e in trace.load_trace(t.merged_path)}
+    assert "b" in names and "a" not in names
 
 
 def test_a_finished_span_is_on_disk_within_a_second(tmp_path):
@@ -601,3 +610,177 @@ def test_a_damaged_trace_warns_naming_the_line_and_keeps_the_events_before(
     (tmp_path / "bad.json").write_text(lines.replace('"b"', "b", 1))
     with pytest.warns(RuntimeWarning, match="line 3"):
         assert trace.load_trace(tmp_path / "bad.json") == events[:1]
+
+
+# ----- bad trace files, and where files may be written ------------------------------
+def test_a_trace_whose_events_are_not_a_list_is_a_value_error_naming_the_file(
+    tmp_path,
+):
+    path = tmp_path / "dict.json"
+    path.write_text(json.dumps({"traceEvents": {"name": "a", "ph": "X"}}))
+    with pytest.raises(ValueError, match=r"dict\.json.*traceEvents is a dict"):
+        trace.load_trace(path)
+    (tmp_path / "num.json").write_text("42")
+    with pytest.raises(ValueError, match=r"num\.json is not a Chrome trace"):
+        trace.load_trace(tmp_path / "num.json")
+
+
+def test_gzip_garbage_is_a_value_error_and_the_command_says_so_in_one_line(tmp_path):
+    garbage = tmp_path / "junk.json.gz"
+    garbage.write_bytes(b"\x1f\x8b" + bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match=r"junk\.json\.gz .*gzip data is damaged"):
+        trace.load_trace(garbage)
+    with pytest.raises(ValueError, match=r"junk\.json\.gz"):
+        trace.merge_traces([garbage], tmp_path / "m.json")
+    assert not (tmp_path / "m.json").exists()
+    out = str(tmp_path / "m.json")
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxhistory", "merge-traces", str(garbage), "-o", out],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "junk.json.gz" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "m.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "what"),
+    [
+        ([1, 2], "args"),
+        ("sync", "args"),
+        ({"sync_ts": "soon", "sync_wall": 1.0, "sync_id": 1}, "sync_ts"),
+        ({"sync_ts": 1.0, "sync_wall": [1], "sync_id": 1}, "sync_wall"),
+        ({"sync_ts": 1.0, "sync_wall": 1.0, "sync_id": [1]}, "sync_id"),
+    ],
+)
+def test_a_malformed_clock_sync_is_a_value_error_naming_the_argument_and_file(
+    tmp_path, args, what
+):
+    path = tmp_path / "odd.json"
+    path.write_text(
+        json.dumps([{"name": "clock_sync", "ph": "M", "pid": 0, "args": args}])
+    )
+    with pytest.raises(ValueError, match=rf"odd\.json: the clock_sync .* {what}"):
+        trace.merge_traces([path], tmp_path / "m.json")
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_merging_in_the_wrong_argument_order_leaves_the_input_trace_intact(tmp_path):
+    """merge_traces(merged, rank_file), output first as in other tools: the
+    process's own trace is refused as the output and left byte for byte."""
+    with trace.JSONTraceHandler(folder=str(tmp_path), run_name="one") as t:
+        t.instant("batch 0")
+        t.rotate(batch=3)
+        t.instant("batch 3")
+    rank_file = tmp_path / "ep0-ba3-rank0.json"
+    merged = tmp_path / "merged_trace.json"
+    before = rank_file.read_bytes()
+    with pytest.raises(ValueError, match=r"ep0-ba3-rank0\.json .*inputs first"):
+        trace.merge_traces(str(merged), str(rank_file))
+    assert rank_file.read_bytes() == before
+    # An output that is one of the inputs is refused too.
+    with pytest.raises(ValueError, match=r"merged_trace\.json is also one of"):
+        trace.merge_traces([rank_file, merged], merged)
+    # Re-merging the same run into its merged file is fine.
+    assert trace.merge_traces([rank_file], tmp_path / "again.json").is_file()
+    assert trace.merge_traces([merged], tmp_path / "again.json").is_file()
+
+
+def test_a_merge_onto_another_runs_merged_trace_is_refused(tmp_path):
+    a = _fake_process(tmp_path, 0, 0.0, sync_id=1)
+    b = _fake_process(tmp_path, 0, 0.0, sync_id=2)
+    out = trace.merge_traces([a], tmp_path / "m.json")
+    before = out.read_bytes()
+    with pytest.raises(ValueError, match=r"m\.json holds the trace of another run"):
+        trace.merge_traces([b], out)
+    assert out.read_bytes() == before
+    (tmp_path / "notes.txt").write_text("my notes")
+    with pytest.raises(ValueError, match=r"notes\.txt exists and is not a trace"):
+        trace.merge_traces([a], tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "my notes"
+
+
+def test_a_merge_never_writes_onto_a_device_node_fifo_or_link(tmp_path):
+    import os
+    import stat
+
+    a = _fake_process(tmp_path, 0, 0.0, sync_id=1)
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=r"fifo\.json exists and is not a plain"):
+        trace.merge_traces([a], fifo)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    target = tmp_path / "target.json"
+    target.write_text("keep")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    with pytest.raises(ValueError, match=r"link\.json exists and is a link"):
+        trace.merge_traces([a], link)
+    assert link.is_symlink() and target.read_text() == "keep"
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxhistory", "merge-traces", str(a), "-o", str(fifo)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2 and "fifo.json" in done.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "what"),
+    [
+        ({"filename": "../../{rank}.json"}, "filename"),
+        ({"filename": "/tmp/{rank}.json"}, "filename"),
+        ({"filename": "sub/../../x{rank}.json"}, "filename"),
+        ({"merged_trace_filename": "../merged.json"}, "merged_trace_filename"),
+    ],
+)
+def test_a_file_name_that_leaves_the_trace_folder_is_refused(tmp_path, kwargs, what):
+    folder = tmp_path / "a" / "b"
+    with pytest.raises(ValueError, match=rf"{what} .* leaves the trace folder"):
+        trace.JSONTraceHandler(folder=str(folder), **kwargs)
+    assert not list(tmp_path.iterdir())
+
+
+def test_overwrite_clears_an_earlier_runs_files_so_none_is_merged(tmp_path):
+    with trace.JSONTraceHandler(folder=str(tmp_path), run_name="old") as t:
+        for batch in range(1, 4):
+            t.instant(f"old {batch}")
+            t.rotate(batch=batch)
+        t.instant("old last")
+    (tmp_path / "ep0-ba0-rank3.json").write_text("[]")  # a rank the new run lacks
+    (tmp_path / "notes.txt").write_text("mine")
+    with trace.JSONTraceHandler(
+        folder=str(tmp_path), run_name="new", overwrite=True
+    ) as t:
+        t.instant("new")
+    events = trace.load_trace(t.merged_path)
+    assert {e["name"] for e in events if e["ph"] == "i"} == {"new"}
+    names = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {f"new: process 0 ({__import__('socket').gethostname()})"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ep0-ba0-rank0.json",
+        "merged_trace.json",
+        "notes.txt",
+    ]
+
+
+def test_rotating_after_the_last_epoch_leaves_no_metadata_only_file(tmp_path):
+    """The documented pattern rotates after each epoch: the file the last rotate
+    opens gets no event and is not left behind."""
+    with trace.JSONTraceHandler(folder=str(tmp_path), run_name="demo") as t:
+        for epoch in range(3):
+            with jh.StopWatch(f"epoch {epoch}"):
+                pass
+            t.rotate(epoch=epoch + 1)
+    assert [p.name for p in t.paths] == [f"ep{e}-ba0-rank0.json" for e in range(3)]
+    assert not (tmp_path / "ep3-ba0-rank0.json").exists()
+    for path in t.paths:
+        assert [e["ph"] for e in trace.load_trace(path)].count("X") == 1
+    spans = [e["name"] for e in trace.load_trace(t.merged_path) if e["ph"] == "X"]
+    assert sorted(spans) == ["epoch 0", "epoch 1", "epoch 2"]
