@@ -29,7 +29,7 @@ from jaxhistory.export._units import (
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState
 
-__all__ = ["to_png"]
+__all__ = ["draw_job", "to_png"]
 
 SIZE = (8.0, 4.5)  # inches
 DPI = 110
@@ -306,10 +306,23 @@ def start_png(
 
 
 PARALLEL_FROM = 48  # plots; fewer are drawn in this process
+# The folder holding the jaxhistory package, and what a worker runs: argv[1] is
+# that folder, argv[2] the job file.
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+WORKER = (
+    "import sys\n"
+    "root = sys.argv[1]\n"
+    "if root not in sys.path:\n"
+    "    sys.path.append(root)\n"
+    "from jaxhistory.export._draw_worker import main\n"
+    "sys.exit(main(sys.argv[2]))\n"
+)
 _DRAW = {"unit": _draw_unit, "ridge": _draw_ridge, "heatmap": _draw_heatmap}
 
 
-def _draw_job(job: tuple) -> Path:
+def draw_job(job: tuple) -> Path:
+    """Draws one job of :func:`start_png` (``(kind, arguments, path)``); returns
+    its path."""
     kind, args, path = job
     _DRAW[kind](*args, path)
     return path
@@ -333,9 +346,13 @@ class PendingPlots:
         workers = min(os.cpu_count() or 1, 8)
         if len(jobs) < PARALLEL_FROM or workers < 2:
             return
-        # Worker processes started afresh (`python -m`), never forked (the
-        # parent runs JAX's threads) nor spawned by multiprocessing (that
-        # re-runs the caller's script, which need not guard it with __main__).
+        # Worker processes started afresh, never forked (the parent runs JAX's
+        # threads) nor spawned by multiprocessing (that re-runs the caller's
+        # script, which need not guard it with __main__). Isolated (-I): the
+        # working folder, PYTHON* variables and user site-packages are not on
+        # their path, so a pickle.py where the user runs is never imported; the
+        # folder this package was imported from is added (after the standard
+        # library).
         self._tmp = tempfile.TemporaryDirectory(prefix="jaxhistory-plots-")
         for i in range(workers):
             job_file = Path(self._tmp.name) / f"jobs{i}.pickle"
@@ -343,7 +360,7 @@ class PendingPlots:
             out = open(job_file.with_suffix(".out"), "w+")  # noqa: SIM115
             try:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "jaxhistory.export._draw_worker", job_file],
+                    [sys.executable, "-I", "-c", WORKER, PACKAGE_ROOT, job_file],
                     stdout=out,
                     stderr=subprocess.DEVNULL,
                     text=True,
@@ -382,7 +399,7 @@ class PendingPlots:
         # worker would have raised).
         for job in self.jobs:
             if str(job[2]) not in drawn:
-                _draw_job(job)
+                draw_job(job)
                 if self.progress:
                     self.progress(job[2])
         return [job[2] for job in self.jobs]
