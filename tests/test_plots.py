@@ -1,6 +1,9 @@
 """Plots (PNG and terminal), the markdown report, and the plot worker processes."""
 
+import warnings
+
 import numpy as np
+import pytest
 
 import jaxhistory as jh
 from jaxhistory import export
@@ -41,3 +44,169 @@ def test_plot_workers_never_import_modules_from_the_working_folder(
     paths = pending.wait()
     assert not marker.exists()
     assert len(paths) == 60 and all(p.stat().st_size > 1000 for p in paths)
+
+
+# ----- what the figures show --------------------------------------------------------
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures to_png draws, by file name (written to disk as usual)."""
+    drawn = {}
+    save = _mpl._save
+
+    def keep(fig, path):
+        drawn[path.name] = fig
+        save(fig, path)
+
+    monkeypatch.setattr(_mpl, "_save", keep)
+    return drawn
+
+
+def host_scalar_of_processes(state, name, value, steps, moving=None):
+    """What a multi-process run records for a host scalar every process holds:
+    float32 statistics (a mean a few ulps off, a rounding-error std)."""
+    f32 = float(np.float32(value))
+    for step in steps:
+        record = {
+            f"{name}/mean": f32 + 2.3e-11,
+            f"{name}/max": f32,
+            f"{name}/min": f32,
+            f"{name}/std": 2.3e-10,
+            f"{name}/argmax": 0,
+            f"{name}/argmin": 0,
+            f"{name}/nan_device": -1,
+        }
+        if moving is not None:
+            loss = moving(step)
+            record.update(
+                {
+                    "loss/mean": loss,
+                    "loss/max": loss * 1.5,
+                    "loss/min": loss * 0.5,
+                    "loss/std": loss * 0.2,
+                    "loss/argmax": step % 4,
+                    "loss/argmin": 3,
+                    "loss/nan_device": -1,
+                }
+            )
+        state = state.update(record, step=step)
+    return state
+
+
+def test_a_metric_spanning_the_float64_range_is_plotted_and_reported(tmp_path):
+    state = jh.HistoryState()
+    for step, value in enumerate([1e308, -1e308, 0.0, 5.0, -1.7e308]):
+        state = state.update({"huge": value, "w": np.array([value, -value])}, step=step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the statistics overflow
+        export.finalize(state, tmp_path, run_id="r", echo=False)
+    png = tmp_path / "plots" / "mplot"
+    assert {p.name for p in png.iterdir()} == {
+        "huge.png",
+        "w.png",
+        "w.ridge.png",
+        "w.heatmap.png",
+    }
+    text = (tmp_path / "plots" / "tplot" / "huge.txt").read_text()
+    assert text.lstrip().startswith("huge (in units of 1e308)")
+    assert "-1.0" in text and "1.0" in text
+    assert "huge" in (tmp_path / "report.md").read_text()
+
+
+def test_values_beyond_1e300_are_drawn_scaled_with_the_scale_on_the_axis(
+    figures, tmp_path
+):
+    state = jh.HistoryState()
+    for step, value in enumerate([1e308, -1e308, 2e307]):
+        state = state.update({"timing/huge": value}, step=step)
+    export.to_png(state, tmp_path)
+    ax = figures["timing_huge.png"].axes[0]
+    assert ax.get_ylabel() == "seconds, in units of 1e308"
+    assert ax.get_ylim()[0] < -0.99 and ax.get_ylim()[1] > 0.99
+    assert np.allclose(ax.lines[0].get_ydata(), [1.0, -1.0, 0.2])
+
+
+def test_a_host_scalar_of_a_multi_process_run_is_shown_as_its_constant(
+    figures, tmp_path
+):
+    """0.003 on every process: float32 statistics a few ulps apart are one
+    value, not a flat line on a 1e-10 axis; the report lists it once and leaves
+    it out of the Devices section, where the loss stays."""
+    state = host_scalar_of_processes(
+        jh.HistoryState(), "lr", 0.003, range(10), moving=lambda s: 1.0 / (s + 1)
+    )
+    export.finalize(state, tmp_path, run_id="r", echo=False)
+    fig = figures["lr.png"]
+    assert not fig.axes  # no axes: the value in large type
+    texts = [t.get_text() for t in fig.texts]
+    assert texts[0] == "0.003" and "constant over 10 records" in texts[1]
+    assert figures["loss.png"].axes  # the loss is drawn as usual
+    tplot = (tmp_path / "plots" / "tplot" / "lr.txt").read_text()
+    assert tplot == "lr: constant 0.003 over 10 records (steps 0 to 9)\n"
+    report = (tmp_path / "report.md").read_text()
+    devices = report.split("## Devices", 1)[1].split("##", 1)[0]
+    assert "loss" in devices and "lr" not in devices
+    assert "Constant (the same at every record): lr = 0.003" in report
+    assert "| lr/" not in report  # no rows for its four statistics
+    assert "(<plots/mplot/lr.png>)" not in report  # no image of it
+    assert "(<plots/mplot/loss.png>)" in report
+
+
+def test_a_cosine_learning_rate_stays_on_a_linear_axis_and_a_loss_gets_a_log_one(
+    figures, tmp_path
+):
+    steps = np.arange(1000)
+    cosine = 1e-3 * 0.5 * (1 + np.cos(np.pi * steps / 999)) + 1e-12
+    loss = 10.0 * np.exp(-steps / 100.0)  # 10 to 5e-4: exponential
+    state = jh.HistoryState()
+    for s in steps:
+        state = state.update(
+            {"lr": cosine[s], "schedule": cosine[s], "loss": loss[s]}, step=int(s)
+        )
+    export.to_png(state, tmp_path)
+    assert figures["lr.png"].axes[0].get_yscale() == "linear"
+    assert figures["schedule.png"].axes[0].get_yscale() == "linear"
+    assert figures["loss.png"].axes[0].get_yscale() == "log"
+
+
+def test_straggler_lag_is_labelled_in_seconds(figures, tmp_path):
+    state = jh.HistoryState()
+    for step in range(5):
+        state = state.update(
+            {"straggler/lag": 0.1 * step, "straggler/process": step % 2}, step=step
+        )
+    export.to_png(state, tmp_path)
+    assert figures["straggler_lag.png"].axes[0].get_ylabel() == "seconds"
+    assert figures["straggler_process.png"].axes[0].get_ylabel() == "process index"
+
+
+# ----- names with control characters ------------------------------------------------
+EVIL = "evil\x1b[2J\x07name"
+
+
+def test_terminal_escapes_in_a_name_never_reach_the_report_or_the_plots(
+    figures, tmp_path, capsys
+):
+    state = jh.HistoryState()
+    for step in range(4):
+        state = state.update({EVIL: float(step), "ok": step * 2.0}, step=step)
+    export.finalize(state, tmp_path, run_id="r", max_plots=1)
+    printed = capsys.readouterr().out
+    report = (tmp_path / "report.md").read_text()
+    texts = [p.read_text() for p in (tmp_path / "plots" / "tplot").iterdir()]
+    for text in [report, printed, *texts]:
+        assert "\x1b" not in text and "\x07" not in text
+    assert "evil\\\\x1b\\[2J\\\\x07name" in report  # shown, escaped for markdown
+    assert any("evil\\x1b[2J\\x07name" in t for t in texts)
+    titles = [fig.axes[0].get_title() for fig in figures.values() if fig.axes]
+    assert titles and all("\x1b" not in t for t in titles)
+    assert "evil\\x1b[2J\\x07name" in titles
+
+
+def test_an_unplotted_name_with_escapes_is_listed_escaped(tmp_path):
+    state = jh.HistoryState()
+    for step in range(3):
+        state = state.update({"a": float(step), EVIL: float(-step)}, step=step)
+    export.finalize(state, tmp_path, run_id="r", max_plots=1, echo=False)
+    report = (tmp_path / "report.md").read_text()
+    assert "Not plotted" in report and "\x1b" not in report
+    assert "`evil\\x1b[2J\\x07name`" in report

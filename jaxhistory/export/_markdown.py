@@ -17,6 +17,7 @@ from jaxhistory._env import ENV_LABELS
 from jaxhistory._files import atomic_write
 from jaxhistory._names import PROVENANCE, aggregated_names, grouped
 from jaxhistory._provenance import device_label
+from jaxhistory.export._units import printable, same_value
 
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState
@@ -28,9 +29,12 @@ TABLE_STATS = ("mean", "std", "median", "min", "max", "last", "nonfinite", "coun
 
 
 def md_escape(text: Any) -> str:
-    """``text`` with markdown punctuation backslash-escaped and newlines as spaces,
-    so that a metric name cannot break a table or start a link."""
-    return _MD_SPECIAL.sub(r"\\\1", str(text).replace("\r", " ").replace("\n", " "))
+    """``text`` with markdown punctuation backslash-escaped, newlines as spaces
+    and other control characters written as ``\\xNN`` (:func:`printable`), so
+    that a metric name cannot break a table, start a link or send a terminal
+    escape to whoever reads the report."""
+    line = printable(str(text).replace("\r", " ").replace("\n", " "))
+    return _MD_SPECIAL.sub(r"\\\1", line)
 
 
 def _number(value: Any) -> str:
@@ -55,11 +59,12 @@ def stats_table(
     header = "| metric | " + " | ".join(TABLE_STATS) + " |"
     rows = [header, "|---|" + "---:|" * len(TABLE_STATS)]
     where = _provenance_names(state.keys)
-    constants = []
+    held = _constant_groups(summary)
+    constants = [f"{md_escape(base)} = {_number(v)}" for base, v in held.items()]
     for name in grouped(tuple(summary)):
         stats = summary[name]
-        if name in where:
-            continue  # device indices: in the devices section
+        if name in where or name.rpartition("/")[0] in held:
+            continue  # device indices: in the devices section; constants: below
         if _constant(stats):
             constants.append(f"{md_escape(name)} = {_number(stats['last'])}")
             continue
@@ -73,10 +78,34 @@ def stats_table(
 
 
 def _constant(stats: dict) -> bool:
-    """Whether a metric's summary shows one value at every record."""
+    """Whether a metric's summary shows one value at every record (to within a
+    few float32 roundings: :func:`same_value`)."""
     return bool(
-        stats["count"] >= 2 and not stats["nonfinite"] and stats["min"] == stats["max"]
+        stats["count"] >= 2
+        and not stats["nonfinite"]
+        and same_value(stats["min"], stats["max"])
     )
+
+
+def _constant_groups(summary: dict) -> dict[str, float]:
+    """``{name: value}`` for each metric with cross-device statistics whose
+    mean, min and max are all one value at every record (a host scalar of a
+    multi-process run: its std is a rounding error); listed once, as a
+    constant, instead of four rows."""
+    out = {}
+    for name in summary:
+        base, _, stat = name.rpartition("/")
+        if stat != "mean" or base in out:
+            continue
+        parts = [summary.get(f"{base}/{s}") for s in ("mean", "min", "max", "std")]
+        if any(p is None for p in parts) or not all(map(_constant, parts[:3])):
+            continue
+        value = parts[0]["mean"]
+        lows = [p["min"] for p in parts[:3]]
+        highs = [p["max"] for p in parts[:3]]
+        if same_value(min(lows), max(highs), value if value else None):
+            out[base] = value
+    return out
 
 
 def _plot_sections(summary: dict, images: list) -> list[str]:
@@ -86,9 +115,12 @@ def _plot_sections(summary: dict, images: list) -> list[str]:
     ``(title, path)`` pairs; constants are left out (the table lists them).
     ``summary``: the run's statistics (:meth:`HistoryState.summary`)."""
     families: dict[str, list[str]] = {}
+    held = _constant_groups(summary)
     for item in images:
         title, image = item if isinstance(item, tuple) else (None, item)
-        if title is not None and title in summary and _constant(summary[title]):
+        if title is not None and (
+            title in held or (title in summary and _constant(summary[title]))
+        ):
             continue  # its value is listed once, below the table
         if title is None:
             family = ""
@@ -115,7 +147,9 @@ def _provenance_names(keys) -> set[str]:
 def devices_section(state: HistoryState) -> list[str]:
     """Markdown lines naming, for each metric with device indices, the device
     that most often held its max and its min, and where it first went NaN.
-    Processes are named while the run's devices are known (in the run)."""
+    Processes are named while the run's devices are known (in the run). A
+    metric whose devices all held one value at every step (a host scalar every
+    process records, such as a learning rate) is left out: no device stands out."""
     here = jax.process_count() > 1
 
     def label(index: int) -> str:
@@ -124,7 +158,7 @@ def devices_section(state: HistoryState) -> list[str]:
     lines = []
     for name in sorted(_provenance_names(state.keys)):
         base, _, stat = name.rpartition("/")
-        if stat != "argmax":
+        if stat != "argmax" or _agreed(state, base):
             continue
         parts = []
         for which, key in (("max", "argmax"), ("min", "argmin")):
@@ -151,6 +185,21 @@ def devices_section(state: HistoryState) -> list[str]:
                 parts.append("no NaN")
         lines.append(f"- {md_escape(base)}: " + "; ".join(parts))
     return lines
+
+
+def _agreed(state: HistoryState, base: str) -> bool:
+    """Whether every step's max and min of ``base`` are one value (to within
+    :func:`same_value`), with no NaN anywhere."""
+    if f"{base}/max" not in state.keys or f"{base}/min" not in state.keys:
+        return False
+    hi = np.asarray(state.values(f"{base}/max"), np.float64)
+    lo = np.asarray(state.values(f"{base}/min"), np.float64)
+    if hi.shape != lo.shape or not hi.size or hi.ndim != 1:
+        return False
+    nan_key = f"{base}/nan_device"
+    if nan_key in state.keys and (np.asarray(state.values(nan_key)) >= 0).any():
+        return False
+    return all(same_value(a, b) for a, b in zip(lo.tolist(), hi.tolist(), strict=True))
 
 
 def _relative(path: str | os.PathLike, here: Path) -> str:
@@ -225,7 +274,7 @@ def to_markdown(
     if unplotted:
         cap = unplotted[0][1]
         names = ", ".join(
-            f"`{t}`" if "`" not in t else md_escape(t) for t, _ in unplotted
+            f"`{printable(t)}`" if "`" not in t else md_escape(t) for t, _ in unplotted
         )
         lines += [
             "",
@@ -249,7 +298,7 @@ def to_markdown(
     if files:
         lines += ["", "## Files", ""]
         for f in files:
-            rel = Path(os.path.relpath(f, here)).as_posix()
+            rel = printable(Path(os.path.relpath(f, here)).as_posix())
             lines.append(f"- `{rel}`" if "`" not in rel else f"- {md_escape(rel)}")
     atomic_write(path, lambda tmp: tmp.write_text("\n".join(lines).rstrip() + "\n"))
     return path

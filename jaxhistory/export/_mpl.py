@@ -18,10 +18,12 @@ from jaxhistory.export._units import (
     MARKERS_UP_TO,
     PlotUnit,
     bucket,
-    constant,
+    constant_unit,
     log_scale,
     plot_units,
+    printable,
     row_stats,
+    scale_exponent,
     series,
     unit_label,
 )
@@ -75,17 +77,22 @@ def _draw_constant(unit: PlotUnit, x: np.ndarray, value: float, path: Path) -> N
         fontsize=11,
         color="0.35",
     )
-    fig.suptitle(unit.title)
+    fig.suptitle(printable(unit.title))
     _save(fig, path)
 
 
 def _draw_unit(data: dict[str, tuple], unit: PlotUnit, path: Path) -> None:
-    """Draws one unit from ``data``, its series by name (warmup left out)."""
-    if not unit.stats and not unit.others and unit.raw is not None:
-        x, y = data[unit.raw]
-        value = constant(y)
-        if value is not None:
-            return _draw_constant(unit, x, value, path)
+    """Draws one unit from ``data``, its series by name (warmup left out).
+
+    A unit whose lines are all one value (:func:`constant_unit`) is drawn as
+    that value; values beyond ±1e300 are drawn divided by a power of ten, which
+    the y label names."""
+    value = constant_unit(unit, data)
+    if value is not None:
+        return _draw_constant(unit, data[unit.names[0]][0], value, path)
+    exponent = scale_exponent(*(y for _, y in data.values()))
+    if exponent:
+        data = {n: (x, y / 10.0**exponent) for n, (x, y) in data.items()}
     fig = _figure()
     ax = _axes(fig)
     drawn: list[np.ndarray] = []
@@ -164,13 +171,15 @@ def _draw_unit(data: dict[str, tuple], unit: PlotUnit, path: Path) -> None:
             xb, yb, color=f"C{i + 2}", lw=1.4, label=label, marker=_marker(xb), ms=4
         )
         drawn.append(yb)
-    ax.set_title(unit.title)
+    ax.set_title(printable(unit.title))
     ax.set_xlabel("step")
     label = unit_label(unit.title)
+    if exponent:
+        label = f"{label or 'value'}, in units of 1e{exponent}"
     if label:
         ax.set_ylabel(label)
         fig.subplots_adjust(left=0.12)  # room for the label beside wide ticks
-    if drawn and log_scale(*drawn):
+    if drawn and log_scale(*drawn, name=unit.title):
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
     if not ax.lines and not ax.collections:
@@ -201,6 +210,9 @@ def _draw_ridge(title, x, chains, path: Path) -> None:
     fig = _figure(left=0.15)
     ax = fig.add_subplot()
     rows = _pick(len(x), RIDGES)
+    exponent = scale_exponent(chains)
+    if exponent:
+        chains = chains / 10.0**exponent
     finite = chains[np.isfinite(chains)]
     if finite.size:
         lo, hi = float(finite.min()), float(finite.max())
@@ -226,8 +238,8 @@ def _draw_ridge(title, x, chains, path: Path) -> None:
             va="center",
             transform=ax.transAxes,
         )
-    ax.set_title(f"{title}: distribution over {chains.shape[1]} series")
-    ax.set_xlabel("value")
+    ax.set_title(f"{printable(title)}: distribution over {chains.shape[1]} series")
+    ax.set_xlabel(f"value, in units of 1e{exponent}" if exponent else "value")
     _save(fig, path)
 
 
@@ -236,11 +248,16 @@ def _draw_heatmap(title, x, chains, path: Path) -> None:
     ax = fig.add_subplot()
     cols = _pick(len(x), 1000)
     data = chains[cols].T
+    exponent = scale_exponent(data)
+    if exponent:
+        data = data / 10.0**exponent
     masked = np.ma.masked_invalid(data)
     extent = (float(x[0]) - 0.5, float(x[-1]) + 0.5, data.shape[0] - 0.5, -0.5)
     image = ax.imshow(masked, aspect="auto", interpolation="nearest", extent=extent)
-    fig.colorbar(image, ax=ax)
-    ax.set_title(f"{title}: {data.shape[0]} series")
+    bar = fig.colorbar(image, ax=ax)
+    if exponent:
+        bar.set_label(f"in units of 1e{exponent}")
+    ax.set_title(f"{printable(title)}: {data.shape[0]} series")
     ax.set_xlabel("step")
     ax.set_ylabel("series")
     _save(fig, path)

@@ -30,9 +30,11 @@ from jaxhistory._optional import import_optional
 from jaxhistory.export._units import (
     PlotUnit,
     bucket,
-    constant,
+    constant_unit,
     plot_units,
+    printable,
     row_stats,
+    scale_exponent,
     series,
 )
 
@@ -117,7 +119,7 @@ def _add_line(
 def _render(
     plt, fig, title: str, xs: list[np.ndarray], xlabel: str = "step", legend=()
 ) -> str:
-    fig.title(title)
+    fig.title(printable(title))
     fig.label(xlabel, "x")
     allx = np.concatenate(xs) if xs else np.empty(0)
     allx = allx[np.isfinite(allx)]
@@ -127,7 +129,9 @@ def _render(
         fig.ruler("x").ticks(ticks, [str(t) for t in ticks])
     text = plt.uncolorize(fig.build().string(colorless=True)).rstrip() + "\n"
     if len(legend) > 1:  # which marker is which line, under the plot
-        shown = "   ".join(f"{'⠿' if m in NAMED_MARKERS else m} {n}" for m, n in legend)
+        shown = "   ".join(
+            f"{'⠿' if m in NAMED_MARKERS else m} {printable(n)}" for m, n in legend
+        )
         text += f"    {shown}\n"
     return text
 
@@ -138,8 +142,12 @@ def _series(state, name, first):
 
 
 def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
-    """The text of one plot (see the module doc for the settings)."""
+    """The text of one plot (see the module doc for the settings). Names are
+    shown with control characters escaped; a plot whose lines are all one value
+    is that value in a line; values beyond ±1e300 are drawn divided by a power
+    of ten, which the title names."""
     plt, fig = _figure(opts["width"], opts["height"])
+    shown = printable(unit.title)
     points = 4 * opts["width"]
     xs = []
     drawn = False
@@ -148,20 +156,29 @@ def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
         name = unit.stats.get("mean") or unit.raw
         values = series(state, name, first)[1].reshape(-1)
         values = values[np.isfinite(values)]
+        exponent = scale_exponent(values)
+        values = values / 10.0**exponent if exponent else values
         if values.size:
             fig.draw(fig.hist(values.tolist(), bins=min(40, opts["width"] // 2)))
             drawn = True
-        title = f"{unit.title} (histogram of {'mean' if unit.stats else 'values'})"
-        text = _render(plt, fig, title, [], xlabel="value")
+        title = f"{shown} (histogram of {'mean' if unit.stats else 'values'})"
+        xlabel = f"value, in units of 1e{exponent}" if exponent else "value"
+        text = _render(plt, fig, title, [], xlabel=xlabel)
         return text if drawn else f"{title}: no finite values recorded\n"
+    data = {name: _series(state, name, first) for name in unit.names}
+    value = constant_unit(unit, data)
+    if value is not None:  # a value, not a flat line at a 0.0 tick
+        x = data[unit.names[0]][0]
+        return (
+            f"{shown}: constant {value:.6g} over {len(x)} records "
+            f"(steps {int(x[0])} to {int(x[-1])})\n"
+        )
+    exponent = scale_exponent(*(y for _, y in data.values()))
+    if exponent:
+        data = {n: (x, y / 10.0**exponent) for n, (x, y) in data.items()}
+    title = f"{unit.title} (in units of 1e{exponent})" if exponent else unit.title
     if unit.raw is not None:
-        x, y = _series(state, unit.raw, first)
-        value = None if unit.stats or unit.others else constant(y)
-        if value is not None:  # a value, not a flat line at a 0.0 tick
-            return (
-                f"{unit.title}: constant {value:.6g} over {len(x)} records "
-                f"(steps {int(x[0])} to {int(x[-1])})\n"
-            )
+        x, y = data[unit.raw]
         xb, yb = bucket(x, y, "envelope", points)
         marker = opts["raw_marker"] if unit.stats else opts["marker"]
         if _add_line(fig, unit.raw, xb, yb, marker):
@@ -170,7 +187,7 @@ def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
         xs.append(xb)
     for stat, marker in STAT_MARKERS.items():
         if stat in unit.stats:
-            x, y = _series(state, unit.stats[stat], first)
+            x, y = data[unit.stats[stat]]
             how = stat if stat in ("min", "max") else "mean"
             xb, yb = bucket(x, y, how, points)
             # std on an axis of its own (right): on the values' axis it is a
@@ -182,15 +199,15 @@ def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
                 legend.append((marker, f"{name} (right axis)" if side else name))
             xs.append(xb)
     for label, name in unit.others:
-        x, y = _series(state, name, first)
+        x, y = data[name]
         xb, yb = bucket(x, y, "envelope", points)
         if _add_line(fig, label, xb, yb, "x"):
             drawn = True
             legend.append(("x", label))
         xs.append(xb)
     if not drawn:
-        return f"{unit.title}: no finite values recorded\n"
-    return _render(plt, fig, unit.title, xs, legend=legend)
+        return f"{shown}: no finite values recorded\n"
+    return _render(plt, fig, title, xs, legend=legend)
 
 
 def to_terminal(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -12,7 +13,21 @@ from jaxhistory._names import PROVENANCE, STATS, aggregated_names
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState
 
-__all__ = ["MAX_POINTS", "PlotUnit", "bucket", "plot_units", "row_stats", "series"]
+__all__ = [
+    "MAX_POINTS",
+    "PlotUnit",
+    "bucket",
+    "constant",
+    "constant_unit",
+    "log_scale",
+    "plot_units",
+    "printable",
+    "row_stats",
+    "same_value",
+    "scale_exponent",
+    "series",
+    "unit_label",
+]
 
 MAX_POINTS = 5000  # longer series are reduced (for drawing only) to about this
 # Plots finalize draws by default: a figure costs about 0.1 s of CPU, so 1,000
@@ -118,38 +133,116 @@ def capped(
 
 
 MARKERS_UP_TO = 50  # points: a series this short is drawn with markers
-DECADES = 3  # a positive series spanning this many decades gets a log axis
+DECADES = 3  # a positive series whose middle 90% spans this many decades: log axis
+# Values this close count as one (a float32 statistic of one value held on every
+# process is off by a few float32 ulps: 0.003 comes back as 0.0030000000261).
+RELATIVE_TOLERANCE = 1e-6
+HUGE = 1e300  # values this large are drawn divided by a power of ten
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# Names of schedules, never given a log axis: a cosine decay to ~0 would look
+# like a cliff on one.
+_SCHEDULE = re.compile(r"(^|[/_.])(lr|learning_rate)$", re.IGNORECASE)
+
+
+def printable(name: object) -> str:
+    """``name`` with control characters (a terminal escape ``\\x1b``, a
+    newline, a bell) written as ``\\xNN``: how a metric name is shown in plot
+    titles, terminal plots and the report, where it could otherwise clear a
+    terminal or break a line."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(name))
+
+
+def same_value(lo: float, hi: float, scale: float | None = None) -> bool:
+    """Whether ``lo`` and ``hi`` are one value to within
+    :data:`RELATIVE_TOLERANCE` of ``scale`` (default: the larger magnitude)."""
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        return False
+    if scale is None:
+        scale = max(abs(lo), abs(hi))
+    return bool(abs(hi - lo) <= RELATIVE_TOLERANCE * abs(scale))
 
 
 def constant(y: np.ndarray) -> float | None:
-    """The value of a series of 2 or more records whose finite values are all
-    one value (a learning rate held fixed), else None."""
+    """The value of a series of 2 or more records whose values are all finite
+    and one value to within :data:`RELATIVE_TOLERANCE` (a learning rate held
+    fixed, or a float32 statistic of one), else None. The value is their mean."""
     if y.ndim != 1 or len(y) < 2:
         return None
-    finite = y[np.isfinite(y)]
-    if finite.size < 2 or finite.size != y.size or finite.min() != finite.max():
+    if not np.isfinite(y).all():
         return None
-    return float(finite[0])
+    lo, hi = float(y.min()), float(y.max())
+    if not same_value(lo, hi):
+        return None
+    mean = float(np.mean(y, dtype=np.float64))
+    if not same_value(lo, hi, mean if mean else None):
+        return None
+    return mean
 
 
-def log_scale(*ys: np.ndarray) -> bool:
-    """Whether positive series span :data:`DECADES` decades or more."""
+def constant_unit(unit: PlotUnit, data: dict[str, tuple]) -> float | None:
+    """The one value of a plot whose every line is that value, else None: a
+    metric never changing, or cross-device statistics whose mean, min and max are
+    all one value at every step (a host scalar of a multi-process run, its std
+    a float32 rounding error). ``data`` maps the unit's names to (steps, values)."""
+    if unit.others:
+        return None
+    names = [unit.raw] if unit.raw is not None else []
+    names += [unit.stats[s] for s in ("mean", "min", "max") if s in unit.stats]
+    if not names:
+        return None
+    values = [constant(data[n][1]) for n in names]
+    if any(v is None for v in values):
+        return None
+    lo, hi = min(values), max(values)
+    value = values[1] if unit.stats and unit.raw is not None else values[0]
+    return value if same_value(lo, hi, value if value else None) else None
+
+
+def log_scale(*ys: np.ndarray, name: str = "") -> bool:
+    """Whether to draw positive series on a log axis.
+
+    Only when every value is positive and the middle 90% of the values (the 5th
+    to the 95th percentile) spans :data:`DECADES` decades or more: a loss falling
+    exponentially gets one; a cosine schedule decaying to about 0 (a few steps
+    near 0, most of them in one or two decades) stays linear, as does anything
+    named ``lr`` or ``learning_rate`` (``train/lr``, ``opt_lr``).
+    """
+    if _SCHEDULE.search(name):
+        return False
     finite = [y[np.isfinite(y)] for y in ys]
     values = np.concatenate(finite) if finite else np.empty(0)
     if values.size < 2 or values.min() <= 0:
         return False
-    return values.max() / values.min() >= 10.0**DECADES
+    lo, hi = np.percentile(values, [5, 95])
+    return bool(hi / lo >= 10.0**DECADES)
+
+
+def scale_exponent(*ys: np.ndarray) -> int:
+    """0, or the power of ten to divide values by for drawing when they are so
+    large (beyond :data:`HUGE`) that their spread, or an axis margin, would
+    overflow float64 (a metric spanning -1e308 to 1e308)."""
+    finite = [np.abs(y[np.isfinite(y)]) for y in ys]
+    values = np.concatenate(finite) if finite else np.empty(0)
+    if not values.size or values.max() < HUGE:
+        return 0
+    return int(np.floor(np.log10(values.max())))
 
 
 def unit_label(name: str) -> str | None:
-    """The y axis label a metric's name implies: timings and ``*_sec`` in
-    seconds, ``*_per_sec`` as a rate, ``*mfu`` as a fraction of the peak."""
+    """The y axis label a metric's name implies: timings, ``*_sec``,
+    ``*_seconds`` and ``straggler/lag`` in seconds, ``*_per_sec`` as
+    a rate, ``*mfu`` as a fraction of the peak, ``straggler/process`` as a
+    process index."""
     parts = name.split("/")
     last = parts[-1]
     if last.endswith("_per_sec"):
         return f"{last.removesuffix('_per_sec')} per second"
     if "timing" in parts[:-1] or last.endswith(("_sec", "_seconds")):
         return "seconds"
+    if "straggler" in parts[:-1] and last == "lag":
+        return "seconds"
+    if "straggler" in parts[:-1] and last == "process":
+        return "process index"
     if last == "mfu":
         return "fraction of peak FLOP/s"
     return None
