@@ -15,11 +15,13 @@ import numpy as np
 
 __all__ = [
     "ENV_LABELS",
+    "check_run_id",
     "check_run_name",
     "env_flag",
     "environment",
     "netcdf_attrs",
     "new_run_id",
+    "not_a_name",
 ]
 
 # The keys of environment() that describe a run, with their labels in the report.
@@ -42,6 +44,26 @@ _CLAIM_LOCK = threading.Lock()
 MAX_RUN_NAME = 200  # characters: the run id must stay a valid file name
 
 
+def not_a_name(text: str, limit: int = MAX_RUN_NAME) -> str | None:
+    """Why ``text`` is not one safe file-name component (``"it contains '/'"``),
+    or None when it is one: no separators, not empty, ``.`` or ``..`` (so never
+    an absolute path nor a way out of a folder), no control characters, at most
+    ``limit`` bytes in UTF-8."""
+    bad = [c for c in ("/", "\\", os.sep, os.altsep) if c and c in text]
+    if bad:
+        return f"it contains {bad[0]!r}"
+    if len(text.encode("utf-8", "surrogatepass")) > limit:
+        return f"it is longer than {limit} bytes in UTF-8"
+    if (
+        not text
+        or text in (".", "..")
+        or "\0" in text
+        or any(ord(c) < 32 or 127 <= ord(c) < 160 for c in text)
+    ):
+        return "it is empty, '.', '..' or holds control characters"
+    return None
+
+
 def check_run_name(
     run_name: Any, what: str = "run_name", limit: int = MAX_RUN_NAME
 ) -> str | None:
@@ -51,26 +73,37 @@ def check_run_name(
         return None
     if not isinstance(run_name, str):
         raise TypeError(f"{what} must be a str, got {type(run_name).__name__}")
-    bad = [c for c in ("/", "\\", os.sep, os.altsep) if c and c in run_name]
-    if (
-        not run_name
-        or run_name in (".", "..")
-        or bad
-        or any(ord(c) < 32 or ord(c) == 127 for c in run_name)
-        or len(run_name.encode()) > limit
-    ):
-        why = (
-            f"it contains {bad[0]!r}"
-            if bad
-            else f"it is longer than {limit} bytes in UTF-8"
-            if len(run_name.encode()) > limit
-            else "it is empty, '.', '..' or holds control characters"
-        )
+    why = not_a_name(run_name, limit)
+    if why is not None:
         raise ValueError(
             f"{what} {run_name!r:.80} is not a name ({why}): it names files, so "
             "it may not be a path; put the folder in report_dir or jsonl_path"
         )
     return run_name
+
+
+MAX_RUN_ID = 255 - len(".jsonl")  # bytes: the run id names the file {run_id}.jsonl
+
+
+def check_run_id(run_id: Any, source: Any) -> str | None:
+    """``run_id`` as read from ``source`` (a log, a dataset, a state) if it is
+    one safe file-name component, else a ValueError (TypeError for a non-str)
+    naming ``source``: a run id names the run's log, so it is never a path."""
+    if run_id is None:
+        return None
+    if not isinstance(run_id, str):
+        raise TypeError(
+            f"the run id recorded in {source} must be a str, got "
+            f"{type(run_id).__name__}"
+        )
+    why = not_a_name(run_id, MAX_RUN_ID)
+    if why is not None:
+        raise ValueError(
+            f"the run id {run_id!r:.80} recorded in {source} is not a name "
+            f"({why}): it names the run's log file, so it may not be a path; "
+            "nothing was written"
+        )
+    return run_id
 
 
 def new_run_id(run_name: str | None = None, taken: Any = None) -> str:

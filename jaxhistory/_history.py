@@ -19,7 +19,7 @@ from jaxhistory import _memory, _trace_state
 from jaxhistory._codec import read_stamps
 from jaxhistory._distributed import Reducer, distributed_default, is_per_device
 from jaxhistory._dtypes import as_step, host_value
-from jaxhistory._env import check_run_name, env_flag, new_run_id
+from jaxhistory._env import check_run_id, check_run_name, env_flag, new_run_id
 from jaxhistory._files import in_use
 from jaxhistory._history_state import HistoryState, _append_floats
 from jaxhistory._names import STEP_KEYS, flatten
@@ -38,6 +38,7 @@ __all__ = ["History", "distributed_default", "memory_token"]
 _PY_NUMBERS = frozenset({float, int})
 _FLOATS = frozenset({float})
 _NESTED = frozenset({dict, list, tuple})
+_is_str = str.__instancecheck__
 
 
 class History:
@@ -331,8 +332,8 @@ class History:
         every one is a Python number, else 0, the step), or Nones where this does
         not apply. (3, from the state's fast path in :meth:`update`: finite
         Python floats.)"""
-        if type(metrics) is not dict:
-            return None, False, None
+        if type(metrics) is not dict or not all(map(_is_str, metrics)):
+            return None, False, None  # (names that are not str: flatten's, "1")
         types = set(map(type, metrics.values()))
         host = 2 if types == _FLOATS else 1 if types <= _PY_NUMBERS else 0
         if not host:
@@ -771,6 +772,7 @@ def _resumed(resume: Any, resume_step: int | None, run_name: str | None):
     log = None
     if isinstance(resume, HistoryState):
         state, run_id = resume, dict(resume.attrs).get("run_id")
+        source = "the HistoryState given as resume"
     elif isinstance(resume, str | os.PathLike):
         try:
             state, attrs = load_run(resume)  # as `jaxhistory report` reads a run
@@ -778,7 +780,7 @@ def _resumed(resume: Any, resume_step: int | None, run_name: str | None):
             raise FileNotFoundError(
                 f"resume: no run log or dataset at {resume} ({err})"
             ) from None
-        path = run_file(resume)
+        path = source = run_file(resume)
         if path.suffix == ".jsonl":  # the run id of its lines (older logs: its name)
             run_id, log = attrs.get("run_id") or path.stem, path
         else:
@@ -788,6 +790,7 @@ def _resumed(resume: Any, resume_step: int | None, run_name: str | None):
             "resume takes a HistoryState, a JSONL log, a dataset file or a finalize "
             f"folder, got {type(resume).__name__}"
         )
+    check_run_id(run_id, source)  # it names the log: never a path
     if run_name is not None:
         raise ValueError(
             "resume continues the run with its own run id; give run_name only to a "

@@ -294,3 +294,96 @@ def test_attach_from_another_thread_loses_nothing_and_flattens_names(tmp_path):
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     logged = [r["metrics"]["pub/x"] for r in lines if "pub/x" in r["metrics"]]
     assert sorted(logged) == [float(k) for k in sent]
+
+
+def _log_with_run_id(path, run_id):
+    import json
+
+    line = {
+        "step": 1,
+        "timestamp": 1.0,
+        "run_id": run_id,
+        "process_index": 0,
+        "metrics": {"loss": 0.5},
+        "aggregated": {},
+    }
+    path.write_text(json.dumps(line) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("run_id", ["../../escaped", "/ABS/escaped", "a\x1b[2Jb"])
+def test_a_resumed_run_id_that_is_a_path_is_refused_before_any_file_is_written(
+    tmp_path, run_id
+):
+    run_id = run_id.replace("/ABS", str(tmp_path / "elsewhere"))
+    (tmp_path / "elsewhere").mkdir()
+    log = _log_with_run_id(tmp_path / "run.jsonl", run_id)
+    report_dir = tmp_path / "a" / "b" / "rd"
+    report_dir.mkdir(parents=True)
+    before = sorted(p for p in tmp_path.rglob("*"))
+    with pytest.raises(ValueError, match="run id") as err:
+        jh.History(resume=log, report_dir=report_dir, distributed_history=False)
+    assert str(log) in str(err.value) and repr(run_id)[:40] in str(err.value)
+    assert sorted(p for p in tmp_path.rglob("*")) == before  # nothing written
+
+
+def test_an_absolute_resumed_run_id_never_truncates_an_unrelated_file(tmp_path):
+    victim = tmp_path / "precious.jsonl"
+    victim.write_text("keep me\n")
+    log = _log_with_run_id(tmp_path / "run.jsonl", str(tmp_path / "precious"))
+    report_dir = tmp_path / "rd"
+    report_dir.mkdir()
+    for overwrite in (True, False):
+        with pytest.raises(ValueError, match="precious"):
+            jh.History(
+                resume=log,
+                report_dir=report_dir,
+                jsonl_overwrite=overwrite,
+                distributed_history=False,
+            )
+    assert victim.read_text() == "keep me\n"
+    assert list(report_dir.iterdir()) == []
+
+
+def test_a_run_id_that_is_a_path_in_a_dataset_or_a_state_is_refused(tmp_path):
+    state = jh.HistoryState().update({"loss": 0.5}, step=1)
+    bad = state.with_attrs(run_id="../escaped")
+    with pytest.raises(ValueError, match="HistoryState given as resume"):
+        jh.History(resume=bad, report_dir=tmp_path / "rd", distributed_history=False)
+    dataset = tmp_path / "dataset.nc"
+    jh.export.to_netcdf(state, dataset, attrs={"run_id": "../escaped"})
+    with pytest.raises(ValueError, match="dataset.nc"):
+        jh.History(
+            resume=dataset, report_dir=tmp_path / "rd", distributed_history=False
+        )
+    with pytest.raises(ValueError, match="dataset.nc"):
+        jh.History(
+            resume=tmp_path, report_dir=tmp_path / "rd", distributed_history=False
+        )
+    assert not (tmp_path / "rd").exists() and not (tmp_path / "escaped.jsonl").exists()
+
+
+def test_int_metric_names_are_recorded_as_strings_and_logged(tmp_path):
+    import json
+
+    path = tmp_path / "log.jsonl"
+    h = jh.History(distributed_history=False, jsonl_path=path)
+    assert h.update({1: 0.5, "acc": 2.0}) == "step=0 1=0.500000 acc=2.000000"
+    h.update({1: 0.25, "acc": 3.0}, summarize=False)
+    h.update({"train": {2: 1.5}}, summarize=False)
+    h.close()
+    assert h.state.values("1").tolist() == [0.5, 0.25]
+    assert h.state.values("train/2").tolist() == [1.5]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["metrics"] for line in lines] == [
+        {"1": 0.5, "acc": 2.0},
+        {"1": 0.25, "acc": 3.0},
+        {"train/2": 1.5},
+    ]
+
+
+def test_metric_names_that_collide_once_made_strings_are_refused():
+    h = jh.History(distributed_history=False)
+    with pytest.raises(ValueError, match="'1'"):
+        h.update({1: 0.5, "1": 0.25})
+    assert len(h.state) == 0

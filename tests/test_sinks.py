@@ -373,3 +373,28 @@ def test_missing_extras_name_the_pip_install(monkeypatch, tmp_path):
     monkeypatch.setitem(os.sys.modules, "tensorboardX", None)
     with pytest.raises(ImportError, match=r"pip install 'jaxhistory\[tensorboard\]'"):
         TensorBoardSink(tmp_path)
+
+
+def test_a_record_the_jsonl_sink_cannot_encode_costs_only_itself(tmp_path):
+    import warnings
+
+    from jaxhistory._record import Batch
+
+    path = tmp_path / "log.jsonl"
+    sink = JsonlSink(path)
+    batch = Batch(
+        [1, 2, 3], [0.5, 0.6, 0.7], [{"loss": 0.25}, {7: 0.5}, {"loss": 0.125}]
+    )
+    batch.run_id = "run-1"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sink.write_batch(batch)
+    sink.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(line["step"], line["metrics"]) for line in lines] == [
+        (1, {"loss": 0.25}),
+        (3, {"loss": 0.125}),
+    ]
+    assert {line["run_id"] for line in lines} == {"run-1"}
+    assert sink.lost == 1
+    assert any("step 2" in str(w.message) for w in caught)

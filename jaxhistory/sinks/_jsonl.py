@@ -51,8 +51,13 @@ class JsonlSink:
         self.write_batch(Batch.of([record]))
 
     def write_batch(self, batch: Batch) -> None:
-        """Writes every record of ``batch`` (one encoder call for all)."""
-        text = encode_records(batch)
+        """Writes every record of ``batch`` (one encoder call for all; where
+        that fails, one record at a time, so a record that cannot be encoded
+        costs only itself: it is counted in :attr:`lost`, with a warning)."""
+        try:
+            text = encode_records(batch)
+        except Exception:
+            text = self._encode_each(batch)
         with self._lock:
             if self._file.closed:
                 return
@@ -74,6 +79,27 @@ class JsonlSink:
                         RuntimeWarning,
                         stacklevel=2,
                     )
+
+    def _encode_each(self, batch: Batch) -> bytes:
+        parts = []
+        for record in batch.records():
+            try:
+                one = Batch.of([record])
+                one.run_id = batch.run_id
+                parts.append(encode_records(one))
+            except Exception as err:
+                with self._lock:
+                    self.lost += 1
+                    first = self.error is None
+                    self.error = err
+                if first:
+                    warnings.warn(
+                        f"JSONL log {self.path}: the record of step {record.step} "
+                        f"cannot be written ({err!r}); later records are",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+        return b"".join(parts)
 
     def flush(self) -> None:
         with self._lock:
