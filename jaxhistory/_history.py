@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import array
+import collections
 import os
+import statistics
 import threading
 import time
 import warnings
@@ -111,7 +113,9 @@ class History:
         total_steps, flops_per_step, peak_flops: progress. At each step that is
             a multiple of ``log_every``, to a dict update, History adds
             ``perf/steps_per_sec`` (since the previous summarized step), with
-            ``total_steps`` ``perf/eta_sec`` (seconds to the last step), and with
+            ``total_steps`` ``perf/eta_sec`` (seconds to the last step, at the
+            median time a step took over the last 32 such intervals: one slow
+            interval, a compilation, does not throw it), and with
             ``flops_per_step`` (:func:`~jaxhistory.step_flops` of the compiled
             step) and ``peak_flops`` (the peak FLOP/s of every device the step
             runs on, together) ``perf/mfu``, the model FLOPs utilisation.
@@ -718,11 +722,29 @@ def _step_entry(metrics: dict, label: str = "step") -> tuple[str, Any, dict]:
 
 class Progress:
     """Steps per second, the time left and the model FLOPs utilisation, added
-    to the metrics of summarized steps."""
+    to the metrics of summarized steps.
 
-    def __init__(self, total: int | None, flops: float | None, peak: float | None):
+    ``perf/steps_per_sec`` is the rate since the previous summarized step;
+    ``perf/eta_sec`` uses the median time a step took over the last
+    :attr:`WINDOW` intervals, so one slow interval (a compilation, an
+    evaluation, a checkpoint) does not throw it.
+    """
+
+    WINDOW = 32  # intervals the time left is estimated from
+
+    def __init__(
+        self,
+        total: int | None,
+        flops: float | None,
+        peak: float | None,
+        clock: Any = None,
+    ):
         self.total, self.flops, self.peak = total, flops, peak
+        self.clock = clock  # None: time.perf_counter
         self.last: tuple[int, float] | None = None
+        self.per_step: collections.deque[float] = collections.deque(
+            maxlen=self.WINDOW
+        )  # seconds a step took, one entry per interval
 
     @classmethod
     def of(cls, total, flops, peak) -> Progress | None:
@@ -750,14 +772,17 @@ class Progress:
     def add(self, metrics: dict, step: int, log_every: int) -> dict:
         if not isinstance(step, int) or step % log_every:
             return metrics
-        now = time.perf_counter()
+        now = time.perf_counter() if self.clock is None else self.clock()
         last, self.last = self.last, (step, now)
         if last is None or step <= last[0] or now <= last[1]:
             return metrics  # the first line: no rate yet
         rate = (step - last[0]) / (now - last[1])
         out = {**metrics, "perf/steps_per_sec": rate}
         if self.total is not None:
-            out["perf/eta_sec"] = max(self.total - step, 0) / rate
+            self.per_step.append((now - last[1]) / (step - last[0]))
+            out["perf/eta_sec"] = max(self.total - step, 0) * statistics.median(
+                self.per_step
+            )
         if self.flops is not None:
             out["perf/mfu"] = rate * self.flops / self.peak
         return out
