@@ -30,6 +30,7 @@ __all__ = [
     "flatten",
     "named_leaves",
     "path_name",
+    "printable",
     "stat_names",
 ]
 
@@ -39,6 +40,24 @@ PROVENANCE = ("argmax", "argmin", "nan_device")
 STEP_KEYS = ("step", "iter")  # an entry with one of these names is the step
 COUNTER_KEYS = ("step", "epoch", "iter")  # shown first, as integers
 _CONTAINERS = (list, tuple)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(name: object) -> str:
+    """``name`` with control characters (a terminal escape ``\\x1b``, a newline,
+    a bell) written as ``\\xNN``: how a metric name is shown on a terminal (the
+    summary line, the console sink), where it could otherwise clear the screen
+    or break the line.
+
+    Example:
+        >>> from jaxhistory._names import printable
+        >>> printable("loss\\x1b[2J")
+        'loss\\\\x1b[2J'
+    """
+    text = str(name)
+    if text.isprintable():
+        return text
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def _key_name(key: Any) -> str:

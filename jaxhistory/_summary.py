@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from jaxhistory._memory import MemorySample
-from jaxhistory._names import COUNTER_KEYS
+from jaxhistory._names import COUNTER_KEYS, printable
 from jaxhistory._provenance import device_label
 from jaxhistory._stats import Stats
 
@@ -118,8 +118,9 @@ def summary_line(
     ``iter``) as integers, then the names in ``first``, then the rest in order.
 
     A :class:`~jaxhistory.Stats` value shows each of its metrics as its mean with
-    the std inlined, ``loss=0.123457(±0.002100)``. Device values are fetched
-    (this waits for them). ``host``: every value is a Python number.
+    the std inlined, ``loss=0.123457(±0.002100)``. Control characters in names
+    are shown as ``\\xNN``. Device values are fetched (this waits for them).
+    ``host``: every value is a Python number.
     """
     parts = {step[0]: str(step[1])}
     if host:  # Python floats and ints only: no conversions
@@ -155,7 +156,7 @@ def summary_line(
     head = [k for k in COUNTER_KEYS if k in parts]
     head += [k for k in first if k in parts and k not in head]
     order = head + [k for k in parts if k not in head]
-    return " ".join(f"{k}={parts[k]}" for k in order)
+    return " ".join(f"{printable(k)}={parts[k]}" for k in order)
 
 
 class SummaryLine:
@@ -225,7 +226,7 @@ class SummaryLine:
         shown = head + [k for k in keys if k not in head]
         order = tuple(keys.index(k) for k in shown)
         template = " ".join(
-            f"{k.replace('%', '%%')}={specs[i]}"
+            f"{printable(k).replace('%', '%%')}={specs[i]}"
             for k, i in zip(shown, order, strict=True)
         )
         return template, (None if order == tuple(range(len(keys))) else order)

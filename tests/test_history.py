@@ -406,3 +406,14 @@ def test_the_time_left_is_not_thrown_by_one_slow_interval():
     assert etas[50] == pytest.approx(50 * 0.1)
     now[0] += 0.5  # the rate itself is still the last interval's
     assert progress.add({}, 60, 1)["perf/steps_per_sec"] == 2.0
+
+
+def test_control_characters_in_names_never_reach_the_terminal_raw():
+    h = jh.History(distributed_history=False)
+    name = "loss\x1b[2J\nx"
+    assert h.update({name: 0.5}) == "step=0 loss\\x1b[2J\\x0ax=0.500000"
+    assert h.update({name: 0.25}) == "step=1 loss\\x1b[2J\\x0ax=0.250000"  # fast path
+    line = h.update({name: 1, "a\x07": np.float32(2.0)}, precision=1)
+    assert line == "step=2 loss\\x1b[2J\\x0ax=1 a\\x07=2.0"
+    assert "\x1b" not in line and "\x07" not in line
+    assert h.state.values(name).tolist() == [0.5, 0.25, 1.0]  # recorded as given

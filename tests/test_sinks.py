@@ -398,3 +398,9 @@ def test_a_record_the_jsonl_sink_cannot_encode_costs_only_itself(tmp_path):
     assert {line["run_id"] for line in lines} == {"run-1"}
     assert sink.lost == 1
     assert any("step 2" in str(w.message) for w in caught)
+
+
+def test_the_console_sink_escapes_control_characters_in_names():
+    sink = ConsoleSink(stream=io.StringIO())
+    sink.write(Record(step=3, timestamp=0.0, metrics={"a\x1b[2J": 0.25}, group="g\r"))
+    assert sink.stream.getvalue() == "[g\\x0d] step=3 a\\x1b[2J=0.250000\n"

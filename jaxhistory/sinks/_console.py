@@ -7,6 +7,7 @@ import math
 import sys
 from typing import Any
 
+from jaxhistory._names import printable
 from jaxhistory._record import Record
 from jaxhistory.sinks._base import values
 
@@ -38,7 +39,8 @@ class ConsoleSink:
     """Prints one line per record: ``step=42 loss=0.123457 loss/mean=...``.
 
     Scalars only (an array metric shows as ``name=[n values]``); published
-    metrics start with ``[group]``.
+    metrics start with ``[group]``. Control characters in names are shown as
+    ``\\xNN``, never sent to the terminal.
     """
 
     all_processes = False
@@ -50,11 +52,12 @@ class ConsoleSink:
         self.precision = precision
 
     def write(self, record: Record) -> None:
-        parts = [] if record.group is None else [f"[{record.group}]"]
+        parts = [] if record.group is None else [f"[{printable(record.group)}]"]
         if record.step is not None:
             parts.append(f"step={record.step}")
         # The group is shown once, as [group], not as a prefix of every name.
         for name, number, arr in values(dataclasses.replace(record, group=None)):
+            name = printable(name)  # a terminal escape in a name stays text
             if arr is not None:
                 parts.append(f"{name}=[{arr.size} values]")
             else:
