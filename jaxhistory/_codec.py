@@ -258,8 +258,9 @@ def _decode(value: Any) -> Any:
 def decode_line(line: bytes | str) -> tuple[int, dict[str, Any]]:
     """The step and the values (metrics and aggregated) of one line.
 
-    Raises ValueError for a line that is not a complete record with an integer
-    step (a line cut off by a killed run, for example).
+    Raises ValueError for a line that is not a complete record with an int64
+    step (a line cut off by a killed run, for example). Steps may be negative,
+    as :meth:`~jaxhistory.HistoryState.update` takes them.
     """
     try:
         record = orjson.loads(line)  # invalid UTF-8 is a JSONDecodeError
@@ -267,8 +268,8 @@ def decode_line(line: bytes | str) -> tuple[int, dict[str, Any]]:
         items = {**record.get("metrics", {}), **record.get("aggregated", {})}
         if type(step) is not int:
             raise ValueError("no integer step")
-        if not 0 <= step < 2**63:
-            raise ValueError(f"step {step} is out of range (0 to 2**63 - 1)")
+        if not -(2**63) <= step < 2**63:
+            raise ValueError(f"step {step} is outside int64")
         return step, {k: _decode(v) for k, v in items.items()}
     except (KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"not a record: {err}") from None
@@ -276,11 +277,12 @@ def decode_line(line: bytes | str) -> tuple[int, dict[str, Any]]:
 
 def read_columns(
     path: Path,
-) -> tuple[dict[str, tuple[list[int], list[Any]]], list[int]]:
-    """Every metric's steps and values in a JSONL log, in line order, and the
-    numbers of the lines that are not complete records."""
+) -> tuple[dict[str, tuple[list[int], list[Any]]], list[int], int]:
+    """Every metric's steps and values in a JSONL log, in line order, the
+    numbers of the lines that are not complete records, and how many are."""
     columns: dict[str, tuple[list[int], list[Any]]] = {}
     bad = []
+    records = 0
     with open(path, "rb") as f:  # bytes: a damaged line costs only itself
         for number, line in enumerate(f, 1):
             if number == 1 and line.startswith(b"\xef\xbb\xbf"):
@@ -292,11 +294,12 @@ def read_columns(
             except ValueError:
                 bad.append(number)
                 continue
+            records += 1
             for name, value in items.items():
                 steps, values = columns.setdefault(name, ([], []))
                 steps.append(step)
                 values.append(value)
-    return columns, bad
+    return columns, bad, records
 
 
 # The start of every line jaxhistory writes: read without decoding the line.

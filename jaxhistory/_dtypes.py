@@ -22,8 +22,12 @@ __all__ = [
     "PY_SCALARS",
     "STEP_KEYS",
     "as_step",
+    "as_steps",
     "check_ints",
+    "common_dtype",
+    "first_inexact",
     "host_value",
+    "numeric_dtype",
     "warmup_count",
 ]
 
@@ -179,3 +183,110 @@ def as_step(name: str, value: Any) -> int:
     if not INT64_MIN <= value <= INT64_MAX:
         raise ValueError(f"{name!r} is {value}, outside the int64 range of steps")
     return value
+
+
+def as_steps(steps: Any, what: str = "steps") -> np.ndarray:
+    """``steps`` as an int64 array: whole numbers within int64 (ValueError naming
+    ``what`` and the first value that is not one; never truncated or wrapped)."""
+    arr = np.asarray(steps)
+    if arr.dtype.kind not in "iuf" and arr.size:
+        raise ValueError(
+            f"{what} must be whole numbers within int64, got dtype {arr.dtype}"
+        )
+    if arr.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(arr) | (arr != np.floor(arr))
+            bad |= (arr < -(2.0**63)) | (arr >= 2.0**63)
+    elif arr.dtype.kind == "u" and arr.dtype.itemsize == 8:
+        bad = arr > INT64_MAX
+    else:
+        return arr.astype(np.int64)
+    if bad.any():
+        raise ValueError(
+            f"{what} must be whole numbers within int64, got "
+            f"{arr[bad].reshape(-1)[0].item()!r}"
+        )
+    return arr.astype(np.int64)
+
+
+_MAX_ITEMSIZE = 16  # bytes of the widest value stored (float128)
+
+
+def numeric_dtype(text: Any) -> np.dtype:
+    """The dtype named ``text`` (a file's record of a metric's dtype), if it is
+    one a metric is stored as: bool, int, uint or float, at most 16 bytes.
+
+    Checked before anything of that dtype is allocated; ValueError otherwise.
+    """
+    try:
+        dtype = np.dtype(str(text))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{str(text)!r:.60} is not a dtype ({err})") from None
+    if (
+        dtype.kind not in "biuf"
+        or dtype.itemsize > _MAX_ITEMSIZE
+        or dtype.fields is not None
+        or dtype.subdtype is not None
+    ):
+        raise ValueError(
+            f"{str(text)!r:.60} is not a numeric dtype (bool, int, uint or float)"
+        )
+    return dtype
+
+
+_EXACT = 2**53  # beyond this magnitude not every integer is a float64
+_EXACT_F = float(_EXACT)
+
+
+def first_inexact(values: Any) -> int | None:
+    """The first integer of ``values`` that float64 cannot hold exactly."""
+    if type(values) is int:
+        big = [values] if abs(values) > _EXACT else []
+    else:
+        arr = np.asarray(values)
+        if arr.dtype.kind not in "iu" or not arr.size:
+            return None
+        big = arr[np.abs(arr.astype(np.float64)) >= _EXACT_F].tolist()
+    for v in big:
+        try:
+            if int(float(v)) != v:
+                return v
+        except OverflowError:
+            return v
+    return None
+
+
+def common_dtype(name: str, arrays: list[np.ndarray]) -> np.dtype:
+    """The dtype that holds every value of ``arrays`` (parts of one metric)
+    exactly, or ValueError naming the metric, the dtypes and a value.
+
+    NumPy's promotion, except where it would round integers: signed and
+    unsigned 64-bit integers stay int64 where every value fits it, uint64 where
+    none is negative; integers join floats only where float64 holds each one.
+    """
+    out = np.result_type(*(a.dtype for a in arrays))
+    ints = [a for a in arrays if a.dtype.kind in "iu" and a.size]
+    if out.kind != "f" or not ints:
+        return out
+    kinds = {a.dtype.kind for a in arrays if a.size}
+    if kinds <= {"i", "u", "b"}:  # uint64 beside signed integers
+        low = min(int(a.min()) for a in ints)
+        high = max(int(a.max()) for a in ints)
+        if low >= INT64_MIN and high <= INT64_MAX:
+            return np.dtype(np.int64)
+        if low >= 0:
+            return np.dtype(np.uint64)
+        dtypes = " and ".join(dict.fromkeys(str(a.dtype) for a in ints))
+        raise ValueError(
+            f"metric {name!r} holds {dtypes} values {high} and {low}: no integer "
+            "dtype holds both, and float64 would round them"
+        )
+    floats = sorted({str(a.dtype) for a in arrays if a.dtype.kind == "f"})
+    for a in ints:
+        bad = first_inexact(a)
+        if bad is not None:
+            raise ValueError(
+                f"metric {name!r} is {a.dtype} in one part and {', '.join(floats)} "
+                f"in another, and {out} cannot hold its integer {bad} exactly"
+            )
+    return out

@@ -23,8 +23,11 @@ from jaxhistory._dtypes import (
     PY_SCALARS,
     STEP_KEYS,
     as_step,
+    as_steps,
     check_ints,
+    common_dtype,
     device_storage_dtype,
+    first_inexact,
     host_value,
     warmup_count,
 )
@@ -242,6 +245,12 @@ class HistoryState:
             >>> s.select("train").keys
             ('train/loss',)
         """
+        for p in prefixes:
+            if type(p) is not str:
+                raise TypeError(
+                    "select takes metric name prefixes as str, got "
+                    f"{type(p).__name__} {p!r:.60}"
+                )
         heads = [p.rstrip("/") for p in prefixes]
 
         def wanted(k: str) -> bool:
@@ -532,7 +541,8 @@ class HistoryState:
         """Records many steps at once from arrays (one host transfer for all).
 
         Args:
-            steps: 1-D integers, strictly increasing.
+            steps: 1-D whole numbers within int64, strictly increasing (a
+                fractional step is a ValueError, never truncated).
             values: metric name -> array whose first axis matches ``steps``.
         """
         values = dict(values)
@@ -540,10 +550,10 @@ class HistoryState:
             isinstance(v, jax.Array) for v in values.values()
         ):
             steps, values = jax.device_get((steps, values))  # one transfer for all
-        steps = np.asarray(steps, np.int64)
+        steps = as_steps(steps)
         if steps.ndim != 1:
             raise ValueError(f"steps must be 1-D, got shape {steps.shape}")
-        if len(steps) > 1 and np.any(np.diff(steps) <= 0):
+        if len(steps) > 1 and np.any(steps[1:] <= steps[:-1]):
             raise ValueError("steps must be strictly increasing")
         if not len(steps) or not values:
             return self
@@ -578,6 +588,10 @@ class HistoryState:
         """Combines two histories in step order (a resumed run, for example).
 
         Where both record a metric at the same step, ``other``'s record wins.
+        A metric stored with different dtypes keeps every value exactly (see
+        :func:`~jaxhistory._dtypes.common_dtype`: integers join floats only where
+        float64 holds them; uint64 and int64 values give int64 or uint64) or is
+        a ValueError naming it; neither history changes.
         """
         new = {}
         for name in dict.fromkeys((*self.keys, *other.keys)):
@@ -587,9 +601,10 @@ class HistoryState:
                     f"metric {name!r} has shape {parts[0][1].shape[1:]} here and "
                     f"{parts[1][1].shape[1:]} in the other history"
                 )
+            dtype = common_dtype(name, [p[1] for p in parts])
             steps, values = _later_wins(  # other's record wins
                 np.concatenate([p[0] for p in parts]),
-                np.concatenate([p[1] for p in parts]),
+                np.concatenate([p[1] for p in parts], dtype=dtype, casting="unsafe"),
             )
             new[(name,)] = (Table.from_arrays((name,), steps, [values]), len(steps))
         return self._derive(new, max(self.next_step, other.next_step))
@@ -712,7 +727,10 @@ class HistoryState:
         ds = _xarray.read_netcdf(path)
         for name in ds.data_vars:
             ds.variables[name].attrs.pop("long_name", None)
-        return cls.from_xarray(ds)
+        try:
+            return cls.from_xarray(ds)
+        except ValueError as err:  # a crafted or damaged file: name it
+            raise ValueError(f"{path}: {err}") from None
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike) -> HistoryState:
@@ -723,13 +741,23 @@ class HistoryState:
         or one cut off before a resumed run appended) are skipped with a warning;
         every other record is kept. Where several lines record a metric at the
         same step (a run resumed from an earlier checkpoint), the later line wins.
-        Integers come back as int64, other numbers as float64. The run id of the
-        log's lines (the last one) is in ``attrs["run_id"]``.
+        Integers come back as int64 (uint64 where some are beyond int64 and none
+        is negative), other numbers as float64; a metric whose values no dtype
+        holds exactly is a ValueError naming it. The run id of the log's lines
+        (the last one) is in ``attrs["run_id"]``. A file with lines but no
+        complete record (not a JSONL log: gzip data, another format) is a
+        ValueError naming it.
         """
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no JSONL log at {path}")
-        raw, bad = _codec.read_columns(path)
+        raw, bad, records = _codec.read_columns(path)
+        if bad and not records:
+            gzip = " (gzip data: decompress it first)" if _gzipped(path) else ""
+            raise ValueError(
+                f"{path}: no complete record in its {len(bad)} line(s): not a "
+                f"JSONL log of jaxhistory{gzip}"
+            )
         if bad:
             shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
             warnings.warn(
@@ -740,17 +768,15 @@ class HistoryState:
             )
         columns = {}
         for name, (steps, values) in raw.items():
-            steps_arr = np.asarray(steps, np.int64)
             try:
-                arr = np.asarray(values)
-            except ValueError:
-                raise ValueError(f"{path}: metric {name!r} changes shape") from None
-            if arr.dtype.kind not in "biuf":
-                raise ValueError(f"{path}: metric {name!r} has non-numeric values")
-            if arr.dtype.kind == "f":
-                arr = arr.astype(np.float64)
+                arr = _log_column(name, values)
+            except ValueError as err:
+                raise ValueError(f"{path}: {err}") from None
+            steps_arr = np.asarray(steps, np.int64)
             columns[name] = _later_wins(steps_arr, arr)  # the later line wins
+        # As update counts: one past the latest step, and never below 0.
         next_step = max((int(s[-1]) + 1 for s, _ in columns.values()), default=0)
+        next_step = max(next_step, 0)
         run_id = _codec.read_run_id(path)
         return cls._from_columns(
             columns, next_step, {"run_id": run_id} if run_id else None
@@ -772,33 +798,52 @@ class HistoryState:
         return f"HistoryState({len(self)} metrics, next_step={self.next_step})"
 
 
-_EXACT = 2**53  # beyond this magnitude not every integer is a float64
-_EXACT_F = float(_EXACT)
+_EXACT_F = float(2**53)  # beyond this magnitude not every integer is a float64
 
 
-def _inexact(values: Any) -> int | None:
-    """The first integer of ``values`` that float64 cannot hold exactly."""
-    if type(values) is int:
-        big = [values] if abs(values) > _EXACT else []
-    else:
+def _log_column(name: str, values: list) -> np.ndarray:
+    """The values of a metric read from a log, in the dtype that holds them all
+    exactly (ValueError naming the metric where none does)."""
+    try:
         arr = np.asarray(values)
-        if arr.dtype.kind not in "iu" or not arr.size:
-            return None
-        big = arr[np.abs(arr.astype(np.float64)) >= _EXACT_F].tolist()
-    for v in big:
-        try:
-            if int(float(v)) != v:
-                return v
-        except OverflowError:
-            return v
-    return None
+    except ValueError:
+        raise ValueError(f"metric {name!r} changes shape") from None
+    if arr.dtype.kind not in "biuf":
+        raise ValueError(f"metric {name!r} has non-numeric values")
+    if arr.dtype.kind != "f":
+        return arr  # integers within int64, or bools
+    # NumPy turns ints beyond int64 (and ints beside floats) into float64.
+    flat = values if arr.ndim == 1 else np.asarray(values, object).ravel().tolist()
+    ints = [v for v in flat if type(v) is int]
+    if not ints:
+        return arr.astype(np.float64)
+    if len(ints) == len(flat):  # every value an integer, some beyond int64
+        low, high = min(ints), max(ints)
+        if low >= 0:
+            return np.array(values, np.uint64)
+        raise ValueError(
+            f"metric {name!r} holds the integers {high} and {low}: neither int64 "
+            "nor uint64 holds both, and float64 would round them"
+        )
+    for v in ints:
+        if first_inexact(v) is not None:
+            raise ValueError(
+                f"metric {name!r} mixes floats with the integer {v}, which float64 "
+                "cannot hold exactly"
+            )
+    return arr.astype(np.float64)
+
+
+def _gzipped(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
 
 
 def _check_widening(table: Table, n: int, wider: tuple) -> None:
     """Refuses to turn an integer column into floats that would round it."""
     for i, (old, new) in enumerate(zip(table.dtypes, wider, strict=True)):
         if old.kind in "iu" and new.kind == "f" and n:
-            bad = _inexact(table.view(n)[1][i])
+            bad = first_inexact(table.view(n)[1][i])
             if bad is not None:
                 raise ValueError(
                     f"metric {table.keys[i]!r} holds the integer {bad}, which {new} "
@@ -812,7 +857,7 @@ def _check_exact(keys: tuple, values: list, dtypes: tuple) -> None:
     for name, value, dtype in zip(keys, values, dtypes, strict=True):
         if dtype.kind != "f" or isinstance(value, jax.Array | float):
             continue
-        bad = _inexact(value)
+        bad = first_inexact(value)
         if bad is not None:
             raise ValueError(
                 f"metric {name!r} is stored as {dtype} and cannot hold the integer "

@@ -19,9 +19,11 @@ a ``_long`` dimension, with each metric's dtype in ``_long_dtype``. The names us
 are kept in the ``jaxhistory_long`` attribute; ``from_dataset`` restores these
 metrics exactly, after the others.
 
-The dataset file (:func:`to_tree`, :func:`from_tree`) holds the same variables
-with each metric path as netCDF groups, so plain xarray reads ``train/loss/mean``
-as ``xr.open_datatree(path)["train/loss/mean"]``.
+The dataset file (:func:`to_tree`, :func:`write_tree`, :func:`from_tree`) holds
+the same variables with each metric path as netCDF groups, so plain xarray reads
+``train/loss/mean`` as ``xr.open_datatree(path)["train/loss/mean"]``; every group
+holds its own ``step`` (and ``time``) coordinate, so a group opened alone,
+``xr.open_dataset(path, group="train/loss")``, selects by step too.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxhistory._dtypes import as_steps, numeric_dtype
 from jaxhistory._names import decode_netcdf, encode_netcdf
 from jaxhistory._optional import import_optional
 from jaxhistory._version import __version__
@@ -48,6 +51,7 @@ __all__ = [
     "read_netcdf",
     "to_dataset",
     "to_tree",
+    "write_tree",
 ]
 
 # A column: (name, steps, values, storage dtype, record shape)
@@ -187,20 +191,54 @@ def _from_long(ds, names: list[str]) -> dict[str, tuple]:
     _, metric_dim, step_, index_, value_, dtype_ = names
     variables = ds.variables
     metrics = [str(n) for n in variables[metric_dim].values]
-    dtypes = [np.dtype(str(d)) for d in variables[dtype_].values]
-    steps = np.asarray(variables[step_].values, np.int64)
-    index = np.asarray(variables[index_].values, np.int64)
+    if len(set(metrics)) != len(metrics):
+        raise ValueError(f"the long table's {metric_dim} names a metric twice")
+    dtypes = []
+    for name, text in zip(metrics, variables[dtype_].values, strict=True):
+        try:
+            dtypes.append(numeric_dtype(text))
+        except ValueError as err:
+            raise ValueError(f"metric {name!r} of the long table: {err}") from None
+    steps = as_steps(variables[step_].values, f"the long table's {step_}")
+    index = as_steps(variables[index_].values, f"the long table's {index_}")
     values = np.asarray(variables[value_].values, np.float64)
+    if not len(steps) == len(index) == len(values):
+        raise ValueError(f"the long table's {step_}, {index_}, {value_} differ in size")
     if len(index) and (index.min() < 0 or index.max() >= len(metrics)):
         raise ValueError(f"{index_} points past the {len(metrics)} long metrics")
     order = np.argsort(index, kind="stable")
     ends = np.cumsum(np.bincount(index, minlength=len(metrics)))
     starts = ends - np.bincount(index, minlength=len(metrics))
-    steps, values = steps[order], values[order]
+    steps, values, index = steps[order], values[order], index[order]
+    back = (steps[1:] <= steps[:-1]) & (index[1:] == index[:-1])
+    if back.any():
+        name = metrics[index[np.argmax(back)]]
+        raise ValueError(
+            f"the steps of metric {name!r} in the long table are not strictly "
+            "increasing"
+        )
     return {
-        name: (steps[a:b].copy(), values[a:b].astype(dtype))
+        name: (steps[a:b].copy(), _cast(name, values[a:b], dtype))
         for name, dtype, a, b in zip(metrics, dtypes, starts, ends, strict=True)
     }
+
+
+def _cast(name: str, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``values`` (of one metric, as a file holds them) as ``dtype``, which
+    must hold every one of them exactly where ``dtype`` is an integer one."""
+    if dtype.kind in "biu" and values.dtype.kind == "f" and values.size:
+        info = np.iinfo(dtype) if dtype.kind != "b" else np.iinfo(np.uint8)
+        with np.errstate(invalid="ignore"):
+            ok = np.isfinite(values) & (values == np.floor(values))
+            ok &= (values >= float(info.min)) & (values < float(info.max) + 1)
+        if dtype.kind == "b":
+            ok &= (values == 0) | (values == 1)
+        if not ok.all():
+            bad = values[~ok].reshape(-1)[0].item()
+            raise ValueError(f"metric {name!r} is {dtype} but holds {bad!r}")
+    elif values.dtype.kind not in "biuf":
+        raise ValueError(f"metric {name!r} holds {values.dtype} values, not numbers")
+    return values.astype(dtype)
 
 
 def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
@@ -208,17 +246,25 @@ def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
     dataset made by :func:`to_dataset`."""
     if "step" not in ds.coords:
         raise ValueError("the dataset has no 'step' coordinate")
-    steps = np.asarray(ds["step"].values, np.int64)
-    mask, mask_dim = _mask_names(ds)
+    steps = as_steps(ds["step"].values, "the step coordinate")
+    back = steps[1:] <= steps[:-1]  # (np.diff could overflow int64)
+    if back.any():
+        at = int(np.argmax(back))
+        raise ValueError(
+            "the step coordinate must be strictly increasing, but "
+            f"{steps[at]} is followed by {steps[at + 1]}"
+        )
+    mask_names = _mask_names(ds)
     masks = {}
-    if mask in ds.data_vars:
+    if mask_names and mask_names[0] in ds.data_vars:
+        mask, mask_dim = mask_names
         names = [str(n) for n in ds[mask_dim].values]
         table = np.asarray(ds[mask].values, bool)
         masks = {n: table[:, i] for i, n in enumerate(names)}
     columns = {}
     long = _long_names(ds)
     long_columns = {} if long is None else _from_long(ds, long)  # checked first
-    skip = {mask, *(long or ())}
+    skip = {*mask_names, *(long or ())}
     variables = ds.variables  # not ds[name]: that builds a DataArray per name
     for name in ds.data_vars:
         if name in skip:
@@ -227,7 +273,12 @@ def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
         if var.dims[0] != "step":
             raise ValueError(f"variable {name!r} is not indexed by step first")
         values = np.asarray(var.values)
-        dtype = np.dtype(var.attrs.get(DTYPE_ATTR, values.dtype))
+        dtype = values.dtype
+        if DTYPE_ATTR in var.attrs:  # checked before anything of it is made
+            try:
+                dtype = numeric_dtype(var.attrs[DTYPE_ATTR])
+            except ValueError as err:
+                raise ValueError(f"metric {name!r}: its {DTYPE_ATTR} {err}") from None
         if name in masks:
             recorded = masks[name]
         elif var.attrs.get(GAPS_ATTR, 0) and values.dtype.kind == "f":
@@ -237,7 +288,12 @@ def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
         else:
             recorded = np.ones(len(steps), bool)
         kept = np.array(steps[recorded])
-        columns[str(name)] = (kept, values[recorded].astype(dtype))
+        columns[str(name)] = (kept, _cast(str(name), values[recorded], dtype))
+    both = long_columns.keys() & columns.keys()
+    if both:
+        raise ValueError(
+            f"metric {min(both)!r} is both a variable and in the long table"
+        )
     columns.update(long_columns)
     attrs = {k: v for k, v in ds.attrs.items() if k not in _GENERATED_ATTRS}
     next_step = int(ds.attrs.get(NEXT_STEP_ATTR, steps[-1] + 1 if len(steps) else 0))
@@ -266,7 +322,10 @@ def read_netcdf(path: str | os.PathLike):
         ) from err
     grouped = tree.attrs.get(LAYOUT_ATTR) == LAYOUT
     # (else a file of an earlier version: percent-encoded names, no groups)
-    ds = from_tree(tree) if grouped else tree.to_dataset(inherit=False)
+    try:
+        ds = from_tree(tree) if grouped else tree.to_dataset(inherit=False)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
     ds.attrs = {
         k: v.item() if isinstance(v, np.generic) else v for k, v in ds.attrs.items()
     }
@@ -286,10 +345,14 @@ def read_netcdf(path: str | os.PathLike):
     return ds
 
 
-def _mask_names(ds) -> tuple[str, str]:
-    return str(ds.attrs.get(MASK_ATTR, MASK)), str(
-        ds.attrs.get(MASK_DIM_ATTR, MASK_DIM)
-    )
+def _mask_names(ds) -> tuple[str, ...]:
+    """(the mask's name, its dimension's) where ``ds`` has a mask, else ()."""
+    if MASK_ATTR in ds.attrs:
+        return str(ds.attrs[MASK_ATTR]), str(ds.attrs.get(MASK_DIM_ATTR, MASK_DIM))
+    var = ds.variables.get(MASK)
+    if var is not None and var.dims == ("step", MASK_DIM):  # an older file's
+        return MASK, MASK_DIM
+    return ()  # a metric may be named _recorded
 
 
 def renamed(ds, fn):
@@ -404,9 +467,20 @@ def to_tree(ds):
         coords=ds.coords,
         attrs={**ds.attrs, LAYOUT_ATTR: LAYOUT},
     )
+    # Coordinates along step other than step itself (time): each group holds
+    # them too, as plain xarray does not pass them down (step: write_tree).
+    along = {n: c for n, c in ds.coords.items() if n != "step" and c.dims == ("step",)}
     tree = {"/": root}
-    tree.update({"/".join(g): xr.Dataset(v) for g, v in nodes.items()})
+    tree.update({"/".join(g): xr.Dataset(v, coords=along) for g, v in nodes.items()})
     return xr.DataTree.from_dict(tree)
+
+
+def write_tree(tree, path: str | os.PathLike) -> None:
+    """Writes :func:`to_tree`'s ``tree`` to a netCDF-4 file at ``path``, each
+    group with its own ``step`` coordinate, so that
+    ``xr.open_dataset(path, group="eval")["loss"].sel(step=50)`` selects by
+    step (a group opened alone does not see its parents' coordinates)."""
+    tree.to_netcdf(path, engine="netcdf4", write_inherited_coords=True)
 
 
 def from_tree(tree):

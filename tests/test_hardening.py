@@ -2,6 +2,7 @@
 at the call that received them, or an exact round trip; nothing recorded lost."""
 
 import math
+import re
 import warnings
 
 import jax
@@ -11,6 +12,7 @@ import pytest
 
 import jaxhistory as jh
 from jaxhistory import MetricBuffer, export
+from jaxhistory.cli import load_run
 
 # ----- names that collide with the dataset's own -------------------------------
 
@@ -627,3 +629,168 @@ def test_summary_of_single_values_matches_numpy():
     for name in ("m1", "m2"):
         assert math.isnan(got[name]["mean"]) and got[name]["nonfinite"] == 1
     assert math.isnan(got["m1"]["last"]) and got["m2"]["last"] == math.inf
+
+
+# ----- files read back as they were written, or refused ----------------------------
+
+
+def eval_run():
+    """train/loss every step 0..100, eval/loss every 50 steps (NaN between)."""
+    s = jh.HistoryState()
+    for t in range(101):
+        s = s.update({"train": {"loss": 1.0 / (t + 1)}}, step=t)
+        if t % 50 == 0:
+            s = s.update({"eval": {"loss": 0.2014 + t}}, step=t)
+    return s
+
+
+def test_every_group_of_the_dataset_file_opens_with_its_step_coordinate(tmp_path):
+    import xarray as xr
+
+    path = tmp_path / "dataset.nc"
+    export.to_netcdf(eval_run(), path)
+    with xr.open_dataset(path, group="eval") as ds:
+        assert "step" in ds.coords and ds["step"].values.tolist() == list(range(101))
+        assert float(ds["loss"].sel(step=50)) == 0.2014 + 50
+        assert np.isnan(float(ds["loss"].sel(step=51)))
+    with xr.open_dataset(path, group="train") as ds:
+        assert float(ds["loss"].sel(step=3)) == 0.25
+    with xr.open_datatree(path) as tree:
+        assert float(tree["eval"]["loss"].sel(step=100)) == 100.2014
+        assert float(tree["eval/loss"].sel(step=0)) == 0.2014
+    assert_same(eval_run(), jh.HistoryState.from_netcdf(path))
+
+
+def test_a_nested_group_has_its_step_and_time_coordinates(tmp_path):
+    import xarray as xr
+
+    s = jh.HistoryState().update({"a": {"b": {"c": 1.0}}}, step=4)
+    s = s.update({"a": {"b": {"c": 2.0}}}, step=9)
+    path = tmp_path / "dataset.nc"
+    export.to_netcdf(s, path, timestamps={4: 1.7e9, 9: 1.7e9 + 5})
+    with xr.open_dataset(path, group="a/b") as ds:
+        assert float(ds["c"].sel(step=9)) == 2.0
+        assert str(ds["time"].values[1])[:19] == "2023-11-14T22:13:25"
+    assert_same(s, jh.HistoryState.from_netcdf(path))
+
+
+def test_a_metric_named_like_the_mask_with_gaps_and_no_nan_round_trips(tmp_path):
+    s = jh.HistoryState().update({"_recorded": 1.0, "y": 1.0}, step=0)
+    s = s.update({"y": 2.0}, step=1).update({"_recorded": 3.0, "y": 2.0}, step=2)
+    back = jh.HistoryState.from_xarray(s.to_xarray())
+    assert_same(s, back)
+    assert back.steps("_recorded").tolist() == [0, 2]
+    export.to_netcdf(s, tmp_path / "d.nc")
+    assert_same(s, jh.HistoryState.from_netcdf(tmp_path / "d.nc"))
+
+
+def test_select_names_a_prefix_that_is_not_a_string():
+    s = jh.HistoryState().update({"a": 1.0})
+    with pytest.raises(TypeError, match=r"select.*prefix.*str.*int 5"):
+        s.select(5)
+    with pytest.raises(TypeError, match="bytes"):
+        s.select("a", b"a")
+    assert s.select("a").keys == ("a",)
+
+
+def crafted(tmp_path, name, edit):
+    """A dataset file of a small run, changed by ``edit(ds)`` and written flat."""
+    s = jh.HistoryState().update({"a": 1.0, "i": 1}, step=0)
+    s = s.update({"a": 2.0, "i": 2}, step=1).update({"a": 3.0}, step=2)
+    ds = edit(s.to_xarray())
+    path = tmp_path / name
+    ds.to_netcdf(path, engine="netcdf4")
+    return path
+
+
+@pytest.mark.parametrize(
+    "steps, what",
+    [
+        ([2, 1, 0], "strictly increasing"),
+        ([0, 1, 1], "strictly increasing"),
+        ([0.0, 0.5, 1.0], "whole numbers"),
+    ],
+)
+def test_a_dataset_file_whose_steps_are_not_steps_is_named(tmp_path, steps, what):
+    path = crafted(tmp_path, "bad.nc", lambda ds: ds.assign_coords(step=steps))
+    with pytest.raises(ValueError, match=f"{path.name}.*step.*{what}"):
+        jh.HistoryState.from_netcdf(path)
+    with pytest.raises(ValueError, match=f"{path.name}.*step.*{what}"):
+        load_run(path)
+
+
+@pytest.mark.parametrize("dtype", ["object", "<U5", "V8", "V100000000", "M8[ns]"])
+def test_a_dataset_file_with_a_dtype_that_is_no_number_is_named(tmp_path, dtype):
+    def edit(ds):
+        ds["a"].attrs["jaxhistory_dtype"] = dtype
+        return ds
+
+    path = crafted(tmp_path, "dtype.nc", edit)
+    with pytest.raises(
+        ValueError, match=rf"dtype.nc.*'a'.*{re.escape(dtype)}.*not a numeric"
+    ):
+        jh.HistoryState.from_netcdf(path)
+
+
+def test_an_unreadable_dtype_attribute_is_named(tmp_path):
+    def edit(ds):
+        ds["i"].attrs["jaxhistory_dtype"] = "int65"
+        return ds
+
+    path = crafted(tmp_path, "dtype.nc", edit)
+    with pytest.raises(ValueError, match="dtype.nc.*'i'.*int65"):
+        jh.HistoryState.from_netcdf(path)
+
+
+def long_run():
+    s = key_sets(300)
+    return s.to_xarray()
+
+
+@pytest.mark.parametrize("fault", ["repeat", "backwards", "also a variable"])
+def test_a_damaged_long_table_in_a_file_is_named(tmp_path, fault):
+    ds = long_run()
+    steps = ds["_long_step"].values.copy()
+    index = ds["_long_index"].values.copy()
+    if fault == "also a variable":
+        metrics = ds["_long_metric"].values.astype(object)
+        metrics[0] = "loss"
+        ds = ds.assign_coords(_long_metric=metrics)
+        match = "'loss'.*both"
+    else:
+        # give metric 0 two records: the step of metric 1's record, or an earlier one
+        index[1] = index[0]
+        steps[1] = steps[0] if fault == "repeat" else steps[0] - 1
+        ds["_long_step"] = ("_long", steps)
+        ds["_long_index"] = ("_long", index)
+        match = "'sample/0'.*strictly increasing"
+    with pytest.raises(ValueError, match=match):
+        jh.HistoryState.from_xarray(ds)
+    path = tmp_path / "long.nc"
+    ds.to_netcdf(path, engine="netcdf4")
+    with pytest.raises(ValueError, match=f"long.nc.*{match}"):
+        jh.HistoryState.from_netcdf(path)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\x1f\x8b\x08\x00" + bytes(range(256)) * 4,  # gzip
+        b"step,loss\n0,0.5\n1,0.25\n",  # a CSV file
+        b'{"step": -1.5, "metrics": {"a": 1.0}}\n{"not": "a record"}\n',
+    ],
+)
+def test_a_file_without_one_complete_record_is_not_a_log(tmp_path, content):
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=f"{path.name}.*no complete record"):
+        jh.HistoryState.from_jsonl(path)
+    with pytest.raises(ValueError, match=f"{path.name}.*no complete record"):
+        jh.History(resume=path, report_dir=tmp_path / "out")
+    assert path.read_bytes() == content  # untouched
+
+
+def test_an_empty_log_is_an_empty_history(tmp_path):
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(b"\n")
+    assert jh.HistoryState.from_jsonl(path).keys == ()

@@ -699,3 +699,82 @@ def test_a_state_checkpoints_with_orbax_and_keeps_recording(tmp_path):
         np.testing.assert_array_equal(back.steps(name), s.steps(name))
         np.testing.assert_array_equal(back.values(name), s.values(name))
     assert back.update({"loss": 0.125}).values("loss").tolist() == [0.5, 0.25, 0.125]
+
+
+def test_merge_never_rounds_an_integer_it_cannot_hold():
+    ints = jh.HistoryState().update({"x": 2**53 + 1}, step=0)
+    floats = jh.HistoryState().update({"x": 1.5}, step=1)
+    for a, b in ((ints, floats), (floats, ints)):
+        with pytest.raises(ValueError, match=r"'x'.*int64.*float64.*9007199254740993"):
+            a.merge(b)
+    small = jh.HistoryState().update({"x": 3}, step=0)
+    merged = small.merge(floats)  # as update does: an int joins floats exactly
+    assert merged.values("x").tolist() == [3.0, 1.5] and merged.dtype("x") == "f8"
+    assert ints.values("x").tolist() == [2**53 + 1]  # nothing lost
+
+
+def test_merge_of_unsigned_and_signed_integers_stays_integer():
+    top = jh.HistoryState().update({"x": np.uint64(2**64 - 1)}, step=0)
+    minus = jh.HistoryState().update({"x": np.int64(-1)}, step=1)
+    with pytest.raises(ValueError, match=r"'x'.*uint64.*int64.*18446744073709551615"):
+        top.merge(minus)
+    five = jh.HistoryState().update({"x": np.uint64(5)}, step=0)
+    merged = five.merge(minus)
+    assert merged.values("x").tolist() == [5, -1] and merged.dtype("x") == np.int64
+    three = jh.HistoryState().update({"x": np.int64(3)}, step=1)
+    merged = top.merge(three)
+    assert merged.values("x").tolist() == [2**64 - 1, 3]
+    assert merged.dtype("x") == np.uint64
+
+
+def test_a_log_of_integers_reads_back_exactly_or_is_refused(tmp_path):
+    def log(*values):
+        path = tmp_path / "x.jsonl"
+        path.write_text(
+            "".join(
+                f'{{"step":{i},"metrics":{{"x":{v}}}}}\n' for i, v in enumerate(values)
+            )
+        )
+        return path
+
+    with pytest.raises(ValueError, match=r"x.jsonl.*'x'.*18446744073709551615.*-1"):
+        jh.HistoryState.from_jsonl(log(2**64 - 1, -1))
+    s = jh.HistoryState.from_jsonl(log(2**64 - 1, 3))
+    assert s.values("x").tolist() == [2**64 - 1, 3] and s.dtype("x") == np.uint64
+    with pytest.raises(ValueError, match=r"x.jsonl.*'x'.*9007199254740993"):
+        jh.HistoryState.from_jsonl(log(2**53 + 1, 1.5))
+    s = jh.HistoryState.from_jsonl(log(3, 1.5))
+    assert s.values("x").tolist() == [3.0, 1.5] and s.dtype("x") == np.float64
+    s = jh.HistoryState.from_jsonl(log(-(2**63), 2**63 - 1))
+    assert s.values("x").tolist() == [-(2**63), 2**63 - 1] and s.dtype("x") == "i8"
+
+
+@pytest.mark.parametrize("steps", [[5.5, 6.5], [5.0, np.nan], [2**63, 2**63 + 1]])
+def test_extend_refuses_steps_that_are_not_int64_whole_numbers(steps):
+    s = jh.HistoryState().update({"x": 1.0}, step=0)
+    steps = np.array(steps, np.uint64 if steps[0] == 2**63 else np.float64)
+    with pytest.raises(ValueError, match=r"steps must be whole numbers.*int64"):
+        s.extend(steps, {"x": np.ones(2)})
+    assert s.steps("x").tolist() == [0] and s.next_step == 1
+    whole = s.extend(np.array([5.0, 6.0]), {"x": np.ones(2)})  # as update takes 5.0
+    assert whole.steps("x").tolist() == [0, 5, 6]
+
+
+def test_negative_steps_survive_the_log(tmp_path):
+    s = jh.HistoryState().update({"x": 1.0}, step=-3).update({"x": 2.0}, step=-1)
+    s = s.update({"y": 5}, step=-(2**63))
+    path = jh.export.to_jsonl(s, tmp_path / "n.jsonl")
+    back = jh.HistoryState.from_jsonl(path)
+    assert back.steps("x").tolist() == [-3, -1] and back.values("x").tolist() == [1, 2]
+    assert back.steps("y").tolist() == [-(2**63)]
+    assert back.next_step == s.next_step == 0
+
+
+def test_negative_steps_streamed_by_history_read_back(tmp_path):
+    h = jh.History(jsonl_path=tmp_path / "log.jsonl", report_dir=tmp_path)
+    h.update({"loss": 0.5}, step=-1)
+    h.update({"loss": 0.25}, step=0)
+    h.close()
+    back = jh.HistoryState.from_jsonl(tmp_path / "log.jsonl")
+    assert back.steps("loss").tolist() == [-1, 0]
+    assert back.values("loss").tolist() == [0.5, 0.25]

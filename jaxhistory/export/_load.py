@@ -38,4 +38,7 @@ def load_run(path: str | Path):
     attrs = dict(ds.attrs)
     for name in ds.data_vars:
         ds.variables[name].attrs.pop("long_name", None)
-    return HistoryState.from_xarray(ds), attrs
+    try:
+        return HistoryState.from_xarray(ds), attrs
+    except ValueError as err:  # a crafted or damaged file: name it
+        raise ValueError(f"{path}: {err}") from None

@@ -33,8 +33,9 @@ def to_netcdf(
     long table instead: :mod:`jaxhistory._xarray`), run metadata (``attrs``) as
     global attributes. Each metric path is a netCDF group, so plain xarray reads a
     metric by its name: ``xr.open_datatree(path)["train/loss/mean"]``, or
-    ``xr.open_dataset(path, group="train/loss")["mean"]``; the root group holds
-    the coordinates and the metrics without ``/`` (see
+    ``xr.open_dataset(path, group="train/loss")["mean"]``, each group with its
+    own ``step`` coordinate, so ``.sel(step=50)`` selects by step in a group
+    opened alone; the root group holds the metrics without ``/`` (see
     :func:`jaxhistory._xarray.to_tree` for names that cannot be groups). Each
     variable's ``long_name`` is the metric's name. :func:`read_netcdf` returns the
     flat dataset of :meth:`HistoryState.to_xarray`, and
@@ -83,7 +84,7 @@ def to_netcdf(
         if name in variables:  # not a metric of the long table
             variables[name].attrs["long_name"] = name
     tree = _xarray.to_tree(ds)
-    atomic_write(Path(path), lambda tmp: tree.to_netcdf(tmp, engine="netcdf4"))
+    atomic_write(Path(path), lambda tmp: _xarray.write_tree(tree, tmp))
     return ds
 
 
