@@ -476,6 +476,7 @@ class HistoryState:
         for i, value in enumerate(row):
             if type(value) is int and keys[i] in found and found[keys[i]].kind == "f":
                 dtypes[i] = found[keys[i]]  # an int joins a float metric
+        self._check_mixing(keys, values, dtypes, found)
         table, n = self._writable(keys, tuple(dtypes), tuple(shapes))
         if ptypes is not ALL_FLOATS and int in ptypes:
             check_ints(keys, row, table.dtypes)
@@ -494,6 +495,25 @@ class HistoryState:
             if len(arrays) == len(values) and "iter" not in keys:
                 table.dsig = device_signature(tuple(values))
         return table, n, tuple(values), on_device
+
+    def _check_mixing(self, keys, values, dtypes, found) -> None:
+        """Refuses a value whose dtype, beside the dtype its metric has in other
+        key sets, would read back rounded: uint64 beside signed integers, or
+        (host values) integers that float64 cannot hold beside floats."""
+        for name, value, dtype in zip(keys, values, dtypes, strict=True):
+            old = found.get(name)
+            if old is None or old is dtype or old == dtype:  # (dtypes: singletons)
+                continue
+            if np.result_type(old, dtype).kind != "f" or "f" == old.kind == dtype.kind:
+                continue
+            if old.kind in "iub" and dtype.kind in "iub":
+                raise ValueError(
+                    f"metric {name!r} is stored as {old} and cannot take {dtype} "
+                    "values: float64 would round them; record it as "
+                    f"{old} (or merge histories, which keep integers exact)"
+                )
+            if not isinstance(value, jax.Array):  # (device values: not waited for)
+                common_dtype(name, [np.asarray(self.values(name)), np.asarray(value)])
 
     def update_packed(
         self, names: tuple[str, ...], vector: Any, step: int | None = None

@@ -778,3 +778,18 @@ def test_negative_steps_streamed_by_history_read_back(tmp_path):
     back = jh.HistoryState.from_jsonl(tmp_path / "log.jsonl")
     assert back.steps("loss").tolist() == [-1, 0]
     assert back.values("loss").tolist() == [0.5, 0.25]
+
+
+def test_a_metric_recorded_with_other_metrics_never_reads_back_rounded():
+    top = jh.HistoryState().update({"x": np.uint64(2**64 - 1)}, step=0)
+    with pytest.raises(ValueError, match=r"'x' is stored as uint64.*int64"):
+        top.update({"x": np.int64(-1), "y": 1.0}, step=1)
+    assert top.values("x").tolist() == [2**64 - 1] and top.dtype("x") == np.uint64
+    big = jh.HistoryState().update({"x": 2**53 + 1}, step=0)
+    for value in (1.5, np.float32(1.5), np.array(1.5)):
+        with pytest.raises(ValueError, match=r"'x'.*int64.*9007199254740993"):
+            big.update({"x": value, "y": 1.0}, step=1)
+    assert big.values("x").tolist() == [2**53 + 1]
+    small = jh.HistoryState().update({"x": 3}, step=0)
+    mixed = small.update({"x": np.float32(1.5), "y": 1.0}, step=1)
+    assert mixed.values("x").tolist() == [3.0, 1.5]
