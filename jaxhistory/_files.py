@@ -1,9 +1,19 @@
-"""File writes every output shares: whole files atomically, logs by appending."""
+"""File writes every output shares: whole files atomically, logs by appending.
+
+Nothing here writes through a symbolic link it did not make: a target that is a
+link, a folder, a device or a pipe is refused with an error naming it, and the
+temporary files sit in a private folder with an unpredictable name, so a link
+planted beside the target cannot redirect a write.
+"""
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import os
+import re
+import shutil
+import stat
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -13,48 +23,195 @@ try:
 except ImportError:  # Windows: logs are not guarded against a second writer
     fcntl = None
 
-__all__ = ["LogInUse", "WriteError", "atomic_write", "in_use", "open_log"]
+__all__ = [
+    "LogInUse",
+    "NotAFile",
+    "WriteError",
+    "atomic_write",
+    "check_target",
+    "in_use",
+    "kind_of",
+    "open_log",
+    "pid_alive",
+    "remove_stale",
+]
+
+FULL_BELOW = 1 << 20  # bytes free under which a failed write is put down to space
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+# The private folder of one atomic write: .{name}.{pid}.{random}.tmp
+_TMP = re.compile(r"\.(?P<name>.*)\.(?P<pid>\d+)\.[A-Za-z0-9_]{8}\.tmp")
+
+
+class NotAFile(OSError):
+    """An output path that holds something other than a regular file (a
+    symbolic link, a folder, a device, a pipe), or other than a folder where
+    one is written into: never written through, left as it is."""
+
+    def __init__(self, path: Path, what: str, expected: str = "a regular file"):
+        super().__init__(
+            f"refusing to write {path}: it is {what}, not {expected} (left as "
+            "it is; remove it or choose another path)"
+        )
+        self.errno = errno.EEXIST  # set apart: the message reads without it
+        self.path = path
+
+
+def kind_of(mode: int) -> str:
+    """What an ``os.lstat`` mode is, in words ("a symbolic link", ...)."""
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return "an unknown kind of file"
+
+
+def check_target(path: Path) -> None:
+    """Raises :class:`NotAFile` unless ``path`` is absent or a regular file
+    (a symbolic link is refused whatever it points to)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise NotAFile(Path(path), kind_of(mode))
+
+
+def _short(name: str, limit: int = 100) -> str:
+    """``name`` cut to at most ``limit`` bytes of UTF-8 (a whole character)."""
+    return name.encode("utf-8", "surrogateescape")[:limit].decode("utf-8", "ignore")
 
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Calls ``write(tmp)`` then renames ``tmp`` to ``path``: never half a file.
 
-    The temporary file sits beside ``path`` (same file system, so the rename is
-    atomic) and is removed if ``write`` fails; the old file is then untouched.
+    ``tmp`` has the name of ``path`` and lies in a new private folder beside it
+    (same file system, so the rename is atomic; created with an unpredictable
+    name, so nothing planted there is written through), removed afterwards or
+    if ``write`` fails; the old file is then untouched. A ``path`` that is a
+    symbolic link, a folder, a device or a pipe is refused (:class:`NotAFile`).
+    A failure is a :class:`WriteError` naming ``path``; one on a full disk says
+    "no space left on device". The private folders of writes to ``path`` that
+    a killed process left are removed first.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    check_target(path)
+    remove_stale(path.parent, path.name)
+    try:
+        folder = Path(
+            tempfile.mkdtemp(
+                prefix=f".{_short(path.name)}.{os.getpid()}.",
+                suffix=".tmp",
+                dir=path.parent,
+            )
+        )
+    except OSError as err:
+        raise WriteError(path, err) from err
+    tmp = folder / path.name
     try:
         write(tmp)
+        check_target(path)  # not made a link meanwhile
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as err:  # RuntimeError: netCDF's "HDF error"
-        _unlink_quietly(tmp)
-        raise WriteError(path, err) from err
-    except BaseException:
-        _unlink_quietly(tmp)
+    except NotAFile:
         raise
+    except (OSError, RuntimeError) as err:  # RuntimeError: netCDF's "HDF error"
+        error = WriteError(path, err)  # before the temporary frees its space
+        raise error from err
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def disk_full(folder: Path, cause: BaseException) -> bool:
+    """Whether ``cause``, an error writing into ``folder``, came from a full
+    disk: its errno says so, or the file system has under 1 MiB free (libraries
+    such as netCDF report a full disk as "HDF error" or "Permission denied")."""
+    if getattr(cause, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return shutil.disk_usage(folder).free < FULL_BELOW
+    except OSError:
+        return False
 
 
 class WriteError(OSError):
     """An output file could not be written; the file that was there is intact."""
 
     def __init__(self, path: Path, cause: BaseException):
-        message = (
-            f"cannot write {path}: {type(cause).__name__}: {cause} (any earlier "
-            "version of the file is unchanged)"
-        )
-        errno = getattr(cause, "errno", None)
-        if errno is None:
-            super().__init__(message)
+        code = getattr(cause, "errno", None)
+        if disk_full(Path(path).parent, cause):
+            code = errno.ENOSPC
+            said = f"{type(cause).__name__}: {cause}"
+            what = f"no space left on device (the write failed with {said})"
         else:
-            super().__init__(errno, message)
+            what = f"{type(cause).__name__}: {cause}"
+        message = (
+            f"cannot write {path}: {what} (any earlier version of the file is "
+            "unchanged)"
+        )
+        super().__init__(message)
+        self.errno = code  # set apart: the message reads without "[Errno n]"
         self.path = path
 
 
-def _unlink_quietly(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.unlink(missing_ok=True)
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (this process counts)."""
+    if pid == os.getpid():
+        return True
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process, or no way to tell: keep its files
+        return True
+    return True
+
+
+def remove_stale(
+    folder: Path, name: str | None = None, pattern: re.Pattern | None = None
+) -> list[Path]:
+    """Removes from ``folder`` what writers killed before they finished left:
+    the private folders of :func:`atomic_write` (of writes to ``folder/name``,
+    or to any file when ``name`` is None), and the entries whose names match
+    ``pattern`` (whose group ``pid`` is the writer's process id). Only real
+    folders and files whose process is no longer alive; symbolic links are never
+    followed nor removed. Returns what was removed."""
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    short = None if name is None else _short(name)
+    for entry in entries:
+        match = _TMP.fullmatch(entry.name)
+        if match is not None and short is not None and match["name"] != short:
+            match = None
+        if match is None and pattern is not None:
+            match = pattern.fullmatch(entry.name)
+        if match is None or pid_alive(int(match["pid"])):
+            continue
+        try:
+            mode = entry.stat(follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):
+                shutil.rmtree(entry.path)  # refuses a link; follows none inside
+            elif stat.S_ISREG(mode):
+                os.unlink(entry.path)
+            else:
+                continue
+        except OSError:
+            continue
+        removed.append(Path(entry.path))
+    return removed
 
 
 class LogInUse(OSError):
@@ -83,39 +240,67 @@ def _lock(f: BinaryIO, path: Path) -> None:
 
 def in_use(path: Path) -> bool:
     """Whether a live writer holds the log at ``path``."""
-    if fcntl is None or not Path(path).is_file():
+    if fcntl is None:
         return False
     try:
-        with open(path, "rb") as f:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
     except BlockingIOError:
         return True
     except OSError:
         return False
+    finally:
+        os.close(fd)
     return False
 
 
 def open_log(path: Path, overwrite: bool = False) -> BinaryIO:
     """Opens a line log for writing: truncated, or appended to.
 
-    When appending to a file whose last line was cut off (a killed run), a newline
-    is written first, so the next line starts on a line of its own and the cut
-    line stays the only damaged one.
+    A ``path`` that is a symbolic link (dangling or not), a folder, a device or
+    a pipe is refused (:class:`NotAFile`): the log is opened without following
+    a link. When appending to a file whose last line was cut off (a killed run),
+    a newline is written first, so the next line starts on a line of its own
+    and the cut line stays the only damaged one.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if overwrite and in_use(path):  # opening "wb" would truncate it first
+    check_target(path)
+    if overwrite and in_use(path):  # truncating would cut a live writer's log
         raise LogInUse(path)
-    f = open(path, "wb" if overwrite else "ab")  # noqa: SIM115 (the caller closes)
+    flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | _NOFOLLOW | _NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # made a link since the check
+            raise NotAFile(path, "a symbolic link") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotAFile(path, kind_of(mode))
+        if _NONBLOCK and fcntl is not None:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    f = os.fdopen(fd, "a+b")
     try:
         _lock(f, path)
-        if not overwrite and f.tell():
-            with open(path, "rb") as r:
-                r.seek(-1, os.SEEK_END)
-                if r.read(1) != b"\n":
-                    f.write(b"\n")
-                    f.flush()
+        if overwrite:
+            f.truncate(0)  # only once the lock is ours
+        end = f.seek(0, os.SEEK_END)
+        if end:
+            f.seek(end - 1)
+            if f.read(1) != b"\n":
+                f.write(b"\n")  # appended, wherever the position is
+                f.flush()
     except BaseException:
         f.close()
         raise

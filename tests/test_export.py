@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jaxhistory as jh
-from jaxhistory import export
+from jaxhistory import _files, export
 from jaxhistory.export import _finalize, _jsonl, _tplot
 
 NAMES = [
@@ -912,3 +912,228 @@ def test_finalize_lists_the_files_it_wrote(tmp_path):
     again = []
     jh.export.finalize(s, tmp_path, run_id="r", plot=False, echo=False, written=again)
     assert not any(p.suffix == ".png" for p in again)  # only this call's files
+
+
+# ----- files: links, temporaries, a killed finalize's leftovers, a full disk --------
+def _five_steps():
+    s = jh.HistoryState()
+    for k in range(5):
+        s = s.update({"loss": 1.0 / (k + 1), "lr": 0.1}, step=k)
+    return s
+
+
+def test_finalize_never_writes_or_deletes_through_a_link(tmp_path):
+    """A link at an output (report.md, the log, plots/, plots/mplot) is refused,
+    naming it, before anything is written; what it points to is untouched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    folder = tmp_path / "victim"
+    folder.mkdir()
+    (folder / "a.png").write_text("mine")
+    cases = [
+        ("report.md", victim, {}),
+        ("r.jsonl", victim, {}),
+        ("dataset.nc", tmp_path / "absent.nc", {}),  # a dangling link
+        ("plots", folder, {}),
+        ("plots", folder, {"plot": False}),  # would rmtree plots/mplot
+        ("plots/mplot", folder, {"plot": False}),
+    ]
+    for name, target, kw in cases:
+        out = tmp_path / f"out-{name.replace('/', '-')}-{len(kw)}"
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).symlink_to(target)
+        with pytest.raises(OSError, match=f"{out / name}: it is a symbolic link"):
+            jh.export.finalize(_five_steps(), out, run_id="r", echo=False, **kw)
+        assert victim.read_text() == "keep"
+        assert [p.name for p in folder.iterdir()] == ["a.png"]
+        assert (folder / "a.png").read_text() == "mine"
+        assert not (tmp_path / "absent.nc").exists()
+        assert (out / name).is_symlink()  # left as it was
+        assert not (out / "dataset.nc").is_file()  # refused before writing
+
+
+def test_a_link_planted_at_a_temporary_name_is_never_written_through(tmp_path):
+    """Temporary files have unpredictable names: links planted at the names
+    .{name}.{pid}.tmp beside each output get nothing."""
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    victims = {}
+    for name in ("dataset.nc", "report.md", "r.jsonl"):
+        victims[name] = tmp_path / f"victim-{name}"
+        victims[name].write_text("keep")
+        (out / f".{name}.{os.getpid()}.tmp").symlink_to(victims[name])
+    dangling = tmp_path / "created-through-a-link"
+    (out / f".r.jsonl.{os.getpid()}.tmp.x").symlink_to(dangling)
+    jh.export.finalize(_five_steps(), out, run_id="r", plot=False, echo=False)
+    for name, victim in victims.items():
+        assert victim.read_text() == "keep"
+        assert (out / name).is_file() and not (out / name).is_symlink()
+    assert not dangling.exists()
+    assert (
+        jh.HistoryState.from_jsonl(out / "r.jsonl").values("lr").tolist() == [0.1] * 5
+    )
+    hidden = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
+    assert len(hidden) == 4  # the planted links alone: no temporary is left
+
+
+def test_an_atomic_write_refuses_a_device_a_pipe_or_a_folder(tmp_path):
+    import os
+
+    (tmp_path / "pipe").unlink(missing_ok=True)
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "dir").mkdir()
+    called = []
+    for path, what in [
+        (Path("/dev/null"), "a device"),
+        (tmp_path / "pipe", "a named pipe"),
+        (tmp_path / "dir", "a folder"),
+    ]:
+        with pytest.raises(_files.NotAFile, match=f"{path}: it is {what}, not a re"):
+            _files.atomic_write(path, lambda tmp: called.append(tmp))
+    assert called == []
+    # A regular file is replaced, with the permissions a new file gets.
+    target = tmp_path / "f.txt"
+    target.write_text("old")
+    _files.atomic_write(target, lambda tmp: tmp.write_text("new"))
+    umask = os.umask(0)
+    os.umask(umask)
+    assert target.read_text() == "new"
+    assert target.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "f.txt", "pipe"]
+
+
+def test_the_log_is_never_opened_through_a_link(tmp_path):
+    """A dangling link at the log's name does not get its target created; a
+    link to a file does not get it appended to; a regular log still is."""
+    absent = tmp_path / "absent.jsonl"
+    (tmp_path / "dangling.jsonl").symlink_to(absent)
+    other = tmp_path / "other.jsonl"
+    other.write_text("theirs\n")
+    (tmp_path / "link.jsonl").symlink_to(other)
+    for name in ("dangling.jsonl", "link.jsonl"):
+        for overwrite in (False, True):
+            with pytest.raises(_files.NotAFile, match="symbolic link"):
+                _files.open_log(tmp_path / name, overwrite)
+    assert not absent.exists() and other.read_text() == "theirs\n"
+    h = jh.History(distributed_history=False, jsonl_path=tmp_path / "dangling.jsonl")
+    with pytest.warns(RuntimeWarning, match="dangling.jsonl: it is a symbolic link"):
+        h.update({"a": 1.0})
+    h.close()
+    assert not absent.exists()
+    log = tmp_path / "log.jsonl"
+    log.write_bytes(b'{"cut')  # a killed writer's last line
+    with _files.open_log(log) as f:
+        f.write(b"next\n")
+    assert log.read_bytes() == b'{"cut\nnext\n'
+    with _files.open_log(log, overwrite=True) as f:
+        f.write(b"only\n")
+    assert log.read_bytes() == b"only\n"
+
+
+def test_finalize_refuses_a_run_name_that_is_a_path(tmp_path):
+    for name in ("../x", "a/b", "..", "x\ny"):
+        with pytest.raises(ValueError, match="run_name .* is not a name"):
+            jh.export.finalize(
+                _five_steps(), tmp_path / "out", run_id="r", run_name=name
+            )
+    assert not (tmp_path / "out").exists() and not (tmp_path / "x").exists()
+
+
+KILLED_FINALIZE = """
+import sys
+import jaxhistory as jh
+s = jh.HistoryState()
+for k in range(60):
+    s = s.update({f"m{i}": float(k * i) for i in range(40)}, step=k)
+print("ready", flush=True)
+jh.export.finalize(s, sys.argv[1], run_id="r", echo=False, max_plots=None)
+"""
+
+
+def test_what_a_killed_finalize_leaves_goes_with_the_next_one(tmp_path):
+    """A finalize killed while drawing leaves its hidden plot folder; the next
+    finalize there removes it, with the temporaries and replaced plot folders of
+    processes that are gone, but not a link of that naming nor its target."""
+    import os
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_FINALIZE, str(out)], stdout=subprocess.PIPE
+    )
+    assert proc.stdout.readline() == b"ready\n"
+    deadline = time.monotonic() + 120
+    while not list(out.glob(f".plots-{proc.pid}-*/*/*")):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    proc.stdout.close()
+    left = [p.name for p in out.iterdir() if p.name.startswith(".")]
+    assert left and all(n.startswith(f".plots-{proc.pid}-") for n in left)
+    dead = proc.pid
+    # Leftovers of each kind, by a process that is gone; one of a live one; a
+    # link of the staging naming, to a folder that is not ours.
+    (out / f".plots-{dead}-5" / "mplot").mkdir(parents=True)
+    (out / f".dataset.nc.{dead}.abcd_123.tmp").mkdir()
+    (out / f".dataset.nc.{dead}.abcd_123.tmp" / "dataset.nc").write_text("x")
+    (out / "plots" / f".mplot-old-{dead}-3").mkdir(parents=True)
+    live = out / f".plots-{os.getpid()}-9"
+    live.mkdir()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "keep.png").write_text("keep")
+    (out / f".plots-{dead}-7").symlink_to(theirs)
+    jh.export.finalize(_five_steps(), out, run_id="r2", echo=False)
+    hidden = {p.name for p in out.iterdir() if p.name.startswith(".")}
+    assert hidden == {live.name, f".plots-{dead}-7"}
+    assert [p.name for p in (out / "plots").iterdir()] != []
+    assert not any(p.name.startswith(".") for p in (out / "plots").iterdir())
+    assert (theirs / "keep.png").read_text() == "keep"
+    assert (out / "plots" / "mplot").is_dir() and (out / "report.md").is_file()
+
+
+def test_a_full_disk_is_named_as_such(tmp_path, monkeypatch):
+    """The write's own ENOSPC, and a library's "HDF error" or "Permission denied"
+    on a file system with no room left, say "no space left on device"."""
+    import errno
+    import shutil
+
+    target = tmp_path / "dataset.nc"
+    target.write_text("old")
+
+    def full(tmp):
+        tmp.write_text("part")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match=f"cannot write {target}: no space left on"):
+        _files.atomic_write(target, full)
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["dataset.nc"]  # no temporary
+
+    def hdf(tmp):
+        raise RuntimeError("NetCDF: HDF error")
+
+    def denied(tmp):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    for write in (hdf, denied):  # with room: the library's own words
+        with pytest.raises(OSError) as err:
+            _files.atomic_write(target, write)
+        assert "no space left" not in str(err.value)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(
+        shutil, "disk_usage", lambda p: usage._replace(free=4096, used=usage.total)
+    )
+    for write in (hdf, denied):
+        with pytest.raises(OSError) as err:
+            _files.atomic_write(target, write)
+        assert err.value.errno == errno.ENOSPC
+        assert f"cannot write {target}: no space left on device" in str(err.value)
+    import xarray as xr
+
+    monkeypatch.setattr(xr.DataTree, "to_netcdf", lambda *a, **k: hdf(None))
+    with pytest.raises(OSError, match="dataset.nc: no space left on device"):
+        jh.export.finalize(_five_steps(), tmp_path / "out", run_id="r", echo=False)
+    assert target.read_text() == "old"

@@ -5,8 +5,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import shutil
+import stat
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,13 @@ from jaxhistory._codec import read_stamps
 from jaxhistory._dtypes import warmup_count
 from jaxhistory._env import MAX_RUN_NAME, check_run_name, netcdf_attrs, new_run_id
 from jaxhistory._env import environment as run_environment
+from jaxhistory._files import (
+    NotAFile,
+    WriteError,
+    check_target,
+    kind_of,
+    remove_stale,
+)
 from jaxhistory._history_state import HistoryState
 from jaxhistory.export._jsonl import to_jsonl
 from jaxhistory.export._markdown import to_markdown
@@ -54,6 +64,33 @@ class Progress:
 
 _STAGING = itertools.count()
 PLOT_FOLDERS = ("mplot", "tplot")  # what finalize owns under {outdir}/plots
+# What a finalize killed before it finished leaves: the plots it was drawing
+# ({outdir}/.plots-{pid}-...) and the plots it was replacing
+# ({outdir}/plots/.mplot-old-{pid}-{n}); removed by the next finalize there once
+# that process is gone.
+STAGED = re.compile(r"\.plots-(?P<pid>\d+)-[A-Za-z0-9_]+")
+REPLACED = re.compile(r"\.(?:mplot|tplot)-old-(?P<pid>\d+)-\d+")
+
+
+def check_folder(path: Path) -> None:
+    """Raises :class:`NotAFile` unless ``path`` is absent or a folder that is
+    not a symbolic link: finalize never writes or deletes through a link."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):  # a link to a folder included
+        raise NotAFile(path, kind_of(mode), "a folder")
+
+
+def remove_leftovers(outdir: Path) -> list[Path]:
+    """Removes what finalizes killed in ``outdir`` left behind (their plot
+    folders and temporary files), once their processes are gone; returns it."""
+    removed = remove_stale(outdir, pattern=STAGED)
+    plots = outdir / "plots"
+    if plots.is_dir() and not plots.is_symlink():
+        removed += remove_stale(plots, pattern=REPLACED)
+    return removed
 
 
 def replace_folder(new: Path, target: Path) -> None:
@@ -117,6 +154,7 @@ def finalize(
     recording order. The report names the rest, whose statistics it holds
     like every metric's.
     """
+    check_run_name(run_name)
     if run_id is None:
         run_id = new_run_id(run_name)
     check_run_name(run_id, "run_id", MAX_RUN_NAME + 40)
@@ -131,7 +169,23 @@ def finalize(
         ds.attrs.update(netcdf_attrs(attrs))
         return ds
     outdir = Path(outdir)
+    if outdir.exists() and not outdir.is_dir():
+        raise NotADirectoryError(
+            f"finalize: the output folder {outdir} exists and is not a folder; "
+            "nothing was written"
+        )
+    # Nothing finalize writes or deletes may be a link (or a device, a pipe):
+    # refused before anything is written.
+    check_folder(outdir / "plots")
+    for kind in PLOT_FOLDERS:
+        check_folder(outdir / "plots" / kind)
+    for name, wanted in (("dataset.nc", save), ("report.md", report)):
+        if wanted:
+            check_target(outdir / name)
+    if jsonl is None and save:
+        check_target(outdir / f"{run_id}.jsonl")
     outdir.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(outdir)
     files: list[Path] = []
     if save:
         path = outdir / "dataset.nc"
@@ -157,7 +211,12 @@ def finalize(
         # Drawn into folders of their own, which then replace plots/mplot and
         # plots/tplot whole: no plot of an earlier finalize stays beside these.
         # (Only those two folders: anything else under plots/ is the user's.)
-        staging = outdir / f".plots-{os.getpid()}-{next(_STAGING)}"
+        try:
+            staging = Path(
+                tempfile.mkdtemp(prefix=f".plots-{os.getpid()}-", dir=outdir)
+            )
+        except OSError as err:
+            raise WriteError(outdir / "plots", err) from err
         pending = None
         try:
             pending = start_png(
@@ -171,6 +230,10 @@ def finalize(
             for kind in PLOT_FOLDERS:
                 (staging / kind).mkdir(parents=True, exist_ok=True)
                 replace_folder(staging / kind, outdir / "plots" / kind)
+        except (OSError, RuntimeError) as err:
+            if isinstance(err, WriteError | NotAFile):
+                raise
+            raise WriteError(outdir / "plots", err) from err
         finally:
             if pending is not None:
                 pending.cancel()
