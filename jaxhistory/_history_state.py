@@ -504,6 +504,8 @@ class HistoryState:
             old = found.get(name)
             if old is None or old is dtype or old == dtype:  # (dtypes: singletons)
                 continue
+            if all(ks == keys for ks in self.data.index()[name]):
+                continue  # its own table only: _writable checks the widening
             if np.result_type(old, dtype).kind != "f" or "f" == old.kind == dtype.kind:
                 continue
             if old.kind in "iub" and dtype.kind in "iub":

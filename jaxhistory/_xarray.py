@@ -22,7 +22,7 @@ metrics exactly, after the others.
 The dataset file (:func:`to_tree`, :func:`write_tree`, :func:`from_tree`) holds
 the same variables with each metric path as netCDF groups, so plain xarray reads
 ``train/loss/mean`` as ``xr.open_datatree(path)["train/loss/mean"]``; every group
-holds its own ``step`` (and ``time``) coordinate, so a group opened alone,
+holds its own copy of the ``step`` coordinate, so a group opened alone,
 ``xr.open_dataset(path, group="train/loss")``, selects by step too.
 """
 
@@ -467,20 +467,22 @@ def to_tree(ds):
         coords=ds.coords,
         attrs={**ds.attrs, LAYOUT_ATTR: LAYOUT},
     )
-    # Coordinates along step other than step itself (time): each group holds
-    # them too, as plain xarray does not pass them down (step: write_tree).
-    along = {n: c for n, c in ds.coords.items() if n != "step" and c.dims == ("step",)}
     tree = {"/": root}
-    tree.update({"/".join(g): xr.Dataset(v, coords=along) for g, v in nodes.items()})
+    tree.update({"/".join(g): xr.Dataset(v) for g, v in nodes.items()})
     return xr.DataTree.from_dict(tree)
 
 
 def write_tree(tree, path: str | os.PathLike) -> None:
     """Writes :func:`to_tree`'s ``tree`` to a netCDF-4 file at ``path``, each
-    group with its own ``step`` coordinate, so that
+    group with its own copy of the ``step`` coordinate, so that
     ``xr.open_dataset(path, group="eval")["loss"].sel(step=50)`` selects by
-    step (a group opened alone does not see its parents' coordinates)."""
-    tree.to_netcdf(path, engine="netcdf4", write_inherited_coords=True)
+    step (a group opened alone does not see its parents' coordinates). The
+    copies are compressed: a few bytes for a run of consecutive steps."""
+    packed = {"zlib": True, "shuffle": True, "complevel": 1}
+    encoding = {node.path: {"step": packed} for node in tree.subtree if node.parent}
+    tree.to_netcdf(
+        path, engine="netcdf4", write_inherited_coords=True, encoding=encoding
+    )
 
 
 def from_tree(tree):

@@ -661,16 +661,20 @@ def test_every_group_of_the_dataset_file_opens_with_its_step_coordinate(tmp_path
     assert_same(eval_run(), jh.HistoryState.from_netcdf(path))
 
 
-def test_a_nested_group_has_its_step_and_time_coordinates(tmp_path):
+def test_a_nested_group_has_its_step_coordinate(tmp_path):
     import xarray as xr
 
-    s = jh.HistoryState().update({"a": {"b": {"c": 1.0}}}, step=4)
+    s = jh.HistoryState().update({"a": {"b": {"c": 1.0}}, "d": 0.5}, step=4)
     s = s.update({"a": {"b": {"c": 2.0}}}, step=9)
     path = tmp_path / "dataset.nc"
     export.to_netcdf(s, path, timestamps={4: 1.7e9, 9: 1.7e9 + 5})
+    for group in ("a", "a/b"):
+        with xr.open_dataset(path, group=group) as ds:
+            assert ds["step"].values.tolist() == [4, 9], group
     with xr.open_dataset(path, group="a/b") as ds:
         assert float(ds["c"].sel(step=9)) == 2.0
-        assert str(ds["time"].values[1])[:19] == "2023-11-14T22:13:25"
+    with xr.open_datatree(path) as tree:  # time: in the root group
+        assert str(tree["time"].values[1])[:19] == "2023-11-14T22:13:25"
     assert_same(s, jh.HistoryState.from_netcdf(path))
 
 
