@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import orjson
 
-from jaxhistory._files import atomic_write
+from jaxhistory._files import atomic_write, check_target
 from jaxhistory._history_state import HistoryState
 
 __all__ = ["log_metrics", "metrics_format", "save_metrics", "save_state"]
@@ -199,7 +199,9 @@ def save_metrics(
     lists, NaN and infinities ``null``. Each file is written to a temporary name
     and renamed, so a crash never leaves half a file. With ``combined``, the
     metrics are merged into ``all_results.json`` (new values win); if that file
-    exists but is not a JSON object, ValueError names it and nothing is written.
+    exists but is not a JSON object, ValueError names it and nothing is written;
+    so is a file of these names that is a symbolic link, a device or a folder
+    (OSError naming it).
     Only process 0 writes. Returns the paths written.
 
     Example:
@@ -215,6 +217,8 @@ def save_metrics(
     if jax.process_index() != 0:
         return []
     out = Path(output_dir)
+    for name in (f"{split}_results.json", "all_results.json"):
+        check_target(out / name)  # a link, a device: refused before any write
     everything = None
     if combined:
         path = out / "all_results.json"

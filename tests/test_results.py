@@ -215,3 +215,34 @@ def test_an_all_results_file_with_bare_nan_is_read_and_rewritten_strict(tmp_path
 def test_the_split_all_is_reserved(tmp_path):
     with pytest.raises(ValueError, match="reserved"):
         jh.save_metrics("all", {"a": 1.0}, tmp_path, combined=False)
+
+
+# ----- files: links at the outputs and beside them ---------------------------------
+def test_results_are_never_written_through_a_link(tmp_path):
+    """A link at eval_results.json or all_results.json is refused before either
+    file is written; links planted at .{name}.{pid}.tmp get nothing."""
+    import os
+
+    victim = tmp_path / "victim.json"
+    victim.write_text("keep")
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("eval_results.json", "all_results.json", "history_state.json"):
+        (out / f".{name}.{os.getpid()}.tmp").symlink_to(victim)
+    paths = jh.save_metrics("eval", {"eval_loss": 0.25}, out)
+    state_path = jh.save_state(jh.HistoryState().update({"loss": 0.5}), out)
+    assert victim.read_text() == "keep"
+    for path in [*paths, state_path]:
+        assert path.is_file() and not path.is_symlink()
+    assert json.loads(paths[0].read_text()) == {"eval_loss": 0.25}
+    for name in ("all_results.json", "eval_results.json", "history_state.json"):
+        other = tmp_path / name
+        other.mkdir()
+        (other / name).symlink_to(victim)
+        with pytest.raises(OSError, match=f"{other / name}: it is a symbolic link"):
+            if name == "history_state.json":
+                jh.save_state(jh.HistoryState().update({"loss": 0.5}), other)
+            else:
+                jh.save_metrics("eval", {"eval_loss": 0.5}, other)
+        assert victim.read_text() == "keep"
+        assert [p.name for p in other.iterdir()] == [name]  # nothing written
