@@ -32,6 +32,7 @@ from jaxhistory.export._finalize import finalize as write_outputs
 from jaxhistory.export._load import load_run, run_file
 from jaxhistory.export._units import MAX_PLOTS
 from jaxhistory.sinks import WandbSink, is_sink, writes_here
+from jaxhistory.sinks._feed import SinkFeed
 from jaxhistory.sinks._jsonl import JsonlSink
 from jaxhistory.sinks._wandb import wandb_run
 
@@ -76,11 +77,13 @@ class History:
             separators, ``..`` and control characters raise ValueError.
         sinks: more places each update goes (:mod:`jaxhistory.sinks`: console,
             JSONL, TensorBoard, W&B, or anything with ``write``/``flush``/``close``).
-            A background thread hands them each update as a
-            :class:`~jaxhistory.sinks.Record` once its device values are on the
-            host; ``update`` never waits for them. Process 0 only, unless a sink
-            has ``all_processes = True``. :meth:`flush` flushes them,
-            :meth:`close` closes them.
+            Each gets every update as a :class:`~jaxhistory.sinks.Record` of its
+            own (changing it changes nothing another sink sees) once its device
+            values are on the host, from a thread of its own: ``update`` and the
+            JSONL log never wait for a sink. A sink more than 16384 records
+            behind loses records (with a warning naming it), never the log.
+            Process 0 only, unless a sink has ``all_processes = True``.
+            :meth:`flush` flushes them, :meth:`close` closes them.
         use_wandb: log to Weights & Biases through a
             :class:`~jaxhistory.sinks.WandbSink` (metrics at each update; the
             history as a ``wandb.Table`` and the PNGs as ``wandb.Image`` at
@@ -188,6 +191,9 @@ class History:
         self._side = bool(memory)
         self.sinks = _sinks_here(sinks, use_wandb)
         self._sinks_open = True  # False after close(): nothing more is written
+        # the user's sinks, each written from a thread of its own (started at
+        # its first record): a slow or hung sink never holds the log back
+        self._feed = SinkFeed(self.sinks) if self.sinks else None
         self._mem_last_step: int | None = None
         self._rss_peak = 0
         self.keys = tuple(keys or ())
@@ -597,8 +603,9 @@ class History:
                 self._log_path = None
                 self._log_failed = True
                 self._writing = bool(self._live_sinks())
-        sinks = [s for s in (self._log, *self._live_sinks()) if s is not None]
-        self._writer = Writer(sinks, self._watch.check, run_id=self.run_id)
+        feed = self._feed if self._live_sinks() else None
+        sinks = [self._log] if self._log is not None else []
+        self._writer = Writer(sinks, self._watch.check, run_id=self.run_id, feed=feed)
         # Writes what is queued when this History goes (or at exit).
         weakref.finalize(self, self._writer.close)
 
@@ -615,20 +622,32 @@ class History:
 
     def flush(self) -> None:
         """Writes the queued JSONL lines and sink records now (waiting for their
-        device values), then flushes the sinks."""
+        device values), then flushes the sinks, waiting for them at most
+        :attr:`SinkFeed.TIMEOUT <jaxhistory.sinks._feed.SinkFeed.TIMEOUT>`
+        seconds (5) in all: a sink that does not finish by then gets a warning
+        naming it."""
         with self._lock:
             self._record_leftover(with_step_only=True)
             writer = self._writer
+            feed = self._feed if self._live_sinks() else None
         if writer is not None:
             writer.flush()
-        for sink in self._live_sinks():
-            sink.flush()
+        if feed is not None:  # waits a bounded time; warns naming a stuck sink
+            feed.flush()
 
     def close(self) -> None:
         """Records values still attached, writes the queued JSONL lines, closes
         the log and closes the sinks (nothing more is written to them; a W&B
         sink still logs the outputs at :meth:`finalize`). Recording may go on (a
-        later update reopens the log in append mode)."""
+        later update reopens the log in append mode).
+
+        The log is complete when this returns. The sinks get what is queued for
+        them, then ``flush`` and ``close``, within 5 s in all: a sink still
+        busy then (a ``write`` that never returns) is left to its thread, with
+        a warning naming it and the records it did not get. One that raises
+        gets a warning; the others are closed all the same. A sink may call
+        this from its own ``write``."""
+        feed = None
         with self._lock:
             self._record_leftover()
             if self._writer is not None:
@@ -642,10 +661,12 @@ class History:
                 self._log = None
                 self.jsonl_overwrite = False
             if self._sinks_open:
-                for sink in self.sinks:
-                    sink.close()
-                self._sinks_open = False
+                feed, self._sinks_open = self._feed, False
             self._writing = self._log_path is not None
+        if feed is not None:
+            # Not under the lock: a sink that records or closes from its write
+            # must not wait on it. Bounded; a stuck sink gets a warning.
+            feed.close()
 
     def finalize(
         self,

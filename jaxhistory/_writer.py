@@ -1,19 +1,23 @@
-"""Writer: the one background thread that feeds every sink and the trace handler.
+"""Writer: the background thread that writes History's JSONL log and feeds the
+trace handler and the user's sinks.
 
 :class:`~jaxhistory.History` queues each update here (device values as they are:
 nothing waits in the training loop); the thread turns queued updates into host
-values once they are ready and hands them, in order, to each sink (History's JSONL
-log is one) and to an active Chrome trace handler.
+values once they are ready and writes them, in order, to its own ``sinks``
+(History's JSONL log), then to an active Chrome trace handler, then queues them
+for the user's sinks on a :class:`~jaxhistory.sinks._feed.SinkFeed`, which
+writes each from a thread of its own: the thread never waits for a user's sink,
+so one that is slow or hangs costs the log nothing.
 
 How far behind it may fall is bounded. The thread writes at least every
 :attr:`Writer.INTERVAL` seconds, and as soon as :attr:`Writer.WAKE_AT` updates are
 queued. When :attr:`Writer.MAX_PENDING` updates are queued the training thread
 waits (back-pressure) until the thread has taken them, so the log on disk stays a
 fraction of a second behind even a loop that does nothing but record (the latest
-step's record aside: see below). A sink that
-hangs cannot stop the training: after :attr:`Writer.MAX_WAIT` seconds of waiting
-the oldest queued updates are dropped from the sinks (never from the history),
-with one warning, and :attr:`Writer.dropped` counts them.
+step's record aside: see below). A log that hangs (a stuck file system) cannot
+stop the training: after :attr:`Writer.MAX_WAIT` seconds of waiting the oldest
+queued updates are dropped from the log (never from the history), with one
+warning, and :attr:`Writer.dropped` counts them.
 
 One line per step: records of the same step that follow each other (an update,
 then a timing or an evaluation of that step) are merged into one record, the
@@ -67,11 +71,13 @@ def _on_host(stats: Stats, values: list) -> Stats:
 
 
 class Writer:
-    """Hands queued updates to ``sinks`` from a background thread.
+    """Writes queued updates to ``sinks`` from a background thread, then queues
+    them on ``feed`` (the user's sinks: anything with ``put(batch)``, never
+    waited for).
 
     ``add`` is the only call on the training thread's path; ``flush`` writes what
     is queued now (from any thread), ``close`` writes the rest and stops the
-    thread (the sinks stay open: they belong to the caller).
+    thread (the sinks and the feed stay open: they belong to the caller).
     """
 
     INTERVAL = 0.2  # seconds between writes when few updates are queued
@@ -81,14 +87,19 @@ class Writer:
     HOLD = 1.0  # seconds the latest step's record waits for more of that step
 
     def __init__(
-        self, sinks: Sequence[Any] = (), on_stats: Any = None, run_id: str | None = None
+        self,
+        sinks: Sequence[Any] = (),
+        on_stats: Any = None,
+        run_id: str | None = None,
+        feed: Any = None,
     ):
         self.sinks = list(sinks)
+        self.feed = feed
         self.run_id = run_id  # on every JSONL line, where given
         # called as on_stats(step, stats, prefix) with each Stats on the host
         self.on_stats = on_stats
         self.process_index = jax.process_index()
-        self.dropped = 0  # updates dropped because the sinks could not keep up
+        self.dropped = 0  # updates dropped from the log because it could not keep up
         # The queue, as parallel lists (see add)
         self._queue: list = []  # step, timestamp, metrics, stats, host, step, ...
         self._lock = threading.Lock()  # add() against close()
@@ -176,8 +187,9 @@ class Writer:
         self.dropped += dropped
         self._warn_once(
             "dropped",
-            f"the sinks fell {self.MAX_WAIT:.0f} s behind; {dropped} queued "
-            "update(s) were not written to them (the history keeps every one)",
+            f"the JSONL log fell {self.MAX_WAIT:.0f} s behind; {dropped} queued "
+            "update(s) were not written to it (the history keeps every one, and "
+            "finalize writes the log again from it)",
         )
 
     def _run(self) -> None:
@@ -292,6 +304,8 @@ class Writer:
                 for record in batch.records():  # one bad record costs only itself
                     self._try(sink, sink.write, record)
             self._try(sink, sink.flush)
+        if self.feed is not None:
+            self.feed.put(batch)  # copied there for each sink: the log's is kept
 
     def _try(self, sink: Any, call: Any, *args: Any) -> None:
         try:

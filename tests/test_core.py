@@ -272,48 +272,164 @@ class _SlowSink:
         pass
 
 
-def test_a_slow_sink_holds_the_training_thread_back_instead_of_queueing(monkeypatch):
-    monkeypatch.setattr(_writer.Writer, "WAKE_AT", 8)
-    monkeypatch.setattr(_writer.Writer, "MAX_PENDING", 32)
-    sink = _SlowSink(0.0005)
-    h = jh.History(distributed_history=False, sinks=[sink])
-    most = 0
-    for k in range(600):
-        h.update({"x": float(k)}, summarize=False)
-        most = max(most, h._writer.pending())
-    assert most <= 32
-    h.close()
-    assert sink.count == 600
-
-
-def test_a_hung_sink_cannot_stop_training_and_the_log_is_rewritten(
+def test_a_slow_writer_holds_the_training_thread_back_instead_of_queueing(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(_writer.Writer, "WAKE_AT", 4)
-    monkeypatch.setattr(_writer.Writer, "MAX_PENDING", 16)
-    monkeypatch.setattr(_writer.Writer, "MAX_WAIT", 0.2)
+    monkeypatch.setattr(_writer.Writer, "WAKE_AT", 8)
+    monkeypatch.setattr(_writer.Writer, "MAX_PENDING", 32)
+    log = jh.sinks.JsonlSink(tmp_path / "log.jsonl")
+    slow = _SlowSink(0.0005)
+    writer = _writer.Writer([slow, log])  # sinks the writer thread writes itself
+    most = 0
+    for k in range(600):
+        writer.add(k, time.time(), {"x": float(k)}, (), True)
+        most = max(most, writer.pending())
+    assert most <= 32
+    writer.close()
+    assert slow.count == 600
+    log.close()
+    assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 600
+
+
+def test_a_slow_sink_neither_holds_training_back_nor_costs_the_log_a_line(tmp_path):
+    """A sink taking 2 ms a record: the log has all 12,000 lines once close
+    returns, and close returns in bounded time, naming the sink it left."""
+    sink = _SlowSink(0.002)
+    path = tmp_path / "log.jsonl"
+    h = jh.History(distributed_history=False, jsonl_path=path, sinks=[sink])
+    start = time.monotonic()
+    for k in range(12000):
+        h.update({"x": float(k)}, summarize=False)
+    assert time.monotonic() - start < 20  # (12000 x 2 ms would be 24 s)
+    with pytest.warns(RuntimeWarning, match=r"sink _SlowSink did not finish"):
+        h.close()
+    assert time.monotonic() - start < 40
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == list(range(12000))
+    assert 0 < sink.count < 12000
+    assert h.state.count("x") == 12000
+
+
+def test_a_hung_sink_cannot_stop_training_close_or_finalize(tmp_path, monkeypatch):
+    monkeypatch.setattr(jh.sinks._feed.SinkFeed, "TIMEOUT", 0.5)
     release = threading.Event()
 
     class Hung(_SlowSink):
         def write(self, record):
-            release.wait(10)
+            release.wait(60)
 
-    h = jh.History(distributed_history=False, report_dir=tmp_path, sinks=[Hung(0)])
-    with pytest.warns(RuntimeWarning, match="not written to them"):
-        for k in range(100):
-            h.update({"x": float(k)}, summarize=False)
-    release.set()
-    assert h.state.values("x").tolist() == [float(k) for k in range(100)]
-    assert h._writer.dropped > 0
+    other = _SlowSink(0)
+    h = jh.History(
+        distributed_history=False, report_dir=tmp_path, sinks=[Hung(0), other]
+    )
+    for k in range(100):
+        h.update({"x": float(k)}, summarize=False)
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match=r"sink Hung \(sinks\[0\]\) did not"):
+        h.flush()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         h.finalize(tmp_path / "out", plot=False)
-    # the streamed log lost records, so finalize wrote the log from the history
-    log = tmp_path / "out" / f"{h.run_id}.jsonl"
+    with pytest.warns(RuntimeWarning, match=r"sink Hung \(sinks\[0\]\) did not"):
+        h.close()
+    assert time.monotonic() - start < 10
+    assert other.count == 100  # the other sink got everything
+    # the streamed log is complete: nothing had to be written again
+    log = _log_path(h)
     assert jh.HistoryState.from_jsonl(log).values("x").tolist() == [
         float(k) for k in range(100)
     ]
+    assert not (tmp_path / "out" / log.name).exists()
+    release.set()
+
+
+def test_a_sink_that_closes_the_history_from_write_does_not_deadlock(tmp_path):
+    holder = {}
+
+    class Closing(_SlowSink):
+        def write(self, record):
+            super().write(record)
+            if record.step == 5:
+                holder["h"].close()
+
+    sink = Closing(0)
+    path = tmp_path / "log.jsonl"
+    h = holder["h"] = jh.History(
+        distributed_history=False, jsonl_path=path, sinks=[sink]
+    )
+    for k in range(10):
+        h.update({"x": float(k)}, summarize=False)
+    h.flush()
+    done = threading.Event()
+
+    def close():
+        h.close()
+        done.set()
+
+    threading.Thread(target=close, daemon=True).start()
+    assert done.wait(20), "close deadlocked against a sink that closes"
+    assert len(path.read_text().splitlines()) == 10
+    assert sink.count >= 6
+
+
+def test_a_sink_whose_flush_or_close_raises_does_not_stop_the_others(tmp_path):
+    class Raising(_SlowSink):
+        def flush(self):
+            raise OSError("flush broke")
+
+        def close(self):
+            raise OSError("close broke")
+
+    class Closed(_SlowSink):
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    bad, good = Raising(0), Closed(0)
+    h = jh.History(distributed_history=False, sinks=[bad, good])
+    h.update({"x": 1.0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h.flush()
+        h.close()
+    texts = [str(w.message) for w in caught]
+    assert any("Raising (sinks[0]): flush failed" in t and "flush broke" in t
+               for t in texts)  # fmt: skip
+    assert any("Raising (sinks[0]): close failed" in t and "close broke" in t
+               for t in texts)  # fmt: skip
+    assert good.closed and good.count == 1 and bad.count == 1
+
+
+def test_a_sink_that_changes_its_record_changes_nothing_another_sink_sees(tmp_path):
+    seen = []
+
+    class Mutating(_SlowSink):
+        def write(self, record):
+            record.metrics["x"] = -1.0
+            record.metrics["added"] = 1.0
+            with contextlib.suppress(ValueError):
+                record.metrics["arr"][0] = -1.0
+
+    class Keeping(_SlowSink):
+        def write(self, record):
+            seen.append((dict(record.metrics), record.metrics["arr"].tolist()))
+
+    path = tmp_path / "log.jsonl"
+    h = jh.History(
+        distributed_history=False, jsonl_path=path, sinks=[Mutating(0), Keeping(0)]
+    )
+    arr = np.array([1.0, 2.0])
+    for k in range(3):
+        h.update({"x": float(k), "arr": arr}, summarize=False)
     h.close()
+    assert [(m["x"], "added" in m, a) for m, a in seen] == [
+        (float(k), False, [1.0, 2.0]) for k in range(3)
+    ]
+    assert arr.tolist() == [1.0, 2.0]
+    lines = [json.loads(line)["metrics"] for line in path.read_text().splitlines()]
+    assert [m["x"] for m in lines] == [0.0, 1.0, 2.0]
+    assert all("added" not in m for m in lines)
 
 
 # ----- SIGKILL ------------------------------------------------------------------------

@@ -251,7 +251,10 @@ def test_a_failing_sink_warns_once_and_the_others_go_on(tmp_path):
         sinks=[Failing(), good],
         jsonl_path=tmp_path / "log.jsonl",
     )
-    with pytest.warns(RuntimeWarning, match="sink Failing failed"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"sink Failing \(sinks\[0\]\): write failed: OSError..disk gone",
+    ):
         h.update({"loss": 1.0})
         h.flush()
     h.update({"loss": 0.5})

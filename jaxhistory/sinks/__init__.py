@@ -2,8 +2,9 @@
 
 A sink has three methods, ``write(record)``, ``flush()`` and ``close()`` (the
 :class:`Sink` protocol). :class:`~jaxhistory.History` hands every update to its
-sinks as a :class:`Record` whose values are already on the host (from its one
-background thread: the training loop never waits for them), and
+sinks as a :class:`Record` of their own whose values are already on the host
+(each sink from a thread of its own: neither the training loop nor the JSONL log
+waits for a sink, and close waits a bounded time), and
 :mod:`jaxhistory.publish` can send published metrics to one. Sinks write from
 process 0 only unless they have ``all_processes = True``. A sink may also define
 ``write_batch(batch)`` to take many records at once (:class:`JsonlSink` does).
