@@ -11,12 +11,16 @@ processes that form one job, their output prefixed with ``[process i]``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
+import stat
 import sys
 from pathlib import Path
 
-from jaxhistory._env import ENV_LABELS
+from jaxhistory._env import ENV_LABELS, check_run_id
+from jaxhistory._files import atomic_write, kind_of
+from jaxhistory._names import printable
 from jaxhistory._version import __version__
 from jaxhistory.export._finalize import finalize
 from jaxhistory.export._load import load_run, run_file
@@ -29,9 +33,27 @@ __all__ = ["load_run", "main"]
 
 
 def _warmup(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError("warmup must be >= 0")
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"warmup must be a number >= 0 (a fraction below 1 or a number of "
+            f"steps), got {printable(text)!r}"
+        )
+    return value
+
+
+def _num_chains(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"num-chains must be a whole number >= 1, got {printable(text)!r}"
+        )
     return value
 
 
@@ -56,8 +78,16 @@ WARMUP_HELP = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (control characters
+    escaped), pointing at ``--help`` instead of printing the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {printable(message)} (see --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="jaxhistory",
         description=__doc__.replace("``", ""),  # plain text, not reST, in --help
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -72,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--warmup", type=_warmup, default=None, help=WARMUP_HELP)
     report.add_argument(
         "--num-chains",
-        type=int,
+        type=_num_chains,
         default=128,
         help="series drawn per array metric in its ridge and heatmap plots",
     )
@@ -98,7 +128,12 @@ def _parser() -> argparse.ArgumentParser:
         "launch", help="run a function in N local JAX processes forming one job"
     )
     launch.add_argument("target", help="the function: package.module:function")
-    launch.add_argument("args", nargs="*", help="arguments for it (as strings)")
+    launch.add_argument(
+        "args",
+        nargs="*",
+        help="arguments for it (as strings), before or after the options; after "
+        "'--', arguments that start with '-'",
+    )
     launch.add_argument(
         "-n", "--num-processes", type=int, default=2, help="processes (default 2)"
     )
@@ -138,8 +173,7 @@ def _launch(args) -> int:
         print(f"jaxhistory: {err}", file=sys.stderr)
         return 1
     except (TypeError, ValueError) as err:
-        print(f"jaxhistory: {err}", file=sys.stderr)
-        return 2
+        return _fail(err)
     for pid, result in enumerate(results):
         if result is not None:
             print(f"[process {pid}] returned {result!r}")
@@ -149,20 +183,54 @@ def _launch(args) -> int:
 def _merge(args) -> int:
     missing = [p for p in args.traces if not Path(p).is_file()]
     if missing:
-        print(f"jaxhistory: no trace file {missing[0]}", file=sys.stderr)
-        return 2
+        return _fail(f"no trace file {missing[0]}")
     try:
         out = merge_traces(args.traces, args.output)
     except (OSError, ValueError) as err:
-        print(f"jaxhistory: {err}", file=sys.stderr)
-        return 2
+        return _fail(err)
     print(f"merged {len(args.traces)} trace file(s) into {out}")
     return 0
 
 
+def _fail(err: object) -> int:
+    """Prints ``err`` as one line on stderr (control characters escaped);
+    returns the status of a user error, 2."""
+    print(f"jaxhistory: {printable(err)}", file=sys.stderr)
+    return 2
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # the function's arguments may follow options
+        sub = next(a for a in parser._actions if a.dest == "command")
+        args = sub.choices["launch"].parse_intermixed_args(argv[1:])
+        args.command = "launch"
+        return args
+    return parser.parse_args(argv)
+
+
+def _check_outdir(outdir: Path) -> str | None:
+    """Why ``outdir`` cannot be the output folder (it exists and is not a
+    folder), or None."""
+    try:
+        mode = os.stat(outdir).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        return f"cannot use {outdir} as the output folder: {err.strerror}"
+    if not stat.S_ISDIR(mode):
+        return (
+            f"the output folder {outdir} exists and is {kind_of(mode)}, not a "
+            "folder; nothing was written"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command; returns its exit status (2: a bad or unreadable run)."""
-    args = _parser().parse_args(argv)
+    """Runs the command; returns its exit status (2: a bad or unreadable run,
+    an output that cannot be written)."""
+    args = _parse(argv)
     try:
         return _main(args)
     except BrokenPipeError:  # `jaxhistory summary RUN | head`: the reader left
@@ -176,29 +244,40 @@ def _main(args) -> int:
         return _merge(args)
     if args.command == "launch":
         return _launch(args)
+    if args.command == "report":
+        why = _check_outdir(Path(args.outdir))
+        if why is not None:
+            return _fail(why)
     try:
         state, attrs = load_run(args.run)
     except (OSError, ValueError) as err:
-        print(f"jaxhistory: {err}", file=sys.stderr)
-        return 2
+        return _fail(err)
     if not len(state):
-        print(f"jaxhistory: {args.run} holds no complete record", file=sys.stderr)
-        return 2
+        return _fail(f"{args.run} holds no complete record")
     if args.warmup is None:  # the warmup the run's own report used
         args.warmup = float(attrs.get("warmup_steps", 0))
     if args.command == "summary":
         print("\n".join(stats_table(state, args.warmup)), flush=True)
         return 0
+    try:
+        _report(args, state, attrs)
+    except (OSError, ValueError) as err:
+        return _fail(err)
+    print(f"wrote the outputs of {printable(args.run)} to {printable(args.outdir)}")
+    return 0
+
+
+def _report(args, state, attrs) -> None:
     source = run_file(args.run)
     outdir = Path(args.outdir)
+    run_id = check_run_id(attrs.get("run_id"), source)
     if source.suffix == ".jsonl":
-        run_id = attrs.get("run_id") or source.stem  # older logs: the file name
+        run_id = run_id or source.stem  # older logs: the file name
         log = outdir / source.name  # the log keeps its timestamps: copy it
         outdir.mkdir(parents=True, exist_ok=True)
         if not log.exists() or not log.samefile(source):
-            shutil.copyfile(source, log)
+            atomic_write(log, lambda tmp: shutil.copyfile(source, tmp))
     else:
-        run_id = attrs.get("run_id")
         log = outdir / f"{run_id}.jsonl" if run_id else None
         if log is not None and not log.is_file():
             log = None  # finalize writes one from the dataset
@@ -215,8 +294,6 @@ def _main(args) -> int:
         echo=False,
         jsonl=log,
     )
-    print(f"wrote the outputs of {args.run} to {args.outdir}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -850,3 +850,97 @@ def test_the_times_of_a_log_mixing_its_lines_with_others(tmp_path):
         '{"step":2,"timestamp":null,"process_index":0,"metrics":{}}\n'
     )
     assert read_stamps(path) == {0: 10.0, 1: 11.0}
+
+
+# ----- the command line: user errors, outputs that are links ------------------------
+
+
+def _dataset_with_run_id(tmp_path, run_id):
+    import xarray as xr
+
+    saved_run(tmp_path)
+    tree = xr.open_datatree(tmp_path / "run" / "dataset.nc").load()
+    tree.attrs["run_id"] = run_id
+    tree.to_netcdf(tmp_path / "crafted.nc")
+    return tmp_path / "crafted.nc"
+
+
+def test_cli_user_errors_are_one_line_and_status_2(tmp_path, capsys):
+    """Bad option values, an output that is a file or a device, a dataset
+    whose run id holds escapes: one line on stderr naming what was wrong
+    (control characters escaped), status 2, no traceback, nothing written."""
+    saved_run(tmp_path)
+    run = tmp_path / "run" / "dataset.nc"
+    crafted = _dataset_with_run_id(tmp_path, "r\x1b[2J\nid")
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    trace = tmp_path / "t.json"
+    trace.write_text('{"traceEvents": [{"name": "a", "ph": "X", "ts": 0, "dur": 1}]}')
+    out = tmp_path / "out"
+    cases = [
+        (["summary", run, "--warmup", "nan"], "warmup must be a number >= 0"),
+        (["summary", run, "--warmup", "inf"], "got 'inf'"),
+        (["report", run, "-o", out, "--warmup", "-1"], "got '-1'"),
+        (["report", run, "-o", out, "--num-chains", "0"], "num-chains must be a"),
+        (["report", run, "-o", out, "--num-chains", "-5"], "got '-5'"),
+        (["report", run, "-o", afile], f"{afile} exists and is a regular file"),
+        (["report", run, "-o", "/dev/null"], "/dev/null exists and is a device"),
+        (["report", crafted, "-o", out], "run id 'r\\x1b[2J\\nid' recorded in"),
+        (["merge-traces", trace, "-o", "/dev/null"], "/dev/null"),
+    ]
+    for args, said in cases:
+        try:
+            status = cli.main([str(a) for a in args])
+        except SystemExit as done:  # argparse's own exit
+            status = done.code
+        err = capsys.readouterr().err
+        assert status == 2, (args, err)
+        assert err.count("\n") == 1 and err.startswith("jaxhistory"), (args, err)
+        assert said in err, (args, err)
+        assert "\x1b" not in err and "Traceback" not in err
+    assert afile.read_text() == "mine" and not out.exists()
+
+
+def test_cli_report_never_writes_or_deletes_through_a_link(tmp_path, capsys):
+    """OUT/RUN.jsonl a link to another file, OUT/plots a link to a folder: the
+    command refuses, naming it, and what they point to is untouched."""
+    saved_run(tmp_path)
+    log = tmp_path / "run" / "r1.jsonl"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    folder = tmp_path / "victim"
+    folder.mkdir()
+    (folder / "a.png").write_text("mine")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "r1.jsonl").symlink_to(victim)
+    assert cli.main(["report", str(log), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'r1.jsonl'}: it is a symbolic link" in err
+    assert victim.read_text() == "keep"
+    (out / "r1.jsonl").unlink()
+    (out / "plots").symlink_to(folder)
+    for extra in ([], ["--no-plots"]):
+        assert cli.main(["report", str(log), "-o", str(out), *extra]) == 2
+        assert f"{out / 'plots'}: it is a symbolic link" in capsys.readouterr().err
+        assert [p.name for p in folder.iterdir()] == ["a.png"]
+    (out / "plots").unlink()
+    assert cli.main(["report", str(log), "-o", str(out), "--no-plots"]) == 0
+    assert (out / "report.md").is_file() and (out / "r1.jsonl").is_file()
+
+
+@pytest.mark.slow
+def test_the_launch_command_takes_the_functions_arguments_after_its_options():
+    import os
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path])}
+    cmd = [sys.executable, "-m", "jaxhistory", "launch", "-n", "2", "mp_workers:say"]
+    done = subprocess.run(
+        [*cmd, "--devices-per-process", "2", "--timeout", "120", "yo"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "[process 1] yo from 1" in done.stdout
+    assert "[process 0] returned 0" in done.stdout
