@@ -560,3 +560,46 @@ def test_a_log_written_again_keeps_the_streamed_timestamps(tmp_path):
     again = [json.loads(x)["timestamp"] for x in log.read_text().split()]
     assert again == streamed and all(isinstance(t, float) for t in again)
     h.close()
+
+
+def test_finalize_on_another_thread_while_updates_run_writes_a_snapshot(tmp_path):
+    """finalize beside a running loop (from before its first update on): each
+    dataset holds the steps recorded when it began, complete and in order."""
+    h = jh.History(distributed_history=False, report_dir=tmp_path, keys=["loss"])
+    started, stop = threading.Event(), threading.Event()
+    errors = []
+
+    def loop():
+        started.set()
+        k = 0
+        while not stop.is_set() and k < 400_000:
+            metrics = {"loss": 1.0 / (k + 1), "acc": 0.5}
+            if k % 97 == 0:
+                metrics["lr"] = jnp.float32(0.1)  # a device value: the slow path
+            try:
+                h.update(metrics, step=k, summarize=k % 50 == 0)
+            except Exception as err:  # pragma: no cover - reported below
+                errors.append(err)
+                return
+            k += 1
+
+    thread = threading.Thread(target=loop, daemon=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        thread.start()
+        started.wait(10)
+        sizes = []
+        for i in range(3):
+            ds = h.finalize(tmp_path / f"out{i}", plot=False)
+            steps = ds["step"].values.tolist()
+            assert steps == list(range(len(steps)))
+            if steps:
+                loss = ds["loss"].values
+                assert np.allclose(loss, 1.0 / (np.arange(len(steps)) + 1))
+            sizes.append(len(steps))
+            time.sleep(0.05)
+        stop.set()
+        thread.join(60)
+        h.close()
+    assert not errors
+    assert sizes == sorted(sizes), sizes
