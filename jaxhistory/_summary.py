@@ -78,8 +78,9 @@ class NonfiniteWatch:
             else ""
         )
         for name, what in new.items():
+            where = kept.format(name=printable(name))
             warnings.warn(
-                f"step {step}: {name!r} is {what}{kept.format(name=name)}; later "
+                f"step {step}: {name!r} is {what}{where}; later "
                 f"non-finite values of {name!r} are recorded without a warning",
                 RuntimeWarning,
                 stacklevel=2,

@@ -417,3 +417,13 @@ def test_control_characters_in_names_never_reach_the_terminal_raw():
     assert line == "step=2 loss\\x1b[2J\\x0ax=1 a\\x07=2.0"
     assert "\x1b" not in line and "\x07" not in line
     assert h.state.values(name).tolist() == [0.5, 0.25, 1.0]  # recorded as given
+
+
+def test_a_warning_about_a_non_finite_metric_escapes_its_name(mesh):
+    h = jh.History(distributed_history=True)
+    values = per_device(mesh, [np.nan] + [1.0] * 7)
+    with pytest.warns(RuntimeWarning) as caught:
+        line = h.update({"bad\x1b[2J": values})
+    texts = [str(w.message) for w in caught]
+    assert any("bad\\x1b[2J/nan_device" in t for t in texts), texts
+    assert not any("\x1b" in t for t in texts) and "\x1b" not in line
