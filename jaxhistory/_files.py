@@ -178,12 +178,12 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale(
-    folder: Path, name: str | None = None, pattern: re.Pattern | None = None
+    folder: Path, name: str | None = None, patterns: tuple[re.Pattern, ...] = ()
 ) -> list[Path]:
     """Removes from ``folder`` what writers killed before they finished left:
     the private folders of :func:`atomic_write` (of writes to ``folder/name``,
     or to any file when ``name`` is None), and the entries whose names match
-    ``pattern`` (whose group ``pid`` is the writer's process id). Only real
+    one of ``patterns`` (whose group ``pid`` is the writer's process id). Only real
     folders and files whose process is no longer alive; symbolic links are never
     followed nor removed. Returns what was removed."""
     removed: list[Path] = []
@@ -196,8 +196,9 @@ def remove_stale(
         match = _TMP.fullmatch(entry.name)
         if match is not None and short is not None and match["name"] != short:
             match = None
-        if match is None and pattern is not None:
-            match = pattern.fullmatch(entry.name)
+        for pattern in patterns:
+            if match is None:
+                match = pattern.fullmatch(entry.name)
         if match is None or pid_alive(int(match["pid"])):
             continue
         try:

@@ -1078,6 +1078,7 @@ def test_what_a_killed_finalize_leaves_goes_with_the_next_one(tmp_path):
     (out / f".plots-{dead}-5" / "mplot").mkdir(parents=True)
     (out / f".dataset.nc.{dead}.abcd_123.tmp").mkdir()
     (out / f".dataset.nc.{dead}.abcd_123.tmp" / "dataset.nc").write_text("x")
+    (out / f".report.md.{dead}.tmp").write_text("an earlier version's temporary")
     (out / "plots" / f".mplot-old-{dead}-3").mkdir(parents=True)
     live = out / f".plots-{os.getpid()}-9"
     live.mkdir()

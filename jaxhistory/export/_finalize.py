@@ -70,6 +70,8 @@ PLOT_FOLDERS = ("mplot", "tplot")  # what finalize owns under {outdir}/plots
 # that process is gone.
 STAGED = re.compile(r"\.plots-(?P<pid>\d+)-[A-Za-z0-9_]+")
 REPLACED = re.compile(r"\.(?:mplot|tplot)-old-(?P<pid>\d+)-\d+")
+# The temporary files of earlier versions: {outdir}/.dataset.nc.{pid}.tmp
+OLD_TMP = re.compile(r"\.(?:dataset\.nc|report\.md|.+\.jsonl)\.(?P<pid>\d+)\.tmp")
 
 
 def check_folder(path: Path) -> None:
@@ -86,10 +88,10 @@ def check_folder(path: Path) -> None:
 def remove_leftovers(outdir: Path) -> list[Path]:
     """Removes what finalizes killed in ``outdir`` left behind (their plot
     folders and temporary files), once their processes are gone; returns it."""
-    removed = remove_stale(outdir, pattern=STAGED)
+    removed = remove_stale(outdir, patterns=(STAGED, OLD_TMP))
     plots = outdir / "plots"
     if plots.is_dir() and not plots.is_symlink():
-        removed += remove_stale(plots, pattern=REPLACED)
+        removed += remove_stale(plots, patterns=(REPLACED,))
     return removed
 
 
