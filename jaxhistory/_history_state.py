@@ -768,17 +768,18 @@ class HistoryState:
         holds exactly is a ValueError naming it. The run id of the log's lines
         (the last one) is in ``attrs["run_id"]``. A file with lines but no
         complete record (not a JSONL log: gzip data, another format) is a
-        ValueError naming it.
+        ValueError naming it; a log whose one line was cut off as it was written
+        is an empty history (with the warning).
         """
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"no JSONL log at {path}")
         raw, bad, records = _codec.read_columns(path)
-        if bad and not records:
+        if bad and not records and not _cut_first_line(path, bad):
             gzip = " (gzip data: decompress it first)" if _gzipped(path) else ""
             raise ValueError(
-                f"{path}: no complete record in its {len(bad)} line(s): not a "
-                f"JSONL log of jaxhistory{gzip}"
+                f"{path} holds no complete record: its {len(bad)} line(s) are not "
+                f"a jaxhistory JSONL log{gzip}"
             )
         if bad:
             shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
@@ -859,6 +860,18 @@ def _log_column(name: str, values: list) -> np.ndarray:
 def _gzipped(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(2) == b"\x1f\x8b"
+
+
+def _cut_first_line(path: Path, bad: list[int]) -> bool:
+    """Whether a log's one line is a record cut off as it was written (a run
+    killed before its first line was complete): an empty history, not a
+    foreign file."""
+    if len(bad) != 1:
+        return False
+    with open(path, "rb") as f:
+        head = f.read(64).removeprefix(b"\xef\xbb\xbf").lstrip()
+        f.seek(-1, os.SEEK_END)
+        return head.startswith(b'{"step"') and f.read(1) != b"\n"
 
 
 def _check_widening(table: Table, n: int, wider: tuple) -> None:

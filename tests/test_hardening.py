@@ -798,3 +798,13 @@ def test_an_empty_log_is_an_empty_history(tmp_path):
     path = tmp_path / "run.jsonl"
     path.write_bytes(b"\n")
     assert jh.HistoryState.from_jsonl(path).keys == ()
+
+
+def test_a_log_cut_off_in_its_first_line_is_an_empty_history(tmp_path):
+    path = tmp_path / "run.jsonl"
+    path.write_bytes(b'{"step":0,"timestamp":1.7e9,"metrics":{"lo')
+    with pytest.warns(RuntimeWarning, match="line 1"):
+        assert jh.HistoryState.from_jsonl(path).keys == ()
+    path.write_bytes(b'{"step":0,"timestamp":1.7e9,"metrics":{"lo\n')  # complete
+    with pytest.raises(ValueError, match="holds no complete record"):
+        jh.HistoryState.from_jsonl(path)
