@@ -282,11 +282,12 @@ class History:
                 (nothing is recorded then). With distributed history, processes
                 that pass different metric names all raise ValueError.
 
-        The JSONL log and the sinks are written by one background thread, at least
-        five times a second. It is never more than a few thousand updates (and,
-        unless a sink hangs, well under a second, the latest step's line aside:
-        it waits up to 1 s for more of its step) behind: when it cannot keep up,
-        ``update`` waits for it.
+        The JSONL log is written by a background thread, at least five times a
+        second. It is never more than a few thousand updates (and, unless the
+        disk hangs, well under a second, the latest step's line aside: it waits
+        up to 1 s for more of its step) behind: when it cannot keep up,
+        ``update`` waits for it. The sinks are written after the log, each from
+        a thread of its own; nothing waits for them.
         """
         if type(precision) is not int or precision < 0:
             raise ValueError(f"precision must be a non-negative int, got {precision!r}")
@@ -682,7 +683,8 @@ class History:
 
         See :func:`jaxhistory.export.finalize` for what is written where. In a
         multi-process run only process 0 writes; every process returns the
-        dataset. ``outdir`` defaults to ``report_dir``.
+        dataset. ``outdir`` defaults to ``report_dir``. Called on another
+        thread while updates run, it writes the steps recorded when it began.
         """
         if outdir is None:
             if self.report_dir is None:
