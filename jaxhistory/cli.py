@@ -82,11 +82,13 @@ class _Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (control characters
     escaped), pointing at ``--help`` instead of printing the usage."""
 
+    launch: argparse.ArgumentParser | None = None  # the launch command's
+
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {printable(message)} (see --help)\n")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> _Parser:
     parser = _Parser(
         prog="jaxhistory",
         description=__doc__.replace("``", ""),  # plain text, not reST, in --help
@@ -155,6 +157,7 @@ def _parser() -> argparse.ArgumentParser:
         help="'stream' (every line as [process i] line, the default), a folder "
         "(process-{i}.log each) or 'none'",
     )
+    parser.launch = launch
     return parser
 
 
@@ -203,8 +206,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:  # the function's arguments may follow options
-        sub = next(a for a in parser._actions if a.dest == "command")
-        args = sub.choices["launch"].parse_intermixed_args(argv[1:])
+        args = parser.launch.parse_intermixed_args(argv[1:])
         args.command = "launch"
         return args
     return parser.parse_args(argv)
