@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxhistory._names import PROVENANCE, STATS, aggregated_names
+from jaxhistory._names import PROVENANCE, STATS, aggregated_names, printable
 
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState
@@ -138,18 +138,9 @@ DECADES = 3  # a positive series whose middle 90% spans this many decades: log a
 # process is off by a few float32 ulps: 0.003 comes back as 0.0030000000261).
 RELATIVE_TOLERANCE = 1e-6
 HUGE = 1e300  # values this large are drawn divided by a power of ten
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 # Names of schedules, never given a log axis: a cosine decay to ~0 would look
 # like a cliff on one.
 _SCHEDULE = re.compile(r"(^|[/_.])(lr|learning_rate)$", re.IGNORECASE)
-
-
-def printable(name: object) -> str:
-    """``name`` with control characters (a terminal escape ``\\x1b``, a
-    newline, a bell) written as ``\\xNN``: how a metric name is shown in plot
-    titles, terminal plots and the report, where it could otherwise clear a
-    terminal or break a line."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(name))
 
 
 def same_value(lo: float, hi: float, scale: float | None = None) -> bool:
