@@ -12,6 +12,11 @@ table measured side by side in one run:
    with a ``JsonlSink``, and with a ``TensorBoardSink`` (the sinks are written by
    History's background thread; the table also gives the time until every record
    has been written and flushed, per record).
+4. Untrusted sinks beside the crash-safe log: 12,000 updates into a History that
+   streams its JSONL log, with no user sink, with a sink that takes 2 ms a record,
+   and with a sink whose ``write`` never returns. For each: the time per update
+   on the training thread, the lines in the log 1.5 s after the loop (before any
+   ``flush`` or ``close``), how long ``close()`` takes, and the lines after it.
 
 Run: ``make bench`` or ``python benchmarks/bench_publish.py [--out PATH]``;
 ``--quick`` is a smoke run.
@@ -25,7 +30,9 @@ import argparse
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import warnings
 from pathlib import Path
 
 from _common import machine_info, report
@@ -131,12 +138,92 @@ def bench_history(steps: int, repeats: int, folder: Path) -> list[str]:
     return rows
 
 
+class SlowSink:
+    """A user sink that takes ``delay`` seconds a record."""
+
+    def __init__(self, delay: float):
+        self.delay, self.written = delay, 0
+
+    def write(self, record):
+        time.sleep(self.delay)
+        self.written += 1
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class HungSink:
+    """A user sink whose ``write`` does not return until ``release`` is set."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def write(self, record):
+        self.release.wait()
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def count_lines(path: Path) -> int:
+    """Complete lines in ``path`` (0 when it does not exist yet)."""
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def bench_untrusted(steps: int, folder: Path) -> list[str]:
+    rows = [
+        "| user sink | µs/update on the training thread | log lines 1.5 s after "
+        "the loop | `close()` s | log lines after `close()` |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    data = [{f"m{j}": float(i + j) for j in range(10)} for i in range(steps)]
+    makers = {
+        "none": lambda: None,
+        "2 ms a record": lambda: SlowSink(0.002),
+        "`write` never returns": HungSink,
+    }
+    for k, (name, make) in enumerate(makers.items()):
+        sink = make()
+        report_dir = folder / f"untrusted{k}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the stuck sink's warning
+            history = jaxhistory.History(
+                distributed_history=False,
+                report_dir=report_dir,
+                sinks=[] if sink is None else [sink],
+            )
+            log = report_dir / f"{history.run_id}.jsonl"
+            start = time.perf_counter()
+            for row in data:
+                history.update(row, summarize=False)
+            on_thread = (time.perf_counter() - start) / steps * 1e6
+            time.sleep(1.5)
+            lines_after_loop = count_lines(log)
+            start = time.perf_counter()
+            history.close()
+            closing = time.perf_counter() - start
+        if isinstance(sink, HungSink):
+            sink.release.set()
+        rows.append(
+            f"| {name} | {on_thread:.1f} | {lines_after_loop:,} of {steps:,} "
+            f"| {closing:.2f} | {count_lines(log):,} of {steps:,} |"
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the report here")
     parser.add_argument("--quick", action="store_true", help="smoke run")
     args = parser.parse_args(argv)
     calls, steps, repeats = (500, 200, 2) if args.quick else (20_000, 5_000, 5)
+    untrusted = 1_000 if args.quick else 12_000
     info = machine_info()
     print(info, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
             "repeats, settings interleaved.",
             "",
             *bench_history(steps, repeats, folder),
+            "",
+            "## 3. Untrusted sinks beside the crash-safe log",
+            "",
+            f"{untrusted:,} updates of 10 Python floats, one run per sink.",
+            "",
+            *bench_untrusted(untrusted, folder),
         ]
     report(info, args.quick, sections, args.out)
     return 0
