@@ -10,6 +10,7 @@ index). Cross-device statistics of a metric are ``{name}/{stat}`` for each stat 
 from __future__ import annotations
 
 import functools
+import numbers
 import re
 import urllib.parse
 import zlib
@@ -17,13 +18,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 __all__ = [
     "COUNTER_KEYS",
+    "MAX_DEPTH",
     "PROVENANCE",
     "STATS",
     "STEP_KEYS",
     "aggregated_names",
+    "check_depth",
     "decode_netcdf",
     "encode_netcdf",
     "file_stems",
@@ -40,6 +44,8 @@ PROVENANCE = ("argmax", "argmin", "nan_device")
 STEP_KEYS = ("step", "iter")  # an entry with one of these names is the step
 COUNTER_KEYS = ("step", "epoch", "iter")  # shown first, as integers
 _CONTAINERS = (list, tuple)
+MAX_DEPTH = 100  # levels of nesting in a metrics tree
+_ATOMS = (jax.Array, np.ndarray, np.generic, numbers.Number, str, bytes)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
@@ -77,6 +83,47 @@ def path_name(path: Sequence[Any]) -> str:
     return "/".join(_key_name(k) for k in path)
 
 
+def check_depth(tree: Any, what: str = "metrics") -> None:
+    """Raises ValueError if ``tree`` nests more than :data:`MAX_DEPTH` levels.
+
+    The walk keeps its own stack (no recursion) and opens one level of a node
+    at a time, so any depth, and a container that holds itself, is refused
+    cleanly. ``what`` names the tree in the message (``"weights"``).
+    """
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        children = _children(node)
+        if not children:
+            continue
+        if depth >= MAX_DEPTH:
+            _too_deep(what)
+        stack.extend((child, depth + 1) for child in children)
+
+
+def _too_deep(what: str) -> None:
+    raise ValueError(
+        f"{what} nest more than {MAX_DEPTH} levels deep; jaxhistory takes "
+        f"trees at most {MAX_DEPTH} levels deep: flatten the nesting (join "
+        "the keys with '/')"
+    )
+
+
+def _children(node: Any) -> list | tuple:
+    """The subtrees one level below ``node`` (empty for a leaf)."""
+    kind = type(node)
+    if kind is dict:
+        return list(node.values())
+    if kind is list or kind is tuple:
+        return node
+    if node is None or isinstance(node, _ATOMS):
+        return ()
+    children = jax.tree_util.tree_leaves(
+        node, is_leaf=lambda x: x is not node and x is not None
+    )
+    return () if len(children) == 1 and children[0] is node else children
+
+
 def _check_unique(pairs: list[tuple[str, Any]]) -> None:
     if len({name for name, _ in pairs}) != len(pairs):
         seen = set()
@@ -92,8 +139,10 @@ def named_leaves(
     """``[(name, leaf)]`` of a pytree and its treedef; duplicate names raise.
 
     ``refuse_none``: a ``None`` (which JAX treats as an empty subtree, so it
-    would vanish without a word) raises TypeError naming it.
+    would vanish without a word) raises TypeError naming it. A tree nested more
+    than :data:`MAX_DEPTH` levels raises ValueError before anything walks it.
     """
+    check_depth(tree)
     if refuse_none:
         pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_none)
     else:
@@ -114,12 +163,16 @@ def _is_none(x: Any) -> bool:
     return x is None
 
 
-def _items(metrics: Mapping, prefix: str, out: list) -> bool:
-    """Appends the leaves of plain nested dicts; False if a list/tuple shows up."""
+def _items(metrics: Mapping, prefix: str, out: list, depth: int = 0) -> bool:
+    """Appends the leaves of plain nested dicts; False if a list/tuple shows up.
+    A dict ``depth`` levels down holding another at :data:`MAX_DEPTH` raises
+    ValueError (before Python's stack runs out)."""
     for key, value in metrics.items():
         name = f"{prefix}{key}"
         if type(value) is dict:
-            if not _items(value, name + "/", out):
+            if value and depth + 1 >= MAX_DEPTH:
+                _too_deep("metrics")
+            if not _items(value, name + "/", out, depth + 1):
                 return False
         elif type(value) in _CONTAINERS:
             return False
@@ -132,8 +185,9 @@ def flatten(metrics: Any) -> list[tuple[str, Any]]:
     """Named leaves of ``metrics``: ``[("train/loss", x), ...]``.
 
     Plain nested dicts take a fast path; any other pytree goes through
-    ``jax.tree_util``. Raises ValueError when two leaves get the same name and
-    TypeError for a bare leaf (it has no name).
+    ``jax.tree_util``. Raises ValueError when two leaves get the same name or
+    the tree nests more than :data:`MAX_DEPTH` levels, and TypeError for a bare
+    leaf (it has no name).
 
     Example:
         >>> from jaxhistory._names import flatten

@@ -17,7 +17,6 @@ Every reducer in jaxhistory treats a metrics pytree the same way:
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -25,12 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhistory._names import named_leaves
+from jaxhistory._names import MAX_DEPTH, check_depth, named_leaves
 
 __all__ = ["MAX_DEPTH", "Leaf", "acc_dtype", "check_depth", "flatten_metrics"]
-
-MAX_DEPTH = 100  # levels of nesting in a metrics tree
-_ATOMS = (jax.Array, np.ndarray, np.generic, numbers.Number, str, bytes)
 
 
 class Leaf:
@@ -111,8 +107,7 @@ def flatten_metrics(
         ValueError: two leaves share a name (``{"a/b": x, "a": {"b": y}}``);
             the tree nests more than :data:`MAX_DEPTH` levels.
     """
-    check_depth(metrics)
-    pairs, treedef = named_leaves(metrics, refuse_none=True)
+    pairs, treedef = named_leaves(metrics, refuse_none=True)  # checks the depth
     return [Leaf(name, _as_numeric(name, value)) for name, value in pairs], treedef
 
 
@@ -132,40 +127,3 @@ def acc_dtype(dtype: Any) -> np.dtype:
 def map_leaves(fn: Callable[[Leaf], Any], leaves: list[Leaf], treedef: Any) -> Any:
     """Rebuilds the pytree with ``fn(leaf)`` in place of every leaf."""
     return jax.tree_util.tree_unflatten(treedef, [fn(leaf) for leaf in leaves])
-
-
-def check_depth(tree: Any, what: str = "metrics") -> None:
-    """Raises ValueError if ``tree`` nests more than :data:`MAX_DEPTH` levels.
-
-    The walk keeps its own stack (no recursion) and opens one level of a node
-    at a time, so any depth, and a container that holds itself, is refused
-    cleanly. ``what`` names the tree in the message (``"weights"``).
-    """
-    stack = [(tree, 0)]
-    while stack:
-        node, depth = stack.pop()
-        children = _children(node)
-        if not children:
-            continue
-        if depth >= MAX_DEPTH:
-            raise ValueError(
-                f"{what} nest more than {MAX_DEPTH} levels deep; jaxhistory takes "
-                f"trees at most {MAX_DEPTH} levels deep: flatten the nesting (join "
-                "the keys with '/')"
-            )
-        stack.extend((child, depth + 1) for child in children)
-
-
-def _children(node: Any) -> list | tuple:
-    """The subtrees one level below ``node`` (empty for a leaf)."""
-    kind = type(node)
-    if kind is dict:
-        return list(node.values())
-    if kind is list or kind is tuple:
-        return node
-    if node is None or isinstance(node, _ATOMS):
-        return ()
-    children = jax.tree_util.tree_leaves(
-        node, is_leaf=lambda x: x is not node and x is not None
-    )
-    return () if len(children) == 1 and children[0] is node else children

@@ -427,3 +427,56 @@ def test_a_warning_about_a_non_finite_metric_escapes_its_name(mesh):
     texts = [str(w.message) for w in caught]
     assert any("bad\\x1b[2J/nan_device" in t for t in texts), texts
     assert not any("\x1b" in t for t in texts) and "\x1b" not in line
+
+
+def _deep(levels: int, leaf: float = 1.0) -> dict:
+    tree = {"x": leaf}
+    for _ in range(levels - 1):
+        tree = {"d": tree}
+    return tree
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_update_refuses_a_2000_deep_tree_and_keeps_what_was_recorded(distributed):
+    """A metrics dict nested 2000 levels is refused with a ValueError naming the
+    limit, before anything walks it recursively; the records stay and the next
+    update (and the next JAX call) works."""
+    h = jh.History(distributed_history=distributed)
+    h.update({"loss": 1.0, "acc": 0.5})
+    h.update({"loss": jnp.float32(2.0), "acc": 0.25})
+    with pytest.raises(ValueError, match=r"more than 100 levels") as err:
+        h.update(_deep(2000))
+    assert "metrics" in str(err.value)
+    assert h.state.steps("loss").tolist() == [0, 1]
+    assert h.state.values("loss").tolist() == [1.0, 2.0]
+    assert h.state.next_step == 2
+    assert h.update({"loss": 3.0, "acc": 0.125}) == (
+        "step=2 loss=3.000000 acc=0.125000"
+    )
+    assert float(jnp.sum(jnp.arange(4.0))) == 6.0
+    assert h.state.values("loss").tolist() == [1.0, 2.0, 3.0]
+
+
+def test_history_state_update_refuses_a_2000_deep_tree():
+    """HistoryState.update of a 2000-deep dict (or list nesting) raises a
+    ValueError naming the limit; the state it was called on is unchanged."""
+    s = jh.HistoryState().update({"loss": 1.0})
+    nested_list: list = [0.0]
+    for _ in range(1999):
+        nested_list = [nested_list]
+    for deep in (_deep(2000), {"l": nested_list}):
+        with pytest.raises(ValueError, match=r"more than 100 levels"):
+            s.update(deep)
+    assert s.keys == ("loss",) and s.values("loss").tolist() == [1.0]
+    s2 = s.update({"loss": 2.0})
+    assert s2.values("loss").tolist() == [1.0, 2.0]
+
+
+def test_update_takes_a_tree_at_the_depth_limit():
+    """A dict nested exactly 100 levels is recorded under its joined name."""
+    s = jh.HistoryState().update(_deep(100, 4.0))
+    name = "/".join(["d"] * 99 + ["x"])
+    assert s.keys == (name,) and s.values(name).tolist() == [4.0]
+    h = jh.History(distributed_history=False)
+    h.update(_deep(100, 4.0))
+    assert h.state.values(name).tolist() == [4.0]
