@@ -2,6 +2,7 @@
 SIGKILL: nothing recorded is lost, duplicated or seen where it does not belong."""
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -15,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxhistory as jh
 from jaxhistory import _writer
@@ -603,3 +606,59 @@ def test_finalize_on_another_thread_while_updates_run_writes_a_snapshot(tmp_path
         h.close()
     assert not errors
     assert sizes == sorted(sizes), sizes
+
+
+def test_finalize_loop_beside_distributed_device_updates_writes_snapshots(
+    tmp_path, mesh
+):
+    """finalize called again and again on another thread, from before the first
+    update on, while the loop records jitted per-device values (reduced across
+    the 8 devices), a device scalar and a host float with log_every: every
+    dataset holds a complete prefix of the steps with the values computed."""
+    sharding = NamedSharding(mesh, P("data"))
+
+    @functools.partial(jax.jit, out_shardings=(sharding, None))
+    def step_fn(k):
+        return jnp.arange(8.0) + k, k * 0.5  # one value per device, a scalar
+
+    h = jh.History(
+        distributed_history=True, report_dir=tmp_path, keys=["loss"], log_every=5
+    )
+    go, stop = threading.Event(), threading.Event()
+    errors, sizes = [], []
+
+    def finalize_loop():
+        go.set()
+        i = 0
+        while not stop.is_set() or i < 2:
+            try:
+                ds = h.finalize(tmp_path / f"out{i % 2}", plot=False)
+            except Exception as err:  # reported below
+                errors.append(err)
+                return
+            steps = ds["step"].values.tolist()
+            assert steps == list(range(len(steps)))
+            if steps:
+                mean = np.asarray(ds["loss/mean"].values, np.float64)
+                np.testing.assert_allclose(mean, np.arange(len(steps)) + 3.5)
+                np.testing.assert_allclose(ds["half"].values, np.arange(len(steps)) / 2)
+            sizes.append(len(steps))
+            i += 1
+
+    thread = threading.Thread(target=finalize_loop, daemon=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        thread.start()
+        go.wait(10)
+        for k in range(60):
+            loss, half = step_fn(jnp.float32(k))
+            h.update({"loss": loss, "half": half, "lr": 0.1})
+            if k % 8 == 0:  # a bounded queue of collective steps
+                jax.block_until_ready(loss)
+        stop.set()
+        thread.join(120)
+        ds = h.finalize(tmp_path / "last", plot=False)
+        h.close()
+    assert not errors, errors
+    assert sizes == sorted(sizes) and len(sizes) >= 2
+    assert ds["step"].values.tolist() == list(range(60))
