@@ -377,7 +377,10 @@ class Tables:
                 index.setdefault(name, []).append(keys)
             if n and isinstance(table, Table):
                 _add_meta(meta, keys, table)
-        self._index, self._meta = index, meta
+        # The meta first: a state derived on another thread copies the index
+        # first, so seeing the index means seeing its meta too (never a torn pair).
+        self._meta = meta
+        self._index = index
         return index
 
     def meta(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
