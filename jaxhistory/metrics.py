@@ -30,9 +30,19 @@ shape, so start it from ``M.empty(num_shards=S)``, ``S`` the number of shards of
 the batches (1 inside ``shard_map``).
 
 Accumulation is in float32 (float64 with ``jax_enable_x64``; bfloat16 and float16
-inputs are widened); ``Count`` and ``Accuracy`` count in int32. ``NaN`` in a counted
-value makes the result NaN, as in NumPy; masked values are never read, so padding
-may hold anything. ``Sum`` and ``Count`` of nothing are 0, the others NaN.
+inputs are widened); counts are int32 (int64 with ``jax_enable_x64``). ``NaN`` in a
+counted value makes the result NaN, as in NumPy; masked values are never read, so
+padding may hold anything. ``Sum`` and ``Count`` of nothing are 0, the others NaN.
+
+Numbers that do not fit are refused, not rounded or wrapped: host (NumPy, Python)
+integers beyond int32 without x64, or beyond the exact integers of the float state
+(2**24 in float32, 2**53 in float64) in a float statistic, raise a ``ValueError``
+naming the metric and the value; complex inputs raise a ``TypeError``. Integers
+already on device (int32 arrays, traced values) are not read back to be checked.
+A count that passes 2**31 - 1 without x64 reads -1 (an ``Accuracy`` over it NaN),
+never a wrapped number. An output named ``weights``, ``weight`` or
+``sample_weight`` that no metric reads raises a ``ValueError`` (declare
+``Average.from_output("loss", weights="weights")``) instead of being ignored.
 """
 
 from __future__ import annotations
@@ -66,11 +76,17 @@ __all__ = [
     "Sum",
 ]
 
-_INT = jnp.int32
+# Outputs that hold per-example weights: refused by a metric that reads none.
+WEIGHT_NAMES = ("weights", "weight", "sample_weight")
 
 
 def _float() -> jnp.dtype:
     return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.float64))
+
+
+def _int() -> jnp.dtype:
+    """The dtype of counts: int32, int64 with ``jax_enable_x64``."""
+    return jnp.dtype(jax.dtypes.canonicalize_dtype(jnp.int64))
 
 
 class Metric:
@@ -113,7 +129,28 @@ class Metric:
         (each metric reads the ones it needs and ignores the rest), with an
         optional ``mask`` (batch-first, true for the examples to count).
         ``num_shards``: see the module notes (read from the sharding if omitted).
+
+        Raises:
+            ValueError: an output of per-example weights (``weights``, ``weight``
+                or ``sample_weight``) that this metric does not read.
         """
+        for name in cls.unread_weights(outputs):
+            argname = getattr(cls, "argname", "loss")
+            raise ValueError(
+                f"{cls.__name__} ignores {name}=: it reads no weights; for a "
+                f"weighted mean declare Average.from_output({argname!r}, "
+                f"weights={name!r})"
+            )
+        return cls._of_batch(num_shards, outputs)
+
+    @classmethod
+    def unread_weights(cls, outputs: Mapping[str, Any]) -> list[str]:
+        """The outputs named like per-example weights that this metric ignores."""
+        read = getattr(cls, "weightname", None)
+        return [k for k in WEIGHT_NAMES if k != read and outputs.get(k) is not None]
+
+    @classmethod
+    def _of_batch(cls, num_shards: int | None, outputs: Mapping[str, Any]) -> Metric:
         batch = cls._from_batch(_Batch(cls, outputs, num_shards), outputs)
         # The identity's dtypes (float32 or float64 by jax_enable_x64, int32
         # counts): a loop carry keeps one type, and compute stays at 2 dtypes.
@@ -193,11 +230,51 @@ class _Batch:
             )
         value = self.outputs[name]
         if isinstance(value, jax.core.Tracer | jax.Array):
+            self._check_real(value.dtype, name)
             return value
-        dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
-        if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, bool)):
-            raise TypeError(f"{self.metric}: {name} must be numeric, got {dtype}")
-        return jnp.asarray(value)
+        host = np.asarray(value)
+        if not (jnp.issubdtype(host.dtype, jnp.number) or host.dtype == bool):
+            raise TypeError(f"{self.metric}: {name} must be numeric, got {host.dtype}")
+        self._check_real(host.dtype, name)
+        if host.dtype.kind in "iu" and host.size:
+            info = np.iinfo(jax.dtypes.canonicalize_dtype(host.dtype))
+            lo, hi = host.min(), host.max()
+            if lo < info.min or hi > info.max:
+                raise ValueError(
+                    f"{self.metric}: {name} holds {hi if hi > info.max else lo}, "
+                    f"beyond {info.dtype} (JAX runs without jax_enable_x64): "
+                    "enable jax_enable_x64 or cast the values to float yourself"
+                )
+        return jnp.asarray(host)
+
+    def _check_real(self, dtype: Any, name: str) -> None:
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            raise TypeError(
+                f"{self.metric}: {name} is complex ({dtype}); pass its real part, "
+                "imaginary part or magnitude"
+            )
+
+    def _check_exact(self, name: str, acc: Any) -> None:
+        """Refuses host integers that ``acc`` (a float dtype) would round."""
+        value = self.outputs[name]
+        if isinstance(value, jax.core.Tracer | jax.Array):
+            return  # on device: not read back (see the module notes)
+        host = np.asarray(value)
+        if host.dtype.kind not in "iu" or not host.size:
+            return
+        limit = 2 ** (jnp.finfo(acc).nmant + 1)
+        lo, hi = int(host.min()), int(host.max())
+        if max(-lo, hi) > limit:
+            raise ValueError(
+                f"{self.metric}: {name} holds {hi if hi > limit else lo}, beyond "
+                f"+-{limit}, where {jnp.dtype(acc)} stops holding every integer: "
+                + (
+                    "enable jax_enable_x64 (float64 holds them up to 2**53) or "
+                    if jnp.dtype(acc).itemsize < 8
+                    else ""
+                )
+                + "cast the values to float yourself to accept the rounding"
+            )
 
     def split(self, x: jax.Array, name: str) -> jax.Array:
         """``x`` (batch first) viewed as ``(S, B // S, ...)``."""
@@ -242,12 +319,15 @@ class _Batch:
         m = self.split(self.mask.astype(bool), "mask")
         return m.reshape(m.shape + (1,) * (shards.ndim - 2))
 
-    def values(self, name: str) -> tuple[jax.Array, jax.Array]:
+    def values(self, name: str, exact: bool = True) -> tuple[jax.Array, jax.Array]:
         """Output ``name`` in its accumulation dtype as ``(S, B // S, ...)`` and
         the flags of the values to count, of the same shape. A scalar is one
         value, in the last shard (it is not per example: the mask does not
-        apply)."""
+        apply). ``exact``: refuse host integers that the accumulation dtype
+        would round."""
         x = self.get(name)
+        if exact:
+            self._check_exact(name, acc_dtype(x.dtype))
         x = x.astype(acc_dtype(x.dtype))
         if x.ndim == 0:
             s = self._given() or 1
@@ -279,6 +359,26 @@ def _sum(x: jax.Array, dtype: Any = None) -> jax.Array:
     return jnp.sum(x, axis=tuple(range(1, x.ndim)), dtype=dtype)
 
 
+def _add(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a + b`` of counts, -1 where either is -1 or the sum passes the dtype's
+    largest value (int32 without x64): an overflow is never a wrapped count."""
+    n = a + b
+    return jnp.where((a < 0) | (b < 0) | (n < a), -1, n).astype(a.dtype)
+
+
+def _total(x: jax.Array) -> jax.Array:
+    """Every count of ``x`` added, as ``(1,)``, -1 as in :func:`_add`. int32
+    counts are added as 16-bit halves, so the overflow is seen."""
+    if x.dtype.itemsize >= 8:
+        n = jnp.sum(x)
+        bad = jnp.any(x < 0)
+    else:
+        hi, lo = jnp.sum(x >> 16), jnp.sum(x & 0xFFFF)
+        hi, lo = hi + (lo >> 16), lo & 0xFFFF
+        n, bad = (hi << 16) | lo, jnp.any(x < 0) | (hi >= 2**15)
+    return jnp.where(bad, -1, n).astype(x.dtype).reshape(1)
+
+
 def _elements(x: jax.Array) -> int:
     return math.prod(x.shape[2:])
 
@@ -304,6 +404,10 @@ class Average(_OfOutput):
     Reads ``values`` (one per example, or an array per example whose elements all
     count), an optional ``mask`` and, with :meth:`from_output`'s ``weights=``, a
     weight per example. Scalars count as one example.
+
+    The state is the weighted total and the total weight, in float32 without
+    ``jax_enable_x64``: a total past float32's largest value (about 3.4e38, as
+    the mean of 3e38 and 3e38) is ``inf``; enable x64 for values that large.
     """
 
     total: jax.Array
@@ -380,27 +484,29 @@ class Sum(_OfOutput):
 
 class Count(_OfOutput):
     """How many examples were counted: the true entries of ``mask``, or the
-    batch size of ``values`` without one."""
+    batch size of ``values`` without one. In int32 without ``jax_enable_x64``:
+    a count past 2**31 - 1 reads -1 (never a wrapped number); int64 with x64."""
 
     count: jax.Array
 
     @classmethod
     def _identity(cls, n):
-        return {"count": jnp.zeros(n, _INT)}
+        return {"count": jnp.zeros(n, _int())}
 
     @classmethod
     def _from_batch(cls, batch, outputs):
         if batch.mask is not None and outputs.get(cls.argname) is None:
             m = batch.split(batch.mask.astype(bool), "mask")
-            return cls(count=_sum(m, _INT))
-        _, w = batch.values(cls.argname)  # a scalar is one value, mask or not
-        return cls(count=jnp.sum(w[:, :, *(0,) * (w.ndim - 2)], axis=1, dtype=_INT))
+            return cls(count=_sum(m, _int()))
+        # a scalar is one value, mask or not; only the flags are read
+        _, w = batch.values(cls.argname, exact=False)
+        return cls(count=jnp.sum(w[:, :, *(0,) * (w.ndim - 2)], axis=1, dtype=_int()))
 
     def _combine(self, o):
-        return self._replace(count=self.count + o.count)
+        return self._replace(count=_add(self.count, o.count))
 
     def _fold(self):
-        return self._replace(count=jnp.sum(self.count, keepdims=True)[:1])
+        return self._replace(count=_total(self.count))
 
     def _value(self):
         return self.count[0]
@@ -416,28 +522,29 @@ class _Extreme(_OfOutput):
 
     @classmethod
     def _identity(cls, n):
-        return {"value": jnp.full(n, cls._start, _float()), "count": jnp.zeros(n, _INT)}
+        return {
+            "value": jnp.full(n, cls._start, _float()),
+            "count": jnp.zeros(n, _int()),
+        }
 
     @classmethod
     def _from_batch(cls, batch, outputs):
         v, w = batch.values(cls.argname)
         axes = tuple(range(1, v.ndim))
         value = cls._reduce(jnp.where(w, v, cls._start), axis=axes, initial=cls._start)
-        return cls(value=value, count=jnp.sum(w, axis=axes, dtype=_INT))
+        return cls(value=value, count=jnp.sum(w, axis=axes, dtype=_int()))
 
     def _combine(self, o):
         return self._replace(
-            value=self._pick(self.value, o.value), count=self.count + o.count
+            value=self._pick(self.value, o.value), count=_add(self.count, o.count)
         )
 
     def _fold(self):
         value = self._reduce(self.value, initial=self._start, keepdims=True)
-        return self._replace(
-            value=value.reshape(1), count=jnp.sum(self.count, keepdims=True)[:1]
-        )
+        return self._replace(value=value.reshape(1), count=_total(self.count))
 
     def _value(self):
-        return jnp.where(self.count[0] > 0, self.value[0], jnp.nan)
+        return jnp.where(self.count[0] != 0, self.value[0], jnp.nan)
 
 
 class Max(_Extreme):
@@ -468,7 +575,7 @@ class Last(_OfOutput):
 
     @classmethod
     def _identity(cls, n):
-        zeros = jnp.zeros(n, _INT)
+        zeros = jnp.zeros(n, _int())
         return {"value": jnp.zeros(n, _float()), "stamp": zeros, "clock": zeros}
 
     @classmethod
@@ -488,8 +595,8 @@ class Last(_OfOutput):
         has = jnp.any(w, axis=1)
         return cls(
             value=jnp.where(has, value, 0),
-            stamp=has.astype(_INT),
-            clock=jnp.ones(v.shape[0], _INT),
+            stamp=has.astype(_int()),
+            clock=jnp.ones(v.shape[0], _int()),
         )
 
     def _combine(self, o):
@@ -518,7 +625,11 @@ class Std(_OfOutput):
     """The standard deviation (population, ``ddof=0``) of every value counted,
     by Chan's parallel merge of (count, mean, sum of squared deviations): stable
     in float32 for values like 1e4 +- 1, where sums of squares lose every digit.
-    ``values`` (every element counts), optional ``mask``."""
+    ``values`` (every element counts), optional ``mask``.
+
+    The squared deviations are summed in float32 without ``jax_enable_x64``: a
+    sum past float32's largest value (about 3.4e38; deviations of 1e19 or more,
+    as for +-1e20) makes the std ``inf``; enable x64 for values that large."""
 
     count: jax.Array
     mean: jax.Array
@@ -567,7 +678,9 @@ class Accuracy(Metric):
     """The fraction of examples whose label is predicted: from ``logits``
     (batch x classes; with :meth:`top` a label among the ``k`` largest counts,
     ties in the label's favour) or from ``predictions`` (class ids), against
-    ``labels``, with an optional ``mask``."""
+    ``labels``, with an optional ``mask``. A label outside the classes (an
+    ignore index such as -100, or a class the logits do not have) is a miss,
+    whatever the prediction."""
 
     correct: jax.Array
     count: jax.Array
@@ -583,7 +696,7 @@ class Accuracy(Metric):
 
     @classmethod
     def _identity(cls, n):
-        return {"correct": jnp.zeros(n, _INT), "count": jnp.zeros(n, _INT)}
+        return {"correct": jnp.zeros(n, _int()), "count": jnp.zeros(n, _int())}
 
     @classmethod
     def _from_batch(cls, batch, outputs):
@@ -614,28 +727,27 @@ class Accuracy(Metric):
                     f"Accuracy: predictions {predictions.shape} and labels "
                     f"{labels.shape} differ in shape"
                 )
-            hit = predictions == labels
+            # a negative label (an ignore index such as -100) misses
+            hit = (predictions == labels) & (labels >= 0)
         else:
             batch.get("logits")  # raises, naming what is needed
         if labels.ndim == 0:
             raise ValueError("Accuracy: labels needs a batch axis, got a scalar")
         hit = batch.split(hit, "labels")
         w = jnp.broadcast_to(batch.weights(labels, "labels"), hit.shape)
-        return cls(correct=_sum(hit & w, _INT), count=_sum(w, _INT))
+        return cls(correct=_sum(hit & w, _int()), count=_sum(w, _int()))
 
     def _combine(self, o):
         return self._replace(
-            correct=self.correct + o.correct, count=self.count + o.count
+            correct=_add(self.correct, o.correct), count=_add(self.count, o.count)
         )
 
     def _fold(self):
-        return self._replace(
-            correct=jnp.sum(self.correct, keepdims=True)[:1],
-            count=jnp.sum(self.count, keepdims=True)[:1],
-        )
+        return self._replace(correct=_total(self.correct), count=_total(self.count))
 
     def _value(self):
-        return self.correct[0].astype(_float()) / self.count[0]
+        value = self.correct[0].astype(_float()) / self.count[0]
+        return jnp.where(self.count[0] < 0, jnp.nan, value)  # counted past int32
 
 
 @functools.cache
@@ -761,6 +873,13 @@ class Collection:
                 )
             if metric in (Metric, _OfOutput, _Extreme):
                 raise TypeError(f"Collection.create: {name}= is not a concrete metric")
+            if name.startswith("_") or hasattr(Collection, name):
+                raise ValueError(
+                    f"Collection.create: a metric named {name!r} would hide the "
+                    "Collection's own attribute of that name (names must not "
+                    "start with '_' nor be update, compute, merge, empty, ...): "
+                    "rename it"
+                )
         cls = type("Collection", (Collection,), {"_metrics": dict(metrics)})
         fields = list(metrics)
         cls.__init__ = _collection_init(fields)
@@ -794,14 +913,16 @@ class Collection:
         """Every metric of one batch (each reads the outputs it needs); one shard
         count for all, read from ``mask`` or the first batched output."""
         cls._check_declared()
+        unread = [m.unread_weights(outputs) for m in cls._metrics.values()]
+        for name in set.intersection(*map(set, unread)):
+            raise ValueError(
+                f"no metric of this Collection reads {name}= (it has "
+                f"{', '.join(cls._metrics)}): declare one that does, e.g. "
+                f"Average.from_output('loss', weights={name!r})"
+            )
         if num_shards is None:
             num_shards = _batch_shards(outputs)
-        return cls(
-            *(
-                m.from_model_output(num_shards=num_shards, **outputs)
-                for m in cls._metrics.values()
-            )
-        )
+        return cls(*(m._of_batch(num_shards, outputs) for m in cls._metrics.values()))
 
     def update(self, *, num_shards: int | None = None, **outputs) -> Collection:
         """``self.merge(type(self).from_model_output(**outputs))``, the batch

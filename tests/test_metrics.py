@@ -498,7 +498,7 @@ def test_states_keep_their_dtypes_with_x64():
             assert got.dtype == want.dtype
         assert {x.dtype for x in jax.tree.leaves(a)} == {
             np.dtype(np.float64),
-            np.dtype(np.int32),
+            np.dtype(np.int64),
         }
 
 
@@ -552,3 +552,144 @@ def test_a_collection_over_the_devices_of_several_processes():
             rtol = 2e-4 if name == "loss_std" else 1e-5
             np.testing.assert_allclose(r["got"][name], want, rtol=rtol, err_msg=name)
     assert results[0]["got"] == results[1]["got"]
+
+
+# ----- numbers a user can trust -------------------------------------------------------
+
+
+def test_weights_given_to_a_metric_that_reads_none_are_refused():
+    """Weights passed to an Average declared without weights are not dropped."""
+    x = np.array([0.1, 0.5, 0.3], np.float32)
+    w = np.array([1.0, 3.0, 0.0], np.float32)
+    m = M.Average.empty().update(values=x)
+    for name in ("weights", "weight", "sample_weight"):
+        with pytest.raises(ValueError, match=rf"ignores {name}=.*weights='{name}'"):
+            m.update(values=x, **{name: w})
+        with pytest.raises(ValueError, match=rf"Sum ignores {name}="):
+            M.Sum.from_model_output(values=x, **{name: w})
+    assert float(m.compute()) == pytest.approx(0.3)  # nothing recorded lost
+    weighted = M.Average.from_output("values", weights="weights")
+    got = weighted.empty().update(values=x, weights=w).compute()
+    assert float(got) == pytest.approx((0.1 + 1.5) / 4)
+    # In a Collection the output is fine once one member reads it, and refused
+    # when none does.
+    Both = M.Collection.create(loss=weighted, total=M.Sum.from_output("values"))
+    out = Both.empty().update(values=x, weights=w).compute()
+    assert float(out["loss"]) == pytest.approx(0.4)
+    Plain = M.Collection.create(loss=M.Average, total=M.Sum)
+    with pytest.raises(ValueError, match=r"no metric of this Collection reads"):
+        Plain.empty().update(values=x, weights=w)
+
+
+def test_integers_that_do_not_fit_the_state_are_refused_naming_the_value():
+    """Without x64, int64 values beyond int32 and integers beyond float32's
+    exact range (2**24) give an error instead of a wrapped or rounded result."""
+    cases = [
+        (M.Sum, np.array([2**40, 1]), "1099511627776"),
+        (M.Average, np.array([2**32, 2**32]), "4294967296"),
+        (M.Max, np.array([2**24 + 1]), "16777217"),
+        (M.Min, np.array([-(2**24) - 1]), "-16777217"),
+        (M.Std, [2**30, 0], "1073741824"),
+        (M.Last, np.array([2**25], np.int32), "33554432"),
+    ]
+    for metric, values, shown in cases:
+        with pytest.raises(ValueError, match=rf"{metric.__name__}: values .*({shown})"):
+            metric.from_model_output(values=values)
+    with pytest.raises(ValueError, match=r"jax_enable_x64"):
+        M.Sum.from_model_output(values=np.array([2**40, 1]))
+    m = M.Sum.empty().update(values=np.array([2, 3]))
+    with pytest.raises(ValueError, match="Sum: values"):
+        m.update(values=np.array([2**40]))
+    assert float(m.compute()) == 5.0  # nothing recorded lost
+    # in range: exact
+    assert float(M.Max.from_model_output(values=np.array([2**24])).compute()) == 2**24
+    assert float(M.Sum.from_model_output(values=np.array([-7, 9])).compute()) == 2.0
+
+
+def test_integers_are_exact_with_x64():
+    with jax.enable_x64(True):
+        s = M.Sum.from_model_output(values=np.array([2**40, 1])).compute()
+        assert int(s) == 2**40 + 1
+        a = M.Average.from_model_output(values=np.array([2**32, 2**32])).compute()
+        assert float(a) == 2**32
+        hi = M.Max.from_model_output(values=np.array([2**24 + 1])).compute()
+        assert int(hi) == 2**24 + 1
+        with pytest.raises(ValueError, match=r"Max: values .*9007199254740993"):
+            M.Max.from_model_output(values=np.array([2**53 + 1]))
+
+
+def test_complex_values_are_refused_naming_the_metric():
+    for metric in (M.Average, M.Sum, M.Max, M.Std, M.Last, M.Count):
+        with pytest.raises(TypeError, match=rf"{metric.__name__}: values .*complex"):
+            metric.from_model_output(values=np.array([1 + 2j, 3.0]))
+    with pytest.raises(TypeError, match=r"Accuracy: logits .*complex"):
+        M.Accuracy.from_model_output(
+            logits=np.ones((2, 3), np.complex64), labels=np.zeros(2, np.int32)
+        )
+    with pytest.raises(TypeError, match=r"Average: values .*complex"):
+        jax.jit(lambda v: M.Average.from_model_output(values=v))(
+            jnp.ones(2, jnp.complex64)
+        )
+
+
+def test_an_ignored_label_predicted_as_itself_is_a_miss():
+    """A -100 label predicted -100 is a miss, as with logits."""
+    m = M.Accuracy.from_model_output(
+        predictions=np.array([-100, 1, 2, -1]), labels=np.array([-100, 1, 3, -1])
+    )
+    assert float(m.compute()) == 0.25
+    f = jax.jit(lambda p, y: M.Accuracy.from_model_output(predictions=p, labels=y))
+    got = f(np.array([-100, 1], np.int32), np.array([-100, 1], np.int32)).compute()
+    assert float(got) == 0.5
+
+
+def test_a_label_beyond_int32_is_refused_not_wrapped_to_class_0():
+    with pytest.raises(ValueError, match=r"Accuracy: labels .*4294967296"):
+        M.Accuracy.from_model_output(
+            logits=np.array([[1.0, 0.0]], np.float32), labels=np.array([2**32])
+        )
+    with jax.enable_x64(True):  # in range there: a label past the classes misses
+        m = M.Accuracy.from_model_output(
+            logits=np.array([[1.0, 0.0], [1.0, 0.0]]), labels=np.array([2**32, 0])
+        )
+        assert float(m.compute()) == 0.5
+        p = M.Accuracy.from_model_output(
+            predictions=np.array([0, 0]), labels=np.array([2**32, 0])
+        )
+        assert float(p.compute()) == 0.5
+
+
+def test_a_count_past_int32_never_wraps():
+    """Without x64 a count that passes 2**31 - 1 reads -1 (never a wrapped
+    value) and an Accuracy over it NaN; with x64 counts are int64 and exact."""
+    big = M.Count.from_model_output(values=np.ones(2**16, bool))
+    m = big
+    for _ in range(15):  # 2**31 examples
+        m = m.merge(m)
+    assert int(m.compute()) == -1
+    assert int(m.merge(big).compute()) == -1  # and stays so
+    shards = M.Count.from_model_output(values=np.ones(2**16, bool), num_shards=2)
+    for _ in range(15):
+        shards = shards.merge(shards)  # 2**30 per shard: the fold passes 2**31 - 1
+    assert int(shards.compute()) == -1
+    a = M.Accuracy.from_model_output(
+        predictions=np.zeros(2**16, np.int32), labels=np.zeros(2**16, np.int32)
+    )
+    for _ in range(15):
+        a = a.merge(a)
+    assert np.isnan(float(a.compute()))
+    with jax.enable_x64(True):
+        m = M.Count.from_model_output(values=np.ones(2**16, bool))
+        for _ in range(15):
+            m = m.merge(m)
+        assert int(m.compute()) == 2**31
+        assert m.count.dtype == np.int64
+
+
+def test_a_member_named_like_a_collection_method_is_refused():
+    for name in ("update", "compute", "merge", "empty", "create", "_metrics", "_x"):
+        with pytest.raises(ValueError, match=rf"'{name}'"):
+            M.Collection.create(**{name: M.Sum, "n": M.Count})
+    ok = M.Collection.create(total=M.Sum, n=M.Count)
+    out = ok.empty().update(values=np.arange(4.0)).compute()
+    assert float(out["total"]) == 6.0 and int(out["n"]) == 4
