@@ -379,6 +379,11 @@ def _total(x: jax.Array) -> jax.Array:
     return jnp.where(bad, -1, n).astype(x.dtype).reshape(1)
 
 
+def _nonzero(x: jax.Array) -> jax.Array:
+    """``x`` with 1 for 0: a divisor for states that hold nothing."""
+    return jnp.where(x != 0, x, 1)
+
+
 def _elements(x: jax.Array) -> int:
     return math.prod(x.shape[2:])
 
@@ -405,12 +410,12 @@ class Average(_OfOutput):
     count), an optional ``mask`` and, with :meth:`from_output`'s ``weights=``, a
     weight per example. Scalars count as one example.
 
-    The state is the weighted total and the total weight, in float32 without
-    ``jax_enable_x64``: a total past float32's largest value (about 3.4e38, as
-    the mean of 3e38 and 3e38) is ``inf``; enable x64 for values that large.
+    The state is the weighted mean and the total weight (merged as
+    ``(w1 * m1 + w2 * m2) / (w1 + w2)`` with the weights' shares taken first), so
+    values near float32's largest (3e38) average without overflow.
     """
 
-    total: jax.Array
+    mean: jax.Array
     weight: jax.Array
 
     weightname: ClassVar[str | None] = None
@@ -424,7 +429,7 @@ class Average(_OfOutput):
     @classmethod
     def _identity(cls, n):
         f = _float()
-        return {"total": jnp.zeros(n, f), "weight": jnp.zeros(n, f)}
+        return {"mean": jnp.zeros(n, f), "weight": jnp.zeros(n, f)}
 
     @classmethod
     def _from_batch(cls, batch, outputs):
@@ -442,20 +447,25 @@ class Average(_OfOutput):
             g = batch.split(given.astype(v.dtype), cls.weightname)
             g = g.reshape(g.shape + (1,) * (v.ndim - g.ndim))
             w = jnp.where(flags, g, 0)  # not a product: padding's weight is unread
+        weight = _sum(w)
+        share = w / _nonzero(weight).reshape((-1,) + (1,) * (v.ndim - 1))
         # where, not a product: a masked NaN must not count
-        return cls(total=_sum(jnp.where(w != 0, v * w, 0)), weight=_sum(w))
+        return cls(mean=_sum(jnp.where(w != 0, v * share, 0)), weight=weight)
 
     def _combine(self, o):
-        return self._replace(total=self.total + o.total, weight=self.weight + o.weight)
+        n = self.weight + o.weight
+        mean = self.mean * (self.weight / _nonzero(n)) + o.mean * (
+            o.weight / _nonzero(n)
+        )
+        return self._replace(mean=mean, weight=n)
 
     def _fold(self):
-        return self._replace(
-            total=jnp.sum(self.total, keepdims=True)[:1],
-            weight=jnp.sum(self.weight, keepdims=True)[:1],
-        )
+        n = jnp.sum(self.weight, keepdims=True)[:1]
+        mean = jnp.sum(self.mean * (self.weight / _nonzero(n)), keepdims=True)[:1]
+        return self._replace(mean=mean, weight=n)
 
     def _value(self):
-        return (self.total / self.weight)[0]
+        return jnp.where(self.weight[0] != 0, self.mean[0], jnp.nan)
 
 
 class Sum(_OfOutput):

@@ -693,3 +693,18 @@ def test_a_member_named_like_a_collection_method_is_refused():
     ok = M.Collection.create(total=M.Sum, n=M.Count)
     out = ok.empty().update(values=np.arange(4.0)).compute()
     assert float(out["total"]) == 6.0 and int(out["n"]) == 4
+
+
+def test_a_float32_average_of_values_near_the_largest_float_stays_finite():
+    big = np.float32(3e38)
+    x = np.array([big, big, -big, big], np.float32)
+    got = M.Average.from_model_output(values=x).compute()
+    assert float(got) == pytest.approx(1.5e38, rel=1e-6)
+    m = M.Average.empty(num_shards=4)
+    for _ in range(3):
+        m = m.update(values=np.full(8, big))
+    assert float(m.compute()) == pytest.approx(3e38, rel=1e-6)
+    w = M.Average.from_output("x", weights="w").from_model_output(
+        x=np.array([big, big]), w=np.array([1.0, 3.0], np.float32)
+    )
+    assert float(w.compute()) == pytest.approx(3e38, rel=1e-6)
