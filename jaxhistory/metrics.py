@@ -145,9 +145,11 @@ class Metric:
 
     @classmethod
     def unread_weights(cls, outputs: Mapping[str, Any]) -> list[str]:
-        """The outputs named like per-example weights that this metric ignores."""
-        read = getattr(cls, "weightname", None)
-        return [k for k in WEIGHT_NAMES if k != read and outputs.get(k) is not None]
+        """The outputs named like per-example weights that this metric ignores
+        (neither its weights nor its own values, as ``Sum.from_output("weights")``
+        reads them)."""
+        read = {getattr(cls, "weightname", None), getattr(cls, "argname", None)}
+        return [k for k in WEIGHT_NAMES if k not in read and outputs.get(k) is not None]
 
     @classmethod
     def _of_batch(cls, num_shards: int | None, outputs: Mapping[str, Any]) -> Metric:
@@ -737,8 +739,14 @@ class Accuracy(Metric):
                     f"Accuracy: predictions {predictions.shape} and labels "
                     f"{labels.shape} differ in shape"
                 )
-            # a negative label (an ignore index such as -100) misses
-            hit = (predictions == labels) & (labels >= 0)
+            # a negative label (an ignore index such as -100) misses; both
+            # non-negative, compared unsigned: int32 -1 never equals uint32 2**32 - 1
+            unsigned = jax.dtypes.canonicalize_dtype(jnp.uint64)
+            hit = (
+                (labels >= 0)
+                & (predictions >= 0)
+                & (predictions.astype(unsigned) == labels.astype(unsigned))
+            )
         else:
             batch.get("logits")  # raises, naming what is needed
         if labels.ndim == 0:

@@ -708,3 +708,35 @@ def test_a_float32_average_of_values_near_the_largest_float_stays_finite():
         x=np.array([big, big]), w=np.array([1.0, 3.0], np.float32)
     )
     assert float(w.compute()) == pytest.approx(3e38, rel=1e-6)
+
+
+def test_an_output_named_like_weights_is_read_where_it_is_a_metrics_own():
+    """Sum.from_output("weights") sums the weights: it reads them, so they are
+    not refused as unread, alone or in a Collection."""
+    w = np.array([1.0, 2.0, 4.0], np.float32)
+    total = M.Sum.from_output("weights").from_model_output(weights=w)
+    assert float(total.compute()) == 7
+    got = M.Average.from_output("weight").empty().update(weight=w).compute()
+    assert float(got) == pytest.approx(7 / 3)
+    n = M.Count.from_output("sample_weight").from_model_output(sample_weight=w)
+    assert int(n.compute()) == 3
+    C = M.Collection.create(mean_w=M.Average.from_output("weights"), n=M.Count)
+    out = C.empty().update(weights=w, values=np.ones(3)).compute()
+    assert float(out["mean_w"]) == pytest.approx(7 / 3) and int(out["n"]) == 3
+    with pytest.raises(ValueError, match=r"ignores weight="):  # another name still
+        M.Sum.from_output("weights").from_model_output(weights=w, weight=w)
+
+
+def test_unsigned_labels_never_match_a_negative_prediction():
+    """uint32 labels 2**32 - 1 and 2**31 against int32 predictions -1 and -2**31
+    are misses (the comparison does not wrap)."""
+    labels = np.array([2**32 - 1, 2**31, 3], np.uint32)
+    predictions = np.array([-1, -(2**31), 3], np.int32)
+    m = M.Accuracy.from_model_output(predictions=predictions, labels=labels)
+    assert float(m.compute()) == pytest.approx(1 / 3)
+    f = jax.jit(lambda p, y: M.Accuracy.from_model_output(predictions=p, labels=y))
+    assert float(f(predictions, labels).compute()) == pytest.approx(1 / 3)
+    swapped = M.Accuracy.from_model_output(
+        predictions=labels, labels=predictions.astype(np.int32)
+    )
+    assert float(swapped.compute()) == pytest.approx(1 / 3)
