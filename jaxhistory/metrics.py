@@ -633,19 +633,49 @@ class Last(_OfOutput):
         return jnp.where(self.stamp[0] > 0, self.value[0], jnp.nan)
 
 
+def _scale(x: jax.Array, axis: int) -> jax.Array:
+    """A power of two at least half the largest of ``x`` (>= 0) along ``axis``
+    (kept), within the normal floats: dividing by it is exact, and leaves every
+    ``x`` below 2, so its square cannot overflow."""
+    _, e = jnp.frexp(jnp.max(x, axis=axis, keepdims=True, initial=0))
+    info = jnp.finfo(x.dtype)
+    return jnp.ldexp(
+        jnp.ones((), x.dtype), jnp.clip(e - 1, info.minexp, info.maxexp - 2)
+    )
+
+
+def _pooled(count, mean, std, axis: int):
+    """Chan's merge of the groups (count, mean, population std) along ``axis``,
+    kept: ``var = sum(share * (std**2 + (mean - pooled mean)**2))``, computed on
+    values divided by a power of two, so no square overflows (+-1e20 in float32).
+    Groups of count 0 are never read."""
+    has = count > 0
+    n = jnp.sum(count, axis=axis, keepdims=True)
+    share = jnp.where(has, count / _nonzero(n), 0)
+    size = jnp.maximum(jnp.abs(mean), std) if std is not None else jnp.abs(mean)
+    s = _scale(jnp.where(has, size, 0), axis)
+    m = jnp.where(has, mean / s, 0)  # where, not a product: a masked NaN stays out
+    pooled = jnp.sum(share * m, axis=axis, keepdims=True)
+    d = jnp.where(has, m - pooled, 0)
+    spread = d * d
+    if std is not None:
+        r = jnp.where(has, std / s, 0)
+        spread = spread + r * r
+    var = jnp.sum(share * spread, axis=axis, keepdims=True)
+    return n, pooled * s, jnp.sqrt(var) * s
+
+
 class Std(_OfOutput):
     """The standard deviation (population, ``ddof=0``) of every value counted,
-    by Chan's parallel merge of (count, mean, sum of squared deviations): stable
-    in float32 for values like 1e4 +- 1, where sums of squares lose every digit.
-    ``values`` (every element counts), optional ``mask``.
-
-    The squared deviations are summed in float32 without ``jax_enable_x64``: a
-    sum past float32's largest value (about 3.4e38; deviations of 1e19 or more,
-    as for +-1e20) makes the std ``inf``; enable x64 for values that large."""
+    by Chan's parallel merge of (count, mean, std): stable in float32 for values
+    like 1e4 +- 1, where sums of squares lose every digit, and finite for values
+    near float32's largest (+-1e20, +-3e38), whose squares would overflow: each
+    merge works on the values divided by a power of two. ``values`` (every
+    element counts), optional ``mask``."""
 
     count: jax.Array
     mean: jax.Array
-    m2: jax.Array
+    std: jax.Array
 
     @classmethod
     def _identity(cls, n):
@@ -653,37 +683,39 @@ class Std(_OfOutput):
         return {
             "count": jnp.zeros(n, f),
             "mean": jnp.zeros(n, f),
-            "m2": jnp.zeros(n, f),
+            "std": jnp.zeros(n, f),
         }
 
     @classmethod
     def _from_batch(cls, batch, outputs):
         v, w = batch.values(cls.argname)
-        count = _sum(w.astype(v.dtype))
-        safe = jnp.maximum(count, 1)
-        mean = _sum(jnp.where(w, v, 0)) / safe
-        dev = v - mean.reshape((-1,) + (1,) * (v.ndim - 1))
-        m2 = _sum(jnp.where(w, dev * dev, 0))
-        return cls(count=count, mean=mean, m2=m2)
+        s = v.shape[0]
+        count, mean, std = _pooled(
+            w.reshape(s, -1).astype(v.dtype), v.reshape(s, -1), None, axis=1
+        )
+        return cls(count=count[:, 0], mean=mean[:, 0], std=std[:, 0])
 
     def _combine(self, o):
-        n = self.count + o.count
-        delta = o.mean - self.mean
-        frac = jnp.where(n > 0, o.count / jnp.maximum(n, 1), 0)
-        mean = jnp.where(o.count > 0, self.mean + delta * frac, self.mean)
-        m2 = self.m2 + o.m2 + jnp.where(n > 0, delta * delta * self.count * frac, 0)
-        return self._replace(count=n, mean=mean, m2=m2)
+        both = [jnp.stack([getattr(self, f), getattr(o, f)]) for f in self._fields]
+        merged = dict(zip(self._fields, _pooled(*both, axis=0), strict=True))
+        # merging nothing returns the other side exactly (empty() is the identity)
+        return self._replace(
+            **{
+                f: jnp.where(
+                    o.count > 0,
+                    jnp.where(self.count > 0, merged[f][0], getattr(o, f)),
+                    getattr(self, f),
+                )
+                for f in self._fields
+            }
+        )
 
     def _fold(self):
-        n = jnp.sum(self.count)
-        mean = jnp.sum(jnp.where(self.count > 0, self.count * self.mean, 0))
-        mean = mean / jnp.maximum(n, 1)
-        dev = jnp.where(self.count > 0, self.mean - mean, 0)
-        m2 = jnp.sum(self.m2) + jnp.sum(self.count * dev * dev)
-        return self._replace(count=n[None], mean=mean[None], m2=m2[None])
+        count, mean, std = _pooled(self.count, self.mean, self.std, axis=0)
+        return self._replace(count=count, mean=mean, std=std)
 
     def _value(self):
-        return jnp.sqrt(self.m2[0] / self.count[0])
+        return jnp.where(self.count[0] > 0, self.std[0], jnp.nan)
 
 
 class Accuracy(Metric):

@@ -740,3 +740,24 @@ def test_unsigned_labels_never_match_a_negative_prediction():
         predictions=labels, labels=predictions.astype(np.int32)
     )
     assert float(swapped.compute()) == pytest.approx(1 / 3)
+
+
+def test_a_float32_std_of_values_whose_squares_overflow_stays_finite(mesh):
+    """Std of +-1e20 is 1e20 and of +-3e38 is 3e38 in float32, in one batch,
+    merged over batches and shards, and on the 8-device mesh under jit."""
+    for big in (1e20, 3e38):
+        x = np.array([big, -big] * 8, np.float32)
+        want = np.asarray(x, np.float64).std()
+        got = M.Std.from_model_output(values=x).compute()
+        assert float(got) == pytest.approx(want, rel=1e-6)
+        m = M.Std.empty(num_shards=4)
+        for chunk in np.split(x, 2):
+            m = m.update(values=chunk)
+        assert float(m.compute()) == pytest.approx(want, rel=1e-6)
+        step = jax.jit(lambda m, v: m.update(values=v))
+        sharded = jax.device_put(x, NamedSharding(mesh, P("data")))
+        m = step(step(M.Std.empty(num_shards=8), sharded), sharded)
+        assert float(jax.jit(lambda m: m.compute())(m)) == pytest.approx(want, rel=1e-6)
+    mixed = np.array([3e38, 3e38, -3e38, 1.0], np.float32)
+    got = M.Std.from_model_output(values=mixed).compute()
+    assert float(got) == pytest.approx(np.asarray(mixed, np.float64).std(), rel=1e-6)
