@@ -26,7 +26,14 @@ import numpy as np
 
 from jaxhistory._names import MAX_DEPTH, check_depth, named_leaves
 
-__all__ = ["MAX_DEPTH", "Leaf", "acc_dtype", "check_depth", "flatten_metrics"]
+__all__ = [
+    "MAX_DEPTH",
+    "Leaf",
+    "acc_dtype",
+    "check_depth",
+    "flatten_metrics",
+    "wrapped_extreme",
+]
 
 
 class Leaf:
@@ -80,20 +87,30 @@ def _check_integer_range(name: str, value: Any) -> None:
     """
     if isinstance(value, jax.Array) or not isinstance(value, np.ndarray | np.integer):
         return
-    dtype = np.asarray(value).dtype
-    if dtype.kind not in "iu" or dtype.itemsize < 8 or jax.config.jax_enable_x64:
-        return
     arr = np.asarray(value)
-    if arr.size == 0:
+    if wrapped_extreme(arr) is None:
         return
-    target = np.iinfo(np.int32 if dtype.kind == "i" else np.uint32)
+    target = jax.dtypes.canonicalize_dtype(arr.dtype)
+    raise ValueError(
+        f"metric {name!r} holds {arr.dtype} values outside the {target} range "
+        f"JAX uses with x64 disabled ({arr.min()}..{arr.max()}); they would wrap "
+        "around. Pass them as floats or enable jax_enable_x64"
+    )
+
+
+def wrapped_extreme(arr: np.ndarray) -> Any:
+    """The min or max of the host integers ``arr`` that the integer dtype JAX
+    gives them (int32 / uint32 with x64 disabled) cannot hold, or None when
+    every value fits (and for non-integer or empty arrays)."""
+    if arr.dtype.kind not in "iu" or arr.size == 0:
+        return None
+    info = np.iinfo(jax.dtypes.canonicalize_dtype(arr.dtype))
     lo, hi = arr.min(), arr.max()
-    if lo < target.min or hi > target.max:
-        raise ValueError(
-            f"metric {name!r} holds {dtype} values outside the {target.dtype} range "
-            f"JAX uses with x64 disabled ({lo}..{hi}); they would wrap around. Pass "
-            "them as floats or enable jax_enable_x64"
-        )
+    if hi > info.max:
+        return hi
+    if lo < info.min:
+        return lo
+    return None
 
 
 def flatten_metrics(

@@ -61,7 +61,7 @@ from jax import lax
 
 from jaxhistory._collective import bound_axis_size, check_axis_name
 from jaxhistory._stats import _num_shards
-from jaxhistory._tree import acc_dtype
+from jaxhistory._tree import acc_dtype, wrapped_extreme
 
 __all__ = [
     "Accuracy",
@@ -238,15 +238,14 @@ class _Batch:
         if not (jnp.issubdtype(host.dtype, jnp.number) or host.dtype == bool):
             raise TypeError(f"{self.metric}: {name} must be numeric, got {host.dtype}")
         self._check_real(host.dtype, name)
-        if host.dtype.kind in "iu" and host.size:
-            info = np.iinfo(jax.dtypes.canonicalize_dtype(host.dtype))
-            lo, hi = host.min(), host.max()
-            if lo < info.min or hi > info.max:
-                raise ValueError(
-                    f"{self.metric}: {name} holds {hi if hi > info.max else lo}, "
-                    f"beyond {info.dtype} (JAX runs without jax_enable_x64): "
-                    "enable jax_enable_x64 or cast the values to float yourself"
-                )
+        bad = wrapped_extreme(host)
+        if bad is not None:
+            raise ValueError(
+                f"{self.metric}: {name} holds {bad}, beyond "
+                f"{jax.dtypes.canonicalize_dtype(host.dtype)} (JAX runs without "
+                "jax_enable_x64): enable jax_enable_x64 or cast the values to float "
+                "yourself"
+            )
         return jnp.asarray(host)
 
     def _check_real(self, dtype: Any, name: str) -> None:
