@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxhistory._names import named_leaves
-from jaxhistory._tree import _check_integer_range
+from jaxhistory._tree import check_integer_range
 
 __all__ = ["MetricBuffer"]
 
@@ -239,7 +239,7 @@ class MetricBuffer:
         new = {}
         for name, value in named.items():
             shown, slots = name or "<root>", self.values[name]
-            _check_integer_range(shown, value)
+            check_integer_range(shown, value)
             try:
                 value = jnp.asarray(value)
             except OverflowError:

@@ -44,6 +44,7 @@ __all__ = [
     "distributed_stats",
     "distributed_stats_collective",
     "per_shard",
+    "shard_count",
 ]
 
 
@@ -555,7 +556,10 @@ def _shard_place(tables) -> tuple[jax.Array, jax.Array, jax.Array]:
     return rank, onehot, holders
 
 
-def _num_shards(x: jax.Array) -> int | None:
+def shard_count(x: jax.Array) -> int | None:
+    """How many devices ``x``'s first axis is split over (the product of the
+    mesh axes its sharding names for that axis), or None when that is unknown
+    (no named sharding, or a first axis that is not sharded)."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     if not isinstance(x, jax.core.Tracer) and isinstance(
         getattr(x, "sharding", None), jax.sharding.NamedSharding
@@ -610,7 +614,7 @@ def per_shard(
         raise ValueError(
             "per_shard needs an array with the batch on axis 0, got a scalar"
         )
-    known = _num_shards(x)
+    known = shard_count(x)
     if num_shards is None:
         if known is None:
             raise ValueError(

@@ -31,6 +31,7 @@ __all__ = [
     "Leaf",
     "acc_dtype",
     "check_depth",
+    "check_integer_range",
     "flatten_metrics",
     "wrapped_extreme",
 ]
@@ -53,7 +54,7 @@ def _as_numeric(name: str, value: Any) -> jax.Array:
             f"metric {shown!r} is a {type(value).__name__} ({value!r:.40}); "
             "metrics must be numbers or numeric arrays"
         )
-    _check_integer_range(shown, value)
+    check_integer_range(shown, value)
     try:
         arr = jnp.asarray(value)
     except OverflowError:
@@ -79,7 +80,7 @@ def _as_numeric(name: str, value: Any) -> jax.Array:
     return arr
 
 
-def _check_integer_range(name: str, value: Any) -> None:
+def check_integer_range(name: str, value: Any) -> None:
     """Refuses host integers that JAX would wrap around silently.
 
     With x64 disabled, JAX turns int64/uint64 host arrays into 32-bit ones, and

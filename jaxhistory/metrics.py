@@ -60,7 +60,7 @@ import numpy as np
 from jax import lax
 
 from jaxhistory._collective import bound_axis_size, check_axis_name
-from jaxhistory._stats import _num_shards
+from jaxhistory._stats import shard_count
 from jaxhistory._tree import acc_dtype, wrapped_extreme
 
 __all__ = [
@@ -294,7 +294,7 @@ class _Batch:
     def _shards(self, x: jax.Array, name: str) -> int:
         if self.shards is not None:
             return self.shards
-        known = _num_shards(x)
+        known = shard_count(x)
         given = self._given()
         if given is not None:
             if known is not None and known != given:
@@ -1016,7 +1016,7 @@ def _batch_shards(outputs: Mapping[str, Any]) -> int | None:
     for name in names:
         x = outputs.get(name)
         if isinstance(x, jax.Array | jax.core.Tracer) and x.ndim:
-            known = _num_shards(x)
+            known = shard_count(x)
             if known is not None:
                 return known
     return None
