@@ -94,4 +94,11 @@ def step_flops(fn: Callable, *args: Any, **kwargs: Any) -> float:
     flops = (cost or {}).get("flops")
     if flops is None or flops < 0:
         raise ValueError(f"XLA's cost analysis of {fn!r} holds no FLOP count")
-    return float(flops) * devices_in_hlo(compiled.as_text())
+    # The module header says how many devices run it; the shardings of its
+    # arguments and results say it too, should a JAX version word the header
+    # otherwise (the larger count wins: neither undercounts).
+    shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    placed = max(
+        (len(s.device_set) for s in shardings if hasattr(s, "device_set")), default=1
+    )
+    return float(flops) * max(devices_in_hlo(compiled.as_text()), placed)
