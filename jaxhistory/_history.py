@@ -607,8 +607,9 @@ class History:
         feed = self._feed if self._live_sinks() else None
         sinks = [self._log] if self._log is not None else []
         self._writer = Writer(sinks, self._watch.check, run_id=self.run_id, feed=feed)
-        # Writes what is queued when this History goes (or at exit).
-        weakref.finalize(self, self._writer.close)
+        # Writes what is queued when this History goes (or at exit), and hands
+        # it to the sinks, whose threads then close them and end.
+        weakref.finalize(self, _close_quietly, self._writer, feed)
 
     def _live_sinks(self) -> tuple:
         return self.sinks if self._sinks_open else ()
@@ -731,6 +732,15 @@ class History:
             if log_outputs is not None:
                 log_outputs(state, images)
         return ds
+
+
+def _close_quietly(writer: Writer, feed: SinkFeed | None) -> None:
+    """Closes ``writer`` (the log) and then ``feed`` (the sinks, bounded by
+    :attr:`SinkFeed.TIMEOUT`) for a History dropped, or alive at exit, without
+    :meth:`History.close`."""
+    writer.close()
+    if feed is not None:
+        feed.close()
 
 
 def _step_entry(metrics: dict, label: str = "step") -> tuple[str, Any, dict]:

@@ -3,6 +3,7 @@ SIGKILL: nothing recorded is lost, duplicated or seen where it does not belong."
 
 import contextlib
 import functools
+import gc
 import json
 import os
 import signal
@@ -662,3 +663,70 @@ def test_finalize_loop_beside_distributed_device_updates_writes_snapshots(
     assert not errors, errors
     assert sizes == sorted(sizes) and len(sizes) >= 2
     assert ds["step"].values.tolist() == list(range(60))
+
+
+SCRIPT_WITHOUT_CLOSE = """
+import sys, time
+import jaxhistory as jh
+
+class FileSink:
+    def __init__(self, path):
+        self.f = open(path, "w")
+    def write(self, record):
+        time.sleep(0.001)
+        self.f.write(f"{record.step}\\n")
+    def flush(self):
+        self.f.flush()
+    def close(self):
+        self.f.write("closed\\n")
+        self.f.close()
+
+h = jh.History(distributed_history=False, sinks=[FileSink(sys.argv[1])])
+for i in range(1000):
+    h.update({"x": float(i)}, step=i, summarize=False)
+"""
+
+
+def test_a_script_that_ends_without_close_still_feeds_and_closes_its_sinks(tmp_path):
+    """The sinks' threads are daemons: at exit the History's finalizer hands
+    them what is queued and closes them, as History.close() would."""
+    out = tmp_path / "sink.txt"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run(
+        [sys.executable, "-c", SCRIPT_WITHOUT_CLOSE, str(out)],
+        check=True,
+        timeout=120,
+        env=env,
+    )
+    lines = out.read_text().split()
+    assert lines[:-1] == [str(i) for i in range(1000)]
+    assert lines[-1] == "closed"
+
+
+def test_a_dropped_history_ends_its_sinks_threads():
+    class Sink:
+        closed = False
+
+        def write(self, record):
+            pass
+
+        def flush(self):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    sinks = [Sink() for _ in range(3)]
+    for sink in sinks:
+        h = jh.History(distributed_history=False, sinks=[sink])
+        h.update({"x": 1.0}, summarize=False)
+        del h
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        alive = [t for t in threading.enumerate() if t.name == "jaxhistory-sink-Sink"]
+        if not alive:
+            break
+        time.sleep(0.05)
+    assert not alive
+    assert all(sink.closed for sink in sinks)
