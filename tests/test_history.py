@@ -480,3 +480,22 @@ def test_update_takes_a_tree_at_the_depth_limit():
     h = jh.History(distributed_history=False)
     h.update(_deep(100, 4.0))
     assert h.state.values(name).tolist() == [4.0]
+
+
+def test_a_resumed_run_id_of_any_accepted_length_is_finalized(tmp_path):
+    """resume= and finalize take run ids up to the same length (the log's name
+    {run_id}.jsonl within 255 bytes)."""
+    run_id = "a" * 249
+    state = jh.HistoryState().update({"loss": 1.0}, step=0).with_attrs(run_id=run_id)
+    h = jh.History(distributed_history=False, resume=state, report_dir=tmp_path)
+    h.update({"loss": 0.5}, step=1, summarize=False)
+    ds = h.finalize(plot=False)
+    h.close()
+    assert ds.attrs["run_id"] == run_id
+    assert (tmp_path / f"{run_id}.jsonl").exists()
+    with pytest.raises(ValueError, match="not a name"):
+        jh.History(
+            distributed_history=False,
+            resume=state.with_attrs(run_id="a" * 250),
+            report_dir=tmp_path,
+        )

@@ -17,7 +17,7 @@ import jax
 
 from jaxhistory._codec import read_stamps
 from jaxhistory._dtypes import warmup_count
-from jaxhistory._env import MAX_RUN_NAME, check_run_name, netcdf_attrs, new_run_id
+from jaxhistory._env import MAX_RUN_ID, check_run_name, netcdf_attrs, new_run_id
 from jaxhistory._env import environment as run_environment
 from jaxhistory._files import (
     NotAFile,
@@ -159,7 +159,7 @@ def finalize(
     check_run_name(run_name)
     if run_id is None:
         run_id = new_run_id(run_name)
-    check_run_name(run_id, "run_id", MAX_RUN_NAME + 40)
+    check_run_name(run_id, "run_id", MAX_RUN_ID)  # the limit resume= reads with
     env = dict(environment) if environment is not None else run_environment(mesh)
     attrs = {"run_id": run_id, **env}
     if run_name:
