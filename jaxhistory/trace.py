@@ -799,16 +799,13 @@ def _check_output(out_path: Path, paths: list[Path], runs: set) -> None:
     merged trace of the same runs (a re-merge); never an input, a trace of one
     process (arguments in the wrong order), another run's merge, another kind of
     file, or something that is not a plain file (a device, a link)."""
-    for path in paths:
-        same = path.absolute() == out_path.absolute() or (
-            out_path.exists() and path.exists() and os.path.samefile(path, out_path)
-        )
-        if same:
-            raise ValueError(
-                f"the merged trace's path {out_path} is also one of the traces to "
-                "merge; merge_traces(paths, out_path) takes the inputs first and "
-                "writes a new out_path: give it another name"
-            )
+    # An earlier merge among the inputs (traces/*.json picking up the merged
+    # trace) may be merged again into itself; any other input may not.
+    among = any(
+        path.absolute() == out_path.absolute()
+        or (out_path.exists() and path.exists() and os.path.samefile(path, out_path))
+        for path in paths
+    )
     if not os.path.lexists(out_path):
         return
     if out_path.is_symlink() or not out_path.is_file():
@@ -829,6 +826,12 @@ def _check_output(out_path: Path, paths: list[Path], runs: set) -> None:
             "left as it is: give the merged trace a new file name"
         ) from None
     if other.get("merged") != MERGED_MARK:
+        if among:
+            raise ValueError(
+                f"the merged trace's path {out_path} is also one of the traces to "
+                "merge; merge_traces(paths, out_path) takes the inputs first and "
+                "writes a new out_path: give it another name"
+            )
         raise ValueError(
             f"the merged trace's path {out_path} is an existing trace that "
             "merge_traces did not write (a process's own trace?); it is left as it "

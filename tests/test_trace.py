@@ -681,9 +681,17 @@ def test_merging_in_the_wrong_argument_order_leaves_the_input_trace_intact(tmp_p
     with pytest.raises(ValueError, match=r"ep0-ba3-rank0\.json .*inputs first"):
         trace.merge_traces(str(merged), str(rank_file))
     assert rank_file.read_bytes() == before
-    # An output that is one of the inputs is refused too.
-    with pytest.raises(ValueError, match=r"merged_trace\.json is also one of"):
-        trace.merge_traces([rank_file, merged], merged)
+    # A process's trace that is also an input is refused as the output too.
+    with pytest.raises(ValueError, match=r"ep0-ba3-rank0\.json is also one of"):
+        trace.merge_traces([rank_file], rank_file)
+    assert rank_file.read_bytes() == before
+    # The earlier merge among the inputs (traces/*.json picking it up) is merged
+    # again into itself, every event once.
+    events = trace.load_trace(merged)
+    assert trace.merge_traces([rank_file, merged], merged) == merged
+    assert sorted(map(json.dumps, trace.load_trace(merged))) == sorted(
+        map(json.dumps, events)
+    )
     # Re-merging the same run into its merged file is fine.
     assert trace.merge_traces([rank_file], tmp_path / "again.json").is_file()
     assert trace.merge_traces([merged], tmp_path / "again.json").is_file()
