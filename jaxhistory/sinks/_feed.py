@@ -86,6 +86,7 @@ class _Feed:
         self.dropped = 0  # records never handed to the sink
         self.closing = False
         self.abandoned = False  # close gave up waiting: drop what is left
+        self.writing = 0  # records of the batch being written, not yet written
         self.busy_since: float | None = None  # when the call in progress began
         self.doing = ""  # and which it is: write, flush or close
         self.warned: set[str] = set()
@@ -163,8 +164,15 @@ class _Feed:
         if write_batch is not None:
             self._call("write", write_batch, own)
         else:
-            for record in own.records():  # one bad record costs only itself
+            records = list(own.records())
+            self.writing = len(records)
+            for k, record in enumerate(records):  # one bad one costs only itself
+                if self.abandoned:  # close gave up on this sink: no more writes
+                    self.dropped += len(records) - k
+                    break
                 self._call("write", self.sink.write, record)
+                self.writing -= 1
+            self.writing = 0
 
     def _call(self, what: str, call: Any, *args: Any) -> None:
         self.doing = what
@@ -252,6 +260,7 @@ class SinkFeed:
                 feed.warn(
                     f"stuck-{what}",
                     f"sink {feed.name} did not finish within {timeout:g} s"
-                    f"{doing}; {what} went on without it ({feed.queued} record(s) "
+                    f"{doing}; {what} went on without it "
+                    f"({feed.queued + feed.writing} record(s) "
                     "still queued for it" + (", not written to it)" if close else ")"),
                 )
