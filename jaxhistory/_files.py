@@ -74,14 +74,17 @@ def kind_of(mode: int) -> str:
     return "an unknown kind of file"
 
 
-def check_target(path: Path) -> None:
-    """Raises :class:`NotAFile` unless ``path`` is absent or a regular file
-    (a symbolic link is refused whatever it points to)."""
+def check_target(path: Path, folder: bool = False) -> None:
+    """Raises :class:`NotAFile` unless ``path`` is absent or a regular file (a
+    folder, with ``folder=True``); a symbolic link is refused whatever it points
+    to, so nothing is written or deleted through one."""
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return
-    if not stat.S_ISREG(mode):
+    if folder and not stat.S_ISDIR(mode):
+        raise NotAFile(Path(path), kind_of(mode), "a folder")
+    if not folder and not stat.S_ISREG(mode):
         raise NotAFile(Path(path), kind_of(mode))
 
 

@@ -7,7 +7,6 @@ import itertools
 import os
 import re
 import shutil
-import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -23,7 +22,6 @@ from jaxhistory._files import (
     NotAFile,
     WriteError,
     check_target,
-    kind_of,
     remove_stale,
 )
 from jaxhistory._history_state import HistoryState
@@ -72,17 +70,6 @@ STAGED = re.compile(r"\.plots-(?P<pid>\d+)-[A-Za-z0-9_]+")
 REPLACED = re.compile(r"\.(?:mplot|tplot)-old-(?P<pid>\d+)-\d+")
 # The temporary files of earlier versions: {outdir}/.dataset.nc.{pid}.tmp
 OLD_TMP = re.compile(r"\.(?:dataset\.nc|report\.md|.+\.jsonl)\.(?P<pid>\d+)\.tmp")
-
-
-def check_folder(path: Path) -> None:
-    """Raises :class:`NotAFile` unless ``path`` is absent or a folder that is
-    not a symbolic link: finalize never writes or deletes through a link."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(mode):  # a link to a folder included
-        raise NotAFile(path, kind_of(mode), "a folder")
 
 
 def remove_leftovers(outdir: Path) -> list[Path]:
@@ -178,9 +165,9 @@ def finalize(
         )
     # Nothing finalize writes or deletes may be a link (or a device, a pipe):
     # refused before anything is written.
-    check_folder(outdir / "plots")
+    check_target(outdir / "plots", folder=True)
     for kind in PLOT_FOLDERS:
-        check_folder(outdir / "plots" / kind)
+        check_target(outdir / "plots" / kind, folder=True)
     for name, wanted in (("dataset.nc", save), ("report.md", report)):
         if wanted:
             check_target(outdir / name)
