@@ -23,7 +23,7 @@ from jaxhistory._distributed import Reducer, distributed_default, is_per_device
 from jaxhistory._dtypes import as_step, host_value
 from jaxhistory._env import check_run_id, check_run_name, env_flag, new_run_id
 from jaxhistory._files import in_use
-from jaxhistory._history_state import HistoryState, _append_floats
+from jaxhistory._history_state import HistoryState, append_floats
 from jaxhistory._names import STEP_KEYS, flatten
 from jaxhistory._stats import Stats
 from jaxhistory._summary import NonfiniteWatch, SummaryLine, memory_token
@@ -306,7 +306,7 @@ class History:
             if type(metrics) is dict and not self._reduce_host:
                 # The state's fast path: the same names as earlier all-float
                 # rows, and numbers again (recorded as float64, and shown so).
-                fast = _append_floats(self.state, metrics, step, True)
+                fast = append_floats(self.state, metrics, step, True)
             if fast is not None:
                 self.state, finite = fast
                 record, step_used = metrics, self.state.next_step - 1

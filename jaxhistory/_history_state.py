@@ -42,7 +42,7 @@ from jaxhistory._table import (
     needs_host_copy,
 )
 
-__all__ = ["STEP_KEYS", "HistoryState", "warmup_count"]
+__all__ = ["STEP_KEYS", "HistoryState", "append_floats", "warmup_count"]
 # Updates whose device values may still be in flight; past this many the oldest are
 # waited for. This bounds how far the host runs ahead of the device (simulated CPU
 # devices deadlock when too many collective steps are queued).
@@ -288,7 +288,7 @@ class HistoryState:
                 :meth:`merge`). The state is unchanged.
         """
         if type(metrics) is dict:
-            new = _append_floats(self, metrics, step)
+            new = append_floats(self, metrics, step)
             if new is not None:
                 return new
         elif type(metrics) is Stats:  # not isinstance: Mapping's ABC check is slow
@@ -936,7 +936,7 @@ def _append(table: Table, n: int, step: int, row: Any, on_device: bool = False):
     return new
 
 
-def _append_floats(
+def append_floats(
     state: HistoryState, metrics: dict, step: Any, finite: bool = False
 ) -> Any:
     """The fast path of update, or None where it does not apply (then
