@@ -166,7 +166,9 @@ class HistoryState:
             raise KeyError(f"no metric {name!r}; recorded: {known}")
         return parts
 
-    def _records(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+    def records(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """The steps and values of ``name`` together (read-only arrays; one read
+        where :meth:`steps` and :meth:`values` read twice)."""
         parts = self._parts(name)
         if len(parts) == 1:
             t, n, j = parts[0]
@@ -187,11 +189,11 @@ class HistoryState:
 
     def steps(self, name: str) -> np.ndarray:
         """The steps at which ``name`` was recorded (read-only int64 array)."""
-        return self._records(name)[0]
+        return self.records(name)[0]
 
     def values(self, name: str) -> np.ndarray:
         """The values of ``name``, one per step (read-only; waits for device values)."""
-        return self._records(name)[1]
+        return self.records(name)[1]
 
     def _meta(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
         # Records in several tables read back promoted to one dtype (values()).
@@ -231,6 +233,16 @@ class HistoryState:
         """The step of the most recent record of ``name`` (None if none)."""
         steps = [t.step_at(n) for t, n, _ in self._parts(name)]
         return max(steps) if steps else None
+
+    def blocks(self):
+        """Each set of metrics recorded together, as ``(names, steps, columns)``:
+        their shared steps and one read-only column per name (rows so far only).
+        Writers that go row by row read the state this way, one block at a
+        time."""
+        for keys, (table, n) in self.data.tables.items():
+            if n:
+                steps, columns = table.view(n)
+                yield keys, steps, columns
 
     def nbytes(self) -> int:
         """Bytes of NumPy storage held for this state's tables."""
@@ -617,7 +629,7 @@ class HistoryState:
         """
         new = {}
         for name in dict.fromkeys((*self.keys, *other.keys)):
-            parts = [h._records(name) for h in (self, other) if name in h]
+            parts = [h.records(name) for h in (self, other) if name in h]
             if len(parts) == 2 and parts[0][1].shape[1:] != parts[1][1].shape[1:]:
                 raise ValueError(
                     f"metric {name!r} has shape {parts[0][1].shape[1:]} here and "
@@ -637,7 +649,7 @@ class HistoryState:
         ``next_step`` is ``step`` at most."""
         columns = {}
         for name in self.keys:
-            steps, values = self._records(name)
+            steps, values = self.records(name)
             keep = steps < step
             columns[name] = (np.array(steps[keep]), np.array(values[keep]))
         out = self._from_columns(columns, min(self.next_step, step))
@@ -678,10 +690,10 @@ class HistoryState:
         last record's mean for arrays), how many values were recorded and how many
         of them are NaN or infinite.
         """
-        first = self._first_kept_step(warmup)
+        first = self.first_kept_step(warmup)
         out = {}
         for name in self.keys:
-            steps, values = self._records(name)
+            steps, values = self.records(name)
             if len(steps) and steps[0] < first:
                 values = values[steps >= first]
             values = np.asarray(values, np.float64)
@@ -713,7 +725,10 @@ class HistoryState:
             out[name] = stats
         return out
 
-    def _first_kept_step(self, warmup: float) -> int:
+    def first_kept_step(self, warmup: float) -> int:
+        """The first step kept after ``warmup`` (a fraction below 1 or a number
+        of steps, counted over :meth:`all_steps`); past every step when warmup
+        drops them all."""
         steps = self.all_steps()
         k = warmup_count(warmup, len(steps))
         if k >= len(steps):
@@ -726,12 +741,12 @@ class HistoryState:
         ``warmup`` (a fraction below 1 or a number of steps) drops the first
         steps.
         """
-        first = self._first_kept_step(warmup)
+        first = self.first_kept_step(warmup)
         steps = self.all_steps()
         steps = steps[steps >= first]
         columns = []
         for name in self.keys:
-            col_steps, values = self._records(name)
+            col_steps, values = self.records(name)
             keep = col_steps >= first
             dtype, shape = self._meta(name)
             columns.append((name, col_steps[keep], values[keep], dtype, shape))

@@ -2,14 +2,19 @@
 
 import doctest
 import importlib
+import importlib.metadata
 import inspect
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
 import jaxhistory
 from jaxhistory._optional import import_optional
+
+ROOT = Path(__file__).resolve().parents[1]
 
 HEAVY = (
     "matplotlib",
@@ -110,3 +115,17 @@ def test_docstring_examples_run(module):
 def test_every_exporter_is_documented():
     for name in jaxhistory.export.__all__:
         assert inspect.getdoc(getattr(jaxhistory.export, name)), name
+
+
+def test_version_is_written_once():
+    """The version lives in jaxhistory/_version.py alone: the installed
+    distribution's metadata reads it from there."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in pyproject["project"]
+    assert pyproject["project"]["dynamic"] == ["version"]
+    assert importlib.metadata.version("jaxhistory") == jaxhistory.__version__
+
+
+def test_ci_runs_lint_before_tests():
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert lines.index("make lint") < lines.index("make test")

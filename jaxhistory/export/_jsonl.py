@@ -50,10 +50,8 @@ def to_jsonl(
     # Per table (metrics recorded together share their steps): each column to
     # Python values in one call, then one dict per row, built in C.
     blocks = []
-    for keys, (table, n) in state.data.tables.items():
-        if not n:
-            continue
-        steps, columns = table.view(n)
+    for keys, steps, columns in state.blocks():
+        n = len(steps)
         lists = [_column_list(c) for c in columns]
         blocks.append(
             (

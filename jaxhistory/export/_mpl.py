@@ -302,7 +302,7 @@ def start_png(
         raise ValueError(f"num_chains must be a positive int, got {num_chains!r}")
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    first = state._first_kept_step(warmup)
+    first = state.first_kept_step(warmup)
     units = plot_units(state) if units is None else units
     stems = file_stems(u.title for u in units)
     taken = {stem.casefold() for stem in stems.values()}

@@ -234,7 +234,7 @@ def write_all(state, outdir, warmup=0, progress=None, units=None):
     opts = settings()
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
-    first = state._first_kept_step(warmup)
+    first = state.first_kept_step(warmup)
     units = plot_units(state) if units is None else units
     stems = file_stems(u.title for u in units)
     out = []
@@ -257,7 +257,7 @@ def summary_plots(state: HistoryState, warmup: float = 0) -> dict[str, str]:
     """The plots finalize prints: every metric with cross-device statistics, or,
     when there are none, the first four metrics."""
     opts = settings()
-    first = state._first_kept_step(warmup)
+    first = state.first_kept_step(warmup)
     return {
         u.title: render(state, u, first, opts)
         for u in summary_choice(plot_units(state))

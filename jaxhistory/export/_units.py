@@ -267,7 +267,7 @@ def bucket(x: np.ndarray, y: np.ndarray, how: str, n: int = MAX_POINTS):
 
 def series(state: HistoryState, name: str, first: int):
     """(steps, float64 values) of ``name`` from step ``first`` on (steps sorted)."""
-    steps, values = state._records(name)
+    steps, values = state.records(name)
     cut = int(np.searchsorted(steps, first))
     return steps[cut:], np.asarray(values[cut:], np.float64)
 
