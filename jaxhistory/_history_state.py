@@ -17,9 +17,7 @@ import numpy as np
 from jaxhistory import _codec, _xarray
 from jaxhistory._dtypes import (
     ALL_FLOATS,
-    FLOAT_ONLY,
     INT64_MAX,
-    NESTED,
     PY_SCALARS,
     STEP_KEYS,
     as_step,
@@ -31,7 +29,8 @@ from jaxhistory._dtypes import (
     host_value,
     warmup_count,
 )
-from jaxhistory._names import PROVENANCE, flatten, stat_names
+from jaxhistory._names import PROVENANCE, stat_names
+from jaxhistory._row import Row, RowKind, parse_row
 from jaxhistory._stats import Stats
 from jaxhistory._table import (
     STAGE,
@@ -42,7 +41,7 @@ from jaxhistory._table import (
     needs_host_copy,
 )
 
-__all__ = ["STEP_KEYS", "HistoryState", "append_floats", "warmup_count"]
+__all__ = ["STEP_KEYS", "HistoryState", "warmup_count"]
 # Updates whose device values may still be in flight; past this many the oldest are
 # waited for. This bounds how far the host runs ahead of the device (simulated CPU
 # devices deadlock when too many collective steps are queued).
@@ -299,90 +298,84 @@ class HistoryState:
                 record of a key at the same step is refused (combine runs with
                 :meth:`merge`). The state is unchanged.
         """
-        if type(metrics) is dict:
-            new = append_floats(self, metrics, step)
-            if new is not None:
-                return new
-        elif type(metrics) is Stats:  # not isinstance: Mapping's ABC check is slow
+        if type(metrics) is Stats:  # not isinstance: Mapping's ABC check is slow
             metrics = {"": metrics}
-        types = set(map(type, metrics.values())) if type(metrics) is dict else None
-        if types is not None and Stats in types:
-            return self._update_with_stats(metrics, step)
-        if (
-            types is not None
-            and not NESTED.intersection(types)
-            and all(type(k) is str for k in metrics)
-        ):
-            if "step" in metrics or "iter" in metrics:
-                metrics, step = self._step_entry(metrics, step)
-            keys, row = tuple(metrics), tuple(metrics.values())
-        else:
-            # Nested dicts, other pytrees, names that are not str (1 and "1"
-            # would both be "1" in every file: flatten names and refuses that).
-            _check_step_entries(metrics)
-            items, step = self._step_entry(dict(flatten(metrics)), step)
-            keys, row = tuple(items), tuple(items.values())
-            types = None
-        step = as_step("step", self.next_step if step is None else step)
-        if not keys:
-            return self._derive(dict(self.data.tables), max(self.next_step, step + 1))
+        return self.append(parse_row(metrics, step, self.next_step))
+
+    def append(self, row: Row) -> HistoryState:
+        """Records one parsed :class:`~jaxhistory._row.Row`; returns the new state
+        (:meth:`update` parses and appends). Raises as :meth:`update` does."""
+        names, values, step = row.names, row.values, row.step
         tables = self.data.tables
-        entry = tables.get(keys)
-        ptypes = ALL_FLOATS if types == FLOAT_ONLY else tuple(map(type, row))
+        if not names:
+            return self._derive(dict(tables), max(self.next_step, step + 1))
+        entry = tables.get(names)
+        kind = row.kind
+        if entry is not None and step >= self.next_step:
+            table = entry[0]
+            if table.ptypes is ALL_FLOATS and (
+                kind >= RowKind.FLOATS
+                or (kind is RowKind.NUMBERS and _floats_hold(values))
+                or (kind is RowKind.VALUES and _adds_as_float(values))
+            ):
+                return self._append_floats(names, values, step, entry)
+        if kind is RowKind.VALUES and Stats in set(map(type, values)):
+            return self._append_with_stats(row)
+        ptypes = ALL_FLOATS if kind >= RowKind.FLOATS else tuple(map(type, values))
         if entry is not None and entry[0].ptypes == ptypes and step >= self.next_step:
             # Fast path: same metrics, same Python scalar types as last time, and a
             # step past everything recorded.
             table, n = entry
-            if types is None or int in types:
-                check_ints(keys, row, table.dtypes)
-        else:
-            dsig = None if entry is None else entry[0].dsig
-            if (
-                dsig is not None
-                and step >= self.next_step
-                and device_signature(row) == dsig
-            ):
-                # Device fast path: the same metrics as JAX arrays of the same
-                # types, dtypes, shapes and shardings as a row that passed the
-                # checks, at a step past everything recorded.
-                table, n = entry
-                self._inflight.add(row, table.async_copy)
-                on_device = True
-            else:
-                table, n, row, on_device = self._prepare(keys, row, ptypes, step)
-                if on_device:
-                    arrays = [v for v in row if isinstance(v, jax.Array)]
-                    self._inflight.add(arrays, table.async_copy)
-            table = _append(table, n, step, row, on_device)
+            if kind < RowKind.FLOATS:
+                check_ints(names, values, table.dtypes)
+            table = _append(table, n, step, values)
             new = tables.copy()
-            new[keys] = (table, n + 1)
-            return self._derive(new, max(self.next_step, step + 1), appended=keys)
-        table = _append(table, n, step, row)
+            new[names] = (table, n + 1)
+            return self._derive(new, step + 1, appended=names)
+        dsig = None if entry is None else entry[0].dsig
+        if (
+            dsig is not None
+            and step >= self.next_step
+            and device_signature(values) == dsig
+        ):
+            # Device fast path: the same metrics as JAX arrays of the same
+            # types, dtypes, shapes and shardings as a row that passed the
+            # checks, at a step past everything recorded.
+            table, n = entry
+            self._inflight.add(values, table.async_copy)
+            on_device = True
+        else:
+            table, n, values, on_device = self._prepare(names, values, ptypes, step)
+            if on_device:
+                arrays = [v for v in values if isinstance(v, jax.Array)]
+                self._inflight.add(arrays, table.async_copy)
+        table = _append(table, n, step, values, on_device)
         new = tables.copy()
-        new[keys] = (table, n + 1)
-        return self._derive(new, step + 1, appended=keys)
+        new[names] = (table, n + 1)
+        return self._derive(new, max(self.next_step, step + 1), appended=names)
 
-    @staticmethod
-    def _step_entry(metrics: dict, step: Any) -> tuple[dict, Any]:
-        """Takes the ``step`` (or ``iter``) entry out of ``metrics`` as the step.
-
-        With an explicit ``step`` too, a ``step`` entry must agree with it (it is
-        the coordinate of the record, never a metric of its own).
-        """
-        if step is None:
-            for key in STEP_KEYS:
-                if key in metrics:
-                    step = as_step(key, metrics[key])
-                    return {k: v for k, v in metrics.items() if k != key}, step
-            return metrics, None
-        if "step" in metrics:
-            entry = as_step("step", metrics["step"])
-            if entry != as_step("step", step):
-                raise ValueError(
-                    f"two steps given: step={step} and a 'step' entry of {entry}"
-                )
-            return {k: v for k, v in metrics.items() if k != "step"}, step
-        return metrics, step
+    def _append_floats(self, names, values, step, entry) -> HistoryState:
+        """The fast path of :meth:`append`: numbers into a float64 table that
+        earlier all-float rows made, at a step past everything recorded."""
+        if step > INT64_MAX:
+            raise ValueError(f"'step' is {step}, outside the int64 range of steps")
+        table, n = entry
+        with table.lock:
+            if table.length == n:  # this state owns the table's end: append in place
+                table.rows.append(values)  # Table.append, inlined
+                table.row_steps.append(step)
+                table.last_step = step
+                table.length = n + 1
+                if len(table.rows) >= STAGE:
+                    table.move_stage()
+                appended = True
+            else:
+                appended = False
+        if not appended:  # an older state updated again, or another thread first
+            table = _append(table, n, step, values)
+        tables = self.data.tables.copy()
+        tables[names] = (table, n + 1)
+        return self._derive(tables, step + 1, appended=names, same=appended and n > 0)
 
     def _check_append(self, names, shapes, step: int) -> dict[str, np.dtype]:
         """Refuses recording ``names`` (records of ``shapes``) at ``step``.
@@ -450,25 +443,30 @@ class HistoryState:
             table = table.prefix(n, wider)
         return table, n
 
-    def _update_with_stats(self, metrics: dict, step: int | None) -> HistoryState:
-        """update() for dicts holding :class:`~jaxhistory.Stats` values.
+    def _append_with_stats(self, row: Row) -> HistoryState:
+        """:meth:`append` for rows holding :class:`~jaxhistory.Stats` values.
 
         Each ``Stats`` is recorded as one packed row (its whole table, still on
         device if it is), named ``{key}/{metric}/{stat}``.
         """
-        rest, step = self._step_entry(
-            {k: v for k, v in metrics.items() if type(v) is not Stats}, step
-        )
-        used = as_step("step", self.next_step if step is None else step)
-        state = self.update(rest, used) if rest else self
-        for key, stats in metrics.items():
+        step = row.step
+        plain = [
+            (n, v)
+            for n, v in zip(row.names, row.values, strict=True)
+            if type(v) is not Stats
+        ]
+        state = self
+        if plain:
+            names, values = zip(*plain, strict=True)
+            state = self.append(Row(step, names, values, RowKind.VALUES))
+        for key, stats in zip(row.names, row.values, strict=True):
             if type(stats) is Stats:
                 prefix = f"{key}/" if key else ""
                 names = stat_names(stats.names, prefix)
-                state = state.update_packed(names, stats.table, step=used)
+                state = state.update_packed(names, stats.table, step=step)
                 if stats.where is not None:  # provenance: device indices
                     names = stat_names(stats.names, prefix, PROVENANCE)
-                    state = state.update_packed(names, stats.where, step=used)
+                    state = state.update_packed(names, stats.where, step=step)
         return state
 
     def _prepare(self, keys, row, ptypes, step):
@@ -915,18 +913,6 @@ def _check_exact(keys: tuple, values: list, dtypes: tuple) -> None:
             )
 
 
-def _check_step_entries(metrics: Any) -> None:
-    """A ``step``/``iter`` entry that is a container would be flattened into
-    metrics (``step/0``, ...): it must be one whole number."""
-    if isinstance(metrics, Mapping):
-        for key in STEP_KEYS:
-            if key in metrics and isinstance(metrics[key], Mapping | list | tuple):
-                raise ValueError(
-                    f"{key!r} must be a whole number to be used as the step, got "
-                    f"{metrics[key]!r:.60}"
-                )
-
-
 def _later_wins(steps: np.ndarray, values: np.ndarray):
     """Records in step order, one per step: where several share a step, the one
     that came later in the input wins."""
@@ -951,55 +937,22 @@ def _append(table: Table, n: int, step: int, row: Any, on_device: bool = False):
     return new
 
 
-def append_floats(
-    state: HistoryState, metrics: dict, step: Any, finite: bool = False
-) -> Any:
-    """The fast path of update, or None where it does not apply (then
-    :meth:`HistoryState.update` records the dict, checking it). With ``finite``
-    (History asks so), (the new state, whether every value is finite).
-
-    It applies to a flat dict with the same keys as an earlier update whose values
-    were all Python floats, when the new values are Python floats or ints again
-    (``sum`` returns an exact float only for those, and otherwise dispatches to
-    the values' own arithmetic without converting them) and the step is past
-    everything recorded.
-    """
-    if step is None:
-        step = state.next_step
-    elif type(step) is not int or step < state.next_step:
-        return None
-    if step > INT64_MAX:
-        return None  # the checked path raises
-    keys = tuple(metrics)
-    tables = state.data.tables
-    entry = tables.get(keys)
-    if entry is None or entry[0].ptypes is not ALL_FLOATS:
-        return None
-    row = tuple(metrics.values())
+def _adds_as_float(values: tuple) -> bool:
+    """Whether ``values`` add up as a Python float does (``sum`` returns an
+    exact float only for Python floats and ints, or objects that act like
+    them; NumPy and JAX values dispatch to their own arithmetic): a float64
+    table takes them as it takes numbers."""
     try:
-        total = sum(row, 0.0)
+        total = sum(values, 0.0)
     except Exception:  # strings, nested dicts, ints too large for a float
-        return None
-    if type(total) is not float or not -_EXACT_F < total < _EXACT_F:
-        return None  # (and large values: the checked path refuses big ints)
-    table, n = entry
-    with table.lock:
-        if table.length == n:  # this state owns the table's end: append in place
-            table.rows.append(row)  # Table.append, inlined
-            table.row_steps.append(step)
-            table.last_step = step
-            table.length = n + 1
-            if len(table.rows) >= STAGE:
-                table.move_stage()
-            appended = True
-        else:
-            appended = False
-    if not appended:  # an older state updated again, or another thread first
-        table = _append(table, n, step, row)
-    tables = tables.copy()
-    tables[keys] = (table, n + 1)
-    new = state._derive(tables, step + 1, appended=keys, same=appended and n > 0)
-    return (new, total - total == 0.0) if finite else new
+        return False
+    return type(total) is float and -_EXACT_F < total < _EXACT_F
+
+
+def _floats_hold(values: tuple) -> bool:
+    """Whether float64 holds every integer among ``values`` exactly (numbers
+    only: a float64 table takes them without the checked path)."""
+    return all(-_EXACT_F < v < _EXACT_F for v in values if type(v) is int)
 
 
 _new_tables = functools.partial(object.__new__, Tables)

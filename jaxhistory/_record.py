@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Record"]
+__all__ = ["Batch", "Record"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ import numpy as np
 from jaxhistory._memory import MemorySample
 from jaxhistory._names import COUNTER_KEYS, printable
 from jaxhistory._provenance import device_label
+from jaxhistory._row import Row, RowKind
 from jaxhistory._stats import Stats
 
 __all__ = [
@@ -175,18 +176,13 @@ class SummaryLine:
         # ((label, precision, kinds), names, template) of the last host row
         self._last: tuple = (None, None, None)
 
-    def format(
-        self,
-        label: str,
-        step: int,
-        metrics: dict[str, Any],
-        precision: int,
-        host: bool,
-    ) -> str:
-        names, row = tuple(metrics), tuple(metrics.values())
-        if host:
-            kinds = (float,) * len(row) if host == 2 else tuple(map(type, row))
-            head = (label, precision, host == 2 or kinds)
+    def format(self, row: Row, precision: int) -> str:
+        """The summary line of ``row`` with ``precision`` decimals."""
+        names, values, kind, label = row.names, row.values, row.kind, row.label
+        if kind is not RowKind.VALUES:  # Python numbers: one %-format
+            floats = kind >= RowKind.FLOATS
+            kinds = (float,) * len(values) if floats else tuple(map(type, values))
+            head = (label, precision, floats or kinds)
             last_head, last_names, entry = self._last
             if head != last_head or names != last_names:
                 key = (label, names, precision, kinds)
@@ -197,12 +193,17 @@ class SummaryLine:
             if entry is not None:
                 template, order = entry
                 if order is None:
-                    return template % (step, *row)
-                values = (step, *row)
-                return template % tuple([values[i] for i in order])
-        items = list(zip(names, row, strict=True))
+                    return template % (row.step, *values)
+                full = (row.step, *values)
+                return template % tuple([full[i] for i in order])
+        items = list(zip(names, values, strict=True))
         return summary_line(
-            (label, step), items, precision, self.first, host, self.watch
+            (label, row.step),
+            items,
+            precision,
+            self.first,
+            kind is not RowKind.VALUES,
+            self.watch,
         )
 
     def _template(self, label, names, precision, types):

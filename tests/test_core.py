@@ -22,6 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxhistory as jh
 from jaxhistory import _writer
+from jaxhistory._fan_out import FanOut
+from jaxhistory._row import Row, RowKind
 
 
 def _log_path(h: jh.History):
@@ -283,10 +285,11 @@ def test_a_slow_writer_holds_the_training_thread_back_instead_of_queueing(
     monkeypatch.setattr(_writer.Writer, "MAX_PENDING", 32)
     log = jh.sinks.JsonlSink(tmp_path / "log.jsonl")
     slow = _SlowSink(0.0005)
-    writer = _writer.Writer([slow, log])  # sinks the writer thread writes itself
+    # sinks the writer thread writes itself
+    writer = _writer.Writer(FanOut([slow, log]))
     most = 0
     for k in range(600):
-        writer.add(k, time.time(), {"x": float(k)}, (), True)
+        writer.add(Row(k, ("x",), (float(k),), RowKind.FLOATS, time.time()))
         most = max(most, writer.pending())
     assert most <= 32
     writer.close()
@@ -558,7 +561,7 @@ def test_a_log_written_again_keeps_the_streamed_timestamps(tmp_path):
         h.update({"x": float(k)}, summarize=False)
     h.flush()
     streamed = [json.loads(x)["timestamp"] for x in _log_path(h).read_text().split()]
-    h._log_failed = True  # as after a failed write: finalize writes the log again
+    h._out.failed = True  # as after a failed write: finalize writes the log again
     h.finalize(tmp_path / "out", plot=False)
     log = tmp_path / "out" / f"{h.run_id}.jsonl"
     again = [json.loads(x)["timestamp"] for x in log.read_text().split()]

@@ -390,14 +390,14 @@ def test_metric_names_that_collide_once_made_strings_are_refused():
 
 
 def test_the_time_left_is_not_thrown_by_one_slow_interval():
-    from jaxhistory._history import Progress
+    from jaxhistory._progress import Progress
 
     now = [0.0]
     progress = Progress(100, None, None, clock=lambda: now[0])
     etas = {}
     for step in range(60):
         now[0] += 76.0 if step == 20 else 0.1  # an evaluation compiles at step 20
-        out = progress.add({"loss": 1.0}, step, 1)
+        out = progress.at(step, 1)
         etas[step] = out.get("perf/eta_sec")
     assert etas[0] is None  # no rate before the second summarized step
     assert etas[1] == pytest.approx(99 * 0.1)
@@ -405,7 +405,7 @@ def test_the_time_left_is_not_thrown_by_one_slow_interval():
     assert etas[21] == pytest.approx(79 * 0.1)
     assert etas[50] == pytest.approx(50 * 0.1)
     now[0] += 0.5  # the rate itself is still the last interval's
-    assert progress.add({}, 60, 1)["perf/steps_per_sec"] == 2.0
+    assert progress.at(60, 1)["perf/steps_per_sec"] == 2.0
 
 
 def test_control_characters_in_names_never_reach_the_terminal_raw():

@@ -51,6 +51,8 @@ LAYERS = {
     "jaxhistory._dtypes": LEAF,  # dtype rules, int64 range, steps
     "jaxhistory._codec": LEAF,  # the record / JSONL line codec
     "jaxhistory._record": LEAF,  # Record and Batch, what sinks receive
+    "jaxhistory._row": LEAF,  # Row: one update, parsed once
+    "jaxhistory._progress": LEAF,  # steps per second, time left, MFU
     "jaxhistory._env": LEAF,  # run ids, the environment, on/off variables
     "jaxhistory._tree": LEAF,
     "jaxhistory._hlo": LEAF,
@@ -72,7 +74,11 @@ LAYERS = {
     "jaxhistory._history_state": DATA,
     "jaxhistory._xarray": DATA,
     # Effects: files, threads, processes, sinks, the command line.
-    "jaxhistory._writer": EFFECTS,
+    "jaxhistory._writer": EFFECTS,  # the one background thread, any target
+    "jaxhistory._fan_out": EFFECTS,  # rows -> the JSONL log, traces, sinks
+    "jaxhistory._run_log": EFFECTS,  # History's log, sinks and update times
+    "jaxhistory._run_setup": EFFECTS,  # resume, the sinks of this process
+    "jaxhistory._side_values": EFFECTS,  # attached values, memory samples
     "jaxhistory._summary": EFFECTS,
     "jaxhistory._distributed": EFFECTS,
     "jaxhistory._history": EFFECTS,

@@ -1,0 +1,175 @@
+"""Row: one update, parsed once on its way through the host.
+
+:func:`parse_row` turns what a user passes to ``update`` (a dict with or without
+a ``step`` entry, nested dicts, any pytree) into a :class:`Row`: the step, the
+metric names and their values, and a :class:`RowKind` saying what the values
+are. :meth:`HistoryState.append <jaxhistory.HistoryState.append>`, the
+writer and the summary line all take the same row, so nothing parses the step
+or classifies the values twice.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from jaxhistory._dtypes import INT64_MAX, INT64_MIN, NESTED, as_step
+from jaxhistory._names import STEP_KEYS, flatten
+
+__all__ = ["Row", "RowKind", "kind_of", "parse_row", "step_entry"]
+
+_FLOATS = frozenset({float})
+_NUMBERS = frozenset({float, int})
+_is_str = str.__instancecheck__
+
+
+class RowKind(enum.IntEnum):
+    """What a row's values are, which says what the host path may skip (a
+    higher kind promises more).
+
+    ``FINITE_FLOATS``: every value a finite Python float (nothing to convert or
+    check). ``FLOATS``: every value a Python float. ``NUMBERS``: every value a
+    Python float or int. ``VALUES``: anything recordable (NumPy or JAX arrays,
+    :class:`~jaxhistory.Stats`), converted on the writer's thread.
+    """
+
+    VALUES = 0
+    NUMBERS = 1
+    FLOATS = 2
+    FINITE_FLOATS = 3
+
+
+_VALUES, _NUMBERS_KIND = RowKind.VALUES, RowKind.NUMBERS
+_FLOATS_KIND, _FINITE = RowKind.FLOATS, RowKind.FINITE_FLOATS
+
+
+class Row(NamedTuple):
+    """One update: the step it is recorded at, the metric names and their
+    values in order, what kind of values they are, the wall time of the update
+    and the name its step goes by in the summary line (``step`` or ``iter``).
+    Immutable: the history, the writer and the summary line read the same row.
+
+    Example:
+        >>> from jaxhistory._row import parse_row
+        >>> row = parse_row({"step": 3, "loss": 0.5, "lr": 1e-3})
+        >>> row.step, row.names, row.kind.name
+        (3, ('loss', 'lr'), 'FINITE_FLOATS')
+    """
+
+    step: int
+    names: tuple[str, ...]
+    values: tuple
+    kind: RowKind
+    timestamp: float = 0.0
+    label: str = "step"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row's metrics as a new dict."""
+        return dict(zip(self.names, self.values, strict=True))
+
+    def extended(self, names: tuple[str, ...], values: tuple) -> Row:
+        """This row with ``names`` (new ones) and their ``values`` after its own."""
+        if not names:
+            return self
+        kind = min(self.kind, kind_of(values))
+        return self._replace(
+            names=self.names + names, values=self.values + values, kind=kind
+        )
+
+
+def kind_of(values: tuple) -> RowKind:
+    """The :class:`RowKind` of ``values``."""
+    types = set(map(type, values))
+    if types == _FLOATS:
+        total = sum(values, 0.0)  # inf or NaN anywhere makes total - total NaN
+        return _FINITE if total - total == 0.0 else _FLOATS_KIND
+    if types <= _NUMBERS:
+        return _NUMBERS_KIND
+    return _VALUES
+
+
+def step_entry(metrics: dict, step: Any) -> tuple[dict, Any, str]:
+    """Takes the ``step`` (or ``iter``) entry out of ``metrics`` as the step:
+    (the rest, the step, the entry's name). With an explicit ``step`` too, a
+    ``step`` entry must agree with it (it is the coordinate of the record,
+    never a metric of its own) and an ``iter`` entry stays a metric."""
+    if step is None:
+        for key in STEP_KEYS:
+            if key in metrics:
+                step = as_step(key, metrics[key])
+                return {k: v for k, v in metrics.items() if k != key}, step, key
+        return metrics, None, "step"
+    if "step" in metrics:
+        entry = as_step("step", metrics["step"])
+        if entry != as_step("step", step):
+            raise ValueError(
+                f"two steps given: step={step} and a 'step' entry of {entry}"
+            )
+        return {k: v for k, v in metrics.items() if k != "step"}, step, "step"
+    return metrics, step, "step"
+
+
+def parse_row(
+    metrics: Any, step: Any = None, next_step: int = 0, timestamp: float = 0.0
+) -> Row:
+    """``metrics`` at ``step`` as a :class:`Row`.
+
+    Args:
+        metrics: a dict (or any pytree) of values; nested names join with
+            ``/``. When ``step`` is None, a ``step`` (or ``iter``) entry is the
+            step and is not a metric.
+        step: the step; None: the entry, else ``next_step``.
+        next_step: the step of a row that gives none.
+        timestamp: the wall time of the update.
+
+    Raises:
+        ValueError: a step that is not a whole number within int64, two steps
+            that disagree, two leaves with one name.
+        TypeError: a bare leaf (it has no name).
+    """
+    label = "step"
+    if type(metrics) is dict:
+        if "step" in metrics or "iter" in metrics:
+            if _container_step(metrics):
+                _check_step_entries(metrics)
+            metrics, step, label = step_entry(metrics, step)
+        names = tuple(metrics)
+        values = tuple(metrics.values())
+        types = set(map(type, values))
+        if not NESTED.intersection(types) and all(map(_is_str, names)):
+            if types == _FLOATS:
+                total = sum(values, 0.0)
+                kind = _FINITE if total - total == 0.0 else _FLOATS_KIND
+            else:
+                kind = _NUMBERS_KIND if types <= _NUMBERS else _VALUES
+            if step is None:
+                step = next_step
+            elif type(step) is not int or not INT64_MIN <= step <= INT64_MAX:
+                step = as_step("step", step)
+            return Row(step, names, values, kind, timestamp, label)
+    # Nested dicts, other pytrees, names that are not str (1 and "1" would both
+    # be "1" in every file: flatten names them and refuses that).
+    _check_step_entries(metrics)
+    items = dict(flatten(metrics))
+    if label == "step":
+        items, step, label = step_entry(items, step)
+    step = next_step if step is None else as_step("step", step)
+    values = tuple(items.values())
+    return Row(step, tuple(items), values, kind_of(values), timestamp, label)
+
+
+def _container_step(metrics: dict) -> bool:
+    return any(isinstance(metrics.get(k), Mapping | list | tuple) for k in STEP_KEYS)
+
+
+def _check_step_entries(metrics: Any) -> None:
+    """A ``step``/``iter`` entry that is a container would be flattened into
+    metrics (``step/0``, ...): it must be one whole number."""
+    if isinstance(metrics, Mapping):
+        for key in STEP_KEYS:
+            if key in metrics and isinstance(metrics[key], Mapping | list | tuple):
+                raise ValueError(
+                    f"{key!r} must be a whole number to be used as the step, got "
+                    f"{metrics[key]!r:.60}"
+                )

@@ -1,0 +1,157 @@
+"""RunLog: where History's rows go after the history: the JSONL log streamed
+during the run and the user's sinks, through the one background
+:class:`~jaxhistory._writer.Writer`, and the wall time of every update."""
+
+from __future__ import annotations
+
+import array
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any
+
+from jaxhistory import _trace_state
+from jaxhistory._codec import read_stamps
+from jaxhistory._fan_out import FanOut
+from jaxhistory._row import Row
+from jaxhistory._writer import Writer
+from jaxhistory.sinks._feed import SinkFeed
+from jaxhistory.sinks._jsonl import JsonlSink
+
+__all__ = ["RunLog"]
+
+
+class RunLog:
+    """History's JSONL log (at ``path``, None: none) and its sinks.
+
+    The log is opened, and the writer thread started, by the first row that
+    needs them. ``on_stats`` sees each :class:`~jaxhistory.Stats` on the host
+    (History's non-finite watch). Not thread-safe on its own: History calls it
+    under its lock.
+    """
+
+    def __init__(
+        self,
+        path: Path | None,
+        overwrite: bool,
+        run_id: str,
+        sinks: tuple,
+        on_stats: Any,
+    ):
+        self.path, self.overwrite, self.run_id = path, overwrite, run_id
+        self.sinks, self.on_stats = sinks, on_stats
+        self.sinks_open = True  # False after close(): nothing more is written
+        # the user's sinks, each written from a thread of its own (started at
+        # its first record): a slow or hung sink never holds the log back
+        self.feed = SinkFeed(sinks) if sinks else None
+        self.writer: Writer | None = None
+        self.log: JsonlSink | None = None
+        self.streamed = False  # a log was opened at path
+        self.failed = False  # then finalize writes it again from the state
+        # Whether rows go to the writer (a log or open sinks; an active trace
+        # handler is checked apart): one flag on the hot path.
+        self.writing = path is not None or bool(sinks)
+        # (step, wall time) per update, in arrays: no objects for the GC to scan
+        self.stamp_steps = array.array("q")
+        self.stamp_times = array.array("d")
+
+    def add(self, row: Row) -> None:
+        """Queues ``row`` for the log and the sinks."""
+        if self.writer is None:
+            self._start()
+        self.writer.add(row)
+
+    def live_feed(self) -> SinkFeed | None:
+        return self.feed if self.sinks_open and self.sinks else None
+
+    def _start(self) -> None:
+        if self.path is not None and self.log is None:
+            try:
+                self.log = JsonlSink(self.path, overwrite=self.overwrite)
+                self.streamed = True
+            except OSError as err:  # the step is recorded; only the log stops
+                warnings.warn(
+                    f"cannot write the JSONL log {self.path} ({err}); finalize "
+                    "will write it from the history instead",
+                    RuntimeWarning,
+                    stacklevel=6,
+                )
+                self.path = None
+                self.failed = True
+                self.writing = self.live_feed() is not None
+        feed = self.live_feed()
+        sinks = [self.log] if self.log is not None else []
+        fan_out = FanOut(sinks, self.on_stats, run_id=self.run_id, feed=feed)
+        self.writer = Writer(
+            fan_out,
+            what="the JSONL log",
+            kept=" (the history keeps every one, and finalize writes the log again "
+            "from it)",
+        )
+        _trace_state.register_stream(self.writer)
+        # Writes what is queued when this log goes (or at exit), and hands it
+        # to the sinks, whose threads then close them and end.
+        weakref.finalize(self, _close_quietly, self.writer, feed)
+
+    def flush(self) -> tuple[Writer | None, SinkFeed | None]:
+        """The writer and the feed to flush (outside the caller's lock)."""
+        return self.writer, self.live_feed()
+
+    def close(self) -> SinkFeed | None:
+        """Writes what is queued and closes the log; returns the sinks' feed to
+        close (outside the caller's lock) the first time."""
+        if self.writer is not None:
+            self.writer.close()
+            self.failed |= bool(self.writer.dropped)
+            self.writer = None
+        if self.log is not None:
+            self.log.close()
+            self.failed |= self.log.error is not None
+            self.log = None
+            self.overwrite = False  # a later update appends
+        feed = None
+        if self.sinks_open:
+            feed, self.sinks_open = self.feed, False
+        self.writing = self.path is not None
+        return feed
+
+    def check_failed(self) -> None:
+        """Notes a failed write or dropped lines (finalize then writes the log
+        again from the history)."""
+        if self.log is not None and self.log.error is not None:
+            self.failed = True
+        if self.writer is not None and self.writer.dropped:
+            self.failed = True
+
+    def streamed_path(self) -> Path | None:
+        """The log streamed during the run, where it is complete."""
+        return self.path if self.streamed and not self.failed else None
+
+    def stamp(self, step: int, now: float) -> None:
+        self.stamp_steps.append(step)  # 16 bytes an update
+        self.stamp_times.append(now)
+
+    def timestamps(self, all_steps: Any) -> dict[int, float]:
+        """Step -> wall time of the updates (the first at a step), for the
+        dataset's time coordinate and a log written from the state; the log's
+        times for steps this run did not record (a resumed run's)."""
+        steps, times = self.stamp_steps, self.stamp_times
+        stamps = dict(zip(reversed(steps), reversed(times), strict=True))
+        path = self.path
+        if (
+            path is not None
+            and path.is_file()
+            and not stamps.keys() >= set(all_steps.tolist())
+        ):
+            for step, stamp in read_stamps(path).items():
+                stamps.setdefault(step, stamp)
+        return stamps
+
+
+def _close_quietly(writer: Writer, feed: SinkFeed | None) -> None:
+    """Closes ``writer`` (the log) and then ``feed`` (the sinks, bounded by
+    :attr:`SinkFeed.TIMEOUT`) for a log dropped, or alive at exit, without
+    :meth:`RunLog.close`."""
+    writer.close()
+    if feed is not None:
+        feed.close()

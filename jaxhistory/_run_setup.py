@@ -1,0 +1,80 @@
+"""What History's constructor works out before the first update: the run to
+resume and the sinks this process writes to."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from jaxhistory._dtypes import as_step
+from jaxhistory._env import check_run_id, env_flag
+from jaxhistory._history_state import HistoryState
+from jaxhistory.export._load import load_run, run_file
+from jaxhistory.sinks import WandbSink, is_sink, writes_here
+from jaxhistory.sinks._wandb import wandb_run
+
+__all__ = ["resumed", "sinks_here"]
+
+
+def resumed(resume: Any, resume_step: int | None, run_name: str | None):
+    """(state, run id, log) of the run ``resume`` names: a HistoryState, a JSONL
+    log (the run id on its lines, else its name; History goes on appending to
+    it), a dataset file or a finalize folder; records at ``resume_step`` and
+    later are left out (the steps a restart from an earlier checkpoint records
+    again)."""
+    log = None
+    if isinstance(resume, HistoryState):
+        state, run_id = resume, dict(resume.attrs).get("run_id")
+        source = "the HistoryState given as resume"
+    elif isinstance(resume, str | os.PathLike):
+        try:
+            state, attrs = load_run(resume)  # as `jaxhistory report` reads a run
+        except FileNotFoundError as err:
+            raise FileNotFoundError(
+                f"resume: no run log or dataset at {resume} ({err})"
+            ) from None
+        path = source = run_file(resume)
+        if path.suffix == ".jsonl":  # the run id of its lines (older logs: its name)
+            run_id, log = attrs.get("run_id") or path.stem, path
+        else:
+            run_id = attrs.get("run_id")
+    else:
+        raise TypeError(
+            "resume takes a HistoryState, a JSONL log, a dataset file or a finalize "
+            f"folder, got {type(resume).__name__}"
+        )
+    check_run_id(run_id, source)  # it names the log: never a path
+    if run_name is not None:
+        raise ValueError(
+            "resume continues the run with its own run id; give run_name only to a "
+            "new run"
+        )
+    if resume_step is not None:
+        step = as_step("resume_step", resume_step)
+        state = state.before(step)
+    return state, run_id, log
+
+
+def sinks_here(sinks: Sequence[Any], use_wandb: bool | None) -> tuple:
+    """The sinks this process writes to (process 0 only, unless a sink says
+    ``all_processes``), with a W&B sink added when ``use_wandb`` asks for one."""
+    if isinstance(sinks, str) or not isinstance(sinks, Sequence):
+        raise TypeError(f"sinks must be a sequence of sinks, got {sinks!r}")
+    for sink in sinks:
+        if not is_sink(sink):
+            raise TypeError(
+                f"{type(sink).__name__} is not a sink: it needs write, flush and close"
+            )
+    if use_wandb not in (None, True, False):
+        raise ValueError(f"use_wandb must be True, False or None, got {use_wandb!r}")
+    out = list(sinks)
+    first = jax.process_index() == 0
+    wanted = use_wandb is True or (
+        use_wandb is None and wandb_run() is not None and not env_flag("WANDB_DISABLED")
+    )
+    if wanted and first and not any(isinstance(s, WandbSink) for s in out):
+        out.append(WandbSink())  # on process 0, where the run is
+    return tuple(s for s in out if writes_here(s))
