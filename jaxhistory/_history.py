@@ -386,6 +386,11 @@ class History:
         return None
 
     @property
+    def log_path(self) -> Path | None:
+        """Where this process streams its JSONL log (None: nowhere)."""
+        return self._out.path
+
+    @property
     def history(self) -> dict[str, np.ndarray]:
         """Every metric's values so far, by name (read-only NumPy arrays, one
         value per record; the steps are ``history.state.steps(name)``): the dict

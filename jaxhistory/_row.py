@@ -97,8 +97,11 @@ def step_entry(metrics: dict, step: Any) -> tuple[dict, Any, str]:
     if step is None:
         for key in STEP_KEYS:
             if key in metrics:
-                step = as_step(key, metrics[key])
-                return {k: v for k, v in metrics.items() if k != key}, step, key
+                rest = metrics.copy()  # (the caller's dict is never changed)
+                value = rest.pop(key)
+                if type(value) is not int or not INT64_MIN <= value <= INT64_MAX:
+                    value = as_step(key, value)
+                return rest, value, key
         return metrics, None, "step"
     if "step" in metrics:
         entry = as_step("step", metrics["step"])
@@ -106,7 +109,9 @@ def step_entry(metrics: dict, step: Any) -> tuple[dict, Any, str]:
             raise ValueError(
                 f"two steps given: step={step} and a 'step' entry of {entry}"
             )
-        return {k: v for k, v in metrics.items() if k != "step"}, step, "step"
+        rest = metrics.copy()
+        del rest["step"]
+        return rest, step, "step"
     return metrics, step, "step"
 
 

@@ -518,16 +518,16 @@ def test_a_step_timed_after_its_update_shares_its_line(tmp_path):
 
 
 def test_a_steps_line_waits_for_more_of_that_step_but_not_for_ever(tmp_path):
-    from jaxhistory._writer import Writer
+    from jaxhistory._fan_out import FanOut
 
     log = tmp_path / "s.jsonl"
     stream = export.JsonlStream(log)
     stream.add(1, {"a": 1.0})
-    stream._drain(hold=True)  # the thread's write: step 1 may get more
+    stream.writer.write_queued(final=False)  # the thread's write: step 1 may get more
     assert log.read_text() == ""
     stream.add(1, {"b": 2.0})
     stream.add(2, {"a": 3.0})
-    stream._drain(hold=True)  # step 2 came: step 1 is over
+    stream.writer.write_queued(final=False)  # step 2 came: step 1 is over
     assert [(r["step"], r["metrics"]) for r in _log_lines(log)] == [
         (1, {"a": 1.0, "b": 2.0})
     ]
@@ -535,9 +535,9 @@ def test_a_steps_line_waits_for_more_of_that_step_but_not_for_ever(tmp_path):
     assert [r["step"] for r in _log_lines(log)] == [1, 2]
     stream.add(2, {"late": 4.0})  # after its line was written: a line of its own
     stream.add(3, {"a": 5.0}, timestamp=0.0)  # an old record is never held
-    stream._drain(hold=True)
+    stream.writer.write_queued(final=False)
     stream.add(4, {"a": 6.0}, timestamp=4e9)  # nor one with a time in the future
-    stream._drain(hold=True)
+    stream.writer.write_queued(final=False)
     assert [r["step"] for r in _log_lines(log)] == [1, 2, 2, 3, 4]
     stream.close()
     back = jh.HistoryState.from_jsonl(log)
@@ -547,7 +547,7 @@ def test_a_steps_line_waits_for_more_of_that_step_but_not_for_ever(tmp_path):
         5.0,
         6.0,
     ]
-    assert Writer.HOLD <= 1.0  # a SIGKILL loses at most about a second
+    assert FanOut.HOLD <= 1.0  # a SIGKILL loses at most about a second
 
 
 def test_the_latest_steps_line_reaches_the_log_within_the_hold(tmp_path):
@@ -818,8 +818,8 @@ def test_the_times_of_a_log_are_read_whatever_wrote_it(tmp_path):
 
 
 def test_records_of_one_step_merge_only_where_they_follow_each_other():
+    from jaxhistory._fan_out import merged as _merged
     from jaxhistory._record import Batch
-    from jaxhistory._writer import _merged
 
     def batch(steps, aggregated=None):
         out = Batch(

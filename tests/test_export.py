@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import jaxhistory as jh
-from jaxhistory import _files, export
-from jaxhistory.export import _finalize, _jsonl, _tplot
+from jaxhistory import _files, _writer, export
+from jaxhistory.export import _finalize, _tplot
 
 NAMES = [
     "loss",
@@ -315,7 +315,7 @@ def test_history_jsonl_per_process_path_and_report_dir_default(tmp_path):
     assert h2.run_id.startswith("exp-")
     h3 = jh.History(distributed_history=False)  # nowhere to stream: no file
     h3.update({"a": 1.0})
-    assert h3._writer is None
+    assert h3._out.writer is None
 
 
 def test_history_jsonl_holds_distributed_stats(tmp_path, mesh):
@@ -885,7 +885,7 @@ def test_a_deleted_array_loses_only_its_value_in_the_streamed_log(tmp_path):
     path = tmp_path / "log.jsonl"
     h = jh.History(distributed_history=False, jsonl_path=path)
     dev = jnp.arange(3.0) * 2
-    with mock.patch.object(_jsonl.JsonlStream, "INTERVAL", 3600):  # no early write
+    with mock.patch.object(_writer.Writer, "INTERVAL", 3600):  # no early write
         h.update({"w": dev, "lr": 0.1}, summarize=False)
         dev.delete()
         with pytest.warns(RuntimeWarning, match="'w' at step 0 could not be read"):

@@ -237,8 +237,8 @@ def test_two_histories_never_share_a_log(tmp_path):
     b.update({"x": 2.0})
     a.close()
     b.close()
-    assert export.from_jsonl(a._log_path).values("x").tolist() == [1.0]
-    assert export.from_jsonl(b._log_path).values("x").tolist() == [2.0]
+    assert export.from_jsonl(a.log_path).values("x").tolist() == [1.0]
+    assert export.from_jsonl(b.log_path).values("x").tolist() == [2.0]
     # A log a live writer holds is refused, not appended to.
     c = jh.History(jsonl_path=tmp_path / "shared.jsonl", distributed_history=False)
     c.update({"x": 3.0})

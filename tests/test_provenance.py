@@ -218,7 +218,7 @@ def test_history_names_the_device_of_a_nan_once(mesh, tmp_path):
     assert h.state.values("loss/nan_device").tolist() == [-1, -1, -1, 5, 5]
     assert h.state.values("loss/argmax").tolist() == [7, 7, 7, 5, 5]
     h.flush()
-    log = export.from_jsonl(h._log_path)
+    log = export.from_jsonl(h.log_path)
     assert log.values("loss/nan_device").tolist() == [-1, -1, -1, 5, 5]
     ds = h.finalize(tmp_path / "out", plot=False)
     assert ds["loss/nan_device"].values.tolist() == [-1, -1, -1, 5, 5]

@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from jaxhistory._codec import encode_records, jsonable, jsonl_value
+from jaxhistory._fan_out import FanOut
 from jaxhistory._files import atomic_write, open_log
 from jaxhistory._history_state import HistoryState
 from jaxhistory._names import aggregated_names
 from jaxhistory._record import Batch
+from jaxhistory._row import Row, RowKind
 from jaxhistory._stats import Stats
+from jaxhistory._trace_state import register_stream
 from jaxhistory._writer import Writer
 from jaxhistory.sinks._jsonl import JsonlSink
 
@@ -122,7 +125,7 @@ def from_jsonl(path: str | os.PathLike) -> HistoryState:
     return HistoryState.from_jsonl(path)
 
 
-class JsonlStream(Writer):
+class JsonlStream:
     """A JSONL log written from a background thread, as History streams its own.
 
     ``add`` only queues the record (device values are not waited for); the thread
@@ -132,7 +135,8 @@ class JsonlStream(Writer):
     every complete line stays readable. ``sinks`` get the same records.
     ``path`` None: sinks only. ``run_id`` is written on every line where given.
     Records of one step that follow each other share a line (see
-    :class:`~jaxhistory._writer.Writer`).
+    :class:`~jaxhistory._fan_out.FanOut`). It wraps the one
+    :class:`~jaxhistory._writer.Writer` (:attr:`writer`).
     """
 
     def __init__(
@@ -144,14 +148,23 @@ class JsonlStream(Writer):
     ):
         self.path = None if path is None else Path(path)
         self.log = None if path is None else JsonlSink(self.path, overwrite)
-        super().__init__(
-            [s for s in (self.log, *sinks) if s is not None], run_id=run_id
-        )
+        self.sinks = [s for s in (self.log, *sinks) if s is not None]
+        self.writer = Writer(FanOut(self.sinks, run_id=run_id))
+        register_stream(self.writer)
 
     @property
     def error(self) -> BaseException | None:
         """The last failed write to the log, if any."""
         return None if self.log is None else self.log.error
+
+    @property
+    def dropped(self) -> int:
+        """Records dropped because the log could not keep up."""
+        return self.writer.dropped
+
+    @property
+    def closed(self) -> bool:
+        return self.writer.closed
 
     def add(
         self,
@@ -162,17 +175,27 @@ class JsonlStream(Writer):
     ) -> None:
         """Queues one record: ``metrics`` as a dict or (name, value) pairs,
         ``aggregated`` as :class:`~jaxhistory.Stats` or a name -> value dict;
-        ``timestamp`` defaults to now."""
+        ``timestamp`` defaults to now. Raises ValueError after :meth:`close`."""
         items = dict(metrics)
-        stats: tuple = ()
         if isinstance(aggregated, Stats):
-            stats = (("", aggregated),)
+            items[""] = aggregated
         elif aggregated:
             items = {**items, **aggregated}
         stamp = time.time() if timestamp is None else timestamp
-        super().add(step, stamp, items, stats)
+        self.writer.add(
+            Row(step, tuple(items), tuple(items.values()), RowKind.VALUES, stamp)
+        )
+
+    def pending(self) -> int:
+        """Records queued and not yet written."""
+        return self.writer.pending()
+
+    def flush(self) -> None:
+        """Writes every queued record now (waiting for device values)."""
+        self.writer.flush()
 
     def close(self) -> None:
-        super().close()
+        """Writes what is queued, stops the thread and closes the log."""
+        self.writer.close()
         if self.log is not None:
             self.log.close()
