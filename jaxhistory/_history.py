@@ -19,7 +19,7 @@ from jaxhistory._files import in_use
 from jaxhistory._history_state import HistoryState
 from jaxhistory._progress import Progress
 from jaxhistory._row import Row, RowKind, parse_row
-from jaxhistory._run_log import RunLog
+from jaxhistory._run_log import RunLog, log_target
 from jaxhistory._run_setup import resumed, sinks_here
 from jaxhistory._side_values import SideValues
 from jaxhistory._stats import Stats
@@ -210,7 +210,7 @@ class History:
         self._reduce_host = self.distributed_history and self._reducer.multi_process
         self._watch = NonfiniteWatch()  # one warning per metric gone NaN/inf
         self._line = SummaryLine(self.keys, self._watch)
-        log_path = self._jsonl_target()
+        log_path = log_target(self.jsonl_path, self.report_dir, self.run_id)
         if log_path is not None and in_use(log_path):
             raise ValueError(
                 f"the JSONL log {log_path} is being written by another live "
@@ -368,23 +368,6 @@ class History:
                 return
 
     # ----- outputs -----------------------------------------------------------------
-    def _jsonl_target(self) -> Path | None:
-        """Where this process streams its JSONL log, or None.
-
-        ``jsonl_path`` if given (each process writes its own file when the path
-        holds ``{process_index}``, else only process 0 writes), else
-        ``{report_dir}/{run_id}.jsonl`` on process 0 when ``report_dir`` is given.
-        """
-        index = jax.process_index()
-        if self.jsonl_path is not None:
-            text = str(self.jsonl_path)
-            if "{process_index}" in text:
-                return Path(text.replace("{process_index}", str(index)))
-            return self.jsonl_path if index == 0 else None
-        if self.report_dir is not None and index == 0:
-            return self.report_dir / f"{self.run_id}.jsonl"
-        return None
-
     @property
     def log_path(self) -> Path | None:
         """Where this process streams its JSONL log (None: nowhere)."""

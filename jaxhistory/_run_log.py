@@ -10,6 +10,8 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from jaxhistory import _trace_state
 from jaxhistory._codec import read_stamps
 from jaxhistory._fan_out import FanOut
@@ -18,7 +20,27 @@ from jaxhistory._writer import Writer
 from jaxhistory.sinks._feed import SinkFeed
 from jaxhistory.sinks._jsonl import JsonlSink
 
-__all__ = ["RunLog"]
+__all__ = ["RunLog", "log_target"]
+
+
+def log_target(
+    jsonl_path: Path | None, report_dir: Path | None, run_id: str
+) -> Path | None:
+    """Where this process streams its JSONL log, or None.
+
+    ``jsonl_path`` if given (each process writes its own file when the path
+    holds ``{process_index}``, else only process 0 writes), else
+    ``{report_dir}/{run_id}.jsonl`` on process 0 when ``report_dir`` is given.
+    """
+    index = jax.process_index()
+    if jsonl_path is not None:
+        text = str(jsonl_path)
+        if "{process_index}" in text:
+            return Path(text.replace("{process_index}", str(index)))
+        return jsonl_path if index == 0 else None
+    if report_dir is not None and index == 0:
+        return report_dir / f"{run_id}.jsonl"
+    return None
 
 
 class RunLog:
