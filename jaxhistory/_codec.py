@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from jaxhistory._dtypes import first_inexact
 from jaxhistory._record import Batch
 
 __all__ = [
@@ -36,7 +39,9 @@ __all__ = [
     "encode_records",
     "jsonable",
     "jsonl_value",
+    "later_wins",
     "read_columns",
+    "read_log",
     "read_run_id",
     "read_stamps",
 ]
@@ -144,7 +149,8 @@ def encode_records(batch: Batch) -> bytes:
 
     Example:
         >>> from jaxhistory._codec import encode_records
-        >>> from jaxhistory._record import Batch
+        >>> from jaxhistory._dtypes import first_inexact
+from jaxhistory._record import Batch
         >>> encode_records(Batch([1], [None], [{"loss": 0.25}]))
         b'{"step":1,"timestamp":null,"process_index":0,"metrics":{"loss":0.25},\
 "aggregated":{}}\\n'
@@ -337,3 +343,99 @@ def read_stamps(path: Path) -> dict[int, float]:
         if type(step) is int and isinstance(stamp, float):
             stamps.setdefault(step, stamp)
     return stamps
+
+
+def read_log(path: str | os.PathLike) -> tuple[dict[str, tuple], int, str | None]:
+    """The metrics of a JSONL log as ``{name: (steps, values)}`` arrays, the step
+    after the last one, and the run id of its lines (see
+    :meth:`HistoryState.from_jsonl <jaxhistory.HistoryState.from_jsonl>`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no JSONL log at {path}")
+    raw, bad, records = read_columns(path)
+    if bad and not records and not _cut_first_line(path, bad):
+        gzip = " (gzip data: decompress it first)" if _gzipped(path) else ""
+        raise ValueError(
+            f"{path} holds no complete record: its {len(bad)} line(s) are not "
+            f"a jaxhistory JSONL log{gzip}"
+        )
+    if bad:
+        shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
+        warnings.warn(
+            f"{path}: skipped {len(bad)} incomplete or damaged line(s) (line {shown})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    columns = {}
+    for name, (steps, values) in raw.items():
+        try:
+            arr = _log_column(name, values)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+        steps_arr = np.asarray(steps, np.int64)
+        columns[name] = later_wins(steps_arr, arr)  # the later line wins
+    # As update counts: one past the latest step, and never below 0.
+    next_step = max((int(s[-1]) + 1 for s, _ in columns.values()), default=0)
+    next_step = max(next_step, 0)
+    run_id = read_run_id(path)
+    return columns, next_step, run_id
+
+
+def _log_column(name: str, values: list) -> np.ndarray:
+    """The values of a metric read from a log, in the dtype that holds them all
+    exactly (ValueError naming the metric where none does)."""
+    try:
+        arr = np.asarray(values)
+    except ValueError:
+        raise ValueError(f"metric {name!r} changes shape") from None
+    if arr.dtype.kind not in "biuf":
+        raise ValueError(f"metric {name!r} has non-numeric values")
+    if arr.dtype.kind != "f":
+        return arr  # integers within int64, or bools
+    # NumPy turns ints beyond int64 (and ints beside floats) into float64.
+    flat = values if arr.ndim == 1 else np.asarray(values, object).ravel().tolist()
+    ints = [v for v in flat if type(v) is int]
+    if not ints:
+        return arr.astype(np.float64)
+    if len(ints) == len(flat):  # every value an integer, some beyond int64
+        low, high = min(ints), max(ints)
+        if low >= 0:
+            return np.array(values, np.uint64)
+        raise ValueError(
+            f"metric {name!r} holds the integers {high} and {low}: neither int64 "
+            "nor uint64 holds both, and float64 would round them"
+        )
+    for v in ints:
+        if first_inexact(v) is not None:
+            raise ValueError(
+                f"metric {name!r} mixes floats with the integer {v}, which float64 "
+                "cannot hold exactly"
+            )
+    return arr.astype(np.float64)
+
+
+def _gzipped(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
+def _cut_first_line(path: Path, bad: list[int]) -> bool:
+    """Whether a log's one line is a record cut off as it was written (a run
+    killed before its first line was complete): an empty history, not a
+    foreign file."""
+    if len(bad) != 1:
+        return False
+    with open(path, "rb") as f:
+        head = f.read(64).removeprefix(b"\xef\xbb\xbf").lstrip()
+        f.seek(-1, os.SEEK_END)
+        return head.startswith(b'{"step"') and f.read(1) != b"\n"
+
+
+def later_wins(steps: np.ndarray, values: np.ndarray):
+    """Records in step order, one per step: where several share a step, the one
+    that came later in the input wins."""
+    order = np.argsort(steps, kind="stable")
+    steps, values = steps[order], values[order]
+    keep = np.ones(len(steps), bool)
+    keep[:-1] = steps[1:] != steps[:-1]
+    return steps[keep], values[keep]

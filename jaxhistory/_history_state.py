@@ -6,9 +6,7 @@ import dataclasses
 import functools
 import math
 import os
-import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -634,7 +632,7 @@ class HistoryState:
                     f"{parts[1][1].shape[1:]} in the other history"
                 )
             dtype = common_dtype(name, [p[1] for p in parts])
-            steps, values = _later_wins(  # other's record wins
+            steps, values = _codec.later_wins(  # other's record wins
                 np.concatenate([p[0] for p in parts]),
                 np.concatenate([p[1] for p in parts], dtype=dtype, casting="unsafe"),
             )
@@ -784,36 +782,7 @@ class HistoryState:
         ValueError naming it; a log whose one line was cut off as it was written
         is an empty history (with the warning).
         """
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no JSONL log at {path}")
-        raw, bad, records = _codec.read_columns(path)
-        if bad and not records and not _cut_first_line(path, bad):
-            gzip = " (gzip data: decompress it first)" if _gzipped(path) else ""
-            raise ValueError(
-                f"{path} holds no complete record: its {len(bad)} line(s) are not "
-                f"a jaxhistory JSONL log{gzip}"
-            )
-        if bad:
-            shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
-            warnings.warn(
-                f"{path}: skipped {len(bad)} incomplete or damaged line(s) "
-                f"(line {shown})",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        columns = {}
-        for name, (steps, values) in raw.items():
-            try:
-                arr = _log_column(name, values)
-            except ValueError as err:
-                raise ValueError(f"{path}: {err}") from None
-            steps_arr = np.asarray(steps, np.int64)
-            columns[name] = _later_wins(steps_arr, arr)  # the later line wins
-        # As update counts: one past the latest step, and never below 0.
-        next_step = max((int(s[-1]) + 1 for s, _ in columns.values()), default=0)
-        next_step = max(next_step, 0)
-        run_id = _codec.read_run_id(path)
+        columns, next_step, run_id = _codec.read_log(path)
         return cls._from_columns(
             columns, next_step, {"run_id": run_id} if run_id else None
         )
@@ -835,56 +804,6 @@ class HistoryState:
 
 
 _EXACT_F = float(2**53)  # beyond this magnitude not every integer is a float64
-
-
-def _log_column(name: str, values: list) -> np.ndarray:
-    """The values of a metric read from a log, in the dtype that holds them all
-    exactly (ValueError naming the metric where none does)."""
-    try:
-        arr = np.asarray(values)
-    except ValueError:
-        raise ValueError(f"metric {name!r} changes shape") from None
-    if arr.dtype.kind not in "biuf":
-        raise ValueError(f"metric {name!r} has non-numeric values")
-    if arr.dtype.kind != "f":
-        return arr  # integers within int64, or bools
-    # NumPy turns ints beyond int64 (and ints beside floats) into float64.
-    flat = values if arr.ndim == 1 else np.asarray(values, object).ravel().tolist()
-    ints = [v for v in flat if type(v) is int]
-    if not ints:
-        return arr.astype(np.float64)
-    if len(ints) == len(flat):  # every value an integer, some beyond int64
-        low, high = min(ints), max(ints)
-        if low >= 0:
-            return np.array(values, np.uint64)
-        raise ValueError(
-            f"metric {name!r} holds the integers {high} and {low}: neither int64 "
-            "nor uint64 holds both, and float64 would round them"
-        )
-    for v in ints:
-        if first_inexact(v) is not None:
-            raise ValueError(
-                f"metric {name!r} mixes floats with the integer {v}, which float64 "
-                "cannot hold exactly"
-            )
-    return arr.astype(np.float64)
-
-
-def _gzipped(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
-
-
-def _cut_first_line(path: Path, bad: list[int]) -> bool:
-    """Whether a log's one line is a record cut off as it was written (a run
-    killed before its first line was complete): an empty history, not a
-    foreign file."""
-    if len(bad) != 1:
-        return False
-    with open(path, "rb") as f:
-        head = f.read(64).removeprefix(b"\xef\xbb\xbf").lstrip()
-        f.seek(-1, os.SEEK_END)
-        return head.startswith(b'{"step"') and f.read(1) != b"\n"
 
 
 def _check_widening(table: Table, n: int, wider: tuple) -> None:
@@ -911,16 +830,6 @@ def _check_exact(keys: tuple, values: list, dtypes: tuple) -> None:
                 f"metric {name!r} is stored as {dtype} and cannot hold the integer "
                 f"{bad} exactly; record it as float or keep it integer"
             )
-
-
-def _later_wins(steps: np.ndarray, values: np.ndarray):
-    """Records in step order, one per step: where several share a step, the one
-    that came later in the input wins."""
-    order = np.argsort(steps, kind="stable")
-    steps, values = steps[order], values[order]
-    keep = np.ones(len(steps), bool)
-    keep[:-1] = steps[1:] != steps[:-1]
-    return steps[keep], values[keep]
 
 
 def _append(table: Table, n: int, step: int, row: Any, on_device: bool = False):
