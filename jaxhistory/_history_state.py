@@ -29,6 +29,7 @@ from jaxhistory._dtypes import (
 )
 from jaxhistory._names import PROVENANCE, stat_names
 from jaxhistory._row import Row, RowKind, parse_row
+from jaxhistory._run_stats import column_summary
 from jaxhistory._stats import Stats
 from jaxhistory._table import (
     STAGE,
@@ -44,18 +45,6 @@ __all__ = ["STEP_KEYS", "HistoryState", "warmup_count"]
 # waited for. This bounds how far the host runs ahead of the device (simulated CPU
 # devices deadlock when too many collective steps are queued).
 MAX_INFLIGHT = 8
-SUMMARY_STATS = (
-    "mean",
-    "std",
-    "median",
-    "p10",
-    "p90",
-    "min",
-    "max",
-    "last",
-    "count",
-    "nonfinite",
-)
 
 
 @jax.tree_util.register_dataclass
@@ -692,33 +681,7 @@ class HistoryState:
             steps, values = self.records(name)
             if len(steps) and steps[0] < first:
                 values = values[steps >= first]
-            values = np.asarray(values, np.float64)
-            flat = values.reshape(-1)
-            stats = dict.fromkeys(SUMMARY_STATS, math.nan)
-            if flat.size == 1:  # one value (a metric per sample): no NumPy calls
-                v = float(flat[0])
-                if math.isfinite(v):
-                    stats.update(mean=v, std=0.0, median=v, p10=v, p90=v, min=v, max=v)
-                stats.update(last=v, count=1, nonfinite=int(not math.isfinite(v)))
-                out[name] = stats
-                continue
-            finite = flat[np.isfinite(flat)]
-            if finite.size:
-                p10, median, p90 = np.percentile(finite, [10, 50, 90])
-                stats.update(
-                    mean=float(finite.mean()),
-                    std=float(finite.std()),
-                    median=float(median),
-                    p10=float(p10),
-                    p90=float(p90),
-                    min=float(finite.min()),
-                    max=float(finite.max()),
-                )
-            if len(values):
-                stats["last"] = float(np.mean(values[-1]))
-            stats["count"] = int(flat.size)
-            stats["nonfinite"] = int(flat.size - finite.size)
-            out[name] = stats
+            out[name] = column_summary(values)
         return out
 
     def first_kept_step(self, warmup: float) -> int:

@@ -1,0 +1,55 @@
+"""Run-level statistics of one metric's recorded values (what
+:meth:`HistoryState.summary <jaxhistory.HistoryState.summary>` reports)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["SUMMARY_STATS", "column_summary"]
+
+SUMMARY_STATS = (
+    "mean",
+    "std",
+    "median",
+    "p10",
+    "p90",
+    "min",
+    "max",
+    "last",
+    "count",
+    "nonfinite",
+)
+
+
+def column_summary(values: np.ndarray) -> dict[str, float]:
+    """Mean, std, median, p10, p90, min and max of the finite values (all
+    elements of array metrics), the last value (the last record's mean for
+    arrays), how many values there are and how many are NaN or infinite."""
+    values = np.asarray(values, np.float64)
+    flat = values.reshape(-1)
+    stats = dict.fromkeys(SUMMARY_STATS, math.nan)
+    if flat.size == 1:  # one value (a metric per sample): no NumPy calls
+        v = float(flat[0])
+        if math.isfinite(v):
+            stats.update(mean=v, std=0.0, median=v, p10=v, p90=v, min=v, max=v)
+        stats.update(last=v, count=1, nonfinite=int(not math.isfinite(v)))
+        return stats
+    finite = flat[np.isfinite(flat)]
+    if finite.size:
+        p10, median, p90 = np.percentile(finite, [10, 50, 90])
+        stats.update(
+            mean=float(finite.mean()),
+            std=float(finite.std()),
+            median=float(median),
+            p10=float(p10),
+            p90=float(p90),
+            min=float(finite.min()),
+            max=float(finite.max()),
+        )
+    if len(values):
+        stats["last"] = float(np.mean(values[-1]))
+    stats["count"] = int(flat.size)
+    stats["nonfinite"] = int(flat.size - finite.size)
+    return stats
