@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -12,19 +11,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxhistory import _codec, _xarray
+from jaxhistory import _appending, _codec, _xarray
 from jaxhistory._dtypes import (
     ALL_FLOATS,
     INT64_MAX,
-    PY_SCALARS,
     STEP_KEYS,
-    as_step,
-    as_steps,
     check_ints,
     common_dtype,
-    device_storage_dtype,
-    first_inexact,
-    host_value,
     warmup_count,
 )
 from jaxhistory._names import PROVENANCE, stat_names
@@ -37,7 +30,6 @@ from jaxhistory._table import (
     Table,
     Tables,
     device_signature,
-    needs_host_copy,
 )
 
 __all__ = ["STEP_KEYS", "HistoryState", "warmup_count"]
@@ -105,27 +97,19 @@ class HistoryState:
         """A state of ``tables``; ``appended`` names the one key set whose entry
         differs from this state's (its index is then carried over); ``same``:
         a row was appended in place to a table of this state's (same index)."""
-        data = _new_tables()
-        data.tables = tables
-        parent = self.data
-        if same:
-            data._index, data._meta = parent._index, parent._meta
-        elif appended is None or parent._index is None:
-            data._index = data._meta = None
-        else:
-            old = parent.tables.get(appended)
-            if old is not None and old[1] and old[0] is tables[appended][0]:
-                data._index, data._meta = parent._index, parent._meta  # appended
-            else:
-                data._index = data._meta = None
-                data.carry(parent, appended)
-        new = _new_state()
-        d = new.__dict__  # frozen: fill the new instance's dict directly
-        d["data"] = data
-        d["next_step"] = next_step
-        d["attrs"] = self.attrs if attrs is None else attrs
-        d["_inflight"] = self._inflight
+        data = Tables.derived(self.data, tables, appended, same)
+        new = _new_state()  # (no __init__: a state is made per update)
+        object.__setattr__(new, "data", data)
+        object.__setattr__(new, "next_step", next_step)
+        object.__setattr__(new, "attrs", self.attrs if attrs is None else attrs)
+        object.__setattr__(new, "_inflight", self._inflight)
         return new
+
+    @property
+    def inflight(self) -> InFlight:
+        """The device values of this run still being copied to the host (shared
+        by every state of the run; bounds how far the host runs ahead)."""
+        return self._inflight
 
     # ----- reading -------------------------------------------------------------
     @property
@@ -302,8 +286,8 @@ class HistoryState:
             table = entry[0]
             if table.ptypes is ALL_FLOATS and (
                 kind >= RowKind.FLOATS
-                or (kind is RowKind.NUMBERS and _floats_hold(values))
-                or (kind is RowKind.VALUES and _adds_as_float(values))
+                or (kind is RowKind.NUMBERS and _appending.floats_hold(values))
+                or (kind is RowKind.VALUES and _appending.adds_as_float(values))
             ):
                 return self._append_floats(names, values, step, entry)
         if kind is RowKind.VALUES and Stats in set(map(type, values)):
@@ -315,7 +299,7 @@ class HistoryState:
             table, n = entry
             if kind < RowKind.FLOATS:
                 check_ints(names, values, table.dtypes)
-            table = _append(table, n, step, values)
+            table = _appending.append_row(table, n, step, values)
             new = tables.copy()
             new[names] = (table, n + 1)
             return self._derive(new, step + 1, appended=names)
@@ -332,11 +316,13 @@ class HistoryState:
             self._inflight.add(values, table.async_copy)
             on_device = True
         else:
-            table, n, values, on_device = self._prepare(names, values, ptypes, step)
+            table, n, values, on_device = _appending.prepare(
+                self, names, values, ptypes, step
+            )
             if on_device:
                 arrays = [v for v in values if isinstance(v, jax.Array)]
                 self._inflight.add(arrays, table.async_copy)
-        table = _append(table, n, step, values, on_device)
+        table = _appending.append_row(table, n, step, values, on_device)
         new = tables.copy()
         new[names] = (table, n + 1)
         return self._derive(new, max(self.next_step, step + 1), appended=names)
@@ -359,76 +345,10 @@ class HistoryState:
             else:
                 appended = False
         if not appended:  # an older state updated again, or another thread first
-            table = _append(table, n, step, values)
+            table = _appending.append_row(table, n, step, values)
         tables = self.data.tables.copy()
         tables[names] = (table, n + 1)
         return self._derive(tables, step + 1, appended=names, same=appended and n > 0)
-
-    def _check_append(self, names, shapes, step: int) -> dict[str, np.dtype]:
-        """Refuses recording ``names`` (records of ``shapes``) at ``step``.
-
-        Raises ValueError if one of them changes shape or already has a record at
-        ``step`` or later. Returns the stored dtype of each that has records. A
-        step past every record needs only each name's shape (O(names)); an
-        earlier one, one pass over the tables.
-        """
-        if step >= self.next_step:
-            meta, found = self.data.meta(), {}
-            for name, shape in zip(names, shapes, strict=True):
-                have = meta.get(name)
-                if have is None:
-                    continue
-                if have[0] != tuple(shape):
-                    raise ValueError(
-                        f"metric {name!r} changed shape from {have[0]} to "
-                        f"{tuple(shape)}"
-                    )
-                found[name] = have[1]
-            return found
-        wanted = dict(zip(names, shapes, strict=True))
-        found = {}
-        for ks, (t, n) in self.data.tables.items():
-            if not n or wanted.keys().isdisjoint(ks):
-                continue
-            last = t.step_at(n)
-            for j, name in enumerate(ks):
-                if name not in wanted:
-                    continue
-                if t.shapes[j] != tuple(wanted[name]):
-                    raise ValueError(
-                        f"metric {name!r} changed shape from {t.shapes[j]} to "
-                        f"{tuple(wanted[name])}"
-                    )
-                if step <= last:
-                    raise ValueError(
-                        f"metric {name!r} was already recorded at step {last}; "
-                        f"step {step} must be later (merge() combines runs)"
-                    )
-                found[name] = t.dtypes[j]
-        return found
-
-    def _writable(self, keys, dtypes, shapes, capacity: int = 0) -> tuple[Table, int]:
-        """The table for ``keys`` that this state may append to, and its row count.
-
-        A new table if there is none; a copy of this state's rows if the table has
-        grown past them (a branch) or its dtypes must widen.
-        """
-        entry = self.data.tables.get(keys)
-        if entry is None:
-            return Table(keys, dtypes, shapes, capacity), 0
-        table, n = entry
-        wider = (
-            dtypes
-            if dtypes == table.dtypes
-            else tuple(
-                np.result_type(a, b) for a, b in zip(table.dtypes, dtypes, strict=True)
-            )
-        )
-        if wider != table.dtypes:
-            _check_widening(table, n, wider)
-        if wider != table.dtypes or table.length != n:
-            table = table.prefix(n, wider)
-        return table, n
 
     def _append_with_stats(self, row: Row) -> HistoryState:
         """:meth:`append` for rows holding :class:`~jaxhistory.Stats` values.
@@ -456,64 +376,6 @@ class HistoryState:
                     state = state.update_packed(names, stats.where, step=step)
         return state
 
-    def _prepare(self, keys, row, ptypes, step):
-        """The slow path of update: validates every value; returns the table."""
-        values, dtypes, shapes, on_device = [], [], [], False
-        for name, value in zip(keys, row, strict=True):
-            dtype = PY_SCALARS.get(type(value))
-            if dtype is None:
-                value, dtype, shape = host_value(name, value)
-                on_device = on_device or isinstance(value, jax.Array)
-            else:
-                shape = ()
-            values.append(value)
-            dtypes.append(dtype)
-            shapes.append(shape)
-        found = self._check_append(keys, shapes, step)
-        for i, value in enumerate(row):
-            if type(value) is int and keys[i] in found and found[keys[i]].kind == "f":
-                dtypes[i] = found[keys[i]]  # an int joins a float metric
-        self._check_mixing(keys, values, dtypes, found)
-        table, n = self._writable(keys, tuple(dtypes), tuple(shapes))
-        if ptypes is not ALL_FLOATS and int in ptypes:
-            check_ints(keys, row, table.dtypes)
-        _check_exact(keys, values, table.dtypes)
-        # Later rows with the same Python scalar types may skip these checks (not
-        # where an ``iter`` entry was stored as a metric: it may be the step).
-        if ptypes is ALL_FLOATS:
-            scalars = all(d == np.float64 for d in table.dtypes)
-        else:
-            scalars = all(t in PY_SCALARS for t in ptypes)
-        table.ptypes = ptypes if scalars and "iter" not in keys else None
-        table.dsig = None
-        if on_device:
-            arrays = [v for v in values if isinstance(v, jax.Array)]
-            table.async_copy = needs_host_copy(arrays)
-            if len(arrays) == len(values) and "iter" not in keys:
-                table.dsig = device_signature(tuple(values))
-        return table, n, tuple(values), on_device
-
-    def _check_mixing(self, keys, values, dtypes, found) -> None:
-        """Refuses a value whose dtype, beside the dtype its metric has in other
-        key sets, would read back rounded: uint64 beside signed integers, or
-        (host values) integers that float64 cannot hold beside floats."""
-        for name, value, dtype in zip(keys, values, dtypes, strict=True):
-            old = found.get(name)
-            if old is None or old is dtype or old == dtype:  # (dtypes: singletons)
-                continue
-            if all(ks == keys for ks in self.data.index()[name]):
-                continue  # its own table only: _writable checks the widening
-            if np.result_type(old, dtype).kind != "f" or "f" == old.kind == dtype.kind:
-                continue
-            if old.kind in "iub" and dtype.kind in "iub":
-                raise ValueError(
-                    f"metric {name!r} is stored as {old} and cannot take {dtype} "
-                    "values: float64 would round them; record it as "
-                    f"{old} (or merge histories, which keep integers exact)"
-                )
-            if not isinstance(value, jax.Array):  # (device values: not waited for)
-                common_dtype(name, [np.asarray(self.values(name)), np.asarray(value)])
-
     def update_packed(
         self, names: tuple[str, ...], vector: Any, step: int | None = None
     ) -> HistoryState:
@@ -524,36 +386,9 @@ class HistoryState:
         instead of one per scalar. This is how :class:`History` records
         distributed statistics.
         """
-        names = tuple(names)
-        if isinstance(vector, jax.core.Tracer):
-            host_value(names[0] if names else "<packed>", vector)  # raises
-        shape = tuple(np.shape(vector))
-        if math.prod(shape) != len(names):
-            raise ValueError(
-                f"a packed row for {len(names)} metrics needs {len(names)} values "
-                f"(read in C order), got shape {shape}"
-            )
-        if len(set(names)) != len(names):
-            raise ValueError("packed metric names must be unique")
-        step = as_step("step", self.next_step if step is None else step)
-        on_device = isinstance(vector, jax.Array)
-        label = names[0] if names else "<packed>"
-        if on_device:  # replicated statistics may span processes: read locally
-            dtype = device_storage_dtype(label, vector.dtype, 4)
-        else:
-            vector, dtype, _ = host_value(label, np.asarray(vector))
-        self._check_append(names, [()] * len(names), step)
-        table, n = self._writable(names, (dtype,) * len(names), ((),) * len(names))
-        table.ptypes = None
-        if on_device:
-            if not n:
-                table.async_copy = needs_host_copy([vector])
-            self._inflight.add([vector], table.async_copy)
-            table = _append(table, n, step, vector, True)
-        else:
-            table = _append(table, n, step, tuple(np.ravel(vector.astype(dtype))))
+        names, table, n, step = _appending.packed(self, names, vector, step)
         new = self.data.tables.copy()
-        new[names] = (table, n + 1)
+        new[names] = (table, n)
         return self._derive(new, max(self.next_step, step + 1), appended=names)
 
     def extend(self, steps: Any, values: Mapping[str, Any]) -> HistoryState:
@@ -564,39 +399,13 @@ class HistoryState:
                 fractional step is a ValueError, never truncated).
             values: metric name -> array whose first axis matches ``steps``.
         """
-        values = dict(values)
-        if isinstance(steps, jax.Array) or any(
-            isinstance(v, jax.Array) for v in values.values()
-        ):
-            steps, values = jax.device_get((steps, values))  # one transfer for all
-        steps = as_steps(steps)
-        if steps.ndim != 1:
-            raise ValueError(f"steps must be 1-D, got shape {steps.shape}")
-        if len(steps) > 1 and np.any(steps[1:] <= steps[:-1]):
-            raise ValueError("steps must be strictly increasing")
-        if not len(steps) or not values:
+        change = _appending.extended(self, steps, values)
+        if change is None:
             return self
-        keys = tuple(values)
-        columns, dtypes, shapes = [], [], []
-        for name in keys:
-            arr, dtype, shape = host_value(name, values[name])
-            if not shape or shape[0] != len(steps):
-                raise ValueError(
-                    f"metric {name!r} has {shape[0] if shape else 0} records for "
-                    f"{len(steps)} steps"
-                )
-            columns.append(np.asarray(arr, dtype))
-            dtypes.append(dtype)
-            shapes.append(shape[1:])
-        self._check_append(keys, shapes, int(steps[0]))
-        table, n = self._writable(keys, tuple(dtypes), tuple(shapes), len(steps))
-        with table.lock:
-            if table.length != n:  # a branch, or another thread got there first
-                table = table.prefix_locked(n)
-            table.extend(steps, columns)
+        keys, table, n, last = change
         new = self.data.tables.copy()
-        new[keys] = (table, n + len(steps))
-        return self._derive(new, max(self.next_step, int(steps[-1]) + 1), appended=keys)
+        new[keys] = (table, n)
+        return self._derive(new, max(self.next_step, last + 1), appended=keys)
 
     def extend_from_buffer(self, buffer: Any) -> HistoryState:
         """Appends a :class:`~jaxhistory.MetricBuffer` in one device-to-host copy."""
@@ -650,7 +459,7 @@ class HistoryState:
     # ----- analysis -----------------------------------------------------------
     def all_steps(self) -> np.ndarray:
         """The sorted union of every metric's steps (read-only; computed once)."""
-        cached = self.__dict__.get("_all_steps")
+        cached = self.data.all_steps
         if cached is not None:
             return cached
         parts = [t.view(n)[0] for t, n in self.data.tables.values() if n]
@@ -664,7 +473,7 @@ class HistoryState:
             keep[1:] = steps[1:] != steps[:-1]
             steps = steps[keep]
         steps.flags.writeable = False
-        self.__dict__["_all_steps"] = steps  # the state never changes
+        self.data.all_steps = steps  # the state never changes
         return steps
 
     def summary(self, warmup: float = 0) -> dict[str, dict[str, float]]:
@@ -769,63 +578,4 @@ class HistoryState:
 _EXACT_F = float(2**53)  # beyond this magnitude not every integer is a float64
 
 
-def _check_widening(table: Table, n: int, wider: tuple) -> None:
-    """Refuses to turn an integer column into floats that would round it."""
-    for i, (old, new) in enumerate(zip(table.dtypes, wider, strict=True)):
-        if old.kind in "iu" and new.kind == "f" and n:
-            bad = first_inexact(table.view(n)[1][i])
-            if bad is not None:
-                raise ValueError(
-                    f"metric {table.keys[i]!r} holds the integer {bad}, which {new} "
-                    "cannot hold exactly; record it as float from its first step, "
-                    "or keep it integer"
-                )
-
-
-def _check_exact(keys: tuple, values: list, dtypes: tuple) -> None:
-    """Refuses integers that a float column would round."""
-    for name, value, dtype in zip(keys, values, dtypes, strict=True):
-        if dtype.kind != "f" or isinstance(value, jax.Array | float):
-            continue
-        bad = first_inexact(value)
-        if bad is not None:
-            raise ValueError(
-                f"metric {name!r} is stored as {dtype} and cannot hold the integer "
-                f"{bad} exactly; record it as float or keep it integer"
-            )
-
-
-def _append(table: Table, n: int, step: int, row: Any, on_device: bool = False):
-    """Appends ``row`` after the first ``n`` rows of ``table``; returns the table
-    appended to: ``table`` itself when no state has rows past ``n`` in it, else a
-    new table holding a copy of the ``n`` rows (a branch)."""
-    with table.lock:
-        if table.length == n:
-            table.append(step, row, on_device)
-            return table
-        new = table.prefix_locked(n)
-    new.ptypes, new.dsig, new.async_copy = table.ptypes, table.dsig, table.async_copy
-    new.append(step, row, on_device)
-    return new
-
-
-def _adds_as_float(values: tuple) -> bool:
-    """Whether ``values`` add up as a Python float does (``sum`` returns an
-    exact float only for Python floats and ints, or objects that act like
-    them; NumPy and JAX values dispatch to their own arithmetic): a float64
-    table takes them as it takes numbers."""
-    try:
-        total = sum(values, 0.0)
-    except Exception:  # strings, nested dicts, ints too large for a float
-        return False
-    return type(total) is float and -_EXACT_F < total < _EXACT_F
-
-
-def _floats_hold(values: tuple) -> bool:
-    """Whether float64 holds every integer among ``values`` exactly (numbers
-    only: a float64 table takes them without the checked path)."""
-    return all(-_EXACT_F < v < _EXACT_F for v in values if type(v) is int)
-
-
-_new_tables = functools.partial(object.__new__, Tables)
 _new_state = functools.partial(object.__new__, HistoryState)

@@ -20,6 +20,7 @@ table's length may append in place, and it checks that under the lock.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import warnings
@@ -358,11 +359,12 @@ class Tables:
     arrays; the key sets are static.
     """
 
-    __slots__ = ("_index", "_meta", "tables")
+    __slots__ = ("_index", "_meta", "all_steps", "tables")
 
     def __init__(self, tables: dict[tuple[str, ...], tuple[Table, int]] | None = None):
         self.tables = {} if tables is None else tables
         self._index = self._meta = None
+        self.all_steps: np.ndarray | None = None  # the union of steps, once read
 
     def index(self) -> dict[str, list[tuple[str, ...]]]:
         """Metric name -> the key sets of the tables holding it, in recording
@@ -389,6 +391,34 @@ class Tables:
         if self._meta is None:
             self.index()
         return self._meta
+
+    @classmethod
+    def derived(
+        cls,
+        parent: Tables,
+        tables: dict,
+        appended: tuple[str, ...] | None = None,
+        same: bool = False,
+    ) -> Tables:
+        """``tables`` as the data of a state made from ``parent``'s:
+        ``appended`` names the one key set whose entry differs from
+        ``parent``'s (its index is then carried over); ``same``: a row was
+        appended in place to a table of ``parent``'s (same index)."""
+        data = _new_tables()
+        data.tables = tables
+        data.all_steps = None
+        if same:
+            data._index, data._meta = parent._index, parent._meta
+        elif appended is None or parent._index is None:
+            data._index = data._meta = None
+        else:
+            old = parent.tables.get(appended)
+            if old is not None and old[1] and old[0] is tables[appended][0]:
+                data._index, data._meta = parent._index, parent._meta  # appended
+            else:
+                data._index = data._meta = None
+                data.carry(parent, appended)
+        return data
 
     def carry(self, parent: Tables, keys: tuple[str, ...]) -> None:
         """Takes ``parent``'s index, where built, updated for a row appended to
@@ -547,3 +577,6 @@ class InFlight:
 def _deleted(a) -> bool:
     is_deleted = getattr(a, "is_deleted", None)
     return is_deleted is not None and is_deleted()
+
+
+_new_tables = functools.partial(object.__new__, Tables)

@@ -1,0 +1,303 @@
+"""Appending to a HistoryState: the checks a row passes before it is stored
+(its shapes, steps, dtypes and integers), the table it goes to, and the bulk
+appends (a packed row of statistics, many steps from arrays).
+
+:class:`~jaxhistory.HistoryState` keeps the fast paths of ``append`` and calls
+these for everything else. Each function returns what changes (the key set,
+its table, its row count, the latest step); the state builds the new state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from jaxhistory._dtypes import (
+    ALL_FLOATS,
+    PY_SCALARS,
+    as_step,
+    as_steps,
+    check_ints,
+    common_dtype,
+    device_storage_dtype,
+    first_inexact,
+    host_value,
+)
+from jaxhistory._table import Table, device_signature, needs_host_copy
+
+if TYPE_CHECKING:
+    from jaxhistory._history_state import HistoryState
+
+__all__ = [
+    "adds_as_float",
+    "append_row",
+    "check_append",
+    "extended",
+    "floats_hold",
+    "packed",
+    "prepare",
+    "writable",
+]
+
+_EXACT_F = float(2**53)  # beyond this magnitude not every integer is a float64
+
+
+def check_append(state: HistoryState, names, shapes, step: int) -> dict[str, np.dtype]:
+    """Refuses recording ``names`` (records of ``shapes``) at ``step``.
+
+    Raises ValueError if one of them changes shape or already has a record at
+    ``step`` or later. Returns the stored dtype of each that has records. A
+    step past every record needs only each name's shape (O(names)); an
+    earlier one, one pass over the tables.
+    """
+    if step >= state.next_step:
+        meta, found = state.data.meta(), {}
+        for name, shape in zip(names, shapes, strict=True):
+            have = meta.get(name)
+            if have is None:
+                continue
+            if have[0] != tuple(shape):
+                raise ValueError(
+                    f"metric {name!r} changed shape from {have[0]} to {tuple(shape)}"
+                )
+            found[name] = have[1]
+        return found
+    wanted = dict(zip(names, shapes, strict=True))
+    found = {}
+    for ks, (t, n) in state.data.tables.items():
+        if not n or wanted.keys().isdisjoint(ks):
+            continue
+        last = t.step_at(n)
+        for j, name in enumerate(ks):
+            if name not in wanted:
+                continue
+            if t.shapes[j] != tuple(wanted[name]):
+                raise ValueError(
+                    f"metric {name!r} changed shape from {t.shapes[j]} to "
+                    f"{tuple(wanted[name])}"
+                )
+            if step <= last:
+                raise ValueError(
+                    f"metric {name!r} was already recorded at step {last}; "
+                    f"step {step} must be later (merge() combines runs)"
+                )
+            found[name] = t.dtypes[j]
+    return found
+
+
+def writable(
+    state: HistoryState, keys, dtypes, shapes, capacity: int = 0
+) -> tuple[Table, int]:
+    """The table for ``keys`` that this state may append to, and its row count.
+
+    A new table if there is none; a copy of this state's rows if the table has
+    grown past them (a branch) or its dtypes must widen.
+    """
+    entry = state.data.tables.get(keys)
+    if entry is None:
+        return Table(keys, dtypes, shapes, capacity), 0
+    table, n = entry
+    wider = (
+        dtypes
+        if dtypes == table.dtypes
+        else tuple(
+            np.result_type(a, b) for a, b in zip(table.dtypes, dtypes, strict=True)
+        )
+    )
+    if wider != table.dtypes:
+        check_widening(table, n, wider)
+    if wider != table.dtypes or table.length != n:
+        table = table.prefix(n, wider)
+    return table, n
+
+
+def prepare(state: HistoryState, keys, row, ptypes, step):
+    """The slow path of update: validates every value; returns the table."""
+    values, dtypes, shapes, on_device = [], [], [], False
+    for name, value in zip(keys, row, strict=True):
+        dtype = PY_SCALARS.get(type(value))
+        if dtype is None:
+            value, dtype, shape = host_value(name, value)
+            on_device = on_device or isinstance(value, jax.Array)
+        else:
+            shape = ()
+        values.append(value)
+        dtypes.append(dtype)
+        shapes.append(shape)
+    found = check_append(state, keys, shapes, step)
+    for i, value in enumerate(row):
+        if type(value) is int and keys[i] in found and found[keys[i]].kind == "f":
+            dtypes[i] = found[keys[i]]  # an int joins a float metric
+    _check_mixing(state, keys, values, dtypes, found)
+    table, n = writable(state, keys, tuple(dtypes), tuple(shapes))
+    if ptypes is not ALL_FLOATS and int in ptypes:
+        check_ints(keys, row, table.dtypes)
+    check_exact(keys, values, table.dtypes)
+    # Later rows with the same Python scalar types may skip these checks (not
+    # where an ``iter`` entry was stored as a metric: it may be the step).
+    if ptypes is ALL_FLOATS:
+        scalars = all(d == np.float64 for d in table.dtypes)
+    else:
+        scalars = all(t in PY_SCALARS for t in ptypes)
+    table.ptypes = ptypes if scalars and "iter" not in keys else None
+    table.dsig = None
+    if on_device:
+        arrays = [v for v in values if isinstance(v, jax.Array)]
+        table.async_copy = needs_host_copy(arrays)
+        if len(arrays) == len(values) and "iter" not in keys:
+            table.dsig = device_signature(tuple(values))
+    return table, n, tuple(values), on_device
+
+
+def _check_mixing(state: HistoryState, keys, values, dtypes, found) -> None:
+    """Refuses a value whose dtype, beside the dtype its metric has in other
+    key sets, would read back rounded: uint64 beside signed integers, or
+    (host values) integers that float64 cannot hold beside floats."""
+    for name, value, dtype in zip(keys, values, dtypes, strict=True):
+        old = found.get(name)
+        if old is None or old is dtype or old == dtype:  # (dtypes: singletons)
+            continue
+        if all(ks == keys for ks in state.data.index()[name]):
+            continue  # its own table only: _writable checks the widening
+        if np.result_type(old, dtype).kind != "f" or "f" == old.kind == dtype.kind:
+            continue
+        if old.kind in "iub" and dtype.kind in "iub":
+            raise ValueError(
+                f"metric {name!r} is stored as {old} and cannot take {dtype} "
+                "values: float64 would round them; record it as "
+                f"{old} (or merge histories, which keep integers exact)"
+            )
+        if not isinstance(value, jax.Array):  # (device values: not waited for)
+            common_dtype(name, [np.asarray(state.values(name)), np.asarray(value)])
+
+
+def packed(state: HistoryState, names: Any, vector: Any, step: Any):
+    """:meth:`HistoryState.update_packed`'s checks and append: (the key set,
+    its table, its row count, the step)."""
+    names = tuple(names)
+    if isinstance(vector, jax.core.Tracer):
+        host_value(names[0] if names else "<packed>", vector)  # raises
+    shape = tuple(np.shape(vector))
+    if math.prod(shape) != len(names):
+        raise ValueError(
+            f"a packed row for {len(names)} metrics needs {len(names)} values "
+            f"(read in C order), got shape {shape}"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError("packed metric names must be unique")
+    step = as_step("step", state.next_step if step is None else step)
+    on_device = isinstance(vector, jax.Array)
+    label = names[0] if names else "<packed>"
+    if on_device:  # replicated statistics may span processes: read locally
+        dtype = device_storage_dtype(label, vector.dtype, 4)
+    else:
+        vector, dtype, _ = host_value(label, np.asarray(vector))
+    check_append(state, names, [()] * len(names), step)
+    table, n = writable(state, names, (dtype,) * len(names), ((),) * len(names))
+    table.ptypes = None
+    if on_device:
+        if not n:
+            table.async_copy = needs_host_copy([vector])
+        state.inflight.add([vector], table.async_copy)
+        table = append_row(table, n, step, vector, True)
+    else:
+        table = append_row(table, n, step, tuple(np.ravel(vector.astype(dtype))))
+    return names, table, n + 1, step
+
+
+def extended(state: HistoryState, steps: Any, values: Mapping[str, Any]):
+    """:meth:`HistoryState.extend`'s checks and append: (the key set, its
+    table, its row count, the latest step), or None where nothing is added."""
+    values = dict(values)
+    if isinstance(steps, jax.Array) or any(
+        isinstance(v, jax.Array) for v in values.values()
+    ):
+        steps, values = jax.device_get((steps, values))  # one transfer for all
+    steps = as_steps(steps)
+    if steps.ndim != 1:
+        raise ValueError(f"steps must be 1-D, got shape {steps.shape}")
+    if len(steps) > 1 and np.any(steps[1:] <= steps[:-1]):
+        raise ValueError("steps must be strictly increasing")
+    if not len(steps) or not values:
+        return None
+    keys = tuple(values)
+    columns, dtypes, shapes = [], [], []
+    for name in keys:
+        arr, dtype, shape = host_value(name, values[name])
+        if not shape or shape[0] != len(steps):
+            raise ValueError(
+                f"metric {name!r} has {shape[0] if shape else 0} records for "
+                f"{len(steps)} steps"
+            )
+        columns.append(np.asarray(arr, dtype))
+        dtypes.append(dtype)
+        shapes.append(shape[1:])
+    check_append(state, keys, shapes, int(steps[0]))
+    table, n = writable(state, keys, tuple(dtypes), tuple(shapes), len(steps))
+    with table.lock:
+        if table.length != n:  # a branch, or another thread got there first
+            table = table.prefix_locked(n)
+        table.extend(steps, columns)
+    return keys, table, n + len(steps), int(steps[-1])
+
+
+def check_widening(table: Table, n: int, wider: tuple) -> None:
+    """Refuses to turn an integer column into floats that would round it."""
+    for i, (old, new) in enumerate(zip(table.dtypes, wider, strict=True)):
+        if old.kind in "iu" and new.kind == "f" and n:
+            bad = first_inexact(table.view(n)[1][i])
+            if bad is not None:
+                raise ValueError(
+                    f"metric {table.keys[i]!r} holds the integer {bad}, which {new} "
+                    "cannot hold exactly; record it as float from its first step, "
+                    "or keep it integer"
+                )
+
+
+def check_exact(keys: tuple, values: list, dtypes: tuple) -> None:
+    """Refuses integers that a float column would round."""
+    for name, value, dtype in zip(keys, values, dtypes, strict=True):
+        if dtype.kind != "f" or isinstance(value, jax.Array | float):
+            continue
+        bad = first_inexact(value)
+        if bad is not None:
+            raise ValueError(
+                f"metric {name!r} is stored as {dtype} and cannot hold the integer "
+                f"{bad} exactly; record it as float or keep it integer"
+            )
+
+
+def append_row(table: Table, n: int, step: int, row: Any, on_device: bool = False):
+    """Appends ``row`` after the first ``n`` rows of ``table``; returns the table
+    appended to: ``table`` itself when no state has rows past ``n`` in it, else a
+    new table holding a copy of the ``n`` rows (a branch)."""
+    with table.lock:
+        if table.length == n:
+            table.append(step, row, on_device)
+            return table
+        new = table.prefix_locked(n)
+    new.ptypes, new.dsig, new.async_copy = table.ptypes, table.dsig, table.async_copy
+    new.append(step, row, on_device)
+    return new
+
+
+def adds_as_float(values: tuple) -> bool:
+    """Whether ``values`` add up as a Python float does (``sum`` returns an
+    exact float only for Python floats and ints, or objects that act like
+    them; NumPy and JAX values dispatch to their own arithmetic): a float64
+    table takes them as it takes numbers."""
+    try:
+        total = sum(values, 0.0)
+    except Exception:  # strings, nested dicts, ints too large for a float
+        return False
+    return type(total) is float and -_EXACT_F < total < _EXACT_F
+
+
+def floats_hold(values: tuple) -> bool:
+    """Whether float64 holds every integer among ``values`` exactly (numbers
+    only: a float64 table takes them without the checked path)."""
+    return all(-_EXACT_F < v < _EXACT_F for v in values if type(v) is int)
