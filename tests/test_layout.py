@@ -52,7 +52,8 @@ LAYERS = {
     "jaxhistory._codec": LEAF,  # the record / JSONL line codec
     "jaxhistory._record": LEAF,  # Record and Batch, what sinks receive
     "jaxhistory._row": LEAF,  # Row: one update, parsed once
-    "jaxhistory._progress": LEAF,  # steps per second, time left, MFU
+    "jaxhistory._progress": LEAF,
+    "jaxhistory._run_stats": LEAF,  # run-level statistics of one metric  # steps per second, time left, MFU
     "jaxhistory._env": LEAF,  # run ids, the environment, on/off variables
     "jaxhistory._tree": LEAF,
     "jaxhistory._hlo": LEAF,
@@ -72,6 +73,7 @@ LAYERS = {
     # Pure data: the history's tables and their conversions, no files or threads.
     "jaxhistory._table": DATA,
     "jaxhistory._history_state": DATA,
+    "jaxhistory._appending": DATA,  # the checks and bulk appends of a state
     "jaxhistory._xarray": DATA,
     # Effects: files, threads, processes, sinks, the command line.
     "jaxhistory._writer": EFFECTS,  # the one background thread, any target
@@ -431,4 +433,75 @@ def test_import_pulls_in_no_optional_package():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", (
         f"import jaxhistory imports optional packages: {out.stdout.strip()}"
+    )
+
+
+def _sources() -> Iterator[tuple[str, Path, ast.Module]]:
+    for name, path in find_modules(ROOT / PACKAGE).items():
+        yield name, path, ast.parse(path.read_text(), filename=str(path))
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_private_name_crosses_a_module():
+    """What another module needs has a public spelling in its own module (a
+    private module may be imported; a private name from it may not), and no
+    module reads another module's private attribute (``_mod._name``)."""
+    offenders = []
+    for name, path, tree in _sources():
+        where = path.relative_to(ROOT)
+        modules = set()  # names bound to package modules in this file
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                PACKAGE
+            ):
+                for alias in node.names:
+                    target = f"{node.module}.{alias.name}"
+                    if target in find_modules(ROOT / PACKAGE):
+                        modules.add(alias.asname or alias.name)
+                    elif _private(alias.name):
+                        offenders.append(f"{where}:{node.lineno}: {alias.name}")
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+                and _private(node.attr)
+            ):
+                offenders.append(f"{where}:{node.lineno}: {node.value.id}.{node.attr}")
+        del name
+    assert not offenders, "private names used across modules:\n" + "\n".join(offenders)
+
+
+# The only modules that start threads: the writer (and its per-sink fan-out,
+# which keeps one slow sink from holding the others back), the memory sampler
+# and the launcher's output readers.
+THREAD_MODULES = {
+    "jaxhistory._writer",
+    "jaxhistory.sinks._feed",
+    "jaxhistory._memory",
+    "jaxhistory.launch",
+}
+
+
+def test_threads_start_only_in_the_writer_the_memory_sampler_and_the_launcher():
+    offenders = []
+    for name, path, tree in _sources():
+        if name in THREAD_MODULES:
+            continue
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("Thread", "Timer", "ThreadPoolExecutor")
+            ) or (
+                isinstance(node, ast.Name)
+                and node.id in ("Thread", "Timer", "ThreadPoolExecutor")
+            ):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, (
+        "threads started outside "
+        + ", ".join(sorted(THREAD_MODULES))
+        + ":\n"
+        + "\n".join(offenders)
     )
