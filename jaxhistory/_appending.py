@@ -27,6 +27,9 @@ from jaxhistory._dtypes import (
     first_inexact,
     host_value,
 )
+from jaxhistory._names import PROVENANCE, stat_names
+from jaxhistory._row import Row, RowKind
+from jaxhistory._stats import Stats
 from jaxhistory._table import Table, device_signature, needs_host_copy
 
 if TYPE_CHECKING:
@@ -40,6 +43,7 @@ __all__ = [
     "floats_hold",
     "packed",
     "prepare",
+    "with_stats",
     "writable",
 ]
 
@@ -301,3 +305,27 @@ def floats_hold(values: tuple) -> bool:
     """Whether float64 holds every integer among ``values`` exactly (numbers
     only: a float64 table takes them without the checked path)."""
     return all(-_EXACT_F < v < _EXACT_F for v in values if type(v) is int)
+
+
+def with_stats(state: HistoryState, row: Row) -> HistoryState:
+    """``state`` with ``row``, which holds :class:`~jaxhistory.Stats` values:
+    each recorded as one packed row named ``{key}/{metric}/{stat}``."""
+    step = row.step
+    plain = [
+        (n, v)
+        for n, v in zip(row.names, row.values, strict=True)
+        if type(v) is not Stats
+    ]
+    out = state
+    if plain:
+        names, values = zip(*plain, strict=True)
+        out = state.append(Row(step, names, values, RowKind.VALUES))
+    for key, stats in zip(row.names, row.values, strict=True):
+        if type(stats) is Stats:
+            prefix = f"{key}/" if key else ""
+            names = stat_names(stats.names, prefix)
+            out = out.update_packed(names, stats.table, step=step)
+            if stats.where is not None:  # provenance: device indices
+                names = stat_names(stats.names, prefix, PROVENANCE)
+                out = out.update_packed(names, stats.where, step=step)
+    return out

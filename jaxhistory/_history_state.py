@@ -11,16 +11,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxhistory import _appending, _codec, _xarray
+from jaxhistory import _appending, _codec, _combining, _xarray
 from jaxhistory._dtypes import (
     ALL_FLOATS,
     INT64_MAX,
     STEP_KEYS,
     check_ints,
-    common_dtype,
     warmup_count,
 )
-from jaxhistory._names import PROVENANCE, stat_names
 from jaxhistory._row import Row, RowKind, parse_row
 from jaxhistory._run_stats import column_summary
 from jaxhistory._stats import Stats
@@ -227,28 +225,7 @@ class HistoryState:
             >>> s.select("train").keys
             ('train/loss',)
         """
-        for p in prefixes:
-            if type(p) is not str:
-                raise TypeError(
-                    "select takes metric name prefixes as str, got "
-                    f"{type(p).__name__} {p!r:.60}"
-                )
-        heads = [p.rstrip("/") for p in prefixes]
-
-        def wanted(k: str) -> bool:
-            return any(k == h or k.startswith(h + "/") for h in heads)
-
-        tables = {}
-        for ks, (t, n) in self.data.tables.items():
-            idx = [j for j, k in enumerate(ks) if wanted(k)]
-            if len(idx) == len(ks):
-                tables[ks] = (t, n)
-            elif idx:
-                steps, values = t.view(n)
-                sub = tuple(ks[j] for j in idx)
-                cols = [np.array(values[j]) for j in idx]
-                tables[sub] = (Table.from_arrays(sub, np.array(steps), cols), n)
-        return self._derive(tables, self.next_step)
+        return self._derive(_combining.selected(self, prefixes), self.next_step)
 
     # ----- writing -------------------------------------------------------------
     def update(self, metrics: Any, step: int | None = None) -> HistoryState:
@@ -356,25 +333,7 @@ class HistoryState:
         Each ``Stats`` is recorded as one packed row (its whole table, still on
         device if it is), named ``{key}/{metric}/{stat}``.
         """
-        step = row.step
-        plain = [
-            (n, v)
-            for n, v in zip(row.names, row.values, strict=True)
-            if type(v) is not Stats
-        ]
-        state = self
-        if plain:
-            names, values = zip(*plain, strict=True)
-            state = self.append(Row(step, names, values, RowKind.VALUES))
-        for key, stats in zip(row.names, row.values, strict=True):
-            if type(stats) is Stats:
-                prefix = f"{key}/" if key else ""
-                names = stat_names(stats.names, prefix)
-                state = state.update_packed(names, stats.table, step=step)
-                if stats.where is not None:  # provenance: device indices
-                    names = stat_names(stats.names, prefix, PROVENANCE)
-                    state = state.update_packed(names, stats.where, step=step)
-        return state
+        return _appending.with_stats(self, row)
 
     def update_packed(
         self, names: tuple[str, ...], vector: Any, step: int | None = None
@@ -421,21 +380,8 @@ class HistoryState:
         float64 holds them; uint64 and int64 values give int64 or uint64) or is
         a ValueError naming it; neither history changes.
         """
-        new = {}
-        for name in dict.fromkeys((*self.keys, *other.keys)):
-            parts = [h.records(name) for h in (self, other) if name in h]
-            if len(parts) == 2 and parts[0][1].shape[1:] != parts[1][1].shape[1:]:
-                raise ValueError(
-                    f"metric {name!r} has shape {parts[0][1].shape[1:]} here and "
-                    f"{parts[1][1].shape[1:]} in the other history"
-                )
-            dtype = common_dtype(name, [p[1] for p in parts])
-            steps, values = _codec.later_wins(  # other's record wins
-                np.concatenate([p[0] for p in parts]),
-                np.concatenate([p[1] for p in parts], dtype=dtype, casting="unsafe"),
-            )
-            new[(name,)] = (Table.from_arrays((name,), steps, [values]), len(steps))
-        return self._derive(new, max(self.next_step, other.next_step))
+        tables = _combining.merged(self, other)
+        return self._derive(tables, max(self.next_step, other.next_step))
 
     def before(self, step: int) -> HistoryState:
         """This history without its records at ``step`` and later (a run that

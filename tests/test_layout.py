@@ -73,7 +73,8 @@ LAYERS = {
     # Pure data: the history's tables and their conversions, no files or threads.
     "jaxhistory._table": DATA,
     "jaxhistory._history_state": DATA,
-    "jaxhistory._appending": DATA,  # the checks and bulk appends of a state
+    "jaxhistory._appending": DATA,
+    "jaxhistory._combining": DATA,  # states made from whole states  # the checks and bulk appends of a state
     "jaxhistory._xarray": DATA,
     # Effects: files, threads, processes, sinks, the command line.
     "jaxhistory._writer": EFFECTS,  # the one background thread, any target

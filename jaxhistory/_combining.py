@@ -1,0 +1,62 @@
+"""New states' tables made from whole states: a selection of metrics, and two
+histories merged."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxhistory._codec import later_wins
+from jaxhistory._dtypes import common_dtype
+from jaxhistory._table import Table
+
+if TYPE_CHECKING:
+    from jaxhistory._history_state import HistoryState
+
+__all__ = ["merged", "selected"]
+
+
+def selected(state: HistoryState, prefixes: tuple) -> dict:
+    """The tables of the metrics under ``prefixes`` (``HistoryState.select``)."""
+    for p in prefixes:
+        if type(p) is not str:
+            raise TypeError(
+                "select takes metric name prefixes as str, got "
+                f"{type(p).__name__} {p!r:.60}"
+            )
+    heads = [p.rstrip("/") for p in prefixes]
+
+    def wanted(k: str) -> bool:
+        return any(k == h or k.startswith(h + "/") for h in heads)
+
+    tables = {}
+    for ks, (t, n) in state.data.tables.items():
+        idx = [j for j, k in enumerate(ks) if wanted(k)]
+        if len(idx) == len(ks):
+            tables[ks] = (t, n)
+        elif idx:
+            steps, values = t.view(n)
+            sub = tuple(ks[j] for j in idx)
+            cols = [np.array(values[j]) for j in idx]
+            tables[sub] = (Table.from_arrays(sub, np.array(steps), cols), n)
+    return tables
+
+
+def merged(state: HistoryState, other: HistoryState) -> dict:
+    """The tables of ``state`` and ``other`` combined (``HistoryState.merge``)."""
+    new = {}
+    for name in dict.fromkeys((*state.keys, *other.keys)):
+        parts = [h.records(name) for h in (state, other) if name in h]
+        if len(parts) == 2 and parts[0][1].shape[1:] != parts[1][1].shape[1:]:
+            raise ValueError(
+                f"metric {name!r} has shape {parts[0][1].shape[1:]} here and "
+                f"{parts[1][1].shape[1:]} in the other history"
+            )
+        dtype = common_dtype(name, [p[1] for p in parts])
+        steps, values = later_wins(  # other's record wins
+            np.concatenate([p[0] for p in parts]),
+            np.concatenate([p[1] for p in parts], dtype=dtype, casting="unsafe"),
+        )
+        new[(name,)] = (Table.from_arrays((name,), steps, [values]), len(steps))
+    return new
