@@ -121,39 +121,10 @@ class HistoryState:
     def __contains__(self, name: object) -> bool:
         return name in self.data.index()
 
-    def _parts(self, name: str) -> list[tuple[Table, int, int]]:
-        """(table, rows seen, column) of every table holding ``name``."""
-        tables = self.data.tables
-        parts = []
-        for ks in self.data.index().get(name, ()):
-            t, n = tables[ks]
-            if n:
-                parts.append((t, n, ks.index(name)))
-        if not parts and name not in self:
-            known = ", ".join(self.keys) or "none"
-            raise KeyError(f"no metric {name!r}; recorded: {known}")
-        return parts
-
     def records(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """The steps and values of ``name`` together (read-only arrays; one read
         where :meth:`steps` and :meth:`values` read twice)."""
-        parts = self._parts(name)
-        if len(parts) == 1:
-            t, n, j = parts[0]
-            return t.column(n, j)
-        if not parts:
-            ks = self.data.index()[name][0]
-            return self.data.tables[ks][0].column(0, ks.index(name))
-        steps, values = [], []
-        for t, n, j in parts:
-            s, v = t.column(n, j)
-            steps.append(s)
-            values.append(v)
-        steps, values = np.concatenate(steps), np.concatenate(values)
-        order = np.argsort(steps, kind="stable")
-        steps, values = steps[order], values[order]
-        steps.flags.writeable = values.flags.writeable = False
-        return steps, values
+        return self.data.records(name)
 
     def steps(self, name: str) -> np.ndarray:
         """The steps at which ``name`` was recorded (read-only int64 array)."""
@@ -163,32 +134,17 @@ class HistoryState:
         """The values of ``name``, one per step (read-only; waits for device values)."""
         return self.records(name)[1]
 
-    def _meta(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
-        # Records in several tables read back promoted to one dtype (values()).
-        found = self.data.meta().get(name)
-        if found is not None:
-            return found[1], found[0]
-        index = self.data.index()
-        if name not in index:
-            raise KeyError(
-                f"no metric {name!r}; recorded: {', '.join(self.keys) or 'none'}"
-            )
-        tables = self.data.tables  # a metric without rows: its declared type
-        table = tables[index[name][0]][0]
-        j = index[name][0].index(name)
-        return np.dtype(table.dtypes[j]), tuple(table.shapes[j])
-
     def dtype(self, name: str) -> np.dtype:
         """The storage dtype of ``name``."""
-        return self._meta(name)[0]
+        return self.data.meta_of(name)[0]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of one record of ``name``."""
-        return self._meta(name)[1]
+        return self.data.meta_of(name)[1]
 
     def count(self, name: str) -> int:
         """How many records ``name`` has."""
-        return sum(n for _, n, _ in self._parts(name))
+        return sum(n for _, n, _ in self.data.parts(name))
 
     def last(self, name: str) -> Any:
         """The most recent value of ``name``."""
@@ -199,7 +155,7 @@ class HistoryState:
 
     def last_step(self, name: str) -> int | None:
         """The step of the most recent record of ``name`` (None if none)."""
-        steps = [t.step_at(n) for t, n, _ in self._parts(name)]
+        steps = [t.step_at(n) for t, n, _ in self.data.parts(name)]
         return max(steps) if steps else None
 
     def blocks(self):
@@ -430,14 +386,23 @@ class HistoryState:
         last record's mean for arrays), how many values were recorded and how many
         of them are NaN or infinite.
         """
+        return {
+            name: column_summary(values)
+            for name, _, values, _, _ in self.columns(warmup)
+        }
+
+    def columns(self, warmup: float = 0):
+        """Each metric after ``warmup`` as ``(name, steps, values, dtype,
+        shape)``, in recording order: one read of the state for everything
+        that writes it out (the dataset, plots, the report)."""
         first = self.first_kept_step(warmup)
-        out = {}
         for name in self.keys:
             steps, values = self.records(name)
             if len(steps) and steps[0] < first:
-                values = values[steps >= first]
-            out[name] = column_summary(values)
-        return out
+                keep = steps >= first
+                steps, values = steps[keep], values[keep]
+            dtype, shape = self.data.meta_of(name)
+            yield name, steps, values, dtype, shape
 
     def first_kept_step(self, warmup: float) -> int:
         """The first step kept after ``warmup`` (a fraction below 1 or a number
@@ -455,15 +420,9 @@ class HistoryState:
         ``warmup`` (a fraction below 1 or a number of steps) drops the first
         steps.
         """
-        first = self.first_kept_step(warmup)
         steps = self.all_steps()
-        steps = steps[steps >= first]
-        columns = []
-        for name in self.keys:
-            col_steps, values = self.records(name)
-            keep = col_steps >= first
-            dtype, shape = self._meta(name)
-            columns.append((name, col_steps[keep], values[keep], dtype, shape))
+        steps = steps[steps >= self.first_kept_step(warmup)]
+        columns = list(self.columns(warmup))
         return _xarray.to_dataset(columns, steps, dict(self.attrs), self.next_step)
 
     @classmethod
@@ -475,13 +434,7 @@ class HistoryState:
     @classmethod
     def from_netcdf(cls, path) -> HistoryState:
         """The state saved in a dataset file by :func:`jaxhistory.export.to_netcdf`."""
-        ds = _xarray.read_netcdf(path)
-        for name in ds.data_vars:
-            ds.variables[name].attrs.pop("long_name", None)
-        try:
-            return cls.from_xarray(ds)
-        except ValueError as err:  # a crafted or damaged file: name it
-            raise ValueError(f"{path}: {err}") from None
+        return cls._from_columns(*_xarray.read_state(path))
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike) -> HistoryState:

@@ -392,6 +392,57 @@ class Tables:
             self.index()
         return self._meta
 
+    def _unknown(self, name: str) -> KeyError:
+        known = ", ".join(self.index()) or "none"
+        return KeyError(f"no metric {name!r}; recorded: {known}")
+
+    def parts(self, name: str) -> list[tuple[Table, int, int]]:
+        """(table, rows seen, column) of every table with rows holding ``name``
+        (KeyError naming the recorded metrics where none holds it)."""
+        tables = self.tables
+        parts = []
+        keysets = self.index().get(name)
+        if keysets is None:
+            raise self._unknown(name)
+        for ks in keysets:
+            t, n = tables[ks]
+            if n:
+                parts.append((t, n, ks.index(name)))
+        return parts
+
+    def records(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """The steps and values of ``name`` in step order (read-only arrays)."""
+        parts = self.parts(name)
+        if len(parts) == 1:
+            t, n, j = parts[0]
+            return t.column(n, j)
+        if not parts:
+            ks = self.index()[name][0]
+            return self.tables[ks][0].column(0, ks.index(name))
+        steps, values = [], []
+        for t, n, j in parts:
+            s, v = t.column(n, j)
+            steps.append(s)
+            values.append(v)
+        steps, values = np.concatenate(steps), np.concatenate(values)
+        order = np.argsort(steps, kind="stable")
+        steps, values = steps[order], values[order]
+        steps.flags.writeable = values.flags.writeable = False
+        return steps, values
+
+    def meta_of(self, name: str) -> tuple[np.dtype, tuple[int, ...]]:
+        """The dtype ``name`` reads back as (records in several tables are
+        promoted to one) and the shape of one record."""
+        found = self.meta().get(name)
+        if found is not None:
+            return found[1], found[0]
+        index = self.index()
+        if name not in index:
+            raise self._unknown(name)
+        table = self.tables[index[name][0]][0]  # no rows: its declared type
+        j = index[name][0].index(name)
+        return np.dtype(table.dtypes[j]), tuple(table.shapes[j])
+
     @classmethod
     def derived(
         cls,

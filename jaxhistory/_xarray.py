@@ -49,6 +49,7 @@ __all__ = [
     "from_dataset",
     "from_tree",
     "read_netcdf",
+    "read_state",
     "to_dataset",
     "to_tree",
     "write_tree",
@@ -520,3 +521,15 @@ def from_tree(tree):
             data_vars[n] = root.variables[n]
     attrs = {k: v for k, v in root.attrs.items() if k != LAYOUT_ATTR}
     return xr.Dataset(data_vars, coords=root.coords, attrs=attrs)
+
+
+def read_state(path) -> tuple[dict, int, dict]:
+    """The columns, next step and attributes of the state saved in the dataset
+    file at ``path`` (a crafted or damaged file is a ValueError naming it)."""
+    ds = read_netcdf(path)
+    for name in ds.data_vars:
+        ds.variables[name].attrs.pop("long_name", None)
+    try:
+        return from_dataset(ds)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
