@@ -14,13 +14,18 @@ import numpy as np
 
 from jaxhistory import _trace_state
 from jaxhistory._distributed import Reducer, distributed_default, is_per_device
-from jaxhistory._env import check_run_name, new_run_id
-from jaxhistory._files import in_use
+from jaxhistory._env import check_run_name
 from jaxhistory._history_state import HistoryState
 from jaxhistory._progress import Progress
 from jaxhistory._row import Row, RowKind, parse_row
 from jaxhistory._run_log import RunLog, log_target
-from jaxhistory._run_setup import resumed, sinks_here
+from jaxhistory._run_setup import (
+    check_not_erased,
+    check_options,
+    resumed,
+    run_id_for,
+    sinks_here,
+)
 from jaxhistory._side_values import SideValues
 from jaxhistory._stats import Stats
 from jaxhistory._summary import NonfiniteWatch, SummaryLine, memory_token
@@ -147,23 +152,7 @@ class History:
         flops_per_step: float | None = None,
         peak_flops: float | None = None,
     ):
-        if keys is not None and (
-            isinstance(keys, str) or not all(isinstance(k, str) for k in keys)
-        ):
-            raise TypeError(f"keys must be a sequence of metric names, got {keys!r}")
-        if (
-            isinstance(log_every, bool)
-            or not isinstance(log_every, int)
-            or log_every < 1
-        ):
-            raise ValueError(f"log_every must be a positive int, got {log_every!r}")
-        if memory is True or memory is False:
-            memory = int(memory)
-        elif isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
-            raise ValueError(
-                f"memory must be True/False or a positive int (every N updates), "
-                f"got {memory!r}"
-            )
+        memory = check_options(keys, log_every, memory)
         self.memory_every = memory  # 0: off
         # One lock for everything below: update, attach, flush and close may run
         # on several threads at once (attach takes only the side values' lock).
@@ -185,24 +174,14 @@ class History:
         self.state = HistoryState()
         check_run_name(run_name)
         resumed_id = None
-        if resume is not None:
+        if resume is not None or resume_step is not None:
             self.state, resumed_id, log = resumed(resume, resume_step, run_name)
             if log is not None and self.jsonl_path is None and self.report_dir is None:
                 self.jsonl_path = log  # the run's own log goes on
-            if log is not None and self.jsonl_overwrite and self.jsonl_path == log:
-                raise ValueError(
-                    f"jsonl_overwrite=True would erase {log}, the log this run "
-                    "resumes from"
-                )
-        elif resume_step is not None:
-            raise ValueError("resume_step needs resume= (the run to continue)")
-        taken = None
-        if self.report_dir is not None and self.jsonl_path is None:
-            # a log of that name exists (an earlier run, or another process's
-            # started in the same second): take the next id
-            report_dir = self.report_dir
-            taken = lambda run_id: (report_dir / f"{run_id}.jsonl").exists()
-        self.run_id = resumed_id or new_run_id(run_name, taken)
+            check_not_erased(log, self.jsonl_path, self.jsonl_overwrite)
+        self.run_id = resumed_id or run_id_for(
+            run_name, None if self.jsonl_path is not None else self.report_dir
+        )
         self.mesh = None  # the mesh of the per-device metrics, once one is seen
         self._updates = 0
         self._reducer = Reducer(provenance)
@@ -211,12 +190,6 @@ class History:
         self._watch = NonfiniteWatch()  # one warning per metric gone NaN/inf
         self._line = SummaryLine(self.keys, self._watch)
         log_path = log_target(self.jsonl_path, self.report_dir, self.run_id)
-        if log_path is not None and in_use(log_path):
-            raise ValueError(
-                f"the JSONL log {log_path} is being written by another live "
-                "History or sink; two runs must not share one log (give this one "
-                "its own jsonl_path, or close the other first)"
-            )
         self._out = RunLog(
             log_path, self.jsonl_overwrite, self.run_id, self.sinks, self._watch.check
         )

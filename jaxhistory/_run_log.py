@@ -15,6 +15,7 @@ import jax
 from jaxhistory import _trace_state
 from jaxhistory._codec import read_stamps
 from jaxhistory._fan_out import FanOut
+from jaxhistory._files import in_use
 from jaxhistory._row import Row
 from jaxhistory._writer import Writer
 from jaxhistory.sinks._feed import SinkFeed
@@ -60,6 +61,12 @@ class RunLog:
         sinks: tuple,
         on_stats: Any,
     ):
+        if path is not None and in_use(path):
+            raise ValueError(
+                f"the JSONL log {path} is being written by another live "
+                "History or sink; two runs must not share one log (give this one "
+                "its own jsonl_path, or close the other first)"
+            )
         self.path, self.overwrite, self.run_id = path, overwrite, run_id
         self.sinks, self.on_stats = sinks, on_stats
         self.sinks_open = True  # False after close(): nothing more is written

@@ -5,18 +5,62 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
 
 from jaxhistory._dtypes import as_step
-from jaxhistory._env import check_run_id, env_flag
+from jaxhistory._env import check_run_id, env_flag, new_run_id
 from jaxhistory._history_state import HistoryState
 from jaxhistory.export._load import load_run, run_file
 from jaxhistory.sinks import WandbSink, is_sink, writes_here
 from jaxhistory.sinks._wandb import wandb_run
 
-__all__ = ["resumed", "sinks_here"]
+__all__ = [
+    "check_not_erased",
+    "check_options",
+    "resumed",
+    "run_id_for",
+    "sinks_here",
+]
+
+
+def check_options(keys: Any, log_every: Any, memory: Any) -> int:
+    """Checks History's ``keys``, ``log_every`` and ``memory``; returns how many
+    updates apart memory is sampled (0: never)."""
+    if keys is not None and (
+        isinstance(keys, str) or not all(isinstance(k, str) for k in keys)
+    ):
+        raise TypeError(f"keys must be a sequence of metric names, got {keys!r}")
+    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+        raise ValueError(f"log_every must be a positive int, got {log_every!r}")
+    if memory is True or memory is False:
+        return int(memory)
+    if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
+        raise ValueError(
+            f"memory must be True/False or a positive int (every N updates), "
+            f"got {memory!r}"
+        )
+    return memory
+
+
+def check_not_erased(log: Path | None, jsonl_path: Path | None, overwrite: bool):
+    """Refuses ``jsonl_overwrite`` of the log a run resumes from."""
+    if log is not None and overwrite and jsonl_path == log:
+        raise ValueError(
+            f"jsonl_overwrite=True would erase {log}, the log this run resumes from"
+        )
+
+
+def run_id_for(run_name: str | None, report_dir: Path | None) -> str:
+    """A new run id; with ``report_dir`` (the log goes there) one whose log
+    does not exist yet (an earlier run, or another process's started in the
+    same second, has the id: the next one is taken)."""
+    taken = None
+    if report_dir is not None:
+        taken = lambda run_id: (report_dir / f"{run_id}.jsonl").exists()
+    return new_run_id(run_name, taken)
 
 
 def resumed(resume: Any, resume_step: int | None, run_name: str | None):
@@ -26,6 +70,8 @@ def resumed(resume: Any, resume_step: int | None, run_name: str | None):
     later are left out (the steps a restart from an earlier checkpoint records
     again)."""
     log = None
+    if resume is None:
+        raise ValueError("resume_step needs resume= (the run to continue)")
     if isinstance(resume, HistoryState):
         state, run_id = resume, dict(resume.attrs).get("run_id")
         source = "the HistoryState given as resume"
