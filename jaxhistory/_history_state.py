@@ -95,12 +95,11 @@ class HistoryState:
         """A state of ``tables``; ``appended`` names the one key set whose entry
         differs from this state's (its index is then carried over); ``same``:
         a row was appended in place to a table of this state's (same index)."""
-        data = Tables.derived(self.data, tables, appended, same)
         new = _new_state()  # (no __init__: a state is made per update)
-        object.__setattr__(new, "data", data)
-        object.__setattr__(new, "next_step", next_step)
-        object.__setattr__(new, "attrs", self.attrs if attrs is None else attrs)
-        object.__setattr__(new, "_inflight", self._inflight)
+        _set(new, "data", Tables.derived(self.data, tables, appended, same))
+        _set(new, "next_step", next_step)
+        _set(new, "attrs", self.attrs if attrs is None else attrs)
+        _set(new, "_inflight", self._inflight)
         return new
 
     @property
@@ -209,16 +208,15 @@ class HistoryState:
     def append(self, row: Row) -> HistoryState:
         """Records one parsed :class:`~jaxhistory._row.Row`; returns the new state
         (:meth:`update` parses and appends). Raises as :meth:`update` does."""
-        names, values, step = row.names, row.values, row.step
+        step, names, values, kind = row[:4]
         tables = self.data.tables
         if not names:
             return self._derive(dict(tables), max(self.next_step, step + 1))
         entry = tables.get(names)
-        kind = row.kind
         if entry is not None and step >= self.next_step:
             table = entry[0]
             if table.ptypes is ALL_FLOATS and (
-                kind >= RowKind.FLOATS
+                kind >= _FLOATS
                 or (kind is RowKind.NUMBERS and _appending.floats_hold(values))
                 or (kind is RowKind.VALUES and _appending.adds_as_float(values))
             ):
@@ -478,3 +476,5 @@ _EXACT_F = float(2**53)  # beyond this magnitude not every integer is a float64
 
 
 _new_state = functools.partial(object.__new__, HistoryState)
+_set = object.__setattr__  # how a frozen dataclass sets its fields
+_FLOATS = RowKind.FLOATS

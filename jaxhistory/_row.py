@@ -136,13 +136,21 @@ def parse_row(
     label = "step"
     if type(metrics) is dict:
         if "step" in metrics or "iter" in metrics:
-            if _container_step(metrics):
-                _check_step_entries(metrics)
-            metrics, step, label = step_entry(metrics, step)
+            raw = metrics.get("step")
+            if step is None and type(raw) is int and INT64_MIN <= raw <= INT64_MAX:
+                metrics = metrics.copy()  # (the caller's dict is never changed)
+                del metrics["step"]
+                step = raw
+            else:
+                if _container_step(metrics):
+                    _check_step_entries(metrics)
+                metrics, step, label = step_entry(metrics, step)
         names = tuple(metrics)
         values = tuple(metrics.values())
         types = set(map(type, values))
-        if not NESTED.intersection(types) and all(map(_is_str, names)):
+        if not NESTED.intersection(types) and (
+            names == _checked[0] or _all_str(names)
+        ):
             if types == _FLOATS:
                 total = sum(values, 0.0)
                 kind = _FINITE if total - total == 0.0 else _FLOATS_KIND
@@ -152,7 +160,7 @@ def parse_row(
                 step = next_step
             elif type(step) is not int or not INT64_MIN <= step <= INT64_MAX:
                 step = as_step("step", step)
-            return Row(step, names, values, kind, timestamp, label)
+            return _new_row(Row, (step, names, values, kind, timestamp, label))
     # Nested dicts, other pytrees, names that are not str (1 and "1" would both
     # be "1" in every file: flatten names them and refuses that).
     _check_step_entries(metrics)
@@ -165,7 +173,25 @@ def parse_row(
 
 
 def _container_step(metrics: dict) -> bool:
-    return any(isinstance(metrics.get(k), Mapping | list | tuple) for k in STEP_KEYS)
+    for key in STEP_KEYS:
+        value = metrics.get(key)
+        if type(value) is not int and isinstance(value, Mapping | list | tuple):
+            return True
+    return False
+
+
+_checked: list[tuple] = [()]  # the names the last row had, all str
+
+
+def _all_str(names: tuple) -> bool:
+    """Whether every name is a str (remembered for the next row's names)."""
+    if all(map(_is_str, names)):
+        _checked[0] = names
+        return True
+    return False
+
+
+_new_row = tuple.__new__
 
 
 def _check_step_entries(metrics: Any) -> None:
