@@ -52,8 +52,8 @@ LAYERS = {
     "jaxhistory._codec": LEAF,  # the record / JSONL line codec
     "jaxhistory._record": LEAF,  # Record and Batch, what sinks receive
     "jaxhistory._row": LEAF,  # Row: one update, parsed once
-    "jaxhistory._progress": LEAF,
-    "jaxhistory._run_stats": LEAF,  # run-level statistics of one metric  # steps per second, time left, MFU
+    "jaxhistory._progress": LEAF,  # steps per second, time left, MFU
+    "jaxhistory._run_stats": LEAF,  # run-level statistics of one metric
     "jaxhistory._env": LEAF,  # run ids, the environment, on/off variables
     "jaxhistory._tree": LEAF,
     "jaxhistory._hlo": LEAF,
@@ -73,8 +73,8 @@ LAYERS = {
     # Pure data: the history's tables and their conversions, no files or threads.
     "jaxhistory._table": DATA,
     "jaxhistory._history_state": DATA,
-    "jaxhistory._appending": DATA,
-    "jaxhistory._combining": DATA,  # states made from whole states  # the checks and bulk appends of a state
+    "jaxhistory._appending": DATA,  # the checks and bulk appends of a state
+    "jaxhistory._combining": DATA,  # states made from whole states
     "jaxhistory._xarray": DATA,
     # Effects: files, threads, processes, sinks, the command line.
     "jaxhistory._writer": EFFECTS,  # the one background thread, any target
@@ -506,3 +506,33 @@ def test_threads_start_only_in_the_writer_the_memory_sampler_and_the_launcher():
         + ":\n"
         + "\n".join(offenders)
     )
+
+
+def _readme_layers() -> dict[str, set[str]]:
+    """Layer name -> the modules the README's layer table lists for it."""
+    text = (ROOT / "README.md").read_text()
+    out: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] in LAYER_NAMES.values():
+            out[cells[0]] = {m.strip().strip("`") for m in cells[1].split(",")}
+    return out
+
+
+def test_the_readme_layer_table_matches_the_layout():
+    """The README's table of layers lists every module in the layer this test
+    puts it in (a module inside ``export``/``sinks`` as the package)."""
+    expected: dict[str, set[str]] = {}
+    for name in find_modules(ROOT / PACKAGE):
+        if name in (PACKAGE, f"{PACKAGE}.__main__"):
+            continue
+        layer = LAYERS.get(name)
+        shown = name.removeprefix(f"{PACKAGE}.")
+        for pkg in EFFECTS_PACKAGES:
+            if name == pkg or name.startswith(pkg + "."):
+                shown = pkg.removeprefix(f"{PACKAGE}.") + "/"
+                layer = EFFECTS if layer is None or shown != name else layer
+        if shown.endswith("/"):
+            layer = EFFECTS
+        expected.setdefault(LAYER_NAMES[layer], set()).add(shown)
+    assert _readme_layers() == expected
