@@ -499,3 +499,31 @@ def test_a_resumed_run_id_of_any_accepted_length_is_finalized(tmp_path):
             resume=state.with_attrs(run_id="a" * 250),
             report_dir=tmp_path,
         )
+
+
+def test_log_path_names_the_log_this_process_streams(tmp_path):
+    assert jh.History(distributed_history=False).log_path is None
+    h = jh.History(distributed_history=False, report_dir=tmp_path)
+    assert h.log_path == tmp_path / f"{h.run_id}.jsonl"
+    h.update({"loss": 1.0})
+    h.close()
+    assert jh.HistoryState.from_jsonl(h.log_path).values("loss").tolist() == [1.0]
+    per = jh.History(
+        distributed_history=False, jsonl_path=tmp_path / "p{process_index}.jsonl"
+    )
+    assert per.log_path == tmp_path / "p0.jsonl"
+    per.close()
+
+
+def test_a_step_entry_and_explicit_step_take_the_same_path():
+    """{"step": s, **metrics} is parsed once: the step leaves the dict (the
+    caller's dict is unchanged), and the row is recorded as an explicit step."""
+    h = jh.History(distributed_history=False)
+    metrics = {"step": 7, "loss": 0.5}
+    assert h.update(metrics) == "step=7 loss=0.500000"
+    assert metrics == {"step": 7, "loss": 0.5}
+    assert h.update({"loss": 0.25}, step=8) == "step=8 loss=0.250000"
+    assert h.state.keys == ("loss",) and h.state.steps("loss").tolist() == [7, 8]
+    with pytest.raises(ValueError, match="two steps given"):
+        h.update({"step": 9, "loss": 1.0}, step=10)
+    assert h.state.count("loss") == 2
