@@ -1,0 +1,92 @@
+"""Writer: one background thread writing queued items to any target."""
+
+import threading
+import time
+
+import pytest
+
+from jaxhistory import _writer
+
+
+class Target:
+    def __init__(self):
+        self.calls: list[tuple[list, bool]] = []
+        self.lock = threading.Lock()
+
+    def write(self, items, final):
+        with self.lock:
+            self.calls.append((list(items), final))
+
+    def items(self):
+        with self.lock:
+            return [x for items, _ in self.calls for x in items]
+
+
+def test_items_reach_the_target_in_order_and_flush_is_final():
+    target = Target()
+    writer = _writer.Writer(target, name="test-writer")
+    for k in range(100):
+        writer.add(k)
+    writer.flush()
+    assert target.items() == list(range(100)) and target.calls[-1][1] is True
+    writer.close()
+    writer.close()  # idempotent
+    assert writer.closed and target.calls[-1][1] is True
+    with pytest.raises(ValueError, match="closed"):
+        writer.add(1)
+
+
+def test_the_thread_writes_on_its_own_without_being_final():
+    target = Target()
+    writer = _writer.Writer(target)
+    writer.add("a")
+    deadline = time.monotonic() + 5
+    while not target.items() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert target.items() == ["a"]
+    assert any(final is False for items, final in target.calls if items)
+    writer.close()
+
+
+def test_a_failing_target_warns_once_and_the_thread_lives_on(monkeypatch):
+    monkeypatch.setattr(_writer.Writer, "INTERVAL", 0.01)
+    seen = []
+
+    class Flaky:
+        def write(self, items, final):
+            seen.extend(items)
+            if items and items[0] == "bad":
+                raise OSError("disk full")
+
+    writer = _writer.Writer(Flaky(), what="the test log")
+    with pytest.warns(RuntimeWarning, match="writing the test log failed"):
+        writer.add("bad")
+        deadline = time.monotonic() + 5
+        while "bad" not in seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+    writer.add("good")
+    writer.flush()
+    assert seen[-1] == "good"
+    writer.close()
+
+
+def test_a_hung_target_costs_items_not_the_training_thread(monkeypatch):
+    monkeypatch.setattr(_writer.Writer, "WAKE_AT", 4)
+    monkeypatch.setattr(_writer.Writer, "MAX_PENDING", 8)
+    monkeypatch.setattr(_writer.Writer, "MAX_WAIT", 0.2)
+    release = threading.Event()
+
+    class Hung:
+        def write(self, items, final):
+            release.wait(10)
+
+    writer = _writer.Writer(Hung(), what="the hung log", kept=" (kept elsewhere)")
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match=r"the hung log fell 0 s behind.*kept"):
+        for k in range(40):
+            writer.add(k)
+    assert time.monotonic() - start < 8
+    assert writer.dropped > 0 and writer.pending() <= 8
+    release.set()
+    writer.close()
