@@ -3,7 +3,7 @@
 Compares, for K = 1, 10 and 100 metrics (one float32 value per device each):
 
 * ``fused``: :func:`jaxhistory.distributed_stats` inside ``jax.jit`` (SPMD);
-* ``fused_collective``: :func:`jaxhistory.distributed_stats_collective` inside
+* ``fused_collective``: :func:`jaxhistory.collective.distributed_stats` inside
   ``jax.shard_map``;
 * ``fused_dict``: ``fused`` returning a dict of 4*K scalars rather than one
   (4, K) table, to show what the output format costs;
@@ -150,7 +150,7 @@ def make_all_gather(mesh: jax.sharding.Mesh) -> Callable[[dict], dict]:
 
 def make_fused_collective(mesh: jax.sharding.Mesh) -> Callable[[dict], dict]:
     return jax.shard_map(
-        lambda m: jaxhistory.distributed_stats_collective(
+        lambda m: jaxhistory.collective.distributed_stats(
             jax.tree.map(lambda v: v[0], m), "data"
         ),
         mesh=mesh,

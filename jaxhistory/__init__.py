@@ -5,9 +5,10 @@ Reducers compute statistics across devices inside jitted train steps:
 * SPMD (inside ``jax.jit`` / ``nnx.jit`` on global arrays): :func:`reduce_mean`,
   :func:`reduce_sum`, :func:`reduce_max`, :func:`reduce_min`, :func:`reduce_std`,
   :func:`reduce_custom`, :func:`distributed_stats`, :func:`per_shard`.
-* Collective (inside ``jax.shard_map``, ``axis_name`` required):
-  :func:`reduce_mean_collective` and friends, :func:`all_gather`,
-  :func:`distributed_stats_collective`; on the host, :func:`collect_from_devices`.
+* Collective (inside ``jax.shard_map``, ``axis_name`` required): the
+  :mod:`jaxhistory.collective` namespace (``jh.collective.reduce_mean``, ...,
+  ``jh.collective.distributed_stats``, ``jh.collective.all_gather``); on the
+  host, :func:`collect_from_devices`.
 
 Accumulators that merge across batches and devices (``Average``, ``Accuracy``,
 ``Std``, ``Collection``, ...): :mod:`jaxhistory.metrics`.
@@ -23,18 +24,11 @@ Publishing and timing: :mod:`jaxhistory.publish` (``put_metric``, ``@prof``),
 ``import jaxhistory`` imports jax, numpy and orjson only.
 """
 
-from jaxhistory import _version, export, metrics, publish, sinks, trace
+import warnings as _warnings
+
+from jaxhistory import _version, collective, export, metrics, publish, sinks, trace
 from jaxhistory._buffer import MetricBuffer
-from jaxhistory._collective import (
-    all_gather,
-    collect_from_devices,
-    reduce_custom_collective,
-    reduce_max_collective,
-    reduce_mean_collective,
-    reduce_min_collective,
-    reduce_std_collective,
-    reduce_sum_collective,
-)
+from jaxhistory._collective import all_gather, collect_from_devices
 from jaxhistory._distributed import distributed_default
 from jaxhistory._history import History
 from jaxhistory._history_state import HistoryState, warmup_count
@@ -60,7 +54,6 @@ from jaxhistory._stats import (
     STATS,
     Stats,
     distributed_stats,
-    distributed_stats_collective,
     per_shard,
 )
 from jaxhistory._timing import StopWatch
@@ -82,12 +75,12 @@ __all__ = [
     "__version__",
     "all_gather",
     "collect_from_devices",
+    "collective",
     "collective_counts",
     "compiled_memory",
     "device_memory",
     "distributed_default",
     "distributed_stats",
-    "distributed_stats_collective",
     "export",
     "launch_local",
     "live_array_bytes",
@@ -97,17 +90,11 @@ __all__ = [
     "per_shard",
     "publish",
     "reduce_custom",
-    "reduce_custom_collective",
     "reduce_max",
-    "reduce_max_collective",
     "reduce_mean",
-    "reduce_mean_collective",
     "reduce_min",
-    "reduce_min_collective",
     "reduce_std",
-    "reduce_std_collective",
     "reduce_sum",
-    "reduce_sum_collective",
     "save_metrics",
     "save_state",
     "sinks",
@@ -115,3 +102,31 @@ __all__ = [
     "trace",
     "warmup_count",
 ]
+
+# The shard_map forms moved into jaxhistory.collective; the old top-level
+# names keep working for one release.
+_MOVED = {
+    f"{name}_collective": name
+    for name in (
+        "reduce_mean",
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_std",
+        "reduce_custom",
+        "distributed_stats",
+    )
+}
+
+
+def __getattr__(name: str):
+    new = _MOVED.get(name)
+    if new is None:
+        raise AttributeError(f"module 'jaxhistory' has no attribute {name!r}")
+    _warnings.warn(
+        f"jaxhistory.{name} is deprecated: use jaxhistory.collective.{new} "
+        "(the same function); the old name goes in the next release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(collective, new)

@@ -149,8 +149,7 @@ def encode_records(batch: Batch) -> bytes:
 
     Example:
         >>> from jaxhistory._codec import encode_records
-        >>> from jaxhistory._dtypes import first_inexact
-from jaxhistory._record import Batch
+        >>> from jaxhistory._record import Batch
         >>> encode_records(Batch([1], [None], [{"loss": 0.25}]))
         b'{"step":1,"timestamp":null,"process_index":0,"metrics":{"loss":0.25},\
 "aggregated":{}}\\n'

@@ -204,7 +204,7 @@ def reduce_mean_collective(
         >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
         >>> data = NamedSharding(mesh, P("data"))
         >>> x = jax.device_put(jnp.arange(8.0 * jax.device_count()), data)
-        >>> f = jax.shard_map(lambda v: jh.reduce_mean_collective({"x": v}, "data"),
+        >>> f = jax.shard_map(lambda v: jh.collective.reduce_mean({"x": v}, "data"),
         ...                   mesh=mesh, in_specs=P("data"), out_specs=P())
         >>> float(jax.jit(f)(x)["x"]) == float(x.mean())
         True
@@ -260,7 +260,7 @@ def reduce_custom_collective(
         >>> x = jax.device_put(-jnp.arange(1.0 * jax.device_count()), data)
         >>> absmax = lambda v, ax: lax.pmax(jnp.max(jnp.abs(v)), ax)
         >>> f = jax.shard_map(
-        ...     lambda v: jh.reduce_custom_collective(
+        ...     lambda v: jh.collective.reduce_custom(
         ...         {"x": v, "absmax": v}, {"x": "sum", "absmax": absmax}, "data"),
         ...     mesh=mesh, in_specs=P("data"), out_specs=P())
         >>> out = jax.jit(f)(x)

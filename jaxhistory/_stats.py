@@ -450,7 +450,7 @@ def distributed_stats_collective(
         >>> mesh = jax.make_mesh((n,), ("data",))
         >>> x = jax.device_put(jnp.arange(1.0 * n), NamedSharding(mesh, P("data")))
         >>> f = jax.shard_map(
-        ...     lambda v: jh.distributed_stats_collective({"loss": v[0]}, "data"),
+        ...     lambda v: jh.collective.distributed_stats({"loss": v[0]}, "data"),
         ...     mesh=mesh, in_specs=P("data"), out_specs=P())
         >>> float(jax.jit(f)(x)["loss/max"]) == n - 1
         True

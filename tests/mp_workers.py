@@ -36,7 +36,7 @@ def stats_on_global_mesh(seed: int, n_metrics: int) -> dict:
     spmd = jax.jit(jh.distributed_stats)(metrics)
     coll = jax.jit(
         jax.shard_map(
-            lambda m: jh.distributed_stats_collective(
+            lambda m: jh.collective.distributed_stats(
                 jax.tree.map(lambda v: v[0], m), "data"
             ),
             mesh=mesh,
@@ -332,7 +332,7 @@ def provenance_run(steps: int) -> dict:
         spmd = jax.jit(lambda m: jh.distributed_stats(m, provenance=True))(x)
     coll = jax.jit(
         jax.shard_map(
-            lambda m: jh.distributed_stats_collective(
+            lambda m: jh.collective.distributed_stats(
                 {"x": m["x"][0]}, "data", provenance=True, mesh=mesh
             ),
             mesh=mesh,

@@ -25,7 +25,7 @@ def sharded(mesh, x):
 def test_whole_pytree_shares_one_psum(mesh):
     metrics = {f"m{i}": sharded(mesh, jnp.arange(16.0) + i) for i in range(20)}
     fn = jax.shard_map(
-        lambda m: jh.reduce_mean_collective(m, "data"),
+        lambda m: jh.collective.reduce_mean(m, "data"),
         mesh=mesh,
         in_specs=P("data"),
         out_specs=P(),
@@ -42,7 +42,7 @@ def test_masked_mean_is_exact_when_shards_keep_different_counts(mesh):
     mask[4:6] = True
     out = run(
         mesh,
-        lambda v, m: jh.reduce_mean_collective({"v": v}, "data", mask=m),
+        lambda v, m: jh.collective.reduce_mean({"v": v}, "data", mask=m),
         sharded(mesh, v),
         sharded(mesh, mask),
         in_specs=(P("data"), P("data")),
@@ -55,7 +55,7 @@ def test_weighted_mean_collective(mesh):
     v, w = rng.normal(size=64).astype(np.float32), rng.random(64).astype(np.float32)
     out = run(
         mesh,
-        lambda v, w: jh.reduce_mean_collective({"v": v}, "data", weights=w),
+        lambda v, w: jh.collective.reduce_mean({"v": v}, "data", weights=w),
         sharded(mesh, v),
         sharded(mesh, w),
         in_specs=(P("data"), P("data")),
@@ -69,23 +69,23 @@ def test_mixed_dtypes_in_one_call(mesh):
         "tokens": sharded(mesh, jnp.arange(8, dtype=jnp.int32)),
         "half": sharded(mesh, jnp.arange(8.0, dtype=jnp.bfloat16)),
     }
-    out = run(mesh, lambda m: jh.reduce_sum_collective(m, "data"), m)
+    out = run(mesh, lambda m: jh.collective.reduce_sum(m, "data"), m)
     assert out["tokens"].dtype == jnp.int32 and int(out["tokens"]) == 28
     assert out["half"].dtype == jnp.float32 and float(out["half"]) == 28.0
-    out = run(mesh, lambda m: jh.reduce_max_collective(m, "data"), m)
+    out = run(mesh, lambda m: jh.collective.reduce_max(m, "data"), m)
     assert int(out["tokens"]) == 7 and float(out["loss"]) == 7.0
 
 
 def test_a_value_that_is_the_same_on_every_device_counts_once_per_device(mesh):
     out = run(
         mesh,
-        lambda v: jh.reduce_sum_collective({"c": jnp.float32(2.0), "v": v}, "data"),
+        lambda v: jh.collective.reduce_sum({"c": jnp.float32(2.0), "v": v}, "data"),
         sharded(mesh, jnp.ones(8)),
     )
     assert float(out["c"]) == 16.0
     out = run(
         mesh,
-        lambda v: jh.reduce_mean_collective({"c": jnp.float32(2.0)}, "data"),
+        lambda v: jh.collective.reduce_mean({"c": jnp.float32(2.0)}, "data"),
         sharded(mesh, jnp.ones(8)),
     )
     assert float(out["c"]) == 2.0
@@ -94,7 +94,7 @@ def test_a_value_that_is_the_same_on_every_device_counts_once_per_device(mesh):
 def test_std_collective_is_two_pass_stable(mesh):
     x = np.array([1e4 - 1, 1e4 + 1] * 4, np.float32)
     out = run(
-        mesh, lambda v: jh.reduce_std_collective({"x": v}, "data"), sharded(mesh, x)
+        mesh, lambda v: jh.collective.reduce_std({"x": v}, "data"), sharded(mesh, x)
     )
     np.testing.assert_allclose(out["x"], 1.0, atol=1e-3)
 
@@ -107,7 +107,7 @@ def test_custom_collective_with_names_and_a_callable(mesh):
 
     out = run(
         mesh,
-        lambda v: jh.reduce_custom_collective(
+        lambda v: jh.collective.reduce_custom(
             {"train": {"a": v, "b": v}, "c": v},
             {"train": "sum", "train/b": absmax, "c": "min"},
             "data",
@@ -123,7 +123,7 @@ def test_custom_collective_rejects_a_per_device_result(mesh):
     with pytest.raises(ValueError, match="'x' returned a per-device value"):
         run(
             mesh,
-            lambda v: jh.reduce_custom_collective(
+            lambda v: jh.collective.reduce_custom(
                 {"x": v}, {"x": lambda v, ax: jnp.max(v)}, "data"
             ),
             sharded(mesh, jnp.arange(8.0)),
@@ -134,13 +134,13 @@ def test_custom_collective_checks_names_and_ops(mesh):
     with pytest.raises(ValueError, match="'nope'"):
         run(
             mesh,
-            lambda v: jh.reduce_custom_collective({"x": v}, {"nope": "sum"}, "data"),
+            lambda v: jh.collective.reduce_custom({"x": v}, {"nope": "sum"}, "data"),
             sharded(mesh, jnp.arange(8.0)),
         )
     with pytest.raises(ValueError, match="unknown reduction 'avg'"):
         run(
             mesh,
-            lambda v: jh.reduce_custom_collective({"x": v}, {"x": "avg"}, "data"),
+            lambda v: jh.collective.reduce_custom({"x": v}, {"x": "avg"}, "data"),
             sharded(mesh, jnp.arange(8.0)),
         )
 
@@ -148,16 +148,16 @@ def test_custom_collective_checks_names_and_ops(mesh):
 @pytest.mark.parametrize("axis_name", [None, (), 3, ("data", 1)])
 def test_axis_name_is_required_and_checked(axis_name):
     with pytest.raises(ValueError, match="axis_name"):
-        jh.reduce_mean_collective({"x": 1.0}, axis_name)
+        jh.collective.reduce_mean({"x": 1.0}, axis_name)
 
 
 @pytest.mark.parametrize(
     "fn",
     [
-        jh.reduce_mean_collective,
-        jh.reduce_max_collective,
+        jh.collective.reduce_mean,
+        jh.collective.reduce_max,
         jh.all_gather,
-        jh.distributed_stats_collective,
+        jh.collective.distributed_stats,
     ],
 )
 def test_unbound_axis_name_explains_where_to_call(fn, mesh):
@@ -237,24 +237,24 @@ def test_trees_deeper_than_the_limit_are_refused(mesh):
 
     x = sharded(mesh, jnp.arange(8.0))
     for reducer in (
-        jh.reduce_mean_collective,
-        jh.reduce_std_collective,
-        lambda t, axis: jh.reduce_custom_collective(t, "max", axis),
+        jh.collective.reduce_mean,
+        jh.collective.reduce_std,
+        lambda t, axis: jh.collective.reduce_custom(t, "max", axis),
         jh.all_gather,
-        jh.distributed_stats_collective,
+        jh.collective.distributed_stats,
     ):
         with pytest.raises(ValueError, match=r"more than 100 levels deep"):
             run(mesh, lambda v, r=reducer: r(nested(2000, v[0]), "data"), x)
     with pytest.raises(ValueError, match=r"mask nest more than 100 levels"):
         run(
             mesh,
-            lambda v: jh.reduce_mean_collective(
+            lambda v: jh.collective.reduce_mean(
                 {"x": v[0]}, "data", mask=nested(101, True)
             ),
             x,
         )
     with pytest.raises(ValueError, match=r"metrics nest more than 100 levels"):
         jh.collect_from_devices(nested(2000, np.arange(8.0)))
-    out = run(mesh, lambda v: jh.reduce_mean_collective(nested(100, v[0]), "data"), x)
+    out = run(mesh, lambda v: jh.collective.reduce_mean(nested(100, v[0]), "data"), x)
     assert float(jax.tree.leaves(out)[0]) == 3.5
     assert float(jnp.ones(2).sum()) == 2.0  # JAX still works

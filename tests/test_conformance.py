@@ -86,7 +86,7 @@ def test_reducer_matches_float64_reference(family, case, op, mesh):
     if family == "spmd":
         out = _spmd(getattr(jh, f"reduce_{op}"), mesh, "data", x)
     else:
-        out = _collective(getattr(jh, f"reduce_{op}_collective"), mesh, "data", x)
+        out = _collective(getattr(jh.collective, f"reduce_{op}"), mesh, "data", x)
     got = out["group"]["x"]
     assert got.shape == ()
     _check(got, _reference(op, x), x)
@@ -99,7 +99,7 @@ def test_distributed_stats_matches_float64_reference(family, case, mesh):
     if family == "spmd":
         out = _spmd(jh.distributed_stats, mesh, "data", x)
     else:
-        out = _collective(jh.distributed_stats_collective, mesh, "data", x)
+        out = _collective(jh.collective.distributed_stats, mesh, "data", x)
     assert sorted(out) == sorted(f"group/x/{s}" for s in jh.STATS)
     for stat in jh.STATS:
         got = out[f"group/x/{stat}"]
@@ -118,7 +118,7 @@ def test_two_axis_mesh_reduces_over_every_device(family, op, mesh2d):
         out = jax.jit(fn)({"x": xs})
     else:
         name = "distributed_stats" if op == "stats" else f"reduce_{op}"
-        fn = getattr(jh, f"{name}_collective")
+        fn = getattr(jh.collective, name)
         body = jax.shard_map(
             lambda m: fn(m, axes),
             mesh=mesh2d,

@@ -86,7 +86,7 @@ def test_collective_reducers_refuse_a_none_leaf(mesh):
     from jax.sharding import PartitionSpec as P
 
     f = jax.shard_map(
-        lambda v: jh.reduce_mean_collective({"x": v, "n": {"bad": None}}, "data"),
+        lambda v: jh.collective.reduce_mean({"x": v, "n": {"bad": None}}, "data"),
         mesh=mesh,
         in_specs=P("data"),
         out_specs=P(),

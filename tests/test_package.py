@@ -88,6 +88,7 @@ def test_public_functions_have_runnable_examples():
     [
         "_reduce",
         "_collective",
+        "collective",
         "_stats",
         "_hlo",
         "launch",
@@ -129,3 +130,33 @@ def test_version_is_written_once():
 def test_ci_runs_lint_before_tests():
     lines = (ROOT / ".ci" / "run").read_text().splitlines()
     assert lines.index("make lint") < lines.index("make test")
+
+
+@pytest.mark.parametrize(
+    "old",
+    [
+        "reduce_mean_collective",
+        "reduce_sum_collective",
+        "reduce_max_collective",
+        "reduce_min_collective",
+        "reduce_std_collective",
+        "reduce_custom_collective",
+        "distributed_stats_collective",
+    ],
+)
+def test_the_old_collective_names_warn_and_are_the_namespace_functions(old):
+    new = old.removesuffix("_collective")
+    with pytest.warns(DeprecationWarning, match=rf"jaxhistory.collective.{new}"):
+        fn = getattr(jaxhistory, old)
+    assert fn is getattr(jaxhistory.collective, new)
+    assert old not in jaxhistory.__all__ and new in jaxhistory.collective.__all__
+
+
+def test_an_unknown_attribute_is_still_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'reduce_median'"):
+        jaxhistory.reduce_median  # noqa: B018
+
+
+def test_every_collective_function_is_documented():
+    for name in jaxhistory.collective.__all__:
+        assert inspect.getdoc(getattr(jaxhistory.collective, name)), name

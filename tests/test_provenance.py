@@ -27,7 +27,7 @@ def spmd(mesh):
 
 def collective(mesh, axes="data", spec=P("data")):
     return jax.shard_map(
-        lambda m: jh.distributed_stats_collective(
+        lambda m: jh.collective.distributed_stats(
             jax.tree.map(lambda v: v[0], m), axes, provenance=True, mesh=mesh
         ),
         mesh=mesh,
@@ -120,7 +120,7 @@ def test_two_dimensional_meshes_and_replicated_axes(mesh2d):
     per_column = jax.jit(
         jax.shard_map(
             lambda m: (
-                jh.distributed_stats_collective(
+                jh.collective.distributed_stats(
                     {"x": m[0, 0]}, "data", provenance=True, mesh=mesh2d
                 ).where
             ),
@@ -189,7 +189,7 @@ def test_clear_errors_when_devices_cannot_be_named(mesh):
     with pytest.raises(ValueError, match="Auto axes"):
         jax.jit(lambda m: jh.distributed_stats(m, provenance=True, mesh=auto))({"y": y})
     no_mesh = jax.shard_map(
-        lambda v: jh.distributed_stats_collective({"x": v[0]}, "data", True),
+        lambda v: jh.collective.distributed_stats({"x": v[0]}, "data", True),
         mesh=mesh,
         in_specs=P("data"),
         out_specs=P(),
@@ -331,7 +331,7 @@ def test_one_value_per_device_takes_one_all_reduce(provenance, mesh, mesh2d):
 
     assert jh.collective_counts(fn, per_device) == {"all-reduce": 1}
     shard_map = jax.shard_map(
-        lambda m: jh.distributed_stats_collective(
+        lambda m: jh.collective.distributed_stats(
             jax.tree.map(lambda v: v[0], m), "data", provenance, mesh=mesh
         ),
         mesh=mesh,
@@ -423,7 +423,7 @@ def test_a_mesh_unlike_the_context_mesh_is_refused(family, mesh):
         fn, arg = jax.jit(spmd(rev)), {"x": x}
     else:
         inner = jax.shard_map(
-            lambda m: jh.distributed_stats_collective(
+            lambda m: jh.collective.distributed_stats(
                 {"x": m[0]}, "data", provenance=True, mesh=rev
             ),
             mesh=mesh,
@@ -445,7 +445,7 @@ def test_provenance_must_be_a_bool(bad, mesh):
     with pytest.raises(TypeError, match=r"distributed_stats_collective: provenance"):
         jax.jit(
             jax.shard_map(
-                lambda v: jh.distributed_stats_collective({"x": v[0]}, "data", bad),
+                lambda v: jh.collective.distributed_stats({"x": v[0]}, "data", bad),
                 mesh=mesh,
                 in_specs=P("data"),
                 out_specs=P(),

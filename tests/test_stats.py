@@ -19,7 +19,7 @@ def per_device(mesh, values):
 
 def stats_collective(mesh):
     return jax.shard_map(
-        lambda m: jh.distributed_stats_collective(
+        lambda m: jh.collective.distributed_stats(
             jax.tree.map(lambda v: v[0], m), "data"
         ),
         mesh=mesh,
@@ -163,7 +163,7 @@ def test_collective_std_is_accurate_with_many_values_per_shard(mesh):
     x = (1e3 + 1e-3 * rng.standard_normal(65536)).astype(np.float32)
     x[0] = 1001
     body = jax.shard_map(
-        lambda v: jh.distributed_stats_collective({"x": v}, "data"),
+        lambda v: jh.collective.distributed_stats({"x": v}, "data"),
         mesh=mesh,
         in_specs=P("data"),
         out_specs=P(),
@@ -314,7 +314,7 @@ class TestStatsMapping:
 def test_collective_mixed_shapes_keep_their_columns(mesh):
     x = np.arange(16.0, dtype=np.float32) ** 1.5
     body = jax.shard_map(
-        lambda v: jh.distributed_stats_collective(
+        lambda v: jh.collective.distributed_stats(
             {"a": v[0], "b": v, "c": 2 * v[1], "t": jnp.int32(3)}, "data"
         ),
         mesh=mesh,
