@@ -64,6 +64,7 @@ LAYERS = {
     "jaxhistory._ops": DEVICE,
     "jaxhistory._reduce": DEVICE,
     "jaxhistory._collective": DEVICE,
+    "jaxhistory.collective": DEVICE,  # the shard_map forms, one namespace
     "jaxhistory._stats": DEVICE,
     "jaxhistory._provenance": DEVICE,
     "jaxhistory.export._draw_worker": EFFECTS,
