@@ -25,6 +25,7 @@ from jaxhistory._tree import Leaf, acc_dtype, check_depth, flatten_metrics
 __all__ = [
     "all_gather",
     "collect_from_devices",
+    "fused_by_dtype",
     "reduce_custom_collective",
     "reduce_max_collective",
     "reduce_mean_collective",
@@ -73,6 +74,67 @@ def _varying_axes(x: Any) -> frozenset:
     return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", ()))
 
 
+def fused_by_dtype(
+    reduce: Callable[[jax.Array], jax.Array],
+    arrays: Sequence[jax.Array],
+    *,
+    axis: int = 0,
+    flatten: bool = False,
+    dtype_of: Callable[[Any], Any] | None = None,
+) -> list[jax.Array]:
+    """One ``reduce`` call (one collective) per dtype for many arrays.
+
+    The arrays are grouped by dtype (``dtype_of(array)``, default its own),
+    each group is packed into one array, ``reduce`` is called on it once, and
+    the result is split back into one array per input, in the inputs' order.
+
+    Args:
+        reduce: the collective on a packed group (``lax.psum(x, "data")``, ...).
+            It may add leading axes (an all-gather's slots): they are kept.
+        arrays: the arrays, of any mix of dtypes.
+        axis: with ``flatten`` False, the arrays (all of one shape within a
+            group) are stacked along ``axis`` and the result is split along it.
+        flatten: each array is flattened and the group concatenated along the
+            last axis (any shapes); the result is split along its last axis and
+            each part reshaped to its leading axes plus the input's shape.
+        dtype_of: the grouping key (e.g. an accumulation dtype the inputs are
+            cast to).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from jaxhistory._collective import fused_by_dtype
+        >>> calls = []
+        >>> out = fused_by_dtype(
+        ...     lambda x: calls.append(x.shape) or x * 2,
+        ...     [jnp.float32(1), jnp.int32(2), jnp.float32(3)],
+        ... )
+        >>> [int(v) for v in out], calls
+        ([2, 4, 6], [(2,), (1,)])
+    """
+    groups: dict[Any, list[int]] = {}
+    for i, x in enumerate(arrays):
+        key = jnp.dtype(x.dtype) if dtype_of is None else dtype_of(x)
+        groups.setdefault(key, []).append(i)
+    out: list[Any] = [None] * len(arrays)
+    for key, indices in groups.items():
+        members = [
+            arrays[i] if dtype_of is None else arrays[i].astype(key) for i in indices
+        ]
+        if flatten:
+            flat = [x.reshape(-1) for x in members]
+            reduced = reduce(jnp.concatenate(flat))
+            lead, offset = reduced.shape[:-1], 0
+            for i, x in zip(indices, members, strict=True):
+                part = reduced[..., offset : offset + x.size]
+                out[i] = part.reshape((*lead, *x.shape))
+                offset += x.size
+        else:
+            reduced = reduce(jnp.stack(members, axis=axis))
+            for j, i in enumerate(indices):
+                out[i] = lax.index_in_dim(reduced, j, axis, keepdims=False)
+    return out
+
+
 def fused(
     collective: Callable[[jax.Array, AxisName], jax.Array],
     values: Sequence[jax.Array],
@@ -83,15 +145,7 @@ def fused(
     The scalars are stacked by dtype, reduced over ``axis_name`` together and split
     again, in their original order.
     """
-    by_dtype: dict[np.dtype, list[int]] = {}
-    for i, v in enumerate(values):
-        by_dtype.setdefault(jnp.dtype(v.dtype), []).append(i)
-    out: list[Any] = [None] * len(values)
-    for indices in by_dtype.values():
-        reduced = collective(jnp.stack([values[i] for i in indices]), axis_name)
-        for j, i in enumerate(indices):
-            out[i] = reduced[j]
-    return out
+    return fused_by_dtype(lambda x: collective(x, axis_name), values)
 
 
 def collective_reduce(
@@ -301,20 +355,12 @@ def all_gather(metrics: Any, axis_name: AxisName) -> Any:
     axis_name = check_axis_name(axis_name)
     index = lax.axis_index(axis_name)
     leaves, treedef = flatten_metrics(metrics)
-    by_dtype: dict[np.dtype, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        by_dtype.setdefault(jnp.dtype(leaf.value.dtype), []).append(i)
-    out: list[Any] = [None] * len(leaves)
-    for dtype, indices in by_dtype.items():
-        flat = [leaves[i].value.reshape(-1) for i in indices]
-        local = jnp.concatenate(flat)
-        slots = jnp.zeros((size, local.size), dtype).at[index].set(local)
-        gathered = lax.psum(slots, axis_name)
-        offset = 0
-        for i, v in zip(indices, flat, strict=True):
-            shape = (size, *leaves[i].value.shape)
-            out[i] = gathered[:, offset : offset + v.size].reshape(shape)
-            offset += v.size
+
+    def gather(local: jax.Array) -> jax.Array:
+        slots = jnp.zeros((size, local.size), local.dtype).at[index].set(local)
+        return lax.psum(slots, axis_name)  # every shard's row, on every device
+
+    out = fused_by_dtype(gather, [leaf.value for leaf in leaves], flatten=True)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxhistory._collective import bound_axis_size, check_axis_name
+from jaxhistory._collective import bound_axis_size, check_axis_name, fused_by_dtype
 from jaxhistory._stats import shard_count
 from jaxhistory._tree import acc_dtype, wrapped_extreme
 
@@ -868,21 +868,16 @@ def _gather(metrics: list[Metric], axis_name: Any) -> list[Metric]:
         here = lax.axis_index(axis_name)
         slots, mine = size, (jnp.arange(size) == here)[:, None, None]  # (P, 1, 1)
     (leaves,) = _aligned(leaves)  # a scalar's state beside a sharded batch's
-    by_dtype: dict[Any, list[int]] = {}
-    for i, x in enumerate(leaves):
-        by_dtype.setdefault(jnp.dtype(x.dtype), []).append(i)
-    out = list(leaves)
-    for idx in by_dtype.values():
-        table = jnp.stack([leaves[i] for i in idx], axis=-1)  # (S, K)
+
+    def gather(table: jax.Array) -> jax.Array:  # (S, K): shards x states
         if axis_name is None:
             # Row r of the result is shard r's state; summing away the sharded
             # axis is the one all-reduce. where, not a product: NaN * 0 is NaN.
-            full = jnp.sum(jnp.where(mine, table[None], 0), axis=1)  # (S, K)
-        else:
-            full = lax.psum(jnp.where(mine, table[None], 0), axis_name)  # (P, S, K)
-            full = full.reshape(slots * s, len(idx))
-        for j, i in enumerate(idx):
-            out[i] = full[:, j]
+            return jnp.sum(jnp.where(mine, table[None], 0), axis=1)  # (S, K)
+        full = lax.psum(jnp.where(mine, table[None], 0), axis_name)  # (P, S, K)
+        return full.reshape(slots * s, table.shape[-1])
+
+    out = fused_by_dtype(gather, leaves, axis=-1)
     return jax.tree.unflatten(treedef, out)
 
 

@@ -258,3 +258,41 @@ def test_trees_deeper_than_the_limit_are_refused(mesh):
     out = run(mesh, lambda v: jh.collective.reduce_mean(nested(100, v[0]), "data"), x)
     assert float(jax.tree.leaves(out)[0]) == 3.5
     assert float(jnp.ones(2).sum()) == 2.0  # JAX still works
+
+
+def test_fused_by_dtype_is_one_collective_per_dtype_and_splits_back():
+    from jaxhistory._collective import fused_by_dtype
+
+    mesh = jax.make_mesh((8,), ("data",))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
+
+    def body(v):
+        arrays = [v[0], (v[0] * 2).astype(jnp.int32), v[0] + 1, jnp.full((2, 3), v[0])]
+        summed = fused_by_dtype(lambda s: lax.psum(s, "data"), arrays, flatten=True)
+        stacked = fused_by_dtype(lambda s: lax.pmax(s, "data"), arrays[:3])
+        return summed, stacked
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P()))
+    (a, b, c, d), (e, g, h) = f(x)
+    assert (float(a), int(b), float(c)) == (28.0, 56, 36.0)
+    assert d.shape == (2, 3) and np.all(np.asarray(d) == 28.0)
+    assert (float(e), int(g), float(h)) == (7.0, 14, 8.0)
+    counts = jh.collective_counts(f, x)
+    assert counts.get("all-reduce", 0) == 4  # psum: float + int; pmax: float + int
+
+
+def test_fused_by_dtype_keeps_leading_axes_and_groups_by_a_given_key():
+    from jaxhistory._collective import fused_by_dtype
+
+    arrays = [jnp.float32(1), jnp.float16(2), jnp.arange(3.0, dtype=jnp.float32)]
+    calls = []
+
+    def tile(v):
+        calls.append(v.dtype)
+        return jnp.stack([v, 10 * v])  # a leading axis of 2, as an all-gather's
+
+    a, b, c = fused_by_dtype(tile, arrays, flatten=True, dtype_of=lambda x: jnp.float32)
+    assert calls == [jnp.float32]  # float16 joined float32: one call
+    assert a.tolist() == [1.0, 10.0] and b.dtype == jnp.float32
+    assert c.shape == (2, 3) and c[1].tolist() == [0.0, 10.0, 20.0]
+    assert fused_by_dtype(tile, []) == []
