@@ -50,6 +50,7 @@ from jaxhistory import _trace_state
 from jaxhistory._codec import NONFINITE_TEXT
 from jaxhistory._env import check_run_name, new_run_id
 from jaxhistory._files import atomic_write
+from jaxhistory._writer import Writer
 from jaxhistory.sinks._base import scalars
 
 __all__ = ["JSONTraceHandler", "load_trace", "merge_traces"]
@@ -63,7 +64,6 @@ FOLDER_VARS = (
     "node_rank",
 )
 FILE_VARS = (*FOLDER_VARS, "epoch", "batch", "step")
-FLUSH_SECONDS = 0.5
 
 
 def _check_template(
@@ -238,12 +238,13 @@ class JSONTraceHandler:
         self.folder: Path | None = None
         self.merged_path: Path | None = None
         self._vars: dict[str, Any] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the handler's state: threads, file names
+        self._file_lock = threading.Lock()  # the open file (the writer's side)
+        self._writer: Writer | None = None  # writes the queued events
         self._file = None
         self._path: Path | None = None
         self._first = True
         self._events = 0  # events of the open file, metadata left out
-        self._last_flush = 0.0
         self._started = False
         self.error: BaseException | None = None  # the last failed write
         self.lost = 0  # events not written because writing failed
@@ -297,30 +298,15 @@ class JSONTraceHandler:
         }
         self._counter_clock = (sync_wall, sync_ns)
         path = self._open(epoch, batch, step)
+        # Events are queued on the one Writer, whose thread writes them and
+        # flushes the file at least every Writer.INTERVAL seconds, also when no
+        # event comes (a hung job killed later keeps every span that finished).
+        self._writer = Writer(
+            _EventFile(self), name="jaxhistory-trace", what="the trace file"
+        )
         self._started = True
         _trace_state.activate(self)
-        # Flushes about twice a second even when no event comes (a hung job
-        # killed later still has every span that finished).
-        self._wake = threading.Event()
-        self._flusher = threading.Thread(
-            target=self._flush_loop,
-            args=(self._wake,),
-            name="jaxhistory-trace",
-            daemon=True,
-        )
-        self._flusher.start()
         return path
-
-    def _flush_loop(self, wake: threading.Event) -> None:
-        while not wake.wait(FLUSH_SECONDS):
-            self.flush()
-
-    def _stop_flusher(self) -> None:
-        flusher = getattr(self, "_flusher", None)
-        if flusher is not None:
-            self._wake.set()
-            flusher.join()
-            self._flusher = None
 
     def _clear_earlier_files(self, folder: Path) -> None:
         """Deletes the files in ``folder`` named like this handler's trace and
@@ -363,7 +349,8 @@ class JSONTraceHandler:
             vars_["step"] if step is None else step,
         )
         self._next_path(*nxt)  # raises before anything is finished
-        with self._lock:  # one hold: no event of another thread falls between
+        self._writer.flush()  # the events so far go to the finished file
+        with self._lock, self._file_lock:  # no new thread's metadata between
             self._finish()
             path = self._open(*nxt, locked=True)
         self._prune()
@@ -377,8 +364,10 @@ class JSONTraceHandler:
         _trace_state.drain()  # counters History has queued reach this file first
         _trace_state.deactivate(self)
         self._started = False
-        self._stop_flusher()
-        with self._lock:
+        if self._writer is not None:
+            self._writer.close()  # every queued event written
+            self._writer = None
+        with self._lock, self._file_lock:
             empty = self._events == 0 and len(self.paths) > 1
             self._finish()
             if empty and self._path in self.paths:  # opened by rotate, never used
@@ -434,10 +423,10 @@ class JSONTraceHandler:
         path = self._next_path(epoch, batch, step)
         self._vars.update(epoch=epoch, batch=batch, step=step)
         path.parent.mkdir(parents=True, exist_ok=True)
-        if locked:  # the caller holds the lock
+        if locked:  # the caller holds both locks
             self._start_file(path)
         else:
-            with self._lock:
+            with self._lock, self._file_lock:
                 self._start_file(path)
         return path
 
@@ -483,33 +472,57 @@ class JSONTraceHandler:
             ("process_labels", {"labels": f"rank {pid} of {world}"}),
             ("clock_sync", dict(self._sync)),
         ):
-            self._event({"name": name, "ph": "M", "pid": pid, "tid": 0, "args": args})
+            self._write_event(
+                {"name": name, "ph": "M", "pid": pid, "tid": 0, "args": args}
+            )
         for tid, tname in self._threads.values():
-            self._thread_metadata(tid, tname)
+            for event in self._thread_metadata(tid, tname):
+                self._write_event(event)
 
-    def _thread_metadata(self, tid: int, tname: str) -> None:
+    def _thread_metadata(self, tid: int, tname: str) -> tuple[dict, dict]:
         pid = self._sync["process_index"]
-        self._event(
+        return (
             {
                 "name": "thread_name",
                 "ph": "M",
                 "pid": pid,
                 "tid": tid,
                 "args": {"name": tname},
-            }
-        )
-        self._event(
+            },
             {
                 "name": "thread_sort_index",
                 "ph": "M",
                 "pid": pid,
                 "tid": tid,
                 "args": {"sort_index": tid},
-            }
+            },
         )
 
     def _event(self, event: dict) -> None:
-        """Writes one event line (the caller holds the lock)."""
+        """Queues one event for the writer's thread (written at once before
+        the handler starts writing, or once it has closed)."""
+        writer = self._writer
+        if writer is not None:
+            with contextlib.suppress(ValueError):  # closed meanwhile
+                writer.add(event)
+                return
+        with self._file_lock:
+            self._write_event(event)
+
+    def write_events(self, events: list, final: bool) -> None:
+        """Writes queued events to the open file and flushes it (the writer's
+        thread calls this; never raises into it: a failed write is counted)."""
+        with self._file_lock:
+            for event in events:
+                self._write_event(event)
+            if self._file is not None:
+                try:
+                    self._file.flush()
+                except OSError as err:
+                    self._failed(err)
+
+    def _write_event(self, event: dict) -> None:
+        """Writes one event line (the caller holds the file lock)."""
         if self._file is None:
             if self.error is not None and self.active:
                 self.lost += 1
@@ -520,10 +533,6 @@ class JSONTraceHandler:
             self._first = False
             if event["ph"] != "M":
                 self._events += 1
-            now = time.monotonic()
-            if now - self._last_flush > FLUSH_SECONDS:
-                self._file.flush()
-                self._last_flush = now
         except OSError as err:
             self.lost += 1
             self._failed(err)
@@ -552,7 +561,8 @@ class JSONTraceHandler:
         if entry is None:
             entry = (len(self._threads) + 1, threading.current_thread().name)
             self._threads[ident] = entry
-            self._thread_metadata(*entry)
+            for event in self._thread_metadata(*entry):
+                self._event(event)
         return entry[0]
 
     # ----- events ------------------------------------------------------------------
@@ -638,13 +648,22 @@ class JSONTraceHandler:
             self.counter(name, {name: value}, timestamp=record.timestamp)
 
     def flush(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                try:
-                    self._file.flush()
-                except OSError as err:
-                    self._failed(err)
-                self._last_flush = time.monotonic()
+        """Writes the queued events and flushes the file."""
+        writer = self._writer
+        if writer is not None:
+            writer.flush()
+        else:
+            self.write_events([], True)
+
+
+class _EventFile:
+    """The writer's target: a handler's trace file."""
+
+    def __init__(self, handler: JSONTraceHandler):
+        self.handler = handler
+
+    def write(self, events: list, final: bool) -> None:
+        self.handler.write_events(events, final)
 
 
 def _name_pattern(template: str) -> tuple[str, re.Pattern]:
