@@ -268,7 +268,7 @@ def encode_netcdf(name: str) -> str:
     """A netCDF-safe variable name that :func:`decode_netcdf` turns back into ``name``.
 
     Example:
-        >>> from jaxhistory.export import encode_netcdf, decode_netcdf
+        >>> from jaxhistory._names import encode_netcdf, decode_netcdf
         >>> encode_netcdf("train/loss"), decode_netcdf("train%2Floss")
         ('train%2Floss', 'train/loss')
     """
@@ -302,7 +302,7 @@ def file_stems(names) -> dict[str, str]:
     name appended.
 
     Example:
-        >>> from jaxhistory.export import file_stems
+        >>> from jaxhistory._names import file_stems
         >>> file_stems(["train/loss", "../../x"])
         {'train/loss': 'train_loss', '../../x': 'x'}
         >>> file_stems(["a/b", "a_b"])

@@ -14,7 +14,8 @@ from jaxhistory._dtypes import as_step
 from jaxhistory._env import check_run_id, env_flag, new_run_id
 from jaxhistory._history_state import HistoryState
 from jaxhistory.export._load import load_run, run_file
-from jaxhistory.sinks import WandbSink, is_sink, writes_here
+from jaxhistory.sinks import WandbSink
+from jaxhistory.sinks._base import is_sink, writes_here
 from jaxhistory.sinks._wandb import wandb_run
 
 __all__ = [

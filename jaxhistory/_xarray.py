@@ -411,7 +411,7 @@ def to_tree(ds):
     reads it as ``xr.open_datatree(path)["a/b/c"]`` (and ``xr.open_dataset(path,
     group="a/b")["c"]``); metrics without ``/`` and the coordinates (``step``,
     ``time``) are in the root group, whose coordinates every group inherits. Each
-    part of a path is :func:`~jaxhistory.export.encode_netcdf`-encoded (a plain
+    part of a path is :func:`~jaxhistory._names.encode_netcdf`-encoded (a plain
     name stays as it is). Where a name cannot be used as it is (a metric
     ``loss`` beside the group of ``loss/std``: netCDF has one namespace for both;
     a part named like a coordinate, ``x/step``; a part over 255 bytes; two parts

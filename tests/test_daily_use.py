@@ -10,6 +10,7 @@ from test_export import _cli as run_cli  # the command in a fresh process
 
 import jaxhistory as jh
 from jaxhistory import cli, export
+from jaxhistory.export import _units
 
 
 def saved_run(tmp_path, warmup=0.0):
@@ -369,7 +370,7 @@ def test_train_and_eval_of_one_metric_share_a_plot(tmp_path, monkeypatch):
         )  # fmt: skip
         if i % 20 == 0:
             s = s.update({"eval/loss": 1.2 / (i + 1), "val/acc": i / 120}, step=i)
-    units = export.plot_units(s)
+    units = _units.plot_units(s)
     titles = [u.title for u in units]
     assert titles[:2] == ["loss: train vs eval", "train/loss"]
     assert "acc: train vs val" in titles and "eval/loss" in titles  # kept too

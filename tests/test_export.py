@@ -18,7 +18,8 @@ import pytest
 
 import jaxhistory as jh
 from jaxhistory import _files, _writer, export
-from jaxhistory.export import _finalize, _tplot
+from jaxhistory import _names as names_mod
+from jaxhistory.export import _finalize, _tplot, _units
 
 NAMES = [
     "loss",
@@ -105,15 +106,15 @@ def _same(a: jh.HistoryState, b: jh.HistoryState, dtypes: bool = True):
 # ----- names -----
 @pytest.mark.parametrize("name", [*NAMES, "", "%", "/", "a\x01b", "__"])
 def test_netcdf_names_round_trip(name):
-    encoded = export.encode_netcdf(name)
-    assert "/" not in encoded and export.decode_netcdf(encoded) == name
+    encoded = names_mod.encode_netcdf(name)
+    assert "/" not in encoded and names_mod.decode_netcdf(encoded) == name
     assert encoded[0].isalnum() or encoded[0] == "_" or ord(encoded[0]) > 127
     assert not encoded[-1].isspace()
 
 
 def test_file_stems_stay_inside_and_never_collide():
     names = ["../../x", "a/b", "a_b", "A_B", "", "...", "loss", "x"]
-    stems = export.file_stems(names)
+    stems = names_mod.file_stems(names)
     assert len({s.casefold() for s in stems.values()}) == len(names)
     for stem in stems.values():
         assert stem and "/" not in stem and not stem.startswith(".")
@@ -370,7 +371,7 @@ def test_png_per_metric_without_touching_pyplot_or_rcparams(kind, tmp_path):
     for p in paths:
         assert p.parent == tmp_path and p.read_bytes()[:4] == b"\x89PNG"
     assert len([p for p in paths if p.name.count(".") == 1]) == len(
-        export.plot_units(state)
+        _units.plot_units(state)
     )
     assert dict(matplotlib.rcParams) == before
 
@@ -442,14 +443,14 @@ def test_bucket_keeps_spikes_and_gaps():
 def test_terminal_plots_are_plain_text_and_survive_nan(kind, tmp_path):
     state = STATES[kind]()
     texts = export.to_terminal(state, tmp_path)
-    assert len(texts) == len(export.plot_units(state))
+    assert len(texts) == len(_units.plot_units(state))
     for path, text in texts.items():
         assert path.read_text(encoding="utf-8") == text
         assert "\x1b[" not in text
 
 
 def test_summary_plot_overlays_the_four_statistics():
-    plots = export.summary_plots(_stats_state())
+    plots = _tplot.summary_plots(_stats_state())
     assert list(plots) == ["loss"]
     text = plots["loss"]
     for marker, label in (("·", "mean"), ("-", "min"), ("+", "max"), ("*", "std")):
@@ -460,7 +461,7 @@ def test_summary_plots_without_statistics_fall_back_to_the_first_metrics():
     s = jh.HistoryState()
     for i in range(10):
         s = s.update({f"m{j}": float(i * j) for j in range(6)})
-    assert list(export.summary_plots(s)) == ["m0", "m1", "m2", "m3"]
+    assert list(_tplot.summary_plots(s)) == ["m0", "m1", "m2", "m3"]
 
 
 def test_terminal_settings_from_the_environment(monkeypatch):
@@ -471,11 +472,11 @@ def test_terminal_settings_from_the_environment(monkeypatch):
     opts = _tplot.settings()
     assert opts["width"] <= 50 and opts["height"] <= 12
     assert (opts["marker"], opts["raw_marker"], opts["type"]) == ("hd", "o", "line")
-    text = export.summary_plots(_ragged())["train/loss"]
+    text = _tplot.summary_plots(_ragged())["train/loss"]
     assert max(len(line) for line in text.splitlines()) <= 50
     assert len(text.splitlines()) <= 12
     monkeypatch.setenv("JAXHISTORY_TPLOT_TYPE", "hist")
-    assert "histogram" in export.summary_plots(_ragged())["train/loss"]
+    assert "histogram" in _tplot.summary_plots(_ragged())["train/loss"]
 
 
 @pytest.mark.parametrize(

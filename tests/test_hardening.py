@@ -13,6 +13,7 @@ import pytest
 import jaxhistory as jh
 from jaxhistory import MetricBuffer, export
 from jaxhistory.cli import load_run
+from jaxhistory.export import _units
 
 # ----- names that collide with the dataset's own -------------------------------
 
@@ -351,7 +352,7 @@ def test_many_plots_are_drawn_by_worker_processes(tmp_path):
     from jaxhistory.export import _mpl
 
     s = many_metrics()
-    assert len(export.plot_units(s)) >= _mpl.PARALLEL_FROM
+    assert len(_units.plot_units(s)) >= _mpl.PARALLEL_FROM
     done = []
     paths = export.to_png(s, tmp_path / "png", progress=done.append)
     assert len(paths) == 60 == len(done) and all(p.stat().st_size for p in paths)

@@ -160,3 +160,45 @@ def test_an_unknown_attribute_is_still_an_attribute_error():
 def test_every_collective_function_is_documented():
     for name in jaxhistory.collective.__all__:
         assert inspect.getdoc(getattr(jaxhistory.collective, name)), name
+
+
+@pytest.mark.parametrize(
+    ("namespace", "old"),
+    [
+        ("export", "file_stems"),
+        ("export", "encode_netcdf"),
+        ("export", "decode_netcdf"),
+        ("export", "environment"),
+        ("export", "new_run_id"),
+        ("export", "md_escape"),
+        ("export", "stats_table"),
+        ("export", "summary_plots"),
+        ("export", "plot_units"),
+        ("export", "PlotUnit"),
+        ("sinks", "is_sink"),
+        ("sinks", "writes_here"),
+    ],
+)
+def test_helpers_left_the_namespaces_and_warn_for_one_release(namespace, old):
+    module = getattr(jaxhistory, namespace)
+    assert old not in module.__all__
+    with pytest.warns(DeprecationWarning, match=rf"jaxhistory.{namespace}.{old}"):
+        assert callable(getattr(module, old))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        module.nothing  # noqa: B018
+
+
+def test_the_namespaces_export_what_users_call():
+    assert set(jaxhistory.export.__all__) == {
+        "JsonlStream",
+        "finalize",
+        "from_jsonl",
+        "from_netcdf",
+        "read_netcdf",
+        "to_jsonl",
+        "to_markdown",
+        "to_netcdf",
+        "to_png",
+        "to_terminal",
+    }
+    assert "Record" in jaxhistory.sinks.__all__ and "Sink" in jaxhistory.sinks.__all__

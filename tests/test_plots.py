@@ -7,7 +7,7 @@ import pytest
 
 import jaxhistory as jh
 from jaxhistory import export
-from jaxhistory.export import _mpl
+from jaxhistory.export import _mpl, _units
 
 
 def many_metrics(n=60, steps=12):
@@ -34,7 +34,7 @@ def test_plot_workers_never_import_modules_from_the_working_folder(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     state = many_metrics()
-    assert len(export.plot_units(state)) >= _mpl.PARALLEL_FROM
+    assert len(_units.plot_units(state)) >= _mpl.PARALLEL_FROM
 
     def not_here(job):
         raise AssertionError(f"{job[2]} was drawn in the parent, not by a worker")

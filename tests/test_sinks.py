@@ -23,6 +23,7 @@ from jaxhistory.sinks import (
     TensorBoardSink,
     WandbSink,
 )
+from jaxhistory.sinks import _base as sinks_base
 
 RECORDS = [
     Record(step=0, timestamp=100.0, metrics={"loss": 1.0, "tokens": 2**53 + 1}),
@@ -141,7 +142,7 @@ def _make(kind, tmp_path, request):
 @pytest.mark.parametrize("kind", SINKS)
 def test_every_sink_takes_every_record_and_closes(kind, tmp_path, request):
     sink = _make(kind, tmp_path, request)
-    assert isinstance(sink, jh.sinks.Sink) and jh.sinks.is_sink(sink)
+    assert isinstance(sink, jh.sinks.Sink) and sinks_base.is_sink(sink)
     for record in RECORDS:
         sink.write(record)
     sink.flush()

@@ -24,7 +24,8 @@ Example:
 """
 
 from jaxhistory._record import Record
-from jaxhistory.sinks._base import Sink, is_sink, scalars, values, writes_here
+from jaxhistory.sinks._base import Sink, scalars, values
+from jaxhistory.sinks._base import moved_name as __getattr__  # noqa: F401
 from jaxhistory.sinks._console import ConsoleSink, NullSink
 from jaxhistory.sinks._jsonl import JsonlSink
 from jaxhistory.sinks._tensorboard import TensorBoardSink
@@ -38,8 +39,6 @@ __all__ = [
     "Sink",
     "TensorBoardSink",
     "WandbSink",
-    "is_sink",
     "scalars",
     "values",
-    "writes_here",
 ]

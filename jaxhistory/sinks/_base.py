@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from jaxhistory._record import Record
 
-__all__ = ["Sink", "is_sink", "scalars", "values", "writes_here"]
+__all__ = ["Sink", "is_sink", "moved_name", "scalars", "values", "writes_here"]
 
 
 @runtime_checkable
@@ -61,3 +62,18 @@ def scalars(record: Record) -> dict[str, float | int]:
     """The record's scalar values (metrics and aggregated) by name; arrays left
     out. Group records prefix names with ``{group}/``."""
     return {name: number for name, number, _ in values(record) if number is not None}
+
+
+def moved_name(name: str) -> Any:
+    """``jaxhistory.sinks.is_sink`` and ``writes_here``, internal helpers once
+    exported there: they keep working for one release, with a warning."""
+    fn = {"is_sink": is_sink, "writes_here": writes_here}.get(name)
+    if fn is None:
+        raise AttributeError(f"module 'jaxhistory.sinks' has no attribute {name!r}")
+    warnings.warn(
+        f"jaxhistory.sinks.{name} is deprecated (an internal helper, in "
+        "jaxhistory.sinks._base); it leaves jaxhistory.sinks in the next release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return fn
