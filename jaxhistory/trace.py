@@ -44,12 +44,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import orjson
 
 from jaxhistory import _trace_state
 from jaxhistory._codec import NONFINITE_TEXT
 from jaxhistory._env import check_run_name, new_run_id
 from jaxhistory._files import atomic_write
+from jaxhistory._trace_file import TraceFile
 from jaxhistory._writer import Writer
 from jaxhistory.sinks._base import scalars
 
@@ -239,16 +239,9 @@ class JSONTraceHandler:
         self.merged_path: Path | None = None
         self._vars: dict[str, Any] = {}
         self._lock = threading.Lock()  # the handler's state: threads, file names
-        self._file_lock = threading.Lock()  # the open file (the writer's side)
+        self._out = TraceFile()  # the open file (the writer's target)
         self._writer: Writer | None = None  # writes the queued events
-        self._file = None
-        self._path: Path | None = None
-        self._first = True
-        self._events = 0  # events of the open file, metadata left out
         self._started = False
-        self.error: BaseException | None = None  # the last failed write
-        self.lost = 0  # events not written because writing failed
-        self._warned = False
         self._threads: dict[int, tuple[int, str]] = {}
         self._sync: dict[str, Any] = {}
         self._counter_clock: tuple[float, int] = (0.0, 0)
@@ -260,6 +253,16 @@ class JSONTraceHandler:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @property
+    def error(self) -> BaseException | None:
+        """The last failed write, if any."""
+        return self._out.error
+
+    @property
+    def lost(self) -> int:
+        """Events not written because writing failed."""
+        return self._out.lost
 
     @property
     def active(self) -> bool:
@@ -275,9 +278,11 @@ class JSONTraceHandler:
         self._vars = {k: ranks[k] for k in FOLDER_VARS if k in ranks}
         self._vars["run_name"] = self.run_name
         folder = Path(self.folder_template.format(**self._vars))
-        problem = self._folder_problem(folder)
+        problem = None if self.overwrite else _folder_problem(folder)
         if self.overwrite:  # before the barrier: no process has a file open yet
-            self._clear_earlier_files(folder)
+            _clear_earlier_files(
+                folder, [self.filename_template, self.merged_trace_filename]
+            )
         # Every process checks before anyone writes; all raise together (a
         # process that raised alone would leave the others in the next barrier).
         if _any_process(problem is not None):
@@ -301,36 +306,10 @@ class JSONTraceHandler:
         # Events are queued on the one Writer, whose thread writes them and
         # flushes the file at least every Writer.INTERVAL seconds, also when no
         # event comes (a hung job killed later keeps every span that finished).
-        self._writer = Writer(
-            _EventFile(self), name="jaxhistory-trace", what="the trace file"
-        )
-        self._started = True
+        self._writer = Writer(self._out, name="jaxhistory-trace", what="the trace file")
+        self._started = self._out.counting = True
         _trace_state.activate(self)
         return path
-
-    def _clear_earlier_files(self, folder: Path) -> None:
-        """Deletes the files in ``folder`` named like this handler's trace and
-        merged files (an earlier run's, of any rank and epoch)."""
-        if not folder.is_dir():
-            return
-        templates = [self.filename_template, self.merged_trace_filename]
-        for template in filter(None, templates):
-            glob, pattern = _name_pattern(template)
-            for path in folder.glob(glob):
-                name = path.relative_to(folder).as_posix()
-                if pattern.fullmatch(name) and path.is_file() and not path.is_symlink():
-                    path.unlink(missing_ok=True)
-
-    def _folder_problem(self, folder: Path) -> str | None:
-        if self.overwrite or not folder.is_dir():
-            return None
-        visible = [p for p in folder.iterdir() if not p.name.startswith(".")]
-        if visible:
-            return (
-                f"trace folder {folder} is not empty ({len(visible)} entries, e.g. "
-                f"{visible[0].name}); pass overwrite=True or use another folder"
-            )
-        return None
 
     def rotate(
         self,
@@ -350,8 +329,8 @@ class JSONTraceHandler:
         )
         self._next_path(*nxt)  # raises before anything is finished
         self._writer.flush()  # the events so far go to the finished file
-        with self._lock, self._file_lock:  # no new thread's metadata between
-            self._finish()
+        with self._lock, self._out.lock:  # no new thread's metadata between
+            self._out.finish()
             path = self._open(*nxt, locked=True)
         self._prune()
         return path
@@ -367,12 +346,14 @@ class JSONTraceHandler:
         if self._writer is not None:
             self._writer.close()  # every queued event written
             self._writer = None
-        with self._lock, self._file_lock:
-            empty = self._events == 0 and len(self.paths) > 1
-            self._finish()
-            if empty and self._path in self.paths:  # opened by rotate, never used
-                self._path.unlink(missing_ok=True)
-                self.paths.remove(self._path)
+        with self._lock, self._out.lock:
+            self._out.counting = False
+            path = self._out.path
+            empty = self._out.events == 0 and len(self.paths) > 1
+            self._out.finish()
+            if empty and path in self.paths:  # opened by rotate, never used
+                path.unlink(missing_ok=True)
+                self.paths.remove(path)
         self._prune()
         if self.merged_trace_filename is None:
             return
@@ -426,58 +407,28 @@ class JSONTraceHandler:
         if locked:  # the caller holds both locks
             self._start_file(path)
         else:
-            with self._lock, self._file_lock:
+            with self._lock, self._out.lock:
                 self._start_file(path)
         return path
 
     def _start_file(self, path: Path) -> None:
-        self._first = True
-        self._events = 0
-        self._path = path
-        try:
-            self._file = open(path, "wb")  # noqa: SIM115
-        except OSError as err:
-            self._file = None
-            self._failed(err)
-            return
-        self.paths.append(path)
-        self._write_metadata()
-
-    def _failed(self, err: BaseException) -> None:
-        """A write failed (a full disk): the events of this file from here on
-        are counted in :attr:`lost`, never raised into the traced code; the
-        next file (after :meth:`rotate`) is tried afresh. Warns once."""
-        self.error = err
-        if self._file is not None:
-            with contextlib.suppress(OSError):
-                self._file.close()
-            self._file = None
-        if not self._warned:
-            self._warned = True
-            with contextlib.suppress(Warning):  # never raised into traced code
-                warnings.warn(
-                    f"trace file {self._path}: writing failed ({err!r}); later events "
-                    "of this file are dropped and counted in JSONTraceHandler.lost",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-
-    def _write_metadata(self) -> None:
+        """Opens ``path`` with the run's metadata (the caller holds the locks)."""
         pid = self._sync["process_index"]
         host = socket.gethostname()
         world = self._vars.get("world_size", 1)
-        for name, args in (
-            ("process_name", {"name": f"{self.run_name}: process {pid} ({host})"}),
-            ("process_sort_index", {"sort_index": pid}),
-            ("process_labels", {"labels": f"rank {pid} of {world}"}),
-            ("clock_sync", dict(self._sync)),
-        ):
-            self._write_event(
-                {"name": name, "ph": "M", "pid": pid, "tid": 0, "args": args}
+        metadata = [
+            {"name": name, "ph": "M", "pid": pid, "tid": 0, "args": args}
+            for name, args in (
+                ("process_name", {"name": f"{self.run_name}: process {pid} ({host})"}),
+                ("process_sort_index", {"sort_index": pid}),
+                ("process_labels", {"labels": f"rank {pid} of {world}"}),
+                ("clock_sync", dict(self._sync)),
             )
+        ]
         for tid, tname in self._threads.values():
-            for event in self._thread_metadata(tid, tname):
-                self._write_event(event)
+            metadata += self._thread_metadata(tid, tname)
+        if self._out.open(path, metadata):
+            self.paths.append(path)
 
     def _thread_metadata(self, tid: int, tname: str) -> tuple[dict, dict]:
         pid = self._sync["process_index"]
@@ -506,45 +457,8 @@ class JSONTraceHandler:
             with contextlib.suppress(ValueError):  # closed meanwhile
                 writer.add(event)
                 return
-        with self._file_lock:
-            self._write_event(event)
-
-    def write_events(self, events: list, final: bool) -> None:
-        """Writes queued events to the open file and flushes it (the writer's
-        thread calls this; never raises into it: a failed write is counted)."""
-        with self._file_lock:
-            for event in events:
-                self._write_event(event)
-            if self._file is not None:
-                try:
-                    self._file.flush()
-                except OSError as err:
-                    self._failed(err)
-
-    def _write_event(self, event: dict) -> None:
-        """Writes one event line (the caller holds the file lock)."""
-        if self._file is None:
-            if self.error is not None and self.active:
-                self.lost += 1
-            return
-        # Values are sanitized (finite numbers, strings): orjson writes them as is.
-        try:
-            self._file.write((b"[\n" if self._first else b",\n") + orjson.dumps(event))
-            self._first = False
-            if event["ph"] != "M":
-                self._events += 1
-        except OSError as err:
-            self.lost += 1
-            self._failed(err)
-
-    def _finish(self) -> None:
-        if self._file is not None:
-            try:
-                self._file.write(b"[\n]\n" if self._first else b"\n]\n")
-                self._file.close()
-            except OSError as err:
-                self._failed(err)
-            self._file = None
+        with self._out.lock:
+            self._out.write_event(event)
 
     def _prune(self) -> None:
         keep = self.num_traces_to_keep
@@ -653,17 +567,33 @@ class JSONTraceHandler:
         if writer is not None:
             writer.flush()
         else:
-            self.write_events([], True)
+            self._out.write([], True)
 
 
-class _EventFile:
-    """The writer's target: a handler's trace file."""
+def _clear_earlier_files(folder: Path, templates: list) -> None:
+    """Deletes the files in ``folder`` named like ``templates`` (a trace file
+    and the merged file: an earlier run's, of any rank and epoch)."""
+    if not folder.is_dir():
+        return
+    for template in filter(None, templates):
+        glob, pattern = _name_pattern(template)
+        for path in folder.glob(glob):
+            name = path.relative_to(folder).as_posix()
+            if pattern.fullmatch(name) and path.is_file() and not path.is_symlink():
+                path.unlink(missing_ok=True)
 
-    def __init__(self, handler: JSONTraceHandler):
-        self.handler = handler
 
-    def write(self, events: list, final: bool) -> None:
-        self.handler.write_events(events, final)
+def _folder_problem(folder: Path) -> str | None:
+    """Why a trace may not start in ``folder`` without overwrite, or None."""
+    if not folder.is_dir():
+        return None
+    visible = [p for p in folder.iterdir() if not p.name.startswith(".")]
+    if visible:
+        return (
+            f"trace folder {folder} is not empty ({len(visible)} entries, e.g. "
+            f"{visible[0].name}); pass overwrite=True or use another folder"
+        )
+    return None
 
 
 def _name_pattern(template: str) -> tuple[str, re.Pattern]:

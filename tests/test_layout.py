@@ -89,6 +89,7 @@ LAYERS = {
     "jaxhistory._results": EFFECTS,
     "jaxhistory._timing": EFFECTS,
     "jaxhistory.trace": EFFECTS,
+    "jaxhistory._trace_file": EFFECTS,  # the open trace file, the writer's target
     "jaxhistory.publish": EFFECTS,
     "jaxhistory.sinks": EFFECTS,
     "jaxhistory.export": EFFECTS,
