@@ -49,8 +49,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -383,10 +385,6 @@ def _total(x: jax.Array) -> jax.Array:
 def _nonzero(x: jax.Array) -> jax.Array:
     """``x`` with 1 for 0: a divisor for states that hold nothing."""
     return jnp.where(x != 0, x, 1)
-
-
-def _elements(x: jax.Array) -> int:
-    return math.prod(x.shape[2:])
 
 
 # ----- the metrics -----------------------------------------------------------------
@@ -885,9 +883,16 @@ def _gather(metrics: list[Metric], axis_name: Any) -> list[Metric]:
 
 
 class Collection:
-    """A named group of metrics, updated, merged and computed together.
+    """A named group of metrics, updated, merged and computed together: a
+    frozen dataclass with one field per metric, registered as a pytree.
 
-    Declared in one line, like CLU's::
+    Declared as a class, as CLU's is::
+
+        class Metrics(jh.metrics.Collection):
+            loss: jh.metrics.Average.from_output("loss")
+            accuracy: jh.metrics.Accuracy
+
+    or in one line::
 
         Metrics = jh.metrics.Collection.create(
             loss=jh.metrics.Average.from_output("loss"),
@@ -904,35 +909,26 @@ class Collection:
 
     _metrics: ClassVar[dict[str, type[Metric]]] = {}
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = inspect.get_annotations(cls)
+        if not own:
+            return
+        hints = typing.get_type_hints(cls)  # (annotations written as strings)
+        metrics = {name: hints[name] for name in own if name != "_metrics"}
+        _check_metrics(metrics)
+        cls._metrics = {**cls._metrics, **metrics}
+        dataclasses.dataclass(frozen=True, repr=False, eq=False)(cls)
+        jax.tree_util.register_dataclass(
+            cls, data_fields=list(cls._metrics), meta_fields=[]
+        )
+
     @staticmethod
     def create(**metrics: type[Metric]) -> type[Collection]:
-        """A Collection class holding ``metrics`` (name -> metric class)."""
-        if not metrics:
-            raise ValueError("Collection.create needs at least one metric")
-        for name, metric in metrics.items():
-            if not (isinstance(metric, type) and issubclass(metric, Metric)):
-                raise TypeError(
-                    f"Collection.create: {name}= must be a metric class (Average, "
-                    f"Accuracy, Std.from_output('loss'), ...), got {metric!r}"
-                )
-            if metric in (Metric, _OfOutput, _Extreme):
-                raise TypeError(f"Collection.create: {name}= is not a concrete metric")
-            if name.startswith("_") or hasattr(Collection, name):
-                raise ValueError(
-                    f"Collection.create: a metric named {name!r} would hide the "
-                    "Collection's own attribute of that name (names must not "
-                    "start with '_' nor be update, compute, merge, empty, ...): "
-                    "rename it"
-                )
-        cls = type("Collection", (Collection,), {"_metrics": dict(metrics)})
-        fields = list(metrics)
-        cls.__init__ = _collection_init(fields)
-        jax.tree_util.register_pytree_node(
-            cls,
-            lambda c: ([getattr(c, f) for f in fields], None),
-            lambda _, children: cls(*children),
-        )
-        return cls
+        """A Collection class holding ``metrics`` (name -> metric class): the
+        same class as one declared with a field per metric."""
+        _check_metrics(metrics)
+        return type("Collection", (Collection,), {"__annotations__": dict(metrics)})
 
     def __getattr__(self, name: str):
         raise AttributeError(
@@ -1017,11 +1013,22 @@ def _batch_shards(outputs: Mapping[str, Any]) -> int | None:
     return None
 
 
-def _collection_init(fields: list[str]):
-    def __init__(self, *metrics):
-        if len(metrics) != len(fields):
-            raise TypeError(f"a Collection of {fields} takes {len(fields)} metrics")
-        for name, m in zip(fields, metrics, strict=True):
-            object.__setattr__(self, name, m)
-
-    return __init__
+def _check_metrics(metrics: dict) -> None:
+    """Refuses a declaration that is not one concrete metric class per name."""
+    if not metrics:
+        raise ValueError("Collection.create needs at least one metric")
+    for name, metric in metrics.items():
+        if not (isinstance(metric, type) and issubclass(metric, Metric)):
+            raise TypeError(
+                f"Collection.create: {name}= must be a metric class (Average, "
+                f"Accuracy, Std.from_output('loss'), ...), got {metric!r}"
+            )
+        if metric in (Metric, _OfOutput, _Extreme):
+            raise TypeError(f"Collection.create: {name}= is not a concrete metric")
+        if name.startswith("_") or hasattr(Collection, name):
+            raise ValueError(
+                f"Collection.create: a metric named {name!r} would hide the "
+                "Collection's own attribute of that name (names must not "
+                "start with '_' nor be update, compute, merge, empty, ...): "
+                "rename it"
+            )

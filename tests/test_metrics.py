@@ -761,3 +761,48 @@ def test_a_float32_std_of_values_whose_squares_overflow_stays_finite(mesh):
     mixed = np.array([3e38, 3e38, -3e38, 1.0], np.float32)
     got = M.Std.from_model_output(values=mixed).compute()
     assert float(got) == pytest.approx(np.asarray(mixed, np.float64).std(), rel=1e-6)
+
+
+class DeclaredMetrics(jh.metrics.Collection):
+    loss: jh.metrics.Average.from_output("loss")
+    accuracy: jh.metrics.Accuracy
+
+
+def test_a_collection_declared_as_a_class_is_a_dataclass_pytree():
+    import dataclasses
+
+    assert dataclasses.is_dataclass(DeclaredMetrics)
+    assert [f.name for f in dataclasses.fields(DeclaredMetrics)] == ["loss", "accuracy"]
+    logits = jnp.array([[2.0, 0.0], [0.0, 1.0], [3.0, 0.0], [0.0, 2.0]])
+    labels = jnp.array([0, 1, 1, 1])
+    loss = jnp.array([1.0, 2.0, 3.0, 6.0])
+
+    @jax.jit
+    def step(m, loss, logits, labels):
+        return m.update(loss=loss, logits=logits, labels=labels)
+
+    m = step(DeclaredMetrics.empty(), loss, logits, labels)
+    out = m.compute()
+    assert float(out["loss"]) == 3.0 and float(out["accuracy"]) == 0.75
+    leaves = jax.tree.leaves(m)
+    again = jax.tree.unflatten(jax.tree.structure(m), leaves)
+    assert type(again) is DeclaredMetrics and float(again.compute()["loss"]) == 3.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.loss = None
+    one_line = jh.metrics.Collection.create(
+        loss=jh.metrics.Average.from_output("loss"), accuracy=jh.metrics.Accuracy
+    )
+    assert dataclasses.is_dataclass(one_line)
+    assert set(one_line.empty()._metrics) == {"loss", "accuracy"}
+
+
+def test_a_declared_collection_refuses_what_is_not_a_metric():
+    with pytest.raises(TypeError, match="x= must be a metric class"):
+
+        class Bad(jh.metrics.Collection):
+            x: int
+
+    with pytest.raises(ValueError, match="'merge' would hide"):
+
+        class Hiding(jh.metrics.Collection):
+            merge: jh.metrics.Sum
