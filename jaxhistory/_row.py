@@ -148,9 +148,7 @@ def parse_row(
         names = tuple(metrics)
         values = tuple(metrics.values())
         types = set(map(type, values))
-        if not NESTED.intersection(types) and (
-            names == _checked[0] or _all_str(names)
-        ):
+        if not NESTED.intersection(types) and (names == _checked[0] or _all_str(names)):
             if types == _FLOATS:
                 total = sum(values, 0.0)
                 kind = _FINITE if total - total == 0.0 else _FLOATS_KIND
