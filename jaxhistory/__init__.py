@@ -24,9 +24,16 @@ Publishing and timing: :mod:`jaxhistory.publish` (``put_metric``, ``@prof``),
 ``import jaxhistory`` imports jax, numpy and orjson only.
 """
 
-import warnings as _warnings
-
-from jaxhistory import _version, collective, export, metrics, publish, sinks, trace
+from jaxhistory import (
+    _moved,
+    _version,
+    collective,
+    export,
+    metrics,
+    publish,
+    sinks,
+    trace,
+)
 from jaxhistory._buffer import MetricBuffer
 from jaxhistory._collective import all_gather, collect_from_devices
 from jaxhistory._distributed import distributed_default
@@ -106,7 +113,7 @@ __all__ = [
 # The shard_map forms moved into jaxhistory.collective; the old top-level
 # names keep working for one release.
 _MOVED = {
-    f"{name}_collective": name
+    f"{name}_collective": ("jaxhistory.collective", name)
     for name in (
         "reduce_mean",
         "reduce_sum",
@@ -120,13 +127,4 @@ _MOVED = {
 
 
 def __getattr__(name: str):
-    new = _MOVED.get(name)
-    if new is None:
-        raise AttributeError(f"module 'jaxhistory' has no attribute {name!r}")
-    _warnings.warn(
-        f"jaxhistory.{name} is deprecated: use jaxhistory.collective.{new} "
-        "(the same function); the old name goes in the next release",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(collective, new)
+    return _moved.moved("jaxhistory", name, _MOVED)

@@ -46,6 +46,7 @@ LAYERS = {
     # Leaf utilities: no package imports beyond this layer.
     "jaxhistory._version": LEAF,
     "jaxhistory._optional": LEAF,
+    "jaxhistory._moved": LEAF,  # old spellings that warn for one release
     "jaxhistory._files": LEAF,  # atomic writes, appending logs
     "jaxhistory._names": LEAF,  # the one flatten, metric names
     "jaxhistory._dtypes": LEAF,  # dtype rules, int64 range, steps

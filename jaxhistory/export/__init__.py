@@ -4,9 +4,7 @@ Each takes a :class:`~jaxhistory.HistoryState` and writes one kind of output;
 :meth:`jaxhistory.History.finalize` only composes them.
 """
 
-import importlib as _importlib
-import warnings as _warnings
-
+from jaxhistory._moved import moved
 from jaxhistory.export._finalize import finalize
 from jaxhistory.export._jsonl import JsonlStream, from_jsonl, to_jsonl
 from jaxhistory.export._markdown import to_markdown
@@ -30,27 +28,17 @@ __all__ = [
 # Helpers the exporters share, once exported here; they live in their own
 # modules now and keep working from here for one release.
 _MOVED = {
-    "decode_netcdf": "jaxhistory._names",
-    "encode_netcdf": "jaxhistory._names",
-    "file_stems": "jaxhistory._names",
-    "environment": "jaxhistory._env",
-    "new_run_id": "jaxhistory._env",
-    "md_escape": "jaxhistory.export._markdown",
-    "stats_table": "jaxhistory.export._markdown",
-    "summary_plots": "jaxhistory.export._tplot",
-    "plot_units": "jaxhistory.export._units",
-    "PlotUnit": "jaxhistory.export._units",
+    name: (home, name)
+    for home, names in (
+        ("jaxhistory._names", ("decode_netcdf", "encode_netcdf", "file_stems")),
+        ("jaxhistory._env", ("environment", "new_run_id")),
+        ("jaxhistory.export._markdown", ("md_escape", "stats_table")),
+        ("jaxhistory.export._tplot", ("summary_plots",)),
+        ("jaxhistory.export._units", ("plot_units", "PlotUnit")),
+    )
+    for name in names
 }
 
 
 def __getattr__(name: str):
-    home = _MOVED.get(name)
-    if home is None:
-        raise AttributeError(f"module 'jaxhistory.export' has no attribute {name!r}")
-    _warnings.warn(
-        f"jaxhistory.export.{name} is deprecated (an internal helper, in {home} "
-        "now); it leaves jaxhistory.export in the next release",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(_importlib.import_module(home), name)
+    return moved("jaxhistory.export", name, _MOVED)

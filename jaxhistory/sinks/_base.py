@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
 
+from jaxhistory._moved import moved
 from jaxhistory._record import Record
 
 __all__ = ["Sink", "is_sink", "moved_name", "scalars", "values", "writes_here"]
@@ -67,13 +67,6 @@ def scalars(record: Record) -> dict[str, float | int]:
 def moved_name(name: str) -> Any:
     """``jaxhistory.sinks.is_sink`` and ``writes_here``, internal helpers once
     exported there: they keep working for one release, with a warning."""
-    fn = {"is_sink": is_sink, "writes_here": writes_here}.get(name)
-    if fn is None:
-        raise AttributeError(f"module 'jaxhistory.sinks' has no attribute {name!r}")
-    warnings.warn(
-        f"jaxhistory.sinks.{name} is deprecated (an internal helper, in "
-        "jaxhistory.sinks._base); it leaves jaxhistory.sinks in the next release",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return fn
+    home = "jaxhistory.sinks._base"
+    moves = {"is_sink": (home, "is_sink"), "writes_here": (home, "writes_here")}
+    return moved("jaxhistory.sinks", name, moves)
