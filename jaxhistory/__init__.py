@@ -114,15 +114,8 @@ __all__ = [
 # names keep working for one release.
 _MOVED = {
     f"{name}_collective": ("jaxhistory.collective", name)
-    for name in (
-        "reduce_mean",
-        "reduce_sum",
-        "reduce_max",
-        "reduce_min",
-        "reduce_std",
-        "reduce_custom",
-        "distributed_stats",
-    )
+    for name in collective.__all__
+    if name != "all_gather"  # (never had the suffix)
 }
 
 
