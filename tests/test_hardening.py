@@ -460,7 +460,7 @@ def test_a_failing_trace_write_never_raises_even_with_warnings_as_errors(tmp_pat
 
         flush = close = write
 
-    tracer._file = Broken()
+    tracer._out.file = Broken()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with jh.StopWatch("span"):
