@@ -68,6 +68,7 @@ from jaxhistory._tree import acc_dtype, wrapped_extreme
 __all__ = [
     "Accuracy",
     "Average",
+    "BatchView",
     "Collection",
     "Count",
     "Last",
@@ -95,11 +96,40 @@ class Metric:
     """The base of every metric: subclasses are made frozen dataclasses and
     registered as pytrees (every field an array with a leading shard axis).
 
-    A metric class defines ``_identity(num_shards)`` (its fields' identity
-    values), ``_from_batch(batch, outputs)`` (one batch's per-shard state),
-    ``_combine(other)`` (two states of the same shards, shard by shard) and
-    ``_value()`` (the result of a one-shard state); merging every shard into
-    one (``_fold``) is built from ``_combine``."""
+    A new metric declares its fields (arrays with a leading shard axis) and
+    overrides four public methods; :meth:`empty`, :meth:`from_model_output`,
+    :meth:`update`, :meth:`merge` and :meth:`compute` are built from them:
+
+    * ``identity(num_shards)`` (classmethod): its fields' identity values.
+    * ``from_batch(batch, outputs)`` (classmethod): one batch's per-shard
+      state; ``batch`` is a :class:`BatchView` (``batch.values(name)`` gives
+      the output split into shards and the mask's weights).
+    * ``combine(other)``: two states of the same shards, shard by shard.
+    * ``result()``: the value of a one-shard state.
+
+    Merging every shard into one, :meth:`fold`, is ``combine`` folded over the
+    shard axis (override it only for a vectorised form).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxhistory as jh
+        >>> class Total(jh.metrics.Metric):
+        ...     total: jax.Array
+        ...     @classmethod
+        ...     def identity(cls, n):
+        ...         return {"total": jnp.zeros(n)}
+        ...     @classmethod
+        ...     def from_batch(cls, batch, outputs):
+        ...         v, w = batch.values("values")
+        ...         return cls(total=jnp.sum(jnp.where(w, v, 0), axis=1))
+        ...     def combine(self, other):
+        ...         return self.replace(total=self.total + other.total)
+        ...     def result(self):
+        ...         return self.total[0]
+        >>> m = Total.empty().update(values=jnp.arange(4.0))
+        >>> float(m.compute())
+        6.0
+    """
 
     _fields: ClassVar[tuple[str, ...]] = ()
 
@@ -123,7 +153,7 @@ class Metric:
             or num_shards < 0
         ):
             raise ValueError(f"num_shards must be an int >= 0, got {num_shards!r}")
-        return cls(**cls._identity(int(num_shards)))
+        return cls(**cls.identity(int(num_shards)))
 
     @classmethod
     def from_model_output(cls, *, num_shards: int | None = None, **outputs) -> Metric:
@@ -155,11 +185,11 @@ class Metric:
 
     @classmethod
     def _of_batch(cls, num_shards: int | None, outputs: Mapping[str, Any]) -> Metric:
-        batch = cls._from_batch(_Batch(cls, outputs, num_shards), outputs)
+        batch = cls.from_batch(BatchView(cls, outputs, num_shards), outputs)
         # The identity's dtypes (float32 or float64 by jax_enable_x64, int32
         # counts): a loop carry keeps one type, and compute stays at 2 dtypes.
-        like = cls._identity(0)
-        return batch._replace(
+        like = cls.identity(0)
+        return batch.replace(
             **{f: getattr(batch, f).astype(like[f].dtype) for f in cls._fields}
         )
 
@@ -195,15 +225,33 @@ class Metric:
                 "device counts (start a loop carry from empty(num_shards=...))"
             )
         a, b = _aligned(self, other)
-        return a._combine(b)
+        return a.combine(b)
 
     def compute(self, axis_name: Any = None) -> jax.Array:
         """The value over every shard (and, inside ``shard_map``, over the mesh
         axis ``axis_name``). Returns a JAX array without waiting for it."""
         (gathered,) = _gather([self], axis_name)
-        return gathered._fold()._value()
+        return gathered.fold().result()
 
-    def _fold(self) -> Metric:
+    @classmethod
+    def identity(cls, num_shards: int) -> dict[str, jax.Array]:
+        """The fields of :meth:`empty` with ``num_shards`` shards."""
+        raise NotImplementedError(f"{cls.__name__} must define identity()")
+
+    @classmethod
+    def from_batch(cls, batch: BatchView, outputs: Mapping[str, Any]) -> Metric:
+        """The per-shard state of one batch."""
+        raise NotImplementedError(f"{cls.__name__} must define from_batch()")
+
+    def combine(self, other: Metric) -> Metric:
+        """Two states of the same shards combined, shard by shard."""
+        raise NotImplementedError(f"{type(self).__name__} must define combine()")
+
+    def result(self) -> jax.Array:
+        """The value of a one-shard state."""
+        raise NotImplementedError(f"{type(self).__name__} must define result()")
+
+    def fold(self) -> Metric:
         """Every shard merged into one, in shard order: :meth:`merge`'s
         shard-by-shard combine folded over the shard axis, as CLU builds its
         reduce from merge. A metric overrides it only for a vectorised form
@@ -212,22 +260,23 @@ class Metric:
         if n == 0:
             return type(self).empty(1)
         fields = [getattr(self, f) for f in self._fields]
-        out = self._replace(
+        out = self.replace(
             **{f: x[:1] for f, x in zip(self._fields, fields, strict=True)}
         )
         for k in range(1, n):
             shard = {f: x[k : k + 1] for f, x in zip(self._fields, fields, strict=True)}
-            out = out._combine(self._replace(**shard))
+            out = out.combine(self.replace(**shard))
         return out
 
-    def _replace(self, **fields) -> Metric:
+    def replace(self, **fields) -> Metric:
+        """This metric with ``fields`` replaced."""
         return dataclasses.replace(self, **fields)
 
     def _leaves(self) -> list[jax.Array]:
         return [getattr(self, f) for f in self._fields]
 
 
-class _Batch:
+class BatchView:
     """One batch's mask, shard count and the view of arrays as shards."""
 
     def __init__(self, metric: type, outputs: Mapping[str, Any], num_shards):
@@ -430,12 +479,12 @@ class Average(_OfOutput):
         return _variant(cls, argname=argname, weightname=weights)
 
     @classmethod
-    def _identity(cls, n):
+    def identity(cls, n):
         f = _float()
         return {"mean": jnp.zeros(n, f), "weight": jnp.zeros(n, f)}
 
     @classmethod
-    def _from_batch(cls, batch, outputs):
+    def from_batch(cls, batch, outputs):
         v, flags = batch.values(cls.argname)
         w = flags.astype(v.dtype)
         if cls.weightname is not None:
@@ -455,19 +504,19 @@ class Average(_OfOutput):
         # where, not a product: a masked NaN must not count
         return cls(mean=_sum(jnp.where(w != 0, v * share, 0)), weight=weight)
 
-    def _combine(self, o):
+    def combine(self, o):
         n = self.weight + o.weight
         mean = self.mean * (self.weight / _nonzero(n)) + o.mean * (
             o.weight / _nonzero(n)
         )
-        return self._replace(mean=mean, weight=n)
+        return self.replace(mean=mean, weight=n)
 
-    def _fold(self):
+    def fold(self):
         n = jnp.sum(self.weight, keepdims=True)[:1]
         mean = jnp.sum(self.mean * (self.weight / _nonzero(n)), keepdims=True)[:1]
-        return self._replace(mean=mean, weight=n)
+        return self.replace(mean=mean, weight=n)
 
-    def _value(self):
+    def result(self):
         return jnp.where(self.weight[0] != 0, self.mean[0], jnp.nan)
 
 
@@ -477,18 +526,18 @@ class Sum(_OfOutput):
     total: jax.Array
 
     @classmethod
-    def _identity(cls, n):
+    def identity(cls, n):
         return {"total": jnp.zeros(n, _float())}
 
     @classmethod
-    def _from_batch(cls, batch, outputs):
+    def from_batch(cls, batch, outputs):
         v, w = batch.values(cls.argname)
         return cls(total=_sum(jnp.where(w, v, 0)))
 
-    def _combine(self, o):
-        return self._replace(total=self.total + o.total)
+    def combine(self, o):
+        return self.replace(total=self.total + o.total)
 
-    def _value(self):
+    def result(self):
         return self.total[0]
 
 
@@ -500,11 +549,11 @@ class Count(_OfOutput):
     count: jax.Array
 
     @classmethod
-    def _identity(cls, n):
+    def identity(cls, n):
         return {"count": jnp.zeros(n, _int())}
 
     @classmethod
-    def _from_batch(cls, batch, outputs):
+    def from_batch(cls, batch, outputs):
         if batch.mask is not None and outputs.get(cls.argname) is None:
             m = batch.split(batch.mask.astype(bool), "mask")
             return cls(count=_sum(m, _int()))
@@ -512,10 +561,10 @@ class Count(_OfOutput):
         _, w = batch.values(cls.argname, exact=False)
         return cls(count=jnp.sum(w[:, :, *(0,) * (w.ndim - 2)], axis=1, dtype=_int()))
 
-    def _combine(self, o):
-        return self._replace(count=_add(self.count, o.count))
+    def combine(self, o):
+        return self.replace(count=_add(self.count, o.count))
 
-    def _value(self):
+    def result(self):
         return self.count[0]
 
 
@@ -528,25 +577,25 @@ class _Extreme(_OfOutput):
     _start: ClassVar[float] = -math.inf
 
     @classmethod
-    def _identity(cls, n):
+    def identity(cls, n):
         return {
             "value": jnp.full(n, cls._start, _float()),
             "count": jnp.zeros(n, _int()),
         }
 
     @classmethod
-    def _from_batch(cls, batch, outputs):
+    def from_batch(cls, batch, outputs):
         v, w = batch.values(cls.argname)
         axes = tuple(range(1, v.ndim))
         value = cls._reduce(jnp.where(w, v, cls._start), axis=axes, initial=cls._start)
         return cls(value=value, count=jnp.sum(w, axis=axes, dtype=_int()))
 
-    def _combine(self, o):
-        return self._replace(
+    def combine(self, o):
+        return self.replace(
             value=self._pick(self.value, o.value), count=_add(self.count, o.count)
         )
 
-    def _value(self):
+    def result(self):
         return jnp.where(self.count[0] != 0, self.value[0], jnp.nan)
 
 
@@ -577,12 +626,12 @@ class Last(_OfOutput):
     clock: jax.Array
 
     @classmethod
-    def _identity(cls, n):
+    def identity(cls, n):
         zeros = jnp.zeros(n, _int())
         return {"value": jnp.zeros(n, _float()), "stamp": zeros, "clock": zeros}
 
     @classmethod
-    def _from_batch(cls, batch, outputs):
+    def from_batch(cls, batch, outputs):
         if batch.get(cls.argname).ndim > 1:
             raise ValueError(
                 f"Last: {cls.argname} must be a scalar or one value per example, "
@@ -602,25 +651,25 @@ class Last(_OfOutput):
             clock=jnp.ones(v.shape[0], _int()),
         )
 
-    def _combine(self, o):
+    def combine(self, o):
         later = o.stamp > 0
-        return self._replace(
+        return self.replace(
             value=jnp.where(later, o.value, self.value),
             stamp=jnp.where(later, self.clock + o.stamp, self.stamp),
             clock=self.clock + o.clock,
         )
 
-    def _fold(self):
+    def fold(self):
         n = self.stamp.shape[0]
         if n == 0:
             return type(self).empty(1)
         # the latest batch; within it, the last shard that counted any
         k = n - 1 - jnp.argmax(self.stamp[::-1])
-        return self._replace(
+        return self.replace(
             value=self.value[k][None], stamp=self.stamp[k][None], clock=self.clock[:1]
         )
 
-    def _value(self):
+    def result(self):
         return jnp.where(self.stamp[0] > 0, self.value[0], jnp.nan)
 
 
@@ -669,7 +718,7 @@ class Std(_OfOutput):
     std: jax.Array
 
     @classmethod
-    def _identity(cls, n):
+    def identity(cls, n):
         f = _float()
         return {
             "count": jnp.zeros(n, f),
@@ -678,7 +727,7 @@ class Std(_OfOutput):
         }
 
     @classmethod
-    def _from_batch(cls, batch, outputs):
+    def from_batch(cls, batch, outputs):
         v, w = batch.values(cls.argname)
         s = v.shape[0]
         count, mean, std = _pooled(
@@ -686,11 +735,11 @@ class Std(_OfOutput):
         )
         return cls(count=count[:, 0], mean=mean[:, 0], std=std[:, 0])
 
-    def _combine(self, o):
+    def combine(self, o):
         both = [jnp.stack([getattr(self, f), getattr(o, f)]) for f in self._fields]
         merged = dict(zip(self._fields, _pooled(*both, axis=0), strict=True))
         # merging nothing returns the other side exactly (empty() is the identity)
-        return self._replace(
+        return self.replace(
             **{
                 f: jnp.where(
                     o.count > 0,
@@ -701,11 +750,11 @@ class Std(_OfOutput):
             }
         )
 
-    def _fold(self):
+    def fold(self):
         count, mean, std = _pooled(self.count, self.mean, self.std, axis=0)
-        return self._replace(count=count, mean=mean, std=std)
+        return self.replace(count=count, mean=mean, std=std)
 
-    def _value(self):
+    def result(self):
         return jnp.where(self.count[0] > 0, self.std[0], jnp.nan)
 
 
@@ -730,11 +779,11 @@ class Accuracy(Metric):
         return _variant(cls, top_k=int(k))
 
     @classmethod
-    def _identity(cls, n):
+    def identity(cls, n):
         return {"correct": jnp.zeros(n, _int()), "count": jnp.zeros(n, _int())}
 
     @classmethod
-    def _from_batch(cls, batch, outputs):
+    def from_batch(cls, batch, outputs):
         labels = batch.get("labels")
         if labels.dtype.kind not in "iu":
             raise TypeError(f"Accuracy: labels must be integers, got {labels.dtype}")
@@ -778,12 +827,12 @@ class Accuracy(Metric):
         w = jnp.broadcast_to(batch.weights(labels, "labels"), hit.shape)
         return cls(correct=_sum(hit & w, _int()), count=_sum(w, _int()))
 
-    def _combine(self, o):
-        return self._replace(
+    def combine(self, o):
+        return self.replace(
             correct=_add(self.correct, o.correct), count=_add(self.count, o.count)
         )
 
-    def _value(self):
+    def result(self):
         value = self.correct[0].astype(_float()) / self.count[0]
         return jnp.where(self.count[0] < 0, jnp.nan, value)  # counted past int32
 
@@ -982,7 +1031,7 @@ class Collection:
         values = {}
         for name, m in zip(self._metrics, metrics, strict=True):
             done = next(gathered) if m.num_shards else m
-            values[name] = done._fold()._value()
+            values[name] = done.fold().result()
         return values
 
     @classmethod

@@ -806,3 +806,64 @@ def test_a_declared_collection_refuses_what_is_not_a_metric():
 
         class Hiding(jh.metrics.Collection):
             merge: jh.metrics.Sum
+
+
+class SumOfSquares(M.Metric):
+    """A metric written only with the public override points."""
+
+    total: jax.Array
+
+    @classmethod
+    def identity(cls, n):
+        return {"total": jnp.zeros(n, jnp.float32)}
+
+    @classmethod
+    def from_batch(cls, batch, outputs):
+        v, w = batch.values("values")
+        return cls(total=jnp.sum(jnp.where(w, v * v, 0), axis=1))
+
+    def combine(self, other):
+        return self.replace(total=self.total + other.total)
+
+    def result(self):
+        return self.total[0]
+
+
+def test_a_metric_written_with_public_overrides_under_jit_and_shard_map(mesh):
+    x = np.arange(32, dtype=np.float32)
+    mask = np.arange(32) % 3 != 0
+    expected = float(np.sum(x[mask] ** 2))
+    sharded = NamedSharding(mesh, P("data"))
+    xs, ms = jax.device_put((x, mask), sharded)
+    step = jax.jit(lambda m, v, k: m.update(values=v, mask=k))
+    m = step(SumOfSquares.empty(num_shards=8), xs, ms)
+    m = step(m, xs, ms)
+    assert float(jax.jit(lambda m: m.compute())(m)) == 2 * expected
+    in_map = jax.jit(
+        jax.shard_map(
+            lambda m, v, k: m.update(values=v, mask=k).compute(axis_name="data"),
+            mesh=mesh,
+            in_specs=(P("data"), P("data"), P("data")),
+            out_specs=P(),
+            check_vma=True,
+        )
+    )
+    local = jax.device_put(SumOfSquares.empty(num_shards=8), sharded)
+    assert float(in_map(local, xs, ms)) == expected
+    declared = M.Collection.create(sq=SumOfSquares, total=M.Sum)
+    out = declared.empty().update(values=xs, mask=ms).compute()
+    assert float(out["sq"]) == expected and float(out["total"]) == x[mask].sum()
+
+
+def test_a_metric_missing_an_override_names_it():
+    class Half(M.Metric):
+        total: jax.Array
+
+        @classmethod
+        def identity(cls, n):
+            return {"total": jnp.zeros(n)}
+
+    with pytest.raises(NotImplementedError, match="Half must define from_batch"):
+        Half.from_model_output(values=jnp.ones(4))
+    with pytest.raises(NotImplementedError, match="Half must define result"):
+        Half.empty(1).compute()

@@ -89,6 +89,7 @@ def test_public_functions_have_runnable_examples():
         "_reduce",
         "_collective",
         "collective",
+        "metrics",
         "_stats",
         "_hlo",
         "launch",
