@@ -1,20 +1,79 @@
 """TraceFile: the open file of a Chrome trace handler: one event per line in a
-JSON array, flushed by the writer's thread, and what a failed write costs."""
+JSON array, flushed by the writer's thread, and what a failed write costs;
+and the events every file of a run starts with."""
 
 from __future__ import annotations
 
 import contextlib
+import math
+import os
+import socket
 import threading
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import orjson
 
-__all__ = ["TraceFile"]
+from jaxhistory._codec import NONFINITE_TEXT
+
+__all__ = ["TraceFile", "process_metadata", "sanitize", "thread_metadata"]
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def sanitize(value: Any) -> Any:
+    """JSON-safe event values: non-finite floats as strings, NumPy and JAX
+    scalars and arrays as numbers, anything else as its ``str``."""
+    if isinstance(value, Mapping):
+        return {str(k): sanitize(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [sanitize(v) for v in value]
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else NONFINITE_TEXT[repr(value)]
+    try:
+        arr = np.asarray(value)
+        if arr.dtype.kind in "biuf" or arr.dtype.kind == "V":
+            return sanitize(arr.astype(float).tolist() if arr.ndim else float(arr))
+    except Exception:
+        pass
+    return str(value)
+
+
+def process_metadata(sync: dict, run_name: str, world: int) -> list[dict]:
+    """The ``M`` events naming this process: its name (run, index, host), sort
+    index, labels and the clock sync (``sync``, ``process_index`` among it)."""
+    pid = sync["process_index"]
+    host = socket.gethostname()
+    return [
+        {"name": name, "ph": "M", "pid": pid, "tid": 0, "args": args}
+        for name, args in (
+            ("process_name", {"name": f"{run_name}: process {pid} ({host})"}),
+            ("process_sort_index", {"sort_index": pid}),
+            ("process_labels", {"labels": f"rank {pid} of {world}"}),
+            ("clock_sync", dict(sync)),
+        )
+    ]
+
+
+def thread_metadata(pid: int, tid: int, name: str) -> list[dict]:
+    """The ``M`` events naming thread ``tid`` and keeping the threads in the
+    order they first traced something."""
+    return [
+        {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+         "args": {"name": name}},
+        {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid,
+         "args": {"sort_index": tid}},
+    ]  # fmt: skip
 
 
 class TraceFile:
-    """The file a :class:`~jaxhistory.trace.JSONTraceHandler` writes now.
+    """The files a :class:`~jaxhistory.trace.JSONTraceHandler` writes, one at a
+    time.
 
     The :class:`~jaxhistory._writer.Writer` target of the handler's events:
     :meth:`write` takes the events queued since the last call, writes one line
@@ -22,32 +81,40 @@ class TraceFile:
     warns once, and from then on the file's events are counted in :attr:`lost`
     (while :attr:`counting`), never raised into the traced code; the next file
     is tried afresh. Methods other than :meth:`write` expect :attr:`lock` held.
+
+    Attributes:
+        paths: every file opened, oldest first (less those pruned).
+        error: the last failed write, if any.
+        lost: events not written because writing failed.
     """
 
     def __init__(self):
         self.lock = threading.Lock()
+        self.paths: list[Path] = []
         self.path: Path | None = None
         self.file = None
         self.first = True  # no event line yet: the next one opens the array
         self.events = 0  # events of the open file, metadata left out
-        self.error: BaseException | None = None  # the last failed write
-        self.lost = 0  # events not written because writing failed
+        self.error: BaseException | None = None
+        self.lost = 0
         self.counting = False  # count lost events (the handler is active)
         self._warned = False
 
-    def open(self, path: Path, metadata: list[dict]) -> bool:
-        """Starts ``path`` with ``metadata`` events; False where it cannot be
-        opened (then counted as a failed write)."""
+    def open(self, path: Path, metadata: list[dict]) -> None:
+        """Starts ``path`` with ``metadata`` events (a file that cannot be
+        opened counts as a failed write, and is not one of :attr:`paths`)."""
         self.first, self.events, self.path = True, 0, path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW
         try:
-            self.file = open(path, "wb")  # noqa: SIM115
+            self.file = os.fdopen(os.open(path, flags, 0o666), "wb")
         except OSError as err:
             self.file = None
             self.failed(err)
-            return False
+            return
+        self.paths.append(path)
         for event in metadata:
             self.write_event(event)
-        return True
 
     def write(self, events: list, final: bool) -> None:
         """Writes ``events`` and flushes the file (the writer's thread calls
@@ -77,8 +144,12 @@ class TraceFile:
             self.lost += 1
             self.failed(err)
 
-    def finish(self) -> None:
-        """Closes the array and the file."""
+    def finish(self, drop_unused: bool = False) -> None:
+        """Closes the array and the file; ``drop_unused``: deletes it instead
+        when it holds no event but metadata and is not the only file (one a
+        rotate opened after the last epoch)."""
+        path = self.path
+        unused = drop_unused and self.events == 0 and len(self.paths) > 1
         if self.file is not None:
             try:
                 self.file.write(b"[\n]\n" if self.first else b"\n]\n")
@@ -86,6 +157,19 @@ class TraceFile:
             except OSError as err:
                 self.failed(err)
             self.file = None
+        if unused and path in self.paths:
+            path.unlink(missing_ok=True)
+            self.paths.remove(path)
+
+    def prune(self, keep: int, finished: bool) -> None:
+        """Deletes all but the newest ``keep`` files (-1 keeps all);
+        ``finished``: every file is finished, else the last is still open."""
+        if keep < 0:
+            return
+        done = list(self.paths) if finished else self.paths[:-1]
+        for path in done[: max(0, len(done) - keep)]:
+            path.unlink(missing_ok=True)
+            self.paths.remove(path)
 
     def failed(self, err: BaseException) -> None:
         """A write failed: the file is closed; warns once per handler."""

@@ -35,6 +35,8 @@ def active() -> Any:
 
 
 def activate(handler: Any) -> None:
+    """Makes ``handler`` the active one (until :func:`deactivate`); a
+    RuntimeError if it already is."""
     with _lock:
         if handler in _stack:
             raise RuntimeError("this trace handler is already active")
@@ -42,6 +44,7 @@ def activate(handler: Any) -> None:
 
 
 def deactivate(handler: Any) -> None:
+    """Ends ``handler``'s turn; the one started before it is active again."""
     with _lock:
         if handler in _stack:
             _stack.remove(handler)

@@ -91,6 +91,9 @@ LAYERS = {
     "jaxhistory._timing": EFFECTS,
     "jaxhistory.trace": EFFECTS,
     "jaxhistory._trace_file": EFFECTS,  # the open trace file, the writer's target
+    "jaxhistory._trace_names": EFFECTS,  # trace folder and file names, ranks
+    "jaxhistory._trace_read": EFFECTS,  # load_trace: whole or cut-off files
+    "jaxhistory._trace_merge": EFFECTS,  # merge_traces: one clock, one file
     "jaxhistory.publish": EFFECTS,
     "jaxhistory.sinks": EFFECTS,
     "jaxhistory.export": EFFECTS,

@@ -593,6 +593,62 @@ def test_events_from_other_threads_during_a_rotate_are_all_written(tmp_path):
     assert len(written) == len(sent)
 
 
+def test_events_before_a_rotate_are_in_the_file_it_finishes(tmp_path):
+    with trace.JSONTraceHandler(folder=str(tmp_path), merged_trace_filename=None) as t:
+        for batch in range(1, 4):
+            t.instant(f"before {batch}")
+            t.rotate(batch=batch)
+        t.instant("last")
+    names = [
+        [e["name"] for e in trace.load_trace(p) if e["ph"] == "i"] for p in t.paths
+    ]
+    assert names == [["before 1"], ["before 2"], ["before 3"], ["last"]]
+
+
+def test_the_handler_writes_on_one_writer_thread_and_names_its_threads(tmp_path):
+    before = {th.ident for th in threading.enumerate()}
+    t = trace.JSONTraceHandler(folder=str(tmp_path), merged_trace_filename=None)
+    t.start()
+    started = [th for th in threading.enumerate() if th.ident not in before]
+    assert [th.name for th in started] == ["jaxhistory-trace"]
+    worker = threading.Thread(target=lambda: t.instant("on a thread"), name="w")
+    worker.start()
+    worker.join()
+    t.rotate(batch=1)
+    t.instant("main")
+    t.close()
+    assert not any(th.is_alive() for th in started)
+    for path in t.paths:  # every file names every thread seen so far
+        events = trace.load_trace(path)
+        named = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+        assert named >= {"w"}
+        check_valid(events)
+
+
+def test_a_trace_file_that_is_a_link_is_never_written_through(tmp_path):
+    from jaxhistory._files import NotAFile
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    (folder / "ep0-ba0-rank0.json").symlink_to(victim)
+    t = trace.JSONTraceHandler(
+        folder=str(folder), merged_trace_filename=None, overwrite=True
+    )
+    with pytest.raises(NotAFile, match="ep0-ba0-rank0.json: it is a symbolic link"):
+        t.start()
+    assert not t.active and trace._trace_state.active() is None
+    t.start(batch=1)
+    (folder / "ep0-ba2-rank0.json").symlink_to(victim)
+    with pytest.raises(NotAFile, match="symbolic link"):
+        t.rotate(batch=2)
+    assert t.active  # the open file is kept
+    t.close()
+    assert victim.read_text() == "keep"
+    assert [p.name for p in t.paths] == ["ep0-ba1-rank0.json"]
+
+
 def test_a_damaged_trace_warns_naming_the_line_and_keeps_the_events_before(
     tmp_path,
 ):
