@@ -9,6 +9,7 @@ import math
 import os
 import socket
 import threading
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,7 +20,14 @@ import orjson
 
 from jaxhistory._codec import NONFINITE_TEXT
 
-__all__ = ["TraceFile", "process_metadata", "sanitize", "thread_metadata"]
+__all__ = [
+    "TraceFile",
+    "clock_sync",
+    "counter_values",
+    "process_metadata",
+    "sanitize",
+    "thread_metadata",
+]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -44,10 +52,37 @@ def sanitize(value: Any) -> Any:
     return str(value)
 
 
-def process_metadata(sync: dict, run_name: str, world: int) -> list[dict]:
+def counter_values(values: Mapping[str, Any]) -> dict[str, float]:
+    """The finite numbers among ``values`` (a counter's tracks), keys as str."""
+    series = {}
+    for key, value in values.items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(number):
+            series[str(key)] = number
+    return series
+
+
+def clock_sync(layout: dict, run_name: str) -> dict:
+    """The ``clock_sync`` arguments, taken now (just after the barrier every
+    process passed): this process's monotonic time in microseconds, the wall
+    clock, the sync's id and the process index from ``layout``."""
+    sync_ns, sync_wall = time.perf_counter_ns(), time.time()
+    return {
+        "sync_ts": sync_ns / 1e3,
+        "sync_wall": sync_wall,
+        "sync_id": layout["sync_id"],
+        "process_index": layout["rank"],
+        "run_name": run_name,
+    }
+
+
+def process_metadata(sync: dict, world: int) -> list[dict]:
     """The ``M`` events naming this process: its name (run, index, host), sort
-    index, labels and the clock sync (``sync``, ``process_index`` among it)."""
-    pid = sync["process_index"]
+    index, labels and the clock sync (``sync``, from :func:`clock_sync`)."""
+    pid, run_name = sync["process_index"], sync["run_name"]
     host = socket.gethostname()
     return [
         {"name": name, "ph": "M", "pid": pid, "tid": 0, "args": args}

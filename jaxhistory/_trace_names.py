@@ -26,6 +26,7 @@ __all__ = [
     "FILE_VARS",
     "FOLDER_VARS",
     "check_keep",
+    "check_names",
     "check_template",
     "clear_earlier_files",
     "file_path",
@@ -77,6 +78,15 @@ def check_template(
                 f"{what} {template!r} uses an unknown variable {{{field}}}; "
                 f"available: {', '.join('{' + v + '}' for v in allowed)}"
             )
+
+
+def check_names(folder: str, filename: str, merged: str | None) -> None:
+    """Checks a handler's ``folder``, ``filename`` and ``merged_trace_filename``
+    templates (:func:`check_template`): the file names inside the folder."""
+    check_template(folder, FOLDER_VARS, "folder")
+    check_template(filename, FILE_VARS, "filename", inside=True)
+    if merged is not None:
+        check_template(merged, FOLDER_VARS, "merged_trace_filename", inside=True)
 
 
 def check_keep(num_traces_to_keep: Any) -> None:

@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Mapping
@@ -39,16 +38,17 @@ from jaxhistory import _trace_state
 from jaxhistory._env import check_run_name, new_run_id
 from jaxhistory._trace_file import (
     TraceFile,
+    clock_sync,
+    counter_values,
     process_metadata,
     sanitize,
     thread_metadata,
 )
 from jaxhistory._trace_merge import merge_folder, merge_traces
 from jaxhistory._trace_names import (
-    FILE_VARS,
     FOLDER_VARS,
     check_keep,
-    check_template,
+    check_names,
     file_path,
     prepare_folder,
     ranks,
@@ -109,15 +109,7 @@ class JSONTraceHandler:
         num_traces_to_keep: int = -1,
         run_name: str | None = None,
     ):
-        check_template(folder, FOLDER_VARS, "folder")
-        check_template(filename, FILE_VARS, "filename", inside=True)
-        if merged_trace_filename is not None:
-            check_template(
-                merged_trace_filename,
-                FOLDER_VARS,
-                "merged_trace_filename",
-                inside=True,
-            )
+        check_names(folder, filename, merged_trace_filename)
         check_keep(num_traces_to_keep)
         check_run_name(run_name)
         self.folder_template, self.filename_template = folder, filename
@@ -134,9 +126,8 @@ class JSONTraceHandler:
         self._started = False
         self._threads: dict[int, tuple[int, str]] = {}  # ident -> (tid, name)
         self._metadata: list[dict] = []  # the process's, first in every file
-        self._sync: dict[str, Any] = {}
+        self._sync: dict[str, Any] = {"sync_ts": 0.0, "sync_wall": 0.0}
         self._pid = 0
-        self._counter_clock: tuple[float, int] = (0.0, 0)
 
     def __enter__(self) -> JSONTraceHandler:
         self.start()
@@ -178,23 +169,14 @@ class JSONTraceHandler:
         prepare_folder(
             folder, self.overwrite, [self.filename_template, self.merged_trace_filename]
         )
-        sync_ns, sync_wall = time.perf_counter_ns(), time.time()  # after the barrier
+        self._sync = clock_sync(layout, self.run_name)  # after the barrier
         folder.mkdir(parents=True, exist_ok=True)
         self.folder, self._pid = folder, layout["rank"]
-        self._sync = {
-            "sync_ts": sync_ns / 1e3,
-            "sync_wall": sync_wall,
-            "sync_id": layout["sync_id"],
-            "process_index": layout["rank"],
-            "run_name": self.run_name,
-        }
-        self._counter_clock = (sync_wall, sync_ns)
-        self._metadata = process_metadata(
-            self._sync, self.run_name, layout["world_size"]
-        )
-        path = self._next_path(epoch, batch, step)
+        self._metadata = process_metadata(self._sync, layout["world_size"])
+        names = dict(self._vars, epoch=epoch, batch=batch, step=step)
+        path = self._path(names)
         with self._lock, self._out.lock:
-            self._open(path, epoch, batch, step)
+            self._open(path, names)
         # Events are queued on the one Writer, whose thread writes them and
         # flushes the file at least every Writer.INTERVAL seconds, also when no
         # event comes (a hung job killed later keeps every span that finished).
@@ -213,17 +195,13 @@ class JSONTraceHandler:
         ``{batch}``, ``{step}``); applies ``num_traces_to_keep``."""
         if not self.active:
             raise RuntimeError("the trace handler is not started")
-        old = self._vars
-        nxt = (
-            old["epoch"] if epoch is None else epoch,
-            old["batch"] if batch is None else batch,
-            old["step"] if step is None else step,
-        )
-        path = self._next_path(*nxt)  # raises before anything is finished
+        given = {"epoch": epoch, "batch": batch, "step": step}
+        names = self._vars | {k: v for k, v in given.items() if v is not None}
+        path = self._path(names)  # raises before anything is finished
         self._writer.flush()  # the events so far go to the finished file
         with self._lock, self._out.lock:  # no new thread's metadata between
             self._out.finish()
-            self._open(path, *nxt)
+            self._open(path, names)
             self._out.prune(self.num_traces_to_keep, finished=False)
         return path
 
@@ -250,15 +228,15 @@ class JSONTraceHandler:
             merged = self.folder / self.merged_trace_filename.format(**self._vars)
             self.merged_path = merge_folder(self.folder, merged) or self.merged_path
 
-    def _next_path(self, epoch: int, batch: int, step: int) -> Path:
-        names = dict(self._vars, epoch=epoch, batch=batch, step=step)
+    def _path(self, names: dict) -> Path:
+        """The file ``names`` (``epoch``, ``batch``, ``step`` among them) name."""
         return file_path(
             self.folder, self.filename_template, names, self.paths, self.overwrite
         )
 
-    def _open(self, path: Path, epoch: int, batch: int, step: int) -> None:
+    def _open(self, path: Path, names: dict) -> None:
         """Opens ``path`` with the run's metadata (the caller holds the locks)."""
-        self._vars.update(epoch=epoch, batch=batch, step=step)
+        self._vars = names
         threads = [thread_metadata(self._pid, *t) for t in self._threads.values()]
         self._out.open(path, sum(threads, self._metadata))
 
@@ -288,6 +266,15 @@ class JSONTraceHandler:
                 self._event(event)
         return entry[0]
 
+    def _on_thread(self, event: dict, args: Mapping[str, Any] | None) -> None:
+        """Queues ``event`` with this process, this thread and ``args``."""
+        args = sanitize(args) if args else None
+        with self._lock:
+            event.update(pid=self._pid, tid=self._tid())
+            if args:
+                event["args"] = args
+            self._event(event)
+
     def complete(
         self,
         name: str,
@@ -297,20 +284,9 @@ class JSONTraceHandler:
         args: Mapping[str, Any] | None = None,
     ) -> None:
         """An ``X`` event from ``start_ns`` to ``end_ns`` (``time.perf_counter_ns``)."""
-        args = sanitize(args) if args else None
-        with self._lock:
-            event = {
-                "name": str(name),
-                "cat": cat,
-                "ph": "X",
-                "ts": start_ns / 1e3,
-                "dur": max(0, end_ns - start_ns) / 1e3,
-                "pid": self._pid,
-                "tid": self._tid(),
-            }
-            if args:
-                event["args"] = args
-            self._event(event)
+        ts, dur = start_ns / 1e3, max(0, end_ns - start_ns) / 1e3
+        event = {"name": str(name), "cat": cat, "ph": "X", "ts": ts, "dur": dur}
+        self._on_thread(event, args)
 
     def instant(
         self, name: str, args: Mapping[str, Any] | None = None, scope: str = "t"
@@ -318,45 +294,25 @@ class JSONTraceHandler:
         """An ``i`` event now; ``scope`` ``"t"`` (thread), ``"p"`` or ``"g"``."""
         if scope not in ("t", "p", "g"):
             raise ValueError(f"scope must be 't', 'p' or 'g', got {scope!r}")
-        args = sanitize(args) if args else None
-        with self._lock:
-            event = {
-                "name": str(name),
-                "ph": "i",
-                "s": scope,
-                "ts": time.perf_counter_ns() / 1e3,
-                "pid": self._pid,
-                "tid": self._tid(),
-            }
-            if args:
-                event["args"] = args
-            self._event(event)
+        now = time.perf_counter_ns() / 1e3
+        self._on_thread({"name": str(name), "ph": "i", "s": scope, "ts": now}, args)
 
     def counter(
         self, name: str, values: Mapping[str, Any], timestamp: float | None = None
     ) -> None:
         """A ``C`` event: one track per key of ``values``. Non-finite values are
         left out (a counter needs numbers); ``timestamp`` is wall-clock seconds."""
-        series = {}
-        for key, value in values.items():
-            try:
-                number = float(value)
-            except (TypeError, ValueError):
-                continue
-            if math.isfinite(number):
-                series[str(key)] = number
+        series = counter_values(values)
         if not series:
             return
-        with self._lock:
-            if timestamp is None:
-                ts = time.perf_counter_ns() / 1e3
-            else:  # wall clock -> this handler's monotonic clock
-                wall0, ns0 = self._counter_clock
-                ts = ns0 / 1e3 + (timestamp - wall0) * 1e6
-            self._event(
-                {"name": str(name), "ph": "C", "ts": ts, "pid": self._pid,
-                 "args": series}
-            )  # fmt: skip
+        if timestamp is None:
+            ts = time.perf_counter_ns() / 1e3
+        else:  # wall clock -> this handler's monotonic clock (as at the sync)
+            sync = self._sync
+            ts = sync["sync_ts"] + (timestamp - sync["sync_wall"]) * 1e6
+        self._event(
+            {"name": str(name), "ph": "C", "ts": ts, "pid": self._pid, "args": series}
+        )
 
     # ----- as a sink (History's records become counters) ---------------------------
     def write(self, record: Any) -> None:
