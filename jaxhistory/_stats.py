@@ -12,14 +12,20 @@ Shifting by ``c`` keeps the variance accurate in float32: the cancellation in
 ``E[(x-c)^2] - E[x-c]^2`` is bounded by ``(mean - c)^2 / var``, which is at most
 ``N / 2`` for ``N`` values (and is usually near 1). Values ``1e4 +- 1`` give std 1.0
 exactly, where the textbook ``E[x^2] - E[x]^2`` gives 2.83.
+
+The two forms pack the same blocks for the two reductions and split the reduced
+rows back the same way (``_two_pass``; ``_gathered`` for one value per device);
+they differ only in how a reduction is issued (``_Issue``): the SPMD form reduces
+global arrays and lets the compiler place the all-reduce, the shard_map form
+reduces each shard's values and calls ``lax.pmax`` / ``lax.psum``.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,53 +52,6 @@ __all__ = [
     "per_shard",
     "shard_count",
 ]
-
-
-def _check_nonempty(leaves: list[Leaf]) -> None:
-    for leaf in leaves:
-        if leaf.value.size == 0:
-            raise ValueError(f"metric {leaf.name!r} is empty; it has no statistics")
-
-
-def _shift(mx: jax.Array, mn: jax.Array) -> jax.Array:
-    c = mx / 2 + mn / 2  # halves first: no overflow near the dtype's max
-    return jnp.where(jnp.isfinite(c), c, jnp.zeros_like(c))
-
-
-def _clean(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Returns (x, -x) with NaN as -inf, for one max-reduction, and the NaN flags.
-
-    Cross-device max all-reduces drop NaN, so NaN is counted in the sum pass instead.
-    """
-    isnan = jnp.isnan(x)
-    return (
-        jnp.where(isnan, -jnp.inf, x),
-        jnp.where(isnan, -jnp.inf, -x),
-        isnan.astype(x.dtype),
-    )
-
-
-def _finish(c: jax.Array, ext: jax.Array, sums: jax.Array, counts: Any) -> jax.Array:
-    """Turns one group's reduced partials into a ``(4, k)`` table of STATS.
-
-    ``c`` is the shift of each of the ``k`` leaves, ``ext`` the reduced
-    ``[max, -min]`` (``2k``), ``sums`` the reduced ``[sum(x - c), sum((x - c)^2),
-    NaN count]`` (``3k``) and ``counts`` the number of values of each leaf.
-    """
-    k = c.shape[0]
-    mx, mn = ext[:k], -ext[k:]
-    s1, s2, nans = sums[:k], sums[k : 2 * k], sums[2 * k :]
-    d = s1 / counts
-    var = jnp.maximum(s2 / counts - jnp.square(d), 0)
-    has_nan = nans > 0
-    return jnp.stack(
-        [
-            c + d,
-            jnp.where(has_nan, jnp.nan, mx),
-            jnp.where(has_nan, jnp.nan, mn),
-            jnp.sqrt(var),
-        ]
-    )
 
 
 @jax.tree_util.register_pytree_node_class
@@ -163,21 +122,191 @@ class Stats(Mapping):
         return cls(names, children[0], children[1] if provenance else None)
 
 
-def _assemble(leaves: list[Leaf], parts: list[tuple], provenance: bool) -> Stats:
-    """Joins each group's tables into one, with columns in the order of
-    ``leaves``. ``parts`` holds ``(indices, table, where)`` per group."""
-    names = tuple(leaf.name for leaf in leaves)
-    if not parts:
-        where = jnp.zeros((len(PROVENANCE), 0), jnp.int32) if provenance else None
-        return Stats(names, jnp.zeros((len(STATS), 0), jnp.float32), where)
-    order = [i for idx, _, _ in parts for i in idx]
-    table = jnp.concatenate([t for _, t, _ in parts], axis=1)
-    where = jnp.concatenate([w for _, _, w in parts], axis=1) if provenance else None
-    if order != sorted(order):
-        perm = np.argsort(order)
-        table = table[:, perm]
-        where = None if where is None else where[:, perm]
-    return Stats(names, table, where)
+def _check_nonempty(leaves: list[Leaf]) -> None:
+    for leaf in leaves:
+        if leaf.value.size == 0:
+            raise ValueError(f"metric {leaf.name!r} is empty; it has no statistics")
+
+
+# The two passes. Both forms pack the same blocks and split the reduced rows
+# back the same way; they differ only in how a list of blocks becomes one
+# all-reduced row vector (an _Issue).
+
+
+class _Issue(NamedTuple):
+    """How a form issues its all-reduces over blocks of rows.
+
+    A block is an array whose first axis holds rows; every other axis is reduced.
+    ``max`` and ``sum`` take a list of blocks and return the reduced rows of all
+    of them, concatenated in order, with one all-reduce. ``squares`` turns a
+    block of shifted values into the block that ``sum`` reduces to their sums of
+    squares.
+    """
+
+    max: Callable[[list[jax.Array]], jax.Array]
+    sum: Callable[[list[jax.Array]], jax.Array]
+    squares: Callable[[jax.Array], jax.Array]
+
+
+def _tail(x: jax.Array) -> tuple[int, ...]:
+    return tuple(range(1, x.ndim))
+
+
+def _spmd_reduce(fn: Callable) -> Callable[[list[jax.Array]], jax.Array]:
+    def reduce(blocks: list[jax.Array]) -> jax.Array:
+        x = jnp.concatenate(blocks)  # one shape: one reduction, one all-reduce
+        return fn(x, axis=_tail(x))
+
+    return reduce
+
+
+# SPMD: the blocks are global arrays of one shape; reducing them is the
+# all-reduce, placed by the compiler.
+_SPMD = _Issue(_spmd_reduce(jnp.max), _spmd_reduce(jnp.sum), jnp.square)
+
+
+def _centred_squares(d: jax.Array) -> jax.Array:
+    # Centred on the shard's mean of the shifted values, so only the spread
+    # between shards goes through the shifted sum: the rounding of a mean of
+    # unshifted values would be multiplied by n * |mean - c| there.
+    axes = _tail(d)
+    local_mean = jnp.mean(d, axis=axes, keepdims=True)
+    spread = jnp.sum(jnp.square(d - local_mean), axis=axes)
+    return spread + math.prod(d.shape[1:]) * jnp.square(local_mean).reshape(-1)
+
+
+def _collective_issue(axis_name: AxisName) -> _Issue:
+    """The shard_map form: each block is reduced over this shard's values, and
+    the rows of all blocks go through one ``lax.pmax`` / ``lax.psum``."""
+
+    def issue(fn: Callable, collective: Callable) -> Callable:
+        def reduce(blocks: list[jax.Array]) -> jax.Array:
+            rows = [fn(b, axis=_tail(b)) for b in blocks]
+            return collective(jnp.concatenate(rows), axis_name)
+
+        return reduce
+
+    return _Issue(issue(jnp.max, lax.pmax), issue(jnp.sum, lax.psum), _centred_squares)
+
+
+def _shift(mx: jax.Array, mn: jax.Array) -> jax.Array:
+    c = mx / 2 + mn / 2  # halves first: no overflow near the dtype's max
+    return jnp.where(jnp.isfinite(c), c, jnp.zeros_like(c))
+
+
+def _clean(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Returns (x, -x) with NaN as -inf, for one max-reduction, and the NaN flags.
+
+    Cross-device max all-reduces drop NaN, so NaN is counted in the sum pass instead.
+    """
+    isnan = jnp.isnan(x)
+    return (
+        jnp.where(isnan, -jnp.inf, x),
+        jnp.where(isnan, -jnp.inf, -x),
+        isnan.astype(x.dtype),
+    )
+
+
+def _per_stack(v: jax.Array, xs: list[jax.Array]) -> list[jax.Array]:
+    """Splits one value per leaf into one column per stack, to broadcast."""
+    out, offset = [], 0
+    for x in xs:
+        k = x.shape[0]
+        out.append(v[offset : offset + k].reshape((k,) + (1,) * (x.ndim - 1)))
+        offset += k
+    return out
+
+
+def _holder_block(mask: jax.Array, onehot: jax.Array) -> jax.Array:
+    """``(k * S, ...)``: the elements of ``mask`` (``(k, ...)``) each holder has,
+    with ``onehot`` ``(S, ...)`` marking each holder's elements (trailing axes of
+    size 1 where a holder has them all)."""
+    onehot = onehot.reshape(onehot.shape + (1,) * (mask.ndim - onehot.ndim))
+    held = mask.astype(onehot.dtype)[:, None] * onehot[None]
+    return held.reshape((-1, *held.shape[2:]))
+
+
+def _slot_block(x: jax.Array, onehot: jax.Array) -> jax.Array:
+    """``(k * S, ...)``: each row of ``x`` (``(k, ...)``) in its holder's slot and
+    0 in the others, so summing over the holders puts every value in its slot."""
+    onehot = onehot.reshape(onehot.shape + (1,) * (x.ndim - onehot.ndim))
+    # where, not a product: NaN or inf times 0 would spread to every slot
+    slots = jnp.where(onehot[None] > 0, x[:, None], 0)
+    return slots.reshape((-1, *slots.shape[2:]))
+
+
+def _two_pass(
+    xs: list[jax.Array],
+    issue: _Issue,
+    counts: Any,
+    provenance: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    extra: Sequence[jax.Array] = (),
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """The statistics of stacked leaves in one max- and one sum-reduction.
+
+    Args:
+        xs: stacks of leaves, ``(k_i, ...)`` each, of one dtype; ``k`` leaves in all.
+        issue: how the two reductions are issued.
+        counts: the number of values of each leaf (a scalar or ``(k,)``).
+        provenance: ``(rank, onehot, holders)``: each element's holder as a
+            position in ``holders`` (broadcast against a leaf), ``(S, ...)``
+            one-hot of the holders' elements, and the ``S`` device indices, in
+            ascending order; None for no device indices.
+        extra: more blocks for the sum-reduction, whose rows come back.
+
+    Returns:
+        The ``(4, k)`` table of :data:`STATS`, the ``(3, k)`` int32 device
+        indices (None without ``provenance``), and the reduced rows of ``extra``
+        (None without).
+    """
+    k = sum(x.shape[0] for x in xs)
+    cleaned = [_clean(x) for x in xs]
+    maxed = [hi for hi, _, _ in cleaned] + [lo for _, lo, _ in cleaned]
+    if provenance is not None:
+        rank = provenance[0]
+        maxed += [jnp.where(isnan > 0, -rank, -jnp.inf) for *_, isnan in cleaned]
+    ext = issue.max(maxed)  # all-reduce 1
+    mx, mn = ext[:k], -ext[k : 2 * k]
+    c = _shift(mx, mn)
+    ds = [x - cx for x, cx in zip(xs, _per_stack(c, xs), strict=True)]
+    summed = ds + [issue.squares(d) for d in ds] + [isnan for *_, isnan in cleaned]
+    if provenance is not None:
+        onehot = provenance[1]
+        for found in (mx, mn):
+            held = zip(xs, _per_stack(found, xs), strict=True)
+            summed += [_holder_block(x == f, onehot) for x, f in held]
+    sums = issue.sum(summed + list(extra))  # all-reduce 2
+    table = _finish(c, ext[: 2 * k], sums[: 3 * k], counts)
+    where, end = None, 3 * k
+    if provenance is not None:
+        holders = provenance[2]
+        end += 2 * k * holders.shape[0]
+        held = sums[3 * k : end].reshape(2, k, -1)
+        where = _where(ext[2 * k :], held[0], held[1], holders)
+    return table, where, sums[end:] if extra else None
+
+
+def _finish(c: jax.Array, ext: jax.Array, sums: jax.Array, counts: Any) -> jax.Array:
+    """Turns one group's reduced partials into a ``(4, k)`` table of STATS.
+
+    ``c`` is the shift of each of the ``k`` leaves, ``ext`` the reduced
+    ``[max, -min]`` (``2k``), ``sums`` the reduced ``[sum(x - c), sum((x - c)^2),
+    NaN count]`` (``3k``) and ``counts`` the number of values of each leaf.
+    """
+    k = c.shape[0]
+    mx, mn = ext[:k], -ext[k:]
+    s1, s2, nans = sums[:k], sums[k : 2 * k], sums[2 * k :]
+    d = s1 / counts
+    var = jnp.maximum(s2 / counts - jnp.square(d), 0)
+    has_nan = nans > 0
+    return jnp.stack(
+        [
+            c + d,
+            jnp.where(has_nan, jnp.nan, mx),
+            jnp.where(has_nan, jnp.nan, mn),
+            jnp.sqrt(var),
+        ]
+    )
 
 
 def _where(
@@ -188,8 +317,8 @@ def _where(
     ``nan_ext`` is the reduced ``max(-rank)`` over NaN elements (``-inf`` where
     none), ``at_max``/``at_min`` the reduced ``(k, S)`` counts, per holder, of
     elements equal to the max/min, and ``holders`` the ``S`` device indices in
-    ascending order (or ``(k, S)``). The first holder with a count is the lowest
-    device index; a NaN makes every index the NaN's device.
+    ascending order. The first holder with a count is the lowest device index;
+    a NaN makes every index the NaN's device.
     """
     has_nan = nan_ext > -jnp.inf
     nan_rank = jnp.where(has_nan, -nan_ext, 0).astype(jnp.int32)
@@ -210,10 +339,58 @@ def _where(
     ).astype(jnp.int32)
 
 
-def _group_key(leaf: Leaf) -> tuple:
-    sharding = getattr(jax.typeof(leaf.value), "sharding", None)
-    spec = str(getattr(sharding, "spec", None))
-    return (leaf.value.shape, acc_dtype(leaf.value.dtype), spec)
+def _gathered(
+    x: jax.Array, issue: _Issue, onehot: jax.Array, holders: jax.Array | None
+) -> tuple[jax.Array, Any, jax.Array]:
+    """Statistics of leaves with one value per holder, in one sum-reduction.
+
+    The reduction puts every value in its holder's slot (``onehot``, ``(S,
+    ...)``, as for :func:`_slot_block`), on every device; the statistics and
+    device indices (with ``holders``) are then computed locally. Returns them
+    and the ``(k, S)`` values.
+    """
+    v = issue.sum([_slot_block(x, onehot)]).reshape(x.shape[0], -1)  # all-reduce 1
+    return (*_summarise(v, holders), v)
+
+
+def _summarise(v: jax.Array, holders: jax.Array | None) -> tuple[jax.Array, Any]:
+    """The ``(4, k)`` statistics of ``k`` gathered rows of values, one value per
+    holder (``holders``: their device indices in ascending order, or None for
+    no indices), and the ``(3, k)`` device indices."""
+    mean = jnp.mean(v, axis=1)
+    std = jnp.sqrt(jnp.mean(jnp.square(v - mean[:, None]), axis=1))
+    table = jnp.stack([mean, jnp.max(v, axis=1), jnp.min(v, axis=1), std])
+    if holders is None:
+        return table, None
+    isnan = jnp.isnan(v)
+    has_nan = jnp.any(isnan, axis=1)
+    clean = jnp.where(isnan, 0, v)
+    nan_device = jnp.where(has_nan, holders[jnp.argmax(isnan, axis=1)], -1)
+    where = jnp.stack(
+        [
+            jnp.where(has_nan, nan_device, holders[jnp.argmax(clean, axis=1)]),
+            jnp.where(has_nan, nan_device, holders[jnp.argmin(clean, axis=1)]),
+            nan_device,
+        ]
+    ).astype(jnp.int32)
+    return table, where
+
+
+def _assemble(leaves: list[Leaf], parts: list[tuple], provenance: bool) -> Stats:
+    """Joins each group's tables into one, with columns in the order of
+    ``leaves``. ``parts`` holds ``(indices, table, where)`` per group."""
+    names = tuple(leaf.name for leaf in leaves)
+    if not parts:
+        where = jnp.zeros((len(PROVENANCE), 0), jnp.int32) if provenance else None
+        return Stats(names, jnp.zeros((len(STATS), 0), jnp.float32), where)
+    order = [i for idx, _, _ in parts for i in idx]
+    table = jnp.concatenate([t for _, t, _ in parts], axis=1)
+    where = jnp.concatenate([w for _, _, w in parts], axis=1) if provenance else None
+    if order != sorted(order):
+        perm = np.argsort(order)
+        table = table[:, perm]
+        where = None if where is None else where[:, perm]
+    return Stats(names, table, where)
 
 
 def distributed_stats(
@@ -308,108 +485,49 @@ def global_stats(
             key = _group_key(leaf)
         groups.setdefault(key, []).append(i)
     parts, gathered = [], {}
-    for (shape, acc, *_), idx in groups.items():
+    for (_, acc, *_), idx in groups.items():
         stacked = jnp.stack([leaves[i].value.astype(acc) for i in idx])
         layout = layouts[idx[0]]
         picks = [j for j, i in enumerate(idx) if i in gather]
         if layout is not None and layout.rank.size == len(layout.holders):
-            table, where, values = _gathered_group(stacked, shape, layout, picks)
+            holders = jnp.asarray(layout.holders)
+            onehot = jnp.asarray(layout.onehot)
+            table, where, v = _gathered(stacked, _SPMD, onehot, holders)
+            values = [v[j] for j in picks]
         else:
             table, where, values = _global_group(
-                stacked, shape, layout if provenance or picks else None, picks
+                stacked, layout if provenance or picks else None, picks
             )
         parts.append((idx, table, where))
         gathered.update({idx[j]: v for j, v in zip(picks, values, strict=True)})
     return _assemble(leaves, parts, provenance), gathered
 
 
-def _gathered_group(
-    stacked: jax.Array, shape: tuple, layout: Layout, picks: list[int]
-) -> tuple[jax.Array, jax.Array, list[jax.Array]]:
-    """A group whose every holder has exactly one element: one sum-reduction
-    puts every value in its holder's slot (ascending device index), on every
-    device; the statistics and indices are then computed locally."""
-    k = stacked.shape[0]
-    axes = tuple(range(2, 2 + len(shape)))
-    onehot = jnp.asarray(layout.onehot)[None]  # (1, S, *shape)
-    expand = (k, 1, *shape)
-    # where, not a product: NaN or inf times 0 would spread to every slot
-    v = jnp.sum(jnp.where(onehot, stacked.reshape(expand), 0), axis=axes)  # 1
-    table, where = _summarise(v, jnp.asarray(layout.holders))
-    return table, where, [v[j] for j in picks]
-
-
-def _summarise(v: jax.Array, holders: jax.Array | None) -> tuple[jax.Array, Any]:
-    """The ``(4, k)`` statistics of ``k`` gathered rows of values, one value per
-    holder (``holders``: their device indices in ascending order, or None for
-    no indices), and the ``(3, k)`` device indices."""
-    mean = jnp.mean(v, axis=1)
-    std = jnp.sqrt(jnp.mean(jnp.square(v - mean[:, None]), axis=1))
-    table = jnp.stack([mean, jnp.max(v, axis=1), jnp.min(v, axis=1), std])
-    if holders is None:
-        return table, None
-    isnan = jnp.isnan(v)
-    has_nan = jnp.any(isnan, axis=1)
-    clean = jnp.where(isnan, 0, v)
-    nan_device = jnp.where(has_nan, holders[jnp.argmax(isnan, axis=1)], -1)
-    where = jnp.stack(
-        [
-            jnp.where(has_nan, nan_device, holders[jnp.argmax(clean, axis=1)]),
-            jnp.where(has_nan, nan_device, holders[jnp.argmin(clean, axis=1)]),
-            nan_device,
-        ]
-    ).astype(jnp.int32)
-    return table, where
+def _group_key(leaf: Leaf) -> tuple:
+    sharding = getattr(jax.typeof(leaf.value), "sharding", None)
+    spec = str(getattr(sharding, "spec", None))
+    return (leaf.value.shape, acc_dtype(leaf.value.dtype), spec)
 
 
 def _global_group(
-    stacked: jax.Array, shape: tuple, layout: Layout | None, picks: list[int]
+    stacked: jax.Array, layout: Layout | None, picks: list[int]
 ) -> tuple[jax.Array, Any, list[jax.Array]]:
     """One group of ``k`` stacked leaves: its ``(4, k)`` table, its ``(3, k)``
     device indices (with a layout) and the per-holder values of ``picks``."""
-    k = stacked.shape[0]
-    axes = tuple(range(1, 1 + len(shape)))
-    hi, lo, isnan = _clean(stacked)
-    maxed = [hi, lo]
-    if layout is not None:
-        rank = jnp.asarray(layout.rank, stacked.dtype)
-        maxed.append(jnp.where(isnan > 0, -rank, -jnp.inf))
-    ext = jnp.max(jnp.concatenate(maxed), axis=axes)  # all-reduce 1
-    c = _shift(ext[:k], -ext[k : 2 * k])
-    d = stacked - c.reshape((k,) + (1,) * len(shape))
-    summed = [d, jnp.square(d), isnan]
-    if layout is not None:
-        slots = len(layout.holders)
-        onehot = jnp.asarray(layout.onehot, stacked.dtype)[None]
-        expand = (k,) + (1,) * len(shape)
-        at_max = stacked == ext[:k].reshape(expand)
-        at_min = stacked == -ext[k : 2 * k].reshape(expand)
-        for mask in (at_max, at_min):
-            summed.append(
-                (mask.astype(stacked.dtype)[:, None] * onehot).reshape(
-                    (k * slots, *shape)
-                )
-            )
-        if picks:
-            chosen = stacked[np.asarray(picks)]
-            summed.append(  # where, not a product: NaN * 0 would spread
-                jnp.where(onehot > 0, chosen[:, None], 0).reshape(
-                    (len(picks) * slots, *shape)
-                )
-            )
-    sums = jnp.sum(jnp.concatenate(summed), axis=axes)  # all-reduce 2
-    table = _finish(c, ext[: 2 * k], sums[: 3 * k], math.prod(shape))
+    count = math.prod(stacked.shape[1:])
     if layout is None:
-        return table, None, []
-    counts = sums[3 * k :].reshape(-1, slots)
-    where = _where(
-        ext[2 * k :], counts[:k], counts[k : 2 * k], jnp.asarray(layout.holders)
-    )
+        return _two_pass([stacked], _SPMD, count)[0], None, []
+    dtype = stacked.dtype
+    onehot = jnp.asarray(layout.onehot, dtype)
+    provenance = (jnp.asarray(layout.rank, dtype), onehot, jnp.asarray(layout.holders))
+    extra = [_slot_block(stacked[np.asarray(picks)], onehot)] if picks else []
+    table, where, rest = _two_pass([stacked], _SPMD, count, provenance, extra)
     if not picks:
         return table, where, []
+    slots = len(layout.holders)
     per_slot = np.maximum(layout.onehot.reshape(slots, -1).sum(axis=1), 1)
-    values = counts[2 * k :] / jnp.asarray(per_slot, stacked.dtype)
-    return table, where, [values[j] for j in range(len(picks))]
+    values = rest.reshape(len(picks), slots) / jnp.asarray(per_slot, dtype)
+    return table, where, list(values)
 
 
 def distributed_stats_collective(
@@ -461,10 +579,12 @@ def distributed_stats_collective(
     axis_name = check_axis_name(axis_name)
     leaves, _ = flatten_metrics(metrics)
     _check_nonempty(leaves)
-    place = None
     if provenance:
         axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-        place = _shard_place(shard_tables(axes, mesh, caller))
+        rank, onehot, holders = _shard_place(shard_tables(axes, mesh, caller))
+    else:
+        onehot, holders = jnp.arange(size) == lax.axis_index(axis_name), None
+    issue = _collective_issue(axis_name)
     # Leaves of one shape are stacked and reduced locally as one array; the local
     # partials of every shape are then joined per accumulation dtype, so each dtype
     # costs one pmax and one psum.
@@ -475,65 +595,22 @@ def distributed_stats_collective(
     parts = []
     for acc, shapes in by_dtype.items():
         idx = [i for group in shapes.values() for i in group]
+        xs = [
+            jnp.stack([leaves[i].value.astype(acc) for i in group])
+            for group in shapes.values()
+        ]
         if set(shapes) == {()}:  # one value per shard: gathered in one psum
-            x = jnp.stack([leaves[i].value.astype(acc) for i in idx])
-            if place is None:
-                slot, slots, holders = lax.axis_index(axis_name), size, None
-            else:
-                slot, slots, holders = place[0], place[1].shape[0], place[2]
-            mine = jnp.arange(slots) == slot
-            v = lax.psum(jnp.where(mine[None], x[:, None], 0), axis_name)  # 1
-            parts.append((idx, *_summarise(v, holders)))
-            continue
-        stacks = []
-        for shape, group in shapes.items():
-            x = jnp.stack([leaves[i].value.astype(acc) for i in group])
-            stacks.append((x, tuple(range(1, 1 + len(shape))), _clean(x)))
-        hi = [jnp.max(clean[0], axis=axes) for _, axes, clean in stacks]
-        lo = [jnp.max(clean[1], axis=axes) for _, axes, clean in stacks]
-        maxed = hi + lo
-        if place is not None:
-            rank = place[0].astype(acc)
-            maxed += [
-                jnp.where(jnp.any(isnan > 0, axis=axes), -rank, -jnp.inf)
-                for _, axes, (_, _, isnan) in stacks
+            table, where, _ = _gathered(xs[0], issue, onehot, holders)
+        else:
+            counts = [
+                math.prod(x.shape[1:]) * size for x in xs for _ in range(x.shape[0])
             ]
-        ext = lax.pmax(jnp.concatenate(maxed), axis_name)  # collective 1
-        k = len(idx)
-        c = _shift(ext[:k], -ext[k : 2 * k])
-        s1, spread, nans, counts, at = [], [], [], [], [[], []]
-        offset = 0
-        for x, axes, (_, _, isnan) in stacks:
-            sl = slice(offset, offset + x.shape[0])
-            cg = c[sl].reshape((-1,) + (1,) * len(axes))
-            n = math.prod(x.shape[1:])
-            # Shift first, then centre on the shard's mean of the shifted values:
-            # the rounding of a mean of unshifted values would be multiplied by
-            # n * |mean - c| in the between-shard term.
-            d = x - cg
-            local_mean = jnp.mean(d, axis=axes, keepdims=True)
-            m2 = jnp.sum(jnp.square(d - local_mean), axis=axes)
-            s1.append(jnp.sum(d, axis=axes))
-            spread.append(m2 + n * jnp.square(local_mean).reshape(-1))
-            nans.append(jnp.sum(isnan, axis=axes))
-            counts += [n * size] * x.shape[0]
-            if place is not None:
-                expand = (-1,) + (1,) * len(axes)
-                for j, ex in enumerate((ext[:k][sl], -ext[k : 2 * k][sl])):
-                    held = jnp.any(x == ex.reshape(expand), axis=axes).astype(acc)
-                    at[j].append(held[:, None] * place[1].astype(acc))
-            offset += x.shape[0]
-        summed = s1 + spread + nans
-        if place is not None:
-            summed += [jnp.concatenate(a).reshape(-1) for a in at]
-        sums = lax.psum(jnp.concatenate(summed), axis_name)  # 2
-        table = _finish(c, ext[: 2 * k], sums[: 3 * k], jnp.asarray(counts, acc))
-        where = None
-        if place is not None:
-            held = sums[3 * k :].reshape(2, k, -1)
-            where = _where(ext[2 * k :], held[0], held[1], place[2])
+            place = None
+            if provenance:
+                place = (rank.astype(acc), onehot.astype(acc), holders)
+            table, where, _ = _two_pass(xs, issue, jnp.asarray(counts, acc), place)
         parts.append((idx, table, where))
-    return _assemble(leaves, parts, place is not None)
+    return _assemble(leaves, parts, provenance)
 
 
 def _shard_place(tables) -> tuple[jax.Array, jax.Array, jax.Array]:
