@@ -224,8 +224,8 @@ def _call(fn: Callable, leaf: Leaf, axis_name: AxisName) -> jax.Array:
     if axes & _varying_axes(result):
         raise ValueError(
             f"the reduction of metric {leaf.name!r} returned a per-device value; a "
-            f"callable passed to reduce_custom_collective must reduce across "
-            f"{axis_name!r} itself (for example with lax.psum)"
+            "callable passed to jaxhistory.collective.reduce_custom must reduce "
+            f"across {axis_name!r} itself (for example with lax.psum)"
         )
     return result
 
@@ -233,7 +233,7 @@ def _call(fn: Callable, leaf: Leaf, axis_name: AxisName) -> jax.Array:
 def _reduce_all(
     metrics: Any, op: str, axis_name: Any, weights: Any = None, mask: Any = None
 ) -> Any:
-    bound_axis_size(axis_name, f"reduce_{op}_collective")
+    bound_axis_size(axis_name, f"jaxhistory.collective.reduce_{op}")
     axis_name = check_axis_name(axis_name)
     leaves, treedef = flatten_metrics(metrics)
     ws = _ops.per_leaf(weights, leaves, treedef, "weights")
@@ -321,7 +321,7 @@ def reduce_custom_collective(
         >>> float(out["absmax"]) == jax.device_count() - 1
         True
     """
-    bound_axis_size(axis_name, "reduce_custom_collective")
+    bound_axis_size(axis_name, "jaxhistory.collective.reduce_custom")
     axis_name = check_axis_name(axis_name)
     leaves, treedef = flatten_metrics(metrics)
     ops = _ops.resolve_ops(leaves, reduce_fn)

@@ -194,7 +194,7 @@ def layout_of(value: Any, mesh: Any, caller: str) -> tuple[Layout, Any]:
             f"{shape} is sharded under jit on a mesh with Auto axes (the compiler "
             "may shard it over them whatever its spec says): use Explicit "
             "axes (jax.make_mesh's default), or call it outside jit on concrete "
-            "arrays, or use distributed_stats_collective in shard_map"
+            "arrays, or use jaxhistory.collective.distributed_stats in shard_map"
         )
     concrete = _mesh_for(abstract, mesh, caller)
     named = jax.sharding.NamedSharding(concrete, sharding.spec)
