@@ -1,4 +1,5 @@
-"""MetricBuffer: an on-device ring buffer written inside scan / fori_loop."""
+"""MetricBuffer: an on-device ring buffer written inside scan / fori_loop, and the
+values it refuses."""
 
 import doctest
 from unittest import mock
@@ -310,3 +311,33 @@ def test_bad_step_raises(step):
 def test_docstring_examples_run():
     result = doctest.testmod(jaxhistory._buffer, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+# ----- values that cannot be stored -------------------------------------------------
+
+
+def test_metric_buffer_refuses_none_and_values_it_would_wrap():
+    with pytest.raises(TypeError, match="metric 'bad' is None"):
+        MetricBuffer.create(4, {"bad": None, "ok": 0.0})
+    buf = MetricBuffer.create(4, {"loss": 0.0, "n": np.int32(0)})
+    with pytest.raises(TypeError, match="metric 'bad' is None"):
+        buf.write(0, {"loss": 1.0, "n": 1, "bad": None})
+    for step in (np.int64(2**31 + 5), jnp.uint32(3_000_000_000), -1, 2**40):
+        with pytest.raises(ValueError, match="does not fit the buffer's int32 steps"):
+            buf.write(step, {"loss": 1.0, "n": 1})
+    for n in (np.int64(2**40), 2**40, np.uint32(3_000_000_000)):
+        with pytest.raises(ValueError, match="metric 'n'"):
+            buf.write(0, {"loss": 1.0, "n": n})
+    with pytest.raises(ValueError, match="at most 2\\*\\*31 - 1"):
+        MetricBuffer.create(2**40, {"loss": 0.0})
+
+    @jax.jit
+    def traced(buf, step):
+        return buf.write(step, {"loss": 1.0, "n": 1})
+
+    with pytest.raises(TypeError, match="traced step of dtype uint32"):
+        traced(buf, jnp.uint32(3))
+    # Nothing was written by the refused calls; a good write still works.
+    buf = traced(buf, jnp.int32(7))
+    steps, values = buf.to_host()
+    assert steps.tolist() == [7] and values["n"].tolist() == [1]

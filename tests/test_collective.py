@@ -296,3 +296,19 @@ def test_fused_by_dtype_keeps_leading_axes_and_groups_by_a_given_key():
     assert a.tolist() == [1.0, 10.0] and b.dtype == jnp.float32
     assert c.shape == (2, 3) and c[1].tolist() == [0.0, 10.0, 20.0]
     assert fused_by_dtype(tile, []) == []
+
+
+# ----- values that cannot be stored -------------------------------------------------
+
+
+def test_collective_reducers_refuse_a_none_leaf(mesh):
+    from jax.sharding import PartitionSpec as P
+
+    f = jax.shard_map(
+        lambda v: jh.collective.reduce_mean({"x": v, "n": {"bad": None}}, "data"),
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=P(),
+    )
+    with pytest.raises(TypeError, match="metric 'n/bad' is None"):
+        jax.jit(f)(jax.device_put(jnp.ones(8), jax.NamedSharding(mesh, P("data"))))

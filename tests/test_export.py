@@ -1139,3 +1139,144 @@ def test_a_full_disk_is_named_as_such(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="dataset.nc: no space left on device"):
         jh.export.finalize(_five_steps(), tmp_path / "out", run_id="r", echo=False)
     assert target.read_text() == "old"
+
+
+# ----- finalize: hostile names, reruns, other files, max_plots, a full disk ---------
+
+
+def test_hostile_metric_names_stay_inside_the_output_folder(tmp_path):
+    s = jh.HistoryState()
+    for i, name in enumerate(["../../esc", "/abs/x", "a/../../b", "..", "~", "é/ü"]):
+        s = s.update({name: float(i)}, step=i)
+    out = tmp_path / "run" / "out"
+    export.finalize(s, out, run_id="r", echo=False)
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) > 6
+    for path in files:
+        assert path.resolve().is_relative_to(out.resolve()), path
+
+
+def test_a_rerun_of_finalize_replaces_the_plots_as_a_set(tmp_path):
+    out = tmp_path / "out"
+    old = jh.HistoryState().update({"old_metric": 1.0}).update({"old_metric": 2.0})
+    export.finalize(old, out, run_id="a", echo=False)
+    assert (out / "plots" / "mplot" / "old_metric.png").is_file()
+    new = jh.HistoryState().update({"loss": 1.0}).update({"loss": 0.5})
+    export.finalize(new, out, run_id="b", echo=False)
+    pngs = sorted(p.name for p in (out / "plots" / "mplot").iterdir())
+    assert pngs == ["loss.png"]
+    assert not any(p.name.startswith(".") for p in out.iterdir())
+    export.finalize(new, out, run_id="c", plot=False)
+    assert not (out / "plots").exists()
+
+
+def test_finalize_leaves_other_files_under_plots_alone(tmp_path):
+    mine = tmp_path / "plots" / "my_figure.png"
+    mine.parent.mkdir()
+    mine.write_bytes(b"user data")
+    s = jh.HistoryState().update({"loss": 1.0}).update({"loss": 0.5})
+    export.finalize(s, tmp_path, run_id="a", echo=False)
+    export.finalize(s, tmp_path, run_id="b", plot=False)
+    assert mine.read_bytes() == b"user data"
+    assert not (tmp_path / "plots" / "mplot").exists()
+
+
+def test_finalize_plots_at_most_max_plots_and_names_the_rest(tmp_path):
+    s = jh.HistoryState()
+    for step in range(3):
+        s = s.update({f"m{i}": float(i + step) for i in range(5)}, step=step)
+        s = s.update({"acc/mean": 0.5, "acc/std": 0.1, "acc/min": 0.4, "acc/max": 0.6})
+    written = []
+    export.finalize(s, tmp_path, run_id="r", echo=False, max_plots=2, written=written)
+    pngs = sorted(p.name for p in (tmp_path / "plots" / "mplot").iterdir())
+    txts = sorted(p.name for p in (tmp_path / "plots" / "tplot").iterdir())
+    # Cross-device statistics first, then recording order.
+    assert pngs == ["acc.png", "m0.png"] and txts == ["acc.txt", "m0.txt"]
+    report = (tmp_path / "report.md").read_text()
+    assert "Not plotted (4 metric(s), over finalize's max_plots=2" in report
+    assert "`m1`, `m2`, `m3`, `m4`" in report
+    assert "| m4 |" in report  # its statistics are still in the table
+    export.finalize(s, tmp_path, run_id="r", echo=False, max_plots=None)
+    assert len(list((tmp_path / "plots" / "mplot").iterdir())) == 6
+    assert "Not plotted" not in (tmp_path / "report.md").read_text()
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises(ValueError, match="max_plots"):
+            export.finalize(s, tmp_path / "bad", run_id="r", max_plots=bad)
+
+
+def test_finalize_plots_200_metrics_by_default():
+    import inspect
+
+    from jaxhistory.export._units import MAX_PLOTS
+
+    for fn in (export.finalize, jh.History.finalize):
+        assert inspect.signature(fn).parameters["max_plots"].default == MAX_PLOTS
+    assert MAX_PLOTS == 200  # capping itself: test_finalize_plots_at_most_max_plots
+
+
+FULL_DISK = r"""
+import resource, signal, sys, time, warnings
+import numpy as np
+sys.path.insert(0, {root!r})
+import jaxhistory as jh
+from jaxhistory import export
+out = {out!r}
+old = jh.HistoryState().update({{"loss": 1.0}})
+export.finalize(old, out, run_id="old", plot=False)
+before = open(out + "/dataset.nc", "rb").read()
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+limit = 64 * 1024  # every file stops growing here: writes fail like a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+warned = []
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tracer = jh.trace.JSONTraceHandler(folder=out + "/traces", run_name="t")
+    tracer.start()
+    for i in range(3000):
+        with jh.StopWatch(f"span{{i % 7}}"):
+            pass
+    tracer.close()
+    h = jh.History(jsonl_path=out + "/log.jsonl", distributed_history=False)
+    for i in range(3000):
+        h.update({{"loss": float(i), "acc": 0.5}}, summarize=False)
+    h.close()
+    try:
+        h.finalize(out, plot=False)
+        error = None
+    except OSError as err:
+        error = str(err)
+warned = [str(w.message) for w in caught]
+print(repr(dict(
+    lost=tracer.lost,
+    count=h.state.count("loss"),
+    error=error,
+    intact=open(out + "/dataset.nc", "rb").read() == before,
+    warned=warned,
+)))
+"""
+
+
+def test_a_full_disk_never_stops_training(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    script = FULL_DISK.format(root=root, out=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = eval(done.stdout.strip().splitlines()[-1])
+    assert result["lost"] > 0 and result["count"] == 3000
+    assert f"cannot write {tmp_path}/dataset.nc" in result["error"], result["error"]
+    assert "any earlier version of the file is unchanged" in result["error"]
+    assert result["intact"]
+    trace = [w for w in result["warned"] if w.startswith("trace file")]
+    log = [w for w in result["warned"] if w.startswith("JSONL log")]
+    assert len(trace) == 1 and len(log) == 1, result["warned"]

@@ -1,5 +1,7 @@
-"""History: summary lines, distributed history, settings."""
+"""History: summary lines, distributed history, settings, attach, run names and
+the log each run owns."""
 
+import warnings
 from unittest import mock
 
 import jax
@@ -11,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from mp_workers import global_data
 
 import jaxhistory as jh
+from jaxhistory import export
 
 
 def per_device(mesh, values):
@@ -527,3 +530,77 @@ def test_a_step_entry_and_explicit_step_take_the_same_path():
     with pytest.raises(ValueError, match="two steps given"):
         h.update({"step": 9, "loss": 1.0}, step=10)
     assert h.state.count("loss") == 2
+
+
+# ----- the line, attach, run names, logs of their own -------------------------------
+
+
+def test_a_fractional_epoch_is_shown_as_it_is():
+    h = jh.History(distributed_history=False)
+    assert h.update({"epoch": 1.5, "loss": 0.25}) == "step=0 epoch=1.5 loss=0.250000"
+    assert h.update({"epoch": 2.0, "loss": 0.25}) == "step=1 epoch=2 loss=0.250000"
+
+
+def test_attach_refuses_bad_values_at_once_and_keeps_the_good_ones():
+    h = jh.History(distributed_history=False)
+    h.attach({"t/good": 0.5})
+    for bad in ("hello", None, b"x", object()):
+        with pytest.raises(TypeError, match="'t/bad'"):
+            h.attach({"t/bad": bad, "t/other": 1.0})
+
+    @jax.jit
+    def traced(x):
+        h.attach({"t/bad": x})
+        return x
+
+    with pytest.raises(TypeError, match="'t/bad' is a JAX tracer"):
+        traced(1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h.update({"loss": 1.0}, step=3)
+    assert h.state.values("t/good").tolist() == [0.5]
+    assert "t/other" not in h.state.keys and "t/bad" not in h.state.keys
+
+
+@pytest.mark.parametrize(
+    "name", ["../../../x", "/abs/path/x", "a/b", "a\\b", "..", "", "x\n", "n" * 201]
+)
+def test_a_run_name_is_a_name_never_a_path(name, tmp_path):
+    with pytest.raises(ValueError, match="is not a name"):
+        jh.History(run_name=name, report_dir=tmp_path)
+    with pytest.raises(ValueError, match="is not a name"):
+        jh.trace.JSONTraceHandler(folder=str(tmp_path), run_name=name)
+    if len(name) <= 200:  # a run id may be longer: the name plus a time stamp
+        with pytest.raises(ValueError, match="is not a name"):
+            export.finalize(
+                jh.HistoryState(), tmp_path / "out", run_id=name, plot=False
+            )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_names_are_limited_in_bytes(tmp_path):
+    with pytest.raises(ValueError, match="longer than 200 bytes"):
+        jh.History(run_name="é" * 101, report_dir=tmp_path)
+    jh.History(run_name="é" * 100, report_dir=tmp_path, distributed_history=False)
+
+
+def test_two_histories_never_share_a_log(tmp_path):
+    a = jh.History(run_name="same", report_dir=tmp_path, distributed_history=False)
+    b = jh.History(run_name="same", report_dir=tmp_path, distributed_history=False)
+    assert a.run_id != b.run_id
+    a.update({"x": 1.0})
+    b.update({"x": 2.0})
+    a.close()
+    b.close()
+    assert export.from_jsonl(a.log_path).values("x").tolist() == [1.0]
+    assert export.from_jsonl(b.log_path).values("x").tolist() == [2.0]
+    # A log a live writer holds is refused, not appended to.
+    c = jh.History(jsonl_path=tmp_path / "shared.jsonl", distributed_history=False)
+    c.update({"x": 3.0})
+    with pytest.raises(ValueError, match="being written by another live"):
+        jh.History(jsonl_path=tmp_path / "shared.jsonl")
+    c.close()  # closed: a later run may append (a resume)
+    d = jh.History(jsonl_path=tmp_path / "shared.jsonl", distributed_history=False)
+    d.update({"x": 4.0}, step=1)
+    d.close()
+    assert export.from_jsonl(tmp_path / "shared.jsonl").values("x").tolist() == [3, 4]

@@ -1,5 +1,7 @@
-"""HistoryState: value semantics, steps, dtypes, bad input, device values, export."""
+"""HistoryState: value semantics, steps, dtypes, bad input, device values, export;
+integers never rounded, many key sets recorded without scanning the tables."""
 
+import math
 from unittest import mock
 
 import jax
@@ -793,3 +795,128 @@ def test_a_metric_recorded_with_other_metrics_never_reads_back_rounded():
     small = jh.HistoryState().update({"x": 3}, step=0)
     mixed = small.update({"x": np.float32(1.5), "y": 1.0}, step=1)
     assert mixed.values("x").tolist() == [3.0, 1.5]
+
+
+# ----- values that cannot be stored, names that collide, prefixes that are no str ---
+
+
+def test_a_step_entry_must_be_one_number():
+    s = jh.HistoryState().update({"a": 1.0})
+    for entry in ([1, 2], (3,), {"x": 1}):
+        with pytest.raises(ValueError, match="'step' must be a whole number"):
+            s.update({"step": entry, "a": 2.0})
+    with pytest.raises(ValueError, match="'iter' must be a whole number"):
+        s.update({"iter": [4], "b": {"c": 1.0}})
+    assert s.keys == ("a",) and s.next_step == 1  # nothing recorded
+
+
+def test_names_that_would_collide_in_files_are_refused():
+    s = jh.HistoryState()
+    with pytest.raises(ValueError, match="two metrics are both named '1'"):
+        s.update({1: 1.0, "1": 2.0})
+    assert s.update({1: 1.0, 2: 3}).keys == ("1", "2")  # int names become str
+
+
+def test_integers_are_never_rounded_silently():
+    big = 2**63 - 1
+    s = jh.HistoryState().update({"a": np.int64(big)})
+    with pytest.raises(ValueError, match=f"'a' holds the integer {big}"):
+        s.update({"a": 0.5})
+    assert s.values("a").tolist() == [big] and s.dtype("a") == np.int64
+    u = jh.HistoryState().update({"u": np.uint64(2**64 - 1)})
+    with pytest.raises(ValueError, match="'u' holds the integer 18446744073709551615"):
+        u.update({"u": np.int64(3)})  # uint64 with int64 widens to float64
+    assert u.values("u").tolist() == [2**64 - 1]
+    f = jh.HistoryState().update({"f": 0.5})
+    for value in (2**60 + 1, np.int64(2**60 + 1)):
+        with pytest.raises(
+            ValueError, match="cannot hold the integer 1152921504606846977"
+        ):
+            f.update({"f": value})
+    # Integers float64 holds exactly still join a float metric.
+    assert f.update({"f": 2**70}).update({"f": 3}).values("f").tolist() == [
+        0.5,
+        float(2**70),
+        3.0,
+    ]
+    h = jh.History(distributed_history=False)
+    h.update({"f": 0.5})
+    with pytest.raises(ValueError, match="cannot hold the integer"):
+        h.update({"f": 2**60 + 1})  # the fast path sends large rows to the checks
+    assert h.state.values("f").tolist() == [0.5]
+
+
+def test_integers_just_past_2_to_53_are_refused_on_every_path():
+    big = 2**53 + 1
+    for value in (np.int64(big), np.int64(-big)):
+        s = jh.HistoryState().update({"a": value})
+        with pytest.raises(ValueError, match="cannot hold exactly"):
+            s.update({"a": 0.5})
+    # a float metric that has taken an int before (its rows cache int types)
+    s = jh.HistoryState().update({"x": 1.0}).update({"x": 3})
+    with pytest.raises(ValueError, match=f"cannot hold the integer {big}"):
+        s.update({"x": big})
+    assert s.values("x").tolist() == [1.0, 3.0]
+
+
+def test_select_names_a_prefix_that_is_not_a_string():
+    s = jh.HistoryState().update({"a": 1.0})
+    with pytest.raises(TypeError, match=r"select.*prefix.*str.*int 5"):
+        s.select(5)
+    with pytest.raises(TypeError, match="bytes"):
+        s.select("a", b"a")
+    assert s.select("a").keys == ("a",)
+
+
+# ----- many key sets: linear recording; summary of single values --------------------
+
+
+def key_sets(n):
+    s = jh.HistoryState()
+    for i in range(n):
+        s = s.update({f"sample/{i}": float(i), "loss": 1.0 / (i + 1)}, step=i)
+    return s
+
+
+def test_a_new_key_set_at_a_new_step_never_scans_the_tables(monkeypatch):
+    from jaxhistory._table import Table
+
+    s = key_sets(50)
+    calls = []
+    real = Table.step_at
+    monkeypatch.setattr(Table, "step_at", lambda t, n: calls.append(1) or real(t, n))
+    for i in range(50, 100):
+        s = s.update({f"sample/{i}": 1.0, "loss": 0.5}, step=i)
+    assert not calls  # O(keys) per update, not O(tables)
+    assert s.count("loss") == 100 and s.dtype("loss") == np.float64
+    # The checks still hold across key sets: shape, and steps out of order.
+    with pytest.raises(ValueError, match="'loss' changed shape"):
+        s.update({"loss": np.ones(2), "new": 1.0}, step=100)
+    with pytest.raises(ValueError, match="'loss' was already recorded at step 99"):
+        s.update({"loss": 1.0, "new": 1.0}, step=99)
+    t = s.update({"sample/3": 1, "n": 1}, step=100)  # an int joins a float metric
+    assert t.dtype("sample/3") == np.float64 and t.dtype("n") == np.int64
+    assert s.count("loss") == 100  # the refused updates changed nothing
+
+
+def test_summary_of_single_values_matches_numpy():
+    s = jh.HistoryState()
+    for i, v in enumerate((2.5, math.nan, math.inf, -3)):
+        s = s.update({f"m{i}": v}, step=i)
+    got = s.summary()
+    assert got["m0"] | {} == {
+        "mean": 2.5,
+        "std": 0.0,
+        "median": 2.5,
+        "p10": 2.5,
+        "p90": 2.5,
+        "min": 2.5,
+        "max": 2.5,
+        "last": 2.5,
+        "count": 1,
+        "nonfinite": 0,
+    }
+    assert got["m3"]["mean"] == -3.0 and got["m3"]["std"] == np.std([-3.0])
+    for name in ("m1", "m2"):
+        assert math.isnan(got[name]["mean"]) and got[name]["nonfinite"] == 1
+    assert math.isnan(got["m1"]["last"]) and got["m2"]["last"] == math.inf

@@ -210,3 +210,50 @@ def test_an_unplotted_name_with_escapes_is_listed_escaped(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "Not plotted" in report and "\x1b" not in report
     assert "`evil\\x1b[2J\\x07name`" in report
+
+
+# ----- many plots: worker processes, or here where none can start -------------------
+
+
+def test_many_plots_are_drawn_by_worker_processes(tmp_path):
+    from jaxhistory.export import _mpl
+
+    s = many_metrics()
+    assert len(_units.plot_units(s)) >= _mpl.PARALLEL_FROM
+    done = []
+    paths = export.to_png(s, tmp_path / "png", progress=done.append)
+    assert len(paths) == 60 == len(done) and all(p.stat().st_size for p in paths)
+    assert sorted(paths) == sorted((tmp_path / "png").iterdir())
+
+
+def test_plots_are_drawn_here_when_a_worker_cannot_start(tmp_path, monkeypatch):
+    from jaxhistory.export import _mpl
+
+    monkeypatch.setattr(_mpl.sys, "executable", "/bin/false")
+    paths = export.to_png(many_metrics(), tmp_path / "png")
+    assert len(paths) == 60 and all(p.is_file() for p in paths)
+
+
+def test_a_script_without_a_main_guard_can_finalize_many_metrics(tmp_path):
+    """Workers are fresh interpreters: the caller's script is never re-run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    script = tmp_path / "train.py"
+    script.write_text(
+        f"import sys; sys.path.insert(0, {str(root)!r}); sys.path.insert(0, "
+        f"{str(root / 'tests')!r})\n"
+        "from test_plots import many_metrics\n"
+        "from jaxhistory import export\n"
+        f"export.finalize(many_metrics(), {str(tmp_path / 'out')!r}, run_id='r', "
+        "echo=False)\n"
+        "print('finished once')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("finished once") == 1
+    assert len(list((tmp_path / "out" / "plots" / "mplot").iterdir())) == 60

@@ -456,3 +456,16 @@ def test_provenance_must_be_a_bool(bad, mesh):
     # np.bool_ is a bool
     out = jh.distributed_stats({"x": x}, provenance=np.True_)
     assert int(out["x/argmin"]) == 0
+
+
+# ----- meshes with Auto axes --------------------------------------------------------
+
+
+def test_provenance_refuses_a_mesh_with_any_auto_axis():
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), (AxisType.Explicit, AxisType.Auto))
+    x = jax.device_put(np.arange(4.0, dtype=np.float32), NamedSharding(mesh, P("data")))
+    with pytest.raises(ValueError, match="Auto axes"):
+        jax.jit(lambda m: jh.distributed_stats(m, provenance=True, mesh=mesh))({"x": x})

@@ -328,3 +328,15 @@ def test_a_tree_deeper_than_the_limit_is_refused_before_any_recursion():
     looped.append(looped)  # a list that holds itself never ends
     with pytest.raises(ValueError, match=r"more than 100 levels deep"):
         jh.reduce_mean({"x": looped})
+
+
+# ----- values that cannot be stored -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "reduce",
+    [jh.reduce_mean, jh.reduce_sum, jh.reduce_max, jh.distributed_stats],
+)
+def test_reducers_refuse_a_none_leaf(reduce):
+    with pytest.raises(TypeError, match="metric 'bad' is None"):
+        reduce({"bad": None, "ok": jnp.ones(3)})

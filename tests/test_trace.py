@@ -848,3 +848,29 @@ def test_rotating_after_the_last_epoch_leaves_no_metadata_only_file(tmp_path):
         assert [e["ph"] for e in trace.load_trace(path)].count("X") == 1
     spans = [e["name"] for e in trace.load_trace(t.merged_path) if e["ph"] == "X"]
     assert sorted(spans) == ["epoch 0", "epoch 1", "epoch 2"]
+
+
+# ----- a failing write --------------------------------------------------------------
+
+
+def test_a_failing_trace_write_never_raises_even_with_warnings_as_errors(tmp_path):
+    tracer = jh.trace.JSONTraceHandler(folder=str(tmp_path), run_name="t")
+    tracer.start()
+
+    class Broken:
+        closed = False
+
+        def write(self, data=None):
+            raise OSError(28, "No space left on device")
+
+        flush = close = write
+
+    tracer._out.file = Broken()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with jh.StopWatch("span"):
+            pass
+        tracer.close()
+    assert tracer.lost >= 1 and tracer.error is not None
+    # closed for good: no longer the active handler, though its file failed
+    assert not tracer.active and jh.trace._trace_state.active() is None

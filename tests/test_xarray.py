@@ -1,0 +1,261 @@
+"""HistoryState <-> xarray.Dataset and the dataset file (jaxhistory._xarray): names
+the dataset uses itself, sparse metrics in one long table, a group per metric path
+with its step coordinate, and damaged files named with their cause."""
+
+import math
+import re
+
+import numpy as np
+import pytest
+
+import jaxhistory as jh
+from jaxhistory import export
+from jaxhistory.cli import load_run
+
+# ----- names that collide with the dataset's own ------------------------------------
+
+
+def hostile_state():
+    s = jh.HistoryState()
+    long = "m" * 250
+    s = s.update({"_recorded": 1.0, "_metric": 2.0, "x": np.arange(2.0)}, step=0)
+    s = s.update({"x_dim_0": 3.0, long: 4.0, f"{long}/w": np.ones(3)}, step=1)
+    s = s.update({"_recorded": math.nan, "x_dim_0": 5.0}, step=3)  # gaps and NaN
+    return s
+
+
+def assert_same(a, b):
+    assert sorted(a.keys) == sorted(b.keys)
+    for name in a.keys:
+        assert a.steps(name).tolist() == b.steps(name).tolist(), name
+        np.testing.assert_array_equal(a.values(name), b.values(name), err_msg=name)
+        assert a.values(name).dtype == b.values(name).dtype, name
+
+
+def test_names_the_dataset_uses_round_trip_through_xarray():
+    s = hostile_state()
+    assert_same(s, jh.HistoryState.from_xarray(s.to_xarray()))
+
+
+def test_names_the_dataset_uses_round_trip_through_netcdf(tmp_path):
+    s = hostile_state()
+    export.to_netcdf(s, tmp_path / "d.nc")
+    back = jh.HistoryState.from_netcdf(tmp_path / "d.nc")
+    assert_same(s, back)
+    names = set(export.read_netcdf(tmp_path / "d.nc").data_vars)
+    assert "m" * 250 in names and "_recorded" in names
+
+
+def test_a_metric_named_like_the_mask_with_gaps_and_no_nan_round_trips(tmp_path):
+    s = jh.HistoryState().update({"_recorded": 1.0, "y": 1.0}, step=0)
+    s = s.update({"y": 2.0}, step=1).update({"_recorded": 3.0, "y": 2.0}, step=2)
+    back = jh.HistoryState.from_xarray(s.to_xarray())
+    assert_same(s, back)
+    assert back.steps("_recorded").tolist() == [0, 2]
+    export.to_netcdf(s, tmp_path / "d.nc")
+    assert_same(s, jh.HistoryState.from_netcdf(tmp_path / "d.nc"))
+
+
+# ----- sparse metrics in bulk: one long table ---------------------------------------
+
+
+def key_sets(n):
+    s = jh.HistoryState()
+    for i in range(n):
+        s = s.update({f"sample/{i}": float(i), "loss": 1.0 / (i + 1)}, step=i)
+    return s
+
+
+def test_sparse_metrics_in_bulk_go_to_one_long_table(tmp_path):
+    from jaxhistory import _xarray
+
+    n = 400  # > LONG_FROM sparse metrics
+    s = key_sets(n)
+    s = s.update({"sample/0": math.nan, "count/7": 2**53}, step=n)  # NaN, ints
+    s = s.update({"sample/1": -math.inf, "w": np.ones(2)}, step=n + 1)
+    ds = s.to_xarray()
+    # Dense: loss and the array metric; the rest is one table of records.
+    assert set(ds.data_vars) == {
+        "loss",
+        "w",
+        "_long_step",
+        "_long_index",
+        "_long_value",
+        "_long_dtype",
+    }
+    assert ds.sizes["_long"] == n + 3 and ds.sizes["_long_metric"] == n + 1
+    assert ds.attrs[_xarray.LONG_ATTR].split(",")[2] == "_long_step"
+    back = jh.HistoryState.from_xarray(ds)
+    assert_same(s, back)
+    assert back.dtype("count/7") == np.int64
+    path = tmp_path / "dataset.nc"
+    export.to_netcdf(s, path)
+    assert_same(s, jh.HistoryState.from_netcdf(path))
+    assert path.stat().st_size < 200_000  # not a 400 x 400 table of NaN
+    # Warmup drops the first steps from the long table too (as from the others:
+    # a metric all in the warmup keeps its name and no records).
+    kept = jh.HistoryState.from_xarray(s.to_xarray(warmup=300))
+    assert kept.steps("sample/299").tolist() == [] and kept.count("loss") == n - 300
+    assert kept.values("sample/300").tolist() == [300.0]
+
+
+def test_a_few_sparse_metrics_stay_variables_of_their_own():
+    ds = key_sets(20).to_xarray()
+    assert "sample/3" in ds.data_vars and "_long_value" not in ds.data_vars
+
+
+def test_the_long_table_never_takes_a_metrics_name():
+    s = key_sets(300).update({"_long_step": 1.0, "_long": 2.0}, step=300)
+    ds = s.to_xarray()
+    names = ds.attrs["jaxhistory_long"].split(",")
+    assert names[0] == "_long_" and names[2] == "_long_step_"
+    assert_same(s, jh.HistoryState.from_xarray(ds))
+
+
+def test_a_damaged_long_table_is_named():
+    ds = key_sets(300).to_xarray()
+    ds.attrs["jaxhistory_long"] = "a,b"
+    with pytest.raises(ValueError, match="does not name its long table"):
+        jh.HistoryState.from_xarray(ds)
+
+
+def long_run():
+    s = key_sets(300)
+    return s.to_xarray()
+
+
+@pytest.mark.parametrize("fault", ["repeat", "backwards", "also a variable"])
+def test_a_damaged_long_table_in_a_file_is_named(tmp_path, fault):
+    ds = long_run()
+    steps = ds["_long_step"].values.copy()
+    index = ds["_long_index"].values.copy()
+    if fault == "also a variable":
+        metrics = ds["_long_metric"].values.astype(object)
+        metrics[0] = "loss"
+        ds = ds.assign_coords(_long_metric=metrics)
+        match = "'loss'.*both"
+    else:
+        # give metric 0 two records: the step of metric 1's record, or an earlier one
+        index[1] = index[0]
+        steps[1] = steps[0] if fault == "repeat" else steps[0] - 1
+        ds["_long_step"] = ("_long", steps)
+        ds["_long_index"] = ("_long", index)
+        match = "'sample/0'.*strictly increasing"
+    with pytest.raises(ValueError, match=match):
+        jh.HistoryState.from_xarray(ds)
+    path = tmp_path / "long.nc"
+    ds.to_netcdf(path, engine="netcdf4")
+    with pytest.raises(ValueError, match=f"long.nc.*{match}"):
+        jh.HistoryState.from_netcdf(path)
+
+
+# ----- the dataset file: a group per metric path, each with its step coordinate -----
+
+
+def eval_run():
+    """train/loss every step 0..100, eval/loss every 50 steps (NaN between)."""
+    s = jh.HistoryState()
+    for t in range(101):
+        s = s.update({"train": {"loss": 1.0 / (t + 1)}}, step=t)
+        if t % 50 == 0:
+            s = s.update({"eval": {"loss": 0.2014 + t}}, step=t)
+    return s
+
+
+def test_every_group_of_the_dataset_file_opens_with_its_step_coordinate(tmp_path):
+    import xarray as xr
+
+    path = tmp_path / "dataset.nc"
+    export.to_netcdf(eval_run(), path)
+    with xr.open_dataset(path, group="eval") as ds:
+        assert "step" in ds.coords and ds["step"].values.tolist() == list(range(101))
+        assert float(ds["loss"].sel(step=50)) == 0.2014 + 50
+        assert np.isnan(float(ds["loss"].sel(step=51)))
+    with xr.open_dataset(path, group="train") as ds:
+        assert float(ds["loss"].sel(step=3)) == 0.25
+    with xr.open_datatree(path) as tree:
+        assert float(tree["eval"]["loss"].sel(step=100)) == 100.2014
+        assert float(tree["eval/loss"].sel(step=0)) == 0.2014
+    assert_same(eval_run(), jh.HistoryState.from_netcdf(path))
+
+
+def test_a_nested_group_has_its_step_coordinate(tmp_path):
+    import xarray as xr
+
+    s = jh.HistoryState().update({"a": {"b": {"c": 1.0}}, "d": 0.5}, step=4)
+    s = s.update({"a": {"b": {"c": 2.0}}}, step=9)
+    path = tmp_path / "dataset.nc"
+    export.to_netcdf(s, path, timestamps={4: 1.7e9, 9: 1.7e9 + 5})
+    for group in ("a", "a/b"):
+        with xr.open_dataset(path, group=group) as ds:
+            assert ds["step"].values.tolist() == [4, 9], group
+    with xr.open_dataset(path, group="a/b") as ds:
+        assert float(ds["c"].sel(step=9)) == 2.0
+    with xr.open_datatree(path) as tree:  # time: in the root group
+        assert str(tree["time"].values[1])[:19] == "2023-11-14T22:13:25"
+    assert_same(s, jh.HistoryState.from_netcdf(path))
+
+
+# ----- files read back as they were written, or refused -----------------------------
+
+
+def test_a_damaged_dataset_file_is_named_with_its_cause(tmp_path):
+    s = jh.HistoryState()
+    for i in range(500):
+        s = s.update({"a": float(i)})
+    export.to_netcdf(s, tmp_path / "good.nc")
+    data = (tmp_path / "good.nc").read_bytes()
+    (tmp_path / "cut.nc").write_bytes(data[: len(data) // 2])
+    (tmp_path / "junk.nc").write_bytes(b"\x00\x01 not a dataset")
+    for name in ("cut.nc", "junk.nc"):
+        with pytest.raises(OSError, match=f"cannot read the dataset .*{name}"):
+            jh.HistoryState.from_netcdf(tmp_path / name)
+
+
+def crafted(tmp_path, name, edit):
+    """A dataset file of a small run, changed by ``edit(ds)`` and written flat."""
+    s = jh.HistoryState().update({"a": 1.0, "i": 1}, step=0)
+    s = s.update({"a": 2.0, "i": 2}, step=1).update({"a": 3.0}, step=2)
+    ds = edit(s.to_xarray())
+    path = tmp_path / name
+    ds.to_netcdf(path, engine="netcdf4")
+    return path
+
+
+@pytest.mark.parametrize(
+    "steps, what",
+    [
+        ([2, 1, 0], "strictly increasing"),
+        ([0, 1, 1], "strictly increasing"),
+        ([0.0, 0.5, 1.0], "whole numbers"),
+    ],
+)
+def test_a_dataset_file_whose_steps_are_not_steps_is_named(tmp_path, steps, what):
+    path = crafted(tmp_path, "bad.nc", lambda ds: ds.assign_coords(step=steps))
+    with pytest.raises(ValueError, match=f"{path.name}.*step.*{what}"):
+        jh.HistoryState.from_netcdf(path)
+    with pytest.raises(ValueError, match=f"{path.name}.*step.*{what}"):
+        load_run(path)
+
+
+@pytest.mark.parametrize("dtype", ["object", "<U5", "V8", "V100000000", "M8[ns]"])
+def test_a_dataset_file_with_a_dtype_that_is_no_number_is_named(tmp_path, dtype):
+    def edit(ds):
+        ds["a"].attrs["jaxhistory_dtype"] = dtype
+        return ds
+
+    path = crafted(tmp_path, "dtype.nc", edit)
+    with pytest.raises(
+        ValueError, match=rf"dtype.nc.*'a'.*{re.escape(dtype)}.*not a numeric"
+    ):
+        jh.HistoryState.from_netcdf(path)
+
+
+def test_an_unreadable_dtype_attribute_is_named(tmp_path):
+    def edit(ds):
+        ds["i"].attrs["jaxhistory_dtype"] = "int65"
+        return ds
+
+    path = crafted(tmp_path, "dtype.nc", edit)
+    with pytest.raises(ValueError, match="dtype.nc.*'i'.*int65"):
+        jh.HistoryState.from_netcdf(path)
