@@ -1,11 +1,104 @@
-"""The jaxhistory command (jaxhistory.cli)."""
+"""The jaxhistory command (jaxhistory.cli): help and version, summary and report,
+user errors as one line with status 2, outputs that are links, the launch command."""
 
+import subprocess
+import sys
+
+import numpy as np
 import pytest
+from test_export import _cli as run_cli  # the command in a fresh process
 
 import jaxhistory as jh
-from jaxhistory import export
+from jaxhistory import cli, export
 
-# ----- report: max plots ------------------------------------------------------------
+# ----- help and version -------------------------------------------------------------
+
+
+def test_help_is_plain_text_and_every_option_is_explained(capsys):
+    for args in (["--help"], ["report", "--help"], ["summary", "--help"]):
+        with pytest.raises(SystemExit) as done:
+            cli.main(args)
+        assert done.value.code == 0
+        text = capsys.readouterr().out
+        assert "``" not in text and ":func:" not in text
+    with pytest.raises(SystemExit):
+        cli.main(["report", "--help"])
+    text = capsys.readouterr().out
+    for option in ("--warmup", "--num-chains", "--run-name", "--max-plots"):
+        line = next(ln for ln in text.splitlines() if option in ln)
+        following = text[text.index(line) :].split("\n  -")[0]
+        assert len(following.split()) > 3, f"{option} has no help:\n{text}"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"jaxhistory {jh.__version__}"
+
+
+# ----- summary and report -----------------------------------------------------------
+
+
+def saved_run(tmp_path, warmup=0.0):
+    s = jh.HistoryState()
+    for i in range(20):
+        s = s.update({"loss": 10.0 if i < 10 else float(i)}, step=i)
+    export.finalize(s, tmp_path / "run", run_id="r1", plot=False, warmup=warmup)
+    return s
+
+
+def test_summary_piped_to_head_ends_quietly(tmp_path):
+    s = jh.HistoryState().update({f"metric_{i:04d}": float(i) for i in range(3000)})
+    export.to_netcdf(s, tmp_path / "big.nc")
+    done = subprocess.run(
+        f"{sys.executable} -m jaxhistory summary {tmp_path / 'big.nc'} | head -2",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert len(done.stdout.splitlines()) == 2
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+
+
+def test_summary_of_a_dataset_uses_its_recorded_warmup(tmp_path):
+    saved_run(tmp_path, warmup=10)
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "| loss | 14.5 |" in report  # the first 10 steps (loss 10) left out
+    out = run_cli("summary", tmp_path / "run" / "dataset.nc")
+    assert out.returncode == 0 and "| loss | 14.5 |" in out.stdout, out.stdout
+    out = run_cli("summary", tmp_path / "run" / "dataset.nc", "--warmup", "0")
+    assert "| loss | 12.25 |" in out.stdout  # asked for: every step
+
+
+def test_report_names_the_run_given_for_a_jsonl_log(tmp_path):
+    saved_run(tmp_path)
+    out = run_cli(
+        "report", tmp_path / "run" / "r1.jsonl", "-o", tmp_path / "again",
+        "--run-name", "baseline", "--no-plots",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    report = (tmp_path / "again" / "report.md").read_text()
+    assert report.startswith("# Run report: baseline\n")
+    assert "- run id: r1" in report
+
+
+@pytest.mark.parametrize("content", ["", "not json\n", '{"step": 1, "metr'])
+def test_a_log_with_no_complete_record_exits_2(tmp_path, content):
+    log = tmp_path / "empty.jsonl"
+    log.write_text(content)
+    for args in (("summary", log), ("report", log, "-o", tmp_path / "out")):
+        out = run_cli(*args)
+        assert out.returncode == 2, out.stdout
+        assert "holds no complete record" in out.stderr
+
+
+def test_summary_rows_match_numpy(tmp_path):
+    s = saved_run(tmp_path)
+    out = run_cli("summary", tmp_path / "run", "--warmup", "0")
+    mean = np.mean(s.values("loss"))
+    assert f"| loss | {mean:g} |" in out.stdout
 
 
 def test_cli_report_takes_max_plots(tmp_path):
@@ -27,3 +120,126 @@ def test_cli_report_takes_max_plots(tmp_path):
     assert len(list((out / "plots" / "mplot").iterdir())) == 4
     with pytest.raises(SystemExit):
         report("many")
+
+
+# ----- user errors, outputs that are links ------------------------------------------
+
+
+def _dataset_with_run_id(tmp_path, run_id):
+    import xarray as xr
+
+    saved_run(tmp_path)
+    tree = xr.open_datatree(tmp_path / "run" / "dataset.nc").load()
+    tree.attrs["run_id"] = run_id
+    tree.to_netcdf(tmp_path / "crafted.nc")
+    return tmp_path / "crafted.nc"
+
+
+def test_cli_user_errors_are_one_line_and_status_2(tmp_path, capsys):
+    """Bad option values, an output that is a file or a device, a dataset
+    whose run id holds escapes: one line on stderr naming what was wrong
+    (control characters escaped), status 2, no traceback, nothing written."""
+    saved_run(tmp_path)
+    run = tmp_path / "run" / "dataset.nc"
+    crafted = _dataset_with_run_id(tmp_path, "r\x1b[2J\nid")
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    trace = tmp_path / "t.json"
+    trace.write_text('{"traceEvents": [{"name": "a", "ph": "X", "ts": 0, "dur": 1}]}')
+    out = tmp_path / "out"
+    cases = [
+        (["summary", run, "--warmup", "nan"], "warmup must be a number >= 0"),
+        (["summary", run, "--warmup", "inf"], "got 'inf'"),
+        (["report", run, "-o", out, "--warmup", "-1"], "got '-1'"),
+        (["report", run, "-o", out, "--num-chains", "0"], "num-chains must be a"),
+        (["report", run, "-o", out, "--num-chains", "-5"], "got '-5'"),
+        (["report", run, "-o", afile], f"{afile} exists and is a regular file"),
+        (["report", run, "-o", "/dev/null"], "/dev/null exists and is a device"),
+        (["report", crafted, "-o", out], "run id 'r\\x1b[2J\\nid' recorded in"),
+        (["merge-traces", trace, "-o", "/dev/null"], "/dev/null"),
+    ]
+    for args, said in cases:
+        try:
+            status = cli.main([str(a) for a in args])
+        except SystemExit as done:  # argparse's own exit
+            status = done.code
+        err = capsys.readouterr().err
+        assert status == 2, (args, err)
+        assert err.count("\n") == 1 and err.startswith("jaxhistory"), (args, err)
+        assert said in err, (args, err)
+        assert "\x1b" not in err and "Traceback" not in err
+    assert afile.read_text() == "mine" and not out.exists()
+
+
+def test_cli_report_never_writes_or_deletes_through_a_link(tmp_path, capsys):
+    """OUT/RUN.jsonl a link to another file, OUT/plots a link to a folder: the
+    command refuses, naming it, and what they point to is untouched."""
+    saved_run(tmp_path)
+    log = tmp_path / "run" / "r1.jsonl"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    folder = tmp_path / "victim"
+    folder.mkdir()
+    (folder / "a.png").write_text("mine")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "r1.jsonl").symlink_to(victim)
+    assert cli.main(["report", str(log), "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'r1.jsonl'}: it is a symbolic link" in err
+    assert victim.read_text() == "keep"
+    (out / "r1.jsonl").unlink()
+    (out / "plots").symlink_to(folder)
+    for extra in ([], ["--no-plots"]):
+        assert cli.main(["report", str(log), "-o", str(out), *extra]) == 2
+        assert f"{out / 'plots'}: it is a symbolic link" in capsys.readouterr().err
+        assert [p.name for p in folder.iterdir()] == ["a.png"]
+    (out / "plots").unlink()
+    assert cli.main(["report", str(log), "-o", str(out), "--no-plots"]) == 0
+    assert (out / "report.md").is_file() and (out / "r1.jsonl").is_file()
+
+
+# ----- the launch command -----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_launch_command(tmp_path):
+    import os
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path])}
+    cmd = [sys.executable, "-m", "jaxhistory", "launch", "-n", "2"]
+    done = subprocess.run(
+        [*cmd, "mp_workers:say", "yo"], capture_output=True, text=True, env=env,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "[process 1] yo from 1" in done.stdout
+    assert "[process 0] returned 0" in done.stdout
+    failed = subprocess.run(
+        [*cmd, "mp_workers:fail_on_process_one", "--timeout", "120"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert failed.returncode == 1 and "launched processes failed" in failed.stderr
+    bad = subprocess.run(
+        [*cmd, "no_colon"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert bad.returncode == 2 and "must look like" in bad.stderr
+
+
+@pytest.mark.slow
+def test_the_launch_command_takes_the_functions_arguments_after_its_options():
+    import os
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path])}
+    cmd = [sys.executable, "-m", "jaxhistory", "launch", "-n", "2", "mp_workers:say"]
+    done = subprocess.run(
+        [*cmd, "--devices-per-process", "2", "--timeout", "120", "yo"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "[process 1] yo from 1" in done.stdout
+    assert "[process 0] returned 0" in done.stdout

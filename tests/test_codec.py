@@ -1,7 +1,9 @@
 """The JSONL log (jaxhistory._codec): damaged lines skipped exactly, files that are
-not logs refused, empty and cut-off logs."""
+not logs refused, empty and cut-off logs; the run id and the times read back."""
 
+import numpy as np
 import pytest
+from test_export import _cli as run_cli  # the command in a fresh process
 
 import jaxhistory as jh
 from jaxhistory import export
@@ -63,3 +65,84 @@ def test_a_log_cut_off_in_its_first_line_is_an_empty_history(tmp_path):
     path.write_bytes(b'{"step":0,"timestamp":1.7e9,"metrics":{"lo\n')  # complete
     with pytest.raises(ValueError, match="holds no complete record"):
         jh.HistoryState.from_jsonl(path)
+
+
+# ----- the run id and the times of a log --------------------------------------------
+
+
+def test_every_log_line_carries_the_run_id(tmp_path):
+    """Finding: the JSONL carried no run id; resume took it from the file name."""
+    import json
+
+    h = jh.History(distributed_history=False, report_dir=tmp_path, run_name="exp")
+    for i in range(3):
+        h.update({"loss": float(i)}, summarize=False)
+    h.close()
+    log = tmp_path / f"{h.run_id}.jsonl"
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(lines) == 3 and {r["run_id"] for r in lines} == {h.run_id}
+    renamed = log.rename(tmp_path / "copied.jsonl")  # the name no longer says it
+    assert dict(jh.HistoryState.from_jsonl(renamed).attrs)["run_id"] == h.run_id
+    again = jh.History(distributed_history=False, resume=renamed)
+    assert again.run_id == h.run_id
+    again.close()
+    assert run_cli(
+        "report", str(renamed), "--outdir", str(tmp_path / "r"), "--no-plots"
+    )
+    assert f"# Run report: {h.run_id}" in (tmp_path / "r" / "report.md").read_text()
+    # A whole state written out, and a stream of one's own
+    export.to_jsonl(
+        jh.HistoryState().update({"a": 1.0}), tmp_path / "w.jsonl", run_id="w1"
+    )
+    assert json.loads((tmp_path / "w.jsonl").read_text())["run_id"] == "w1"
+    odd = 'a"b%s\\n'
+    stream = export.JsonlStream(tmp_path / "s.jsonl", run_id=odd)
+    stream.add(0, {"x": 1.0})
+    stream.close()
+    assert json.loads((tmp_path / "s.jsonl").read_text())["run_id"] == odd
+    assert dict(jh.HistoryState.from_jsonl(tmp_path / "s.jsonl").attrs)["run_id"] == odd
+
+
+def test_the_run_id_of_a_log_whose_last_lines_are_long(tmp_path):
+    """Found in review: a last line over the 1 MiB read from the end lost it."""
+    path = tmp_path / "big.jsonl"
+    stream = export.JsonlStream(path, run_id="exp-1")
+    stream.add(0, {"loss": 1.0})
+    stream.add(1, {"big": np.arange(200_000, dtype=np.float64)})
+    stream.close()
+    assert path.stat().st_size > 1 << 20
+    assert dict(jh.HistoryState.from_jsonl(path).attrs)["run_id"] == "exp-1"
+    h = jh.History(distributed_history=False, resume=path)
+    assert h.run_id == "exp-1"
+    h.close()
+
+
+def test_the_times_of_a_log_are_read_whatever_wrote_it(tmp_path):
+    from jaxhistory._codec import read_stamps
+
+    ours = tmp_path / "ours.jsonl"
+    ours.write_text(
+        '{"step":1,"timestamp":1700000000.5,"process_index":0,"metrics":{}}\n'
+        '{"step":2,"timestamp":null,"process_index":0,"metrics":{}}\n'
+        '{"step":1,"timestamp":1700000009.0,"process_index":0,"metrics":{}}\n'
+        '{"step":3,"timestamp":1.7e9,"process_index":0,"metr'  # cut off
+    )
+    assert read_stamps(ours) == {1: 1700000000.5, 3: 1.7e9}  # the first wins
+    other = tmp_path / "other.jsonl"  # keys in another order
+    other.write_text('{"timestamp": 5.0, "step": 4}\nnot json\n{"step": 5}\n')
+    assert read_stamps(other) == {4: 5.0}
+    (tmp_path / "empty.jsonl").write_text("")
+    assert read_stamps(tmp_path / "empty.jsonl") == {}
+
+
+def test_the_times_of_a_log_mixing_its_lines_with_others(tmp_path):
+    """Found in review: a log with both kinds of line lost the others' times."""
+    from jaxhistory._codec import read_stamps
+
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(
+        '{"timestamp": 10.0, "step": 0}\n'
+        '{"step":1,"timestamp":11.0,"process_index":0,"metrics":{}}\n'
+        '{"step":2,"timestamp":null,"process_index":0,"metrics":{}}\n'
+    )
+    assert read_stamps(path) == {0: 10.0, 1: 11.0}

@@ -646,6 +646,9 @@ def _cli(*args):
     )
 
 
+run_cli = _cli  # the command in a fresh process
+
+
 def test_cli_report_and_summary(tmp_path):
     h = jh.History(distributed_history=False, jsonl_path=tmp_path / "run.jsonl")
     for i in range(10):
@@ -1280,3 +1283,35 @@ def test_a_full_disk_never_stops_training(tmp_path):
     trace = [w for w in result["warned"] if w.startswith("trace file")]
     log = [w for w in result["warned"] if w.startswith("JSONL log")]
     assert len(trace) == 1 and len(log) == 1, result["warned"]
+
+
+# ----- report, log and summary: one metric's rows together --------------------------
+
+
+def test_one_metrics_statistics_stay_together_and_constants_print_once(tmp_path):
+    import json
+
+    from jaxhistory._stats import Stats
+
+    h = jh.History(distributed_history=False, jsonl_path=tmp_path / "run.jsonl")
+    for i in range(3):
+        table = np.array([[1.0, 0.5], [2.0, 0.7], [0.5, 0.4], [0.1, 0.05]]) + i
+        # rows: mean, max, min, std; one column per metric
+        h.update({"train": Stats(("loss", "acc"), table), "lr": 3e-3}, summarize=False)
+    h.finalize(tmp_path / "out", plot=False)
+    h.close()
+    grouped = [
+        "train/loss/mean", "train/loss/std", "train/loss/min", "train/loss/max",
+        "train/acc/mean", "train/acc/std", "train/acc/min", "train/acc/max",
+    ]  # fmt: skip
+    line = json.loads((tmp_path / "run.jsonl").read_text().splitlines()[0])
+    assert list(line["aggregated"]) == grouped
+    report = (tmp_path / "out" / "report.md").read_text().replace("\\", "")
+    rows = [
+        ln.split(" | ")[0][2:] for ln in report.splitlines() if ln.startswith("| train")
+    ]
+    assert rows == grouped
+    assert "Constant (the same at every record): lr = 0.003" in report
+    assert "| lr |" not in report
+    out = run_cli("summary", tmp_path / "run.jsonl")
+    assert out.stdout.index("train/loss/max") < out.stdout.index("train/acc/mean")

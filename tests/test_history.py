@@ -1,5 +1,5 @@
 """History: summary lines, distributed history, settings, attach, run names and
-the log each run owns."""
+the log each run owns, the dict view, resume, progress (steps/s, ETA, MFU)."""
 
 import warnings
 from unittest import mock
@@ -604,3 +604,112 @@ def test_two_histories_never_share_a_log(tmp_path):
     d.update({"x": 4.0}, step=1)
     d.close()
     assert export.from_jsonl(tmp_path / "shared.jsonl").values("x").tolist() == [3, 4]
+
+
+# ----- the dict view of the values, log_every ---------------------------------------
+
+
+def test_history_has_a_dict_view_of_its_values():
+    h = jh.History(distributed_history=False)
+    for i in range(3):
+        h.update({"loss": 1.0 / (i + 1), "acc": i}, summarize=False)
+    view = h.history
+    assert list(view) == ["loss", "acc"]
+    np.testing.assert_array_equal(view["loss"], [1.0, 0.5, 1 / 3])
+    assert view["acc"].tolist() == [0, 1, 2]
+    with pytest.raises(ValueError):
+        view["acc"][0] = 5  # read-only: the record is not changed through it
+    h.close()
+
+
+def test_log_every_n_summarizes_at_n_2n():
+    h = jh.History(distributed_history=False, log_every=10)
+    lines = {step: h.update({"loss": 1.0, "step": step}) for step in range(1, 31)}
+    assert [step for step, line in lines.items() if line] == [10, 20, 30]
+    assert lines[20].startswith("step=20")
+    h.close()
+
+
+# ----- resume -----------------------------------------------------------------------
+
+
+def test_a_crashed_run_resumes_from_its_log_with_its_run_id(tmp_path):
+    first = jh.History(distributed_history=False, report_dir=tmp_path, run_name="r")
+    for i in range(10):
+        first.update({"loss": float(i)}, step=i, summarize=False)
+    first.close()  # the crash: the checkpoint is of step 5
+    log = tmp_path / f"{first.run_id}.jsonl"
+    again = jh.History(distributed_history=False, resume=log, resume_step=6)
+    assert again.run_id == first.run_id and again.state.steps("loss").tolist() == list(
+        range(6)
+    )
+    for i in range(6, 12):
+        again.update({"loss": 100.0 + i}, step=i, summarize=False)
+    again.finalize(tmp_path / "out", plot=False)
+    again.close()
+    back = jh.HistoryState.from_jsonl(log)  # the same log, appended to
+    assert back.steps("loss").tolist() == list(range(12))
+    assert back.values("loss").tolist() == [
+        *range(6),
+        *(100.0 + i for i in range(6, 12)),
+    ]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert report.startswith(f"# Run report: {first.run_id}")
+    import xarray as xr
+
+    with xr.open_dataset(tmp_path / "out" / "dataset.nc") as ds:
+        times = ds["time"].values  # the first run's from its log, then its own
+        assert len(times) == 12 and not np.isnat(times).any()
+        assert np.all(np.diff(times.astype("int64")) >= 0)
+    # From a dataset or a state, and what is refused.
+    from_nc = jh.History(distributed_history=False, resume=tmp_path / "out")
+    assert from_nc.run_id == first.run_id and from_nc.state.count("loss") == 12
+    from_nc.close()
+    state = jh.History(distributed_history=False, resume=back).state
+    assert state.count("loss") == 12
+    with pytest.raises(ValueError, match="give run_name only to a new run"):
+        jh.History(resume=log, run_name="other")
+    with pytest.raises(ValueError, match="resume_step needs resume="):
+        jh.History(resume_step=3)
+    with pytest.raises(FileNotFoundError, match="no run log or dataset"):
+        jh.History(resume=tmp_path / "missing.jsonl")
+    with pytest.raises(TypeError, match="resume takes a HistoryState"):
+        jh.History(resume=3)
+    with pytest.raises(ValueError, match="would erase"):
+        jh.History(resume=log, jsonl_path=log, jsonl_overwrite=True)
+    with pytest.raises(ValueError, match="already recorded at step 11"):
+        h = jh.History(distributed_history=False, resume=back)
+        h.update({"loss": 1.0}, step=11)
+
+
+# ----- progress: steps/s, ETA, MFU --------------------------------------------------
+
+
+def test_progress_steps_per_second_eta_and_mfu(monkeypatch):
+    from jaxhistory import _history
+
+    clock = iter(float(t) for t in range(100))
+    monkeypatch.setattr(_history.time, "perf_counter", lambda: next(clock))
+    flops = jh.step_flops(lambda a, b: a @ b, np.ones((4, 8)), np.ones((8, 2)))
+    assert flops == 128.0
+    h = jh.History(
+        distributed_history=False, log_every=10, total_steps=100,
+        flops_per_step=flops, peak_flops=1024.0,
+    )  # fmt: skip
+    lines = [h.update({"loss": 1.0}, step=i) for i in range(1, 31)]
+    state = h.state
+    assert state.steps("perf/steps_per_sec").tolist() == [20, 30]  # not at step 10
+    # 10 steps per 1 s of the fake clock (one reading per summarized step)
+    assert state.values("perf/steps_per_sec").tolist() == [10.0, 10.0]
+    assert state.values("perf/eta_sec").tolist() == [8.0, 7.0]
+    assert state.values("perf/mfu").tolist() == [1.25, 1.25]  # 10 * 128 / 1024
+    assert "perf/eta_sec=7" in lines[29] and "perf/mfu=1.25" in lines[29]
+    assert state.steps("loss").tolist() == list(range(1, 31))
+    h.close()
+    for bad, match in (
+        ({"total_steps": 0}, "total_steps must be a positive int"),
+        ({"flops_per_step": 1.0}, "MFU needs both"),
+        ({"peak_flops": -1.0, "flops_per_step": 1.0}, "peak_flops must be a positive"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            jh.History(**bad)

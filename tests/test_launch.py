@@ -106,3 +106,25 @@ def test_the_name_mismatch_error_lists_only_the_metrics_the_user_recorded():
         assert "straggler" not in message, message
     timed_out = jh.launch_local("mp_workers:names_timeout", 2, 1, timeout=120)[0]
     assert "(process 0 records ['loss'])" in timed_out["error"], timed_out
+
+
+# ----- the output of launched processes ---------------------------------------------
+
+
+@pytest.mark.slow
+def test_launched_processes_output_is_streamed_with_a_prefix(capsys, tmp_path):
+    import mp_workers
+
+    assert jh.launch_local(mp_workers.say, 2, args=("hey",), timeout=120) == [0, 1]
+    out = capsys.readouterr().out
+    for pid in (0, 1):
+        assert f"[process {pid}] hey from {pid}" in out
+        assert f"[process {pid}] hey on stderr" in out
+    # To files it names instead, or nowhere.
+    jh.launch_local(mp_workers.say, 2, timeout=120, output=tmp_path / "logs")
+    assert capsys.readouterr().out == ""
+    assert "hi from 1" in (tmp_path / "logs" / "process-1.log").read_text()
+    jh.launch_local(mp_workers.say, 2, timeout=120, output=None)
+    assert capsys.readouterr().out == ""
+    with pytest.raises(TypeError, match="output must be 'stream', a folder or None"):
+        jh.launch_local(mp_workers.say, 2, output=3)

@@ -257,3 +257,174 @@ def test_a_script_without_a_main_guard_can_finalize_many_metrics(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("finished once") == 1
     assert len(list((tmp_path / "out" / "plots" / "mplot").iterdir())) == 60
+
+
+# ----- what the plots show: bands, constants, markers, scales, units, families ------
+
+
+def capture_axes(monkeypatch):
+    """Records what the matplotlib plots of this process draw."""
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    calls = []
+    for cls, name in ((Axes, "fill_between"), (Axes, "plot"), (Axes, "set_yscale"),
+                      (Axes, "set_ylabel"), (Figure, "text")):  # fmt: skip
+        real = getattr(cls, name)
+
+        def spy(self, *args, _real=real, _name=name, **kwargs):
+            calls.append((_name, args, kwargs))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, spy)
+    return calls
+
+
+def test_the_std_band_stays_inside_the_min_max_envelope(tmp_path, monkeypatch):
+    calls = capture_axes(monkeypatch)
+    s = jh.HistoryState()
+    for i in range(5):  # an accuracy: mean + std would pass 1
+        s = s.update(
+            {"acc/mean": 0.95, "acc/std": 0.1, "acc/min": 0.8, "acc/max": 1.0}, step=i
+        )
+    export.to_png(s, tmp_path)
+    bands = [
+        c for c in calls if c[0] == "fill_between" and c[2].get("label") == "mean ± std"
+    ]
+    _, (_, lower, upper), _ = bands[0]
+    assert np.all(upper <= 1.0) and np.all(lower >= 0.8)
+    assert np.allclose(upper, 1.0) and np.allclose(lower, 0.85)
+
+
+def test_a_constant_is_shown_as_a_value(tmp_path, monkeypatch):
+    calls = capture_axes(monkeypatch)
+    s = jh.HistoryState()
+    for i in range(10):
+        s = s.update({"lr": 3e-3}, step=i)
+    export.to_png(s, tmp_path / "png")
+    texts = [c[1][2] for c in calls if c[0] == "text"]
+    assert "0.003" in texts and not [c for c in calls if c[0] == "plot"]
+    text = export.to_terminal(s, tmp_path / "txt")
+    assert list(text.values()) == [
+        "lr: constant 0.003 over 10 records (steps 0 to 9)\n"
+    ]
+
+
+def test_short_series_have_markers_decades_a_log_axis_timings_seconds(
+    tmp_path, monkeypatch
+):
+    calls = capture_axes(monkeypatch)
+    s = jh.HistoryState()
+    for i in range(100):
+        s = s.update({"train/loss": 10.0 ** (-i / 20), "timing/step": 0.1 + i}, step=i)
+        if i % 25 == 0:
+            s = s.update({"eval/loss": 1.0 / (i + 1)}, step=i)
+    export.to_png(s, tmp_path)
+    markers = [c[2].get("marker") for c in calls if c[0] == "plot"]
+    # train vs eval (train, eval), train/loss, timing, eval/loss (4 points)
+    assert markers == [None, "o", None, None, "o"]
+    assert ("set_yscale", ("log",), {}) in calls  # train/loss spans 5 decades
+    assert sum(c[0] == "set_yscale" for c in calls) == 2  # and train vs eval
+    assert ("set_ylabel", ("seconds",), {}) in calls
+
+
+def test_rates_and_durations_say_their_unit():
+    from jaxhistory.export._units import unit_label
+
+    assert unit_label("timing/data") == "seconds"
+    assert unit_label("perf/eta_sec") == "seconds"
+    assert unit_label("perf/steps_per_sec") == "steps per second"
+    assert unit_label("perf/mfu") == "fraction of peak FLOP/s"
+    assert unit_label("train/loss") is None and unit_label("timing") is None
+
+
+def test_the_reports_plots_are_grouped_per_family(tmp_path):
+    """Finding: the report's plots came in recording order, constants too."""
+    s = jh.HistoryState()
+    for i in range(1, 21):
+        s = s.update(
+            {
+                "grad_norm": 1.0 / i,
+                "lr": 3e-3,
+                "train/loss": 1.0 / i,
+                "timing/step": 0.1 * i,
+                "train/acc": i / 20,
+            },
+            step=i,
+        )
+        if i % 5 == 0:
+            s = s.update({"eval/loss": 1.2 / i}, step=i)
+    export.finalize(s, tmp_path / "out", run_id="r", echo=False)
+    report = (tmp_path / "out" / "report.md").read_text()
+    plots = report[report.index("## Plots") : report.index("## Terminal plots")]
+    order = [
+        ln.strip("# ").replace("\\", "")
+        for ln in plots.splitlines()
+        if ln.startswith(("### ", "!["))
+    ]
+    names = [
+        ln.split("]")[0].lstrip("![") if ln.startswith("![") else ln for ln in order
+    ]
+    assert names == [
+        "train vs eval",
+        "loss_train_vs_eval",
+        "train",
+        "train_loss",
+        "train_acc",
+        "timing",
+        "timing_step",
+        "eval",
+        "eval_loss",
+        "other",
+        "grad_norm",
+    ]  # lr is constant: listed once under the table, not plotted here
+    assert (tmp_path / "out" / "plots" / "mplot" / "lr.png").is_file()
+    # paths alone (no titles) stay one list, as before
+    text = export.to_markdown(
+        s, tmp_path / "r.md", images=[tmp_path / "a.png", tmp_path / "b.png"]
+    ).read_text()
+    assert "![a](<a.png>)" in text and "###" not in text.split("## Plots")[1]
+
+
+def test_train_and_eval_of_one_metric_share_a_plot(tmp_path, monkeypatch):
+    calls = capture_axes(monkeypatch)
+    s = jh.HistoryState()
+    for i in range(100):
+        s = s.update(
+            {"train/loss/mean": 1.0 / (i + 1), "train/loss/std": 0.01,
+             "train/loss/min": 0.9 / (i + 1), "train/loss/max": 1.1 / (i + 1),
+             "train/acc": i / 100},
+            step=i,
+        )  # fmt: skip
+        if i % 20 == 0:
+            s = s.update({"eval/loss": 1.2 / (i + 1), "val/acc": i / 120}, step=i)
+    units = _units.plot_units(s)
+    titles = [u.title for u in units]
+    assert titles[:2] == ["loss: train vs eval", "train/loss"]
+    assert "acc: train vs val" in titles and "eval/loss" in titles  # kept too
+    paths = export.to_png(s, tmp_path / "png")
+    assert (tmp_path / "png" / "loss_train_vs_eval.png") in paths
+    labels = [c[2].get("label") for c in calls if c[0] == "plot"]
+    assert "train mean" in labels and "eval" in labels and "val" in labels
+    eval_line = next(c for c in calls if c[0] == "plot" and c[2].get("label") == "eval")
+    assert eval_line[2]["marker"] == "o"  # 5 points
+    text = export.to_terminal(s, tmp_path / "txt")
+    compare = next(t for p, t in text.items() if p.name == "loss_train_vs_eval.txt")
+    assert "eval" in compare and "mean" in compare
+
+
+def test_the_terminal_legend_is_under_the_plot_not_over_the_data(tmp_path):
+    s = jh.HistoryState()
+    for i in range(100):
+        s = s.update(
+            {"loss/mean": 1 / (i + 1), "loss/std": 0.05, "loss/min": 0.5 / (i + 1),
+             "loss/max": 2.5 if i == 3 else 1.5 / (i + 1)},
+            step=i,
+        )  # fmt: skip
+    (text,) = export.to_terminal(s, tmp_path).values()
+    lines = text.rstrip("\n").splitlines()
+    assert lines[-1].split() == [
+        "·", "mean", "-", "min", "+", "max", "*", "std", "(right", "axis)"
+    ]  # fmt: skip
+    top = next(ln for ln in lines if ln.startswith("2.5"))
+    assert "+" in top  # the early spike is visible, not under a legend box

@@ -1,4 +1,4 @@
-"""jaxhistory.publish: handlers, groups, put_metric, prof."""
+"""jaxhistory.publish: handlers, groups, put_metric, prof, MetricStream."""
 
 import io
 import threading
@@ -256,3 +256,31 @@ def test_prof_positional_group_is_a_clear_type_error():
         @publish.prof("agent")
         def f():
             pass
+
+
+# ----- MetricStream in torchelastic's form, getStream -------------------------------
+
+
+def test_metric_stream_in_torchelastics_form_and_getstream():
+    from jaxhistory import publish
+
+    got = []
+
+    class Keep(publish.MetricHandler):
+        def emit(self, data):
+            got.append((data.group_name, data.name, data.value))
+
+    stream = publish.MetricStream("agent", Keep())
+    stream.add_value("restarts", 1)
+    assert got == [("agent", "restarts", 1)]
+    with publish.scoped():
+        publish.configure(Keep(), group="io")
+        publish.getStream("io").add_value("bytes", 4096)
+        publish.MetricStream("io").add_value("files", 2)  # the registry's handler
+    assert got[1:] == [("io", "bytes", 4096), ("io", "files", 2)]
+    with pytest.raises(TypeError, match="must be a MetricHandler or a sink"):
+        publish.MetricStream("agent", object())
+    with pytest.raises(ValueError, match="group_name must be a non-empty str"):
+        publish.MetricStream("", Keep())
+    with pytest.raises(ValueError, match="metric name must be a non-empty str"):
+        stream.add_value(3, 1)

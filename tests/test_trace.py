@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_export import _cli as run_cli  # the command in a fresh process
 
 import jaxhistory as jh
 from jaxhistory import trace
@@ -874,3 +875,53 @@ def test_a_failing_trace_write_never_raises_even_with_warnings_as_errors(tmp_pat
     assert tracer.lost >= 1 and tracer.error is not None
     # closed for good: no longer the active handler, though its file failed
     assert not tracer.active and jh.trace._trace_state.active() is None
+
+
+# ----- merging runs and folders -----------------------------------------------------
+
+
+def traced_run(folder, run_name, spans=3):
+    from jaxhistory import trace
+
+    t = trace.JSONTraceHandler(
+        folder=str(folder), run_name=run_name, merged_trace_filename="merged_trace.json"
+    )
+    with t:
+        for _ in range(spans):
+            with jh.StopWatch("step"):
+                pass
+    return t
+
+
+def test_merging_a_folder_twice_or_with_its_merge_keeps_each_span_once(tmp_path):
+    from jaxhistory import trace
+
+    t = traced_run(tmp_path, "runA")
+    merged = tmp_path / "merged_trace.json"
+    assert merged.is_file()
+    files = sorted(str(p) for p in tmp_path.glob("*.json"))  # the merge included
+    out = run_cli("merge-traces", *files, *files, "-o", tmp_path / "again.json")
+    assert out.returncode == 0, out.stderr
+    spans = [e for e in trace.load_trace(tmp_path / "again.json") if e["ph"] == "X"]
+    assert len(spans) == 3 == len({(e["ts"], e["dur"]) for e in spans})
+    # One path works too (a str is one file, not a list of characters).
+    one = trace.merge_traces(str(t.paths[0]), tmp_path / "one.json")
+    assert len([e for e in trace.load_trace(one) if e["ph"] == "X"]) == 3
+
+
+def test_merged_runs_are_labelled_by_run_name_and_spans_group_by_name(tmp_path):
+    from jaxhistory import trace
+
+    a = traced_run(tmp_path / "a", "baseline")
+    b = traced_run(tmp_path / "b", "bigger-lr")
+    out = trace.merge_traces([*a.paths, *b.paths], tmp_path / "both.json")
+    events = trace.load_trace(out)
+    labels = sorted(e["args"]["name"] for e in events if e["name"] == "process_name")
+    assert [label.split(":")[0] for label in labels] == ["baseline", "bigger-lr"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert len(spans) == 6 and all("args" not in e for e in spans)  # nothing varies
+    t = trace.JSONTraceHandler(folder=str(tmp_path / "c"), run_name="c")
+    with t, pytest.raises(ZeroDivisionError), jh.StopWatch("fails"):
+        1 / 0  # noqa: B018
+    failed = [e for e in trace.load_trace(t.paths[0]) if e["ph"] == "X"]
+    assert failed[0]["args"] == {"error": "ZeroDivisionError"}

@@ -259,3 +259,109 @@ def test_an_unreadable_dtype_attribute_is_named(tmp_path):
     path = crafted(tmp_path, "dtype.nc", edit)
     with pytest.raises(ValueError, match="dtype.nc.*'i'.*int65"):
         jh.HistoryState.from_netcdf(path)
+
+
+# ----- times, plain xarray, names that cannot be groups, the flat layout ------------
+
+
+def test_the_dataset_has_the_wall_clock_time_of_each_step(tmp_path):
+    import xarray as xr
+
+    h = jh.History(distributed_history=False, jsonl_path=tmp_path / "run.jsonl")
+    for i in range(5):
+        h.update({"loss": 1.0 / (i + 1), "time": float(i)}, summarize=False)
+    h.finalize(tmp_path / "out", plot=False)
+    h.close()
+    with xr.open_dataset(tmp_path / "out" / "dataset.nc") as ds:  # plain xarray
+        times = ds["time_"].values  # "time" is a metric here
+        assert times.dtype.kind == "M" and len(times) == 5
+        assert np.all(np.diff(times.astype("int64")) >= 0)
+        year = times[0].astype("datetime64[Y]").astype(int) + 1970
+        assert year >= 2024
+    back = jh.HistoryState.from_netcdf(tmp_path / "out" / "dataset.nc")
+    assert back.values("time").tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    s = jh.HistoryState().update({"loss": 1.0}, step=3)
+    export.to_netcdf(s, tmp_path / "no_times.nc")  # no timestamps: no coordinate
+    with xr.open_dataset(tmp_path / "no_times.nc") as ds:
+        assert "time" not in ds.coords
+
+
+def test_plain_xarray_reads_each_metric_by_its_path(tmp_path):
+    """Finding: ``xr.open_dataset`` named variables ``train%2Floss%2Fmean``, and
+    ``ds["train/loss/mean"]`` raised KeyError. Each metric path is now a group."""
+    import xarray as xr
+
+    h = jh.History(distributed_history=False, jsonl_path=tmp_path / "run.jsonl")
+    for i in range(4):
+        stats = {"mean": 1.0 / (i + 1), "std": 0.1, "min": 0.5, "max": 2.0}
+        h.update({"train": {"loss": stats}, "lr": 1e-3}, summarize=False)
+        if i % 2:
+            h.update({"eval/loss": 0.7}, step=i, summarize=False)
+    h.finalize(tmp_path / "out", plot=False)
+    h.close()
+    path = tmp_path / "out" / "dataset.nc"
+    with xr.open_datatree(path) as tree:  # plain xarray, no jaxhistory call
+        mean = tree["train/loss/mean"]
+        assert mean.values.tolist() == [1.0, 0.5, 1 / 3, 0.25]
+        assert mean.attrs["long_name"] == "train/loss/mean"
+        group = tree["train/loss"].to_dataset()
+        assert set(group.data_vars) == {"mean", "std", "min", "max"}
+        assert group["max"].dims == ("step",)
+        assert tree["time"].dtype.kind == "M" and tree["time"].dims == ("step",)
+        assert group.coords["step"].values.tolist() == [0, 1, 2, 3]
+        eval_loss = tree["eval/loss"].values
+        assert np.isnan(eval_loss[0]) and eval_loss[1] == 0.7
+    with xr.open_dataset(path, group="train/loss") as ds:
+        assert ds["std"].values.tolist() == [0.1] * 4
+    with xr.open_dataset(path) as ds:  # the root: metrics without a "/"
+        assert ds["lr"].values.tolist() == [1e-3] * 4
+        assert ds.attrs["jaxhistory_layout"] == "groups"
+
+
+def test_the_dataset_file_keeps_names_that_cannot_be_groups(tmp_path):
+    """A metric ``loss`` beside ``loss/std`` (netCDF has one namespace for groups
+    and variables), ``x/step`` (the coordinate), empty or over-long parts: each
+    round-trips exactly, in the history's order."""
+    import xarray as xr
+
+    names = ["loss/std", "loss", "x/step", "step/x", "a//b", "/a", "a/", "é/ü"]
+    names += ["p" * 300 + "/y", "z/" + "q" * 300, "t/arr", "arr", "%2F/_x"]
+    # found in review: a group named like a coordinate below the root; names
+    # that reach netCDF's 255 bytes once made free or given a dimension; the
+    # same name in two Unicode forms (netCDF stores NFC)
+    names += ["a/step/x", "b/c/time/x", "M" * 255, "M" * 255 + "/x"]
+    names += ["e\u0301", "\u00e9", "n/e\u0301/x", "L" * 250]
+    s = jh.HistoryState()
+    for i in range(3):
+        row = {n: float(i + k) for k, n in enumerate(names)}
+        row["t/arr"] = np.ones((2, 2)) * i
+        row["arr"] = np.arange(3.0) + i
+        row["L" * 250] = np.arange(2.0) + i  # its dimension's name is too long
+        s = s.update(row, step=i)
+    export.to_netcdf(s, tmp_path / "d.nc", timestamps={0: 1e9, 1: 1e9 + 1})
+    back = jh.HistoryState.from_netcdf(tmp_path / "d.nc")
+    assert back.keys == s.keys
+    for name in names:
+        np.testing.assert_array_equal(back.values(name), s.values(name), name)
+    with xr.open_datatree(tmp_path / "d.nc") as tree:
+        assert tree["loss/std"].values.tolist() == [0.0, 1.0, 2.0]
+        assert tree["loss_"].attrs["jaxhistory_name"] == "loss"
+        assert tree["x/step_"].attrs["jaxhistory_name"] == "x/step"
+        assert tree["t/arr"].shape == (3, 2, 2) and tree["arr"].shape == (3, 3)
+    flat = export.read_netcdf(tmp_path / "d.nc")
+    assert flat["t/arr"].dims == ("step", "t/arr_dim_0", "t/arr_dim_1")
+    assert flat["L" * 250].dims == s.to_xarray()["L" * 250].dims  # as in memory
+
+
+def test_a_dataset_file_of_the_earlier_flat_layout_still_reads(tmp_path):
+    import xarray as xr
+
+    ds = xr.Dataset(
+        {"train%2Floss": ("step", [0.5, 0.25]), "lr": ("step", [1.0, 1.0])},
+        coords={"step": [0, 1]},
+        attrs={"jaxhistory_next_step": 2},
+    )
+    ds.to_netcdf(tmp_path / "old.nc", engine="netcdf4")
+    back = jh.HistoryState.from_netcdf(tmp_path / "old.nc")
+    assert set(back.keys) == {"train/loss", "lr"}
+    assert back.values("train/loss").tolist() == [0.5, 0.25]
