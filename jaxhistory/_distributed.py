@@ -26,6 +26,7 @@ __all__ = [
     "Reducer",
     "distributed_default",
     "is_per_device",
+    "mesh_of",
 ]
 
 DISTRIBUTED_LIMIT = 384  # devices; above this the per-update all-reduce is off
@@ -65,6 +66,17 @@ def is_per_device(value: Any) -> bool:
         and value.ndim >= 1
         and not value.sharding.is_fully_replicated
     )
+
+
+def mesh_of(values: Any) -> jax.sharding.Mesh | None:
+    """The mesh of the first value in ``values`` sharded over more than one
+    device (of a :class:`~jaxhistory.Stats`, its table's), or None."""
+    for value in values:
+        array = value.table if isinstance(value, Stats) else value
+        mesh = getattr(getattr(array, "sharding", None), "mesh", None)
+        if isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1:
+            return mesh
+    return None
 
 
 class Reducer:

@@ -9,13 +9,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxhistory import _trace_state
-from jaxhistory._distributed import Reducer, distributed_default, is_per_device
+from jaxhistory._distributed import (
+    Reducer,
+    distributed_default,
+    is_per_device,
+    mesh_of,
+)
 from jaxhistory._env import check_run_name
-from jaxhistory._history_state import HistoryState
+from jaxhistory._history_state import Appender, HistoryState
 from jaxhistory._progress import Progress
 from jaxhistory._row import Row, RowKind, parse_row
 from jaxhistory._run_log import RunLog, log_target
@@ -27,7 +31,6 @@ from jaxhistory._run_setup import (
     sinks_here,
 )
 from jaxhistory._side_values import SideValues
-from jaxhistory._stats import Stats
 from jaxhistory._summary import NonfiniteWatch, SummaryLine, memory_token
 from jaxhistory.export._finalize import finalize as write_outputs
 from jaxhistory.export._units import MAX_PLOTS
@@ -171,11 +174,12 @@ class History:
         self.jsonl_overwrite = bool(jsonl_overwrite)
         self.log_every = log_every
         self._progress = Progress.of(total_steps, flops_per_step, peak_flops)
-        self.state = HistoryState()
+        self._rec = Appender()  # the newest state
         check_run_name(run_name)
         resumed_id = None
         if resume is not None or resume_step is not None:
-            self.state, resumed_id, log = resumed(resume, resume_step, run_name)
+            state, resumed_id, log = resumed(resume, resume_step, run_name)
+            self._rec.set(state)
             if log is not None and self.jsonl_path is None and self.report_dir is None:
                 self.jsonl_path = log  # the run's own log goes on
             check_not_erased(log, self.jsonl_path, self.jsonl_overwrite)
@@ -233,25 +237,17 @@ class History:
             raise ValueError(f"precision must be a non-negative int, got {precision!r}")
         with self._lock:
             now = time.time()
-            row = parse_row(metrics, step, self.state.next_step, now)
-            if self._progress is not None:
-                row = self._progress.add(row, self.log_every)
-            if self.distributed_history and (
-                self._reduce_host
-                or (row.kind is RowKind.VALUES and any(map(is_per_device, row.values)))
-            ):
-                row = self._reduced(row)
-            self.state = self.state.append(row)
-            if row.kind is RowKind.VALUES and self.mesh is None:
-                self._note_mesh(row.values)
+            row = self._recorded(metrics, step, now)
             self._updates += 1
             out = self._out
             out.stamp(row.step, now)
             token, logged = "", row
             if self._side.due:
-                self.state, token, side, earlier = self._side.at_update(
-                    self.state, row.step, self._updates
+                rec = self._rec
+                state, token, side, earlier = self._side.at_update(
+                    rec.state, row.step, self._updates
                 )
+                rec.set(state)
                 self._emit(earlier)
                 if side:
                     names, values = zip(*side, strict=True)
@@ -266,6 +262,23 @@ class History:
             return ""
         line = self._line.format(row, precision)
         return f"{line} {token}" if token else line
+
+    def _recorded(self, metrics: Any, step: Any, now: float) -> Row:
+        """Parses, completes (progress), reduces and records one update (the
+        caller holds the lock)."""
+        rec = self._rec
+        row = parse_row(metrics, step, rec.next_step, now)
+        if self._progress is not None:
+            row = self._progress.add(row, self.log_every)
+        if self.distributed_history and (
+            self._reduce_host
+            or (row.kind is RowKind.VALUES and any(map(is_per_device, row.values)))
+        ):
+            row = self._reduced(row)
+        rec.append(row)
+        if row.kind is RowKind.VALUES and self.mesh is None:
+            self.mesh = mesh_of(row.values)
+        return row
 
     def _reduced(self, row: Row) -> Row:
         """``row`` with what needs it reduced across devices (and processes) into
@@ -319,7 +332,8 @@ class History:
 
     def _record_leftover(self, with_step_only: bool = False) -> None:
         """Records the values still attached (the caller holds the lock)."""
-        self.state, recorded = self._side.leftover(self.state, with_step_only)
+        state, recorded = self._side.leftover(self._rec.state, with_step_only)
+        self._rec.set(state)
         self._emit(recorded)
 
     def _emit(self, rows: list) -> None:
@@ -331,14 +345,19 @@ class History:
                 names, values = zip(*pairs, strict=True)
                 out.add(Row(step, names, values, RowKind.VALUES, now))
 
-    def _note_mesh(self, values) -> None:
-        """Remembers the mesh of the first sharded value seen (for the outputs)."""
-        for value in values:
-            array = value.table if isinstance(value, Stats) else value
-            mesh = getattr(getattr(array, "sharding", None), "mesh", None)
-            if isinstance(mesh, jax.sharding.Mesh) and mesh.size > 1:
-                self.mesh = mesh
-                return
+    @property
+    def state(self) -> HistoryState:
+        """Everything recorded so far, as an immutable
+        :class:`~jaxhistory.HistoryState` (later updates never change it)."""
+        with self._lock:
+            return self._rec.state
+
+    @state.setter
+    def state(self, state: HistoryState) -> None:
+        if not isinstance(state, HistoryState):
+            raise TypeError(f"state must be a HistoryState, got {type(state).__name__}")
+        with self._lock:
+            self._rec.set(state)
 
     # ----- outputs -----------------------------------------------------------------
     @property
@@ -416,7 +435,7 @@ class History:
         if writer is not None:
             writer.flush()
         with self._lock:
-            state = self.state
+            state = self._rec.state
             self._out.check_failed()
             # The streamed log stays where it is (also after close()); one whose
             # writing failed is written again from the state.

@@ -30,7 +30,7 @@ from jaxhistory._table import (
     device_signature,
 )
 
-__all__ = ["STEP_KEYS", "HistoryState", "warmup_count"]
+__all__ = ["STEP_KEYS", "Appender", "HistoryState", "warmup_count"]
 # Updates whose device values may still be in flight; past this many the oldest are
 # waited for. This bounds how far the host runs ahead of the device (simulated CPU
 # devices deadlock when too many collective steps are queued).
@@ -478,3 +478,77 @@ _EXACT_F = float(2**53)  # beyond this magnitude not every integer is a float64
 _new_state = functools.partial(object.__new__, HistoryState)
 _set = object.__setattr__  # how a frozen dataclass sets its fields
 _FLOATS = RowKind.FLOATS
+
+
+class Appender:
+    """The newest state of a run that one owner (a :class:`~jaxhistory.History`)
+    keeps appending to.
+
+    A row of floats with the names of the row before it, at a later step, goes
+    straight onto the end of that row's table, which the newest state owns;
+    the :class:`HistoryState` holding it is made when :attr:`state` is read:
+    one object per read rather than one per update. Anything else goes through
+    :meth:`HistoryState.append`. Not thread-safe: its owner holds a lock.
+    """
+
+    __slots__ = ("_n", "_names", "_state", "_table", "next_step")
+
+    def __init__(self, state: HistoryState | None = None):
+        self.set(HistoryState() if state is None else state)
+
+    def set(self, state: HistoryState) -> None:
+        """Makes ``state`` the newest."""
+        self._state = state
+        self.next_step = state.next_step
+        self._names = None  # the names of the last row appended
+        self._table = None  # nothing appended since `state`
+
+    @property
+    def state(self) -> HistoryState:
+        """The newest state (made now if rows were appended since the last read)."""
+        table = self._table
+        if table is not None:
+            names = self._names
+            tables = self._state.data.tables.copy()
+            tables[names] = (table, self._n)
+            self._state = self._state._derive(
+                tables, self.next_step, appended=names, same=True
+            )
+            self._table = None
+        return self._state
+
+    def append(self, row: Row) -> None:
+        """Records ``row`` (raises as :meth:`HistoryState.append` does; nothing is
+        recorded then)."""
+        step, names, values, kind = row[:4]
+        if kind >= _FLOATS and self.append_floats(names, values, step):
+            return
+        state = self.state.append(row)
+        self._state, self.next_step = state, state.next_step
+        entry = state.data.tables.get(names) if kind >= _FLOATS else None
+        if entry is not None and entry[0].ptypes is ALL_FLOATS:
+            self._names, self._n = names, entry[1]
+        else:
+            self._names = None
+
+    def append_floats(self, names: tuple, values: tuple, step: int) -> bool:
+        """Appends a row of Python floats in place; False (nothing done) where
+        it must take :meth:`append`: names not those of the last row appended,
+        a step not past everything recorded, a table another state extended."""
+        if names != self._names or not self.next_step <= step <= INT64_MAX:
+            return False
+        table = self._table
+        if table is None:
+            table = self._state.data.tables[self._names][0]
+        n = self._n
+        with table.lock:
+            if table.length != n:  # another state appended to it
+                return False
+            table.rows.append(values)  # Table.append, inlined
+            table.row_steps.append(step)
+            table.last_step = step
+            table.length = n + 1
+            if len(table.rows) >= STAGE:
+                table.move_stage()
+        self._table, self._n, self.next_step = table, n + 1, step + 1
+        return True

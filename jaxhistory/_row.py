@@ -17,7 +17,16 @@ from typing import Any, NamedTuple
 from jaxhistory._dtypes import INT64_MAX, INT64_MIN, NESTED, as_step
 from jaxhistory._names import STEP_KEYS, flatten
 
-__all__ = ["Row", "RowKind", "kind_of", "parse_row", "step_entry"]
+__all__ = [
+    "Repeat",
+    "Row",
+    "RowKind",
+    "kind_of",
+    "parse_row",
+    "repeat_of",
+    "repeated",
+    "step_entry",
+]
 
 _FLOATS = frozenset({float})
 _NUMBERS = frozenset({float, int})
@@ -135,6 +144,15 @@ def parse_row(
     """
     label = "step"
     if type(metrics) is dict:
+        if step is None:
+            repeat = _last[0]
+            if repeat is not None:
+                row = repeated(repeat, metrics, next_step, timestamp)
+                if row is not None:
+                    return row
+            given = metrics  # (the dict the next one is compared with)
+        else:
+            given = None
         if "step" in metrics or "iter" in metrics:
             raw = metrics.get("step")
             if step is None and type(raw) is int and INT64_MIN <= raw <= INT64_MAX:
@@ -158,7 +176,10 @@ def parse_row(
                 step = next_step
             elif type(step) is not int or not INT64_MIN <= step <= INT64_MAX:
                 step = as_step("step", step)
-            return _new_row(Row, (step, names, values, kind, timestamp, label))
+            row = _new_row(Row, (step, names, values, kind, timestamp, label))
+            if given is not None and kind is _FINITE:
+                _last[0] = repeat_of(given, row)
+            return row
     # Nested dicts, other pytrees, names that are not str (1 and "1" would both
     # be "1" in every file: flatten names them and refuses that).
     _check_step_entries(metrics)
@@ -179,6 +200,9 @@ def _container_step(metrics: dict) -> bool:
 
 
 _checked: list[tuple] = [()]  # the names the last row had, all str
+# How the last dict of finite floats parsed with no explicit step looked (any
+# thread's: a Repeat is immutable, and a stale one only costs the cheap try).
+_last: list[Repeat | None] = [None]
 
 
 def _all_str(names: tuple) -> bool:
@@ -202,3 +226,59 @@ def _check_step_entries(metrics: Any) -> None:
                     f"{key!r} must be a whole number to be used as the step, got "
                     f"{metrics[key]!r:.60}"
                 )
+
+
+class Repeat(NamedTuple):
+    """How a dict that parsed to a row of finite floats looked, so that the
+    next dict with the same keys parses without :func:`parse_row`'s checks
+    (see :func:`repeated`): its keys in order, the row's names, and where its
+    ``step`` entry is (``None``: it has none, the step is the next one)."""
+
+    keys: tuple
+    names: tuple[str, ...]
+    step_at: int | None
+
+
+def repeat_of(metrics: Any, row: Row) -> Repeat | None:
+    """The :class:`Repeat` of ``metrics``, which :func:`parse_row` (with no
+    explicit step) turned into ``row``; None where the cheap way cannot take
+    the next one: values that are not all finite floats, a step named
+    ``iter``, a ``step`` entry neither first nor last, nested dicts."""
+    if type(metrics) is not dict or row.kind is not _FINITE or row.label != "step":
+        return None
+    keys, names = tuple(metrics), row.names
+    if keys == names:
+        return Repeat(keys, names, None)
+    if keys == ("step", *names):
+        return Repeat(keys, names, 0)
+    if keys == (*names, "step"):
+        return Repeat(keys, names, -1)
+    return None
+
+
+def repeated(
+    repeat: Repeat, metrics: Any, next_step: int, timestamp: float
+) -> Row | None:
+    """``metrics`` as :func:`parse_row` would parse it (with no explicit step),
+    where it has ``repeat``'s keys and finite floats as values and its step is
+    past ``next_step - 1``; None for anything else (then use
+    :func:`parse_row`). About a third of :func:`parse_row`'s cost."""
+    if type(metrics) is not dict:
+        return None
+    if tuple(metrics) != repeat.keys:
+        return None
+    values = tuple(metrics.values())
+    at = repeat.step_at
+    if at is None:
+        step = next_step
+    else:
+        step = values[at]
+        if type(step) is not int or not next_step <= step <= INT64_MAX:
+            return None
+        values = values[1:] if at == 0 else values[:-1]
+    if set(map(type, values)) != _FLOATS:
+        return None
+    total = sum(values, 0.0)  # inf or NaN anywhere makes total - total NaN
+    if total - total != 0.0:
+        return None
+    return _new_row(Row, (step, repeat.names, values, _FINITE, timestamp, "step"))

@@ -180,16 +180,21 @@ class SummaryLine:
         """The summary line of ``row`` with ``precision`` decimals."""
         names, values, kind, label = row.names, row.values, row.kind, row.label
         if kind is not RowKind.VALUES:  # Python numbers: one %-format
-            floats = kind >= RowKind.FLOATS
-            kinds = (float,) * len(values) if floats else tuple(map(type, values))
-            head = (label, precision, floats or kinds)
             last_head, last_names, entry = self._last
-            if head != last_head or names != last_names:
-                key = (label, names, precision, kinds)
-                entry = self._templates.get(key, False)
-                if entry is False:
-                    entry = self._templates[key] = self._template(*key)
-                self._last = (head, names, entry)
+            floats = kind >= RowKind.FLOATS
+            if (
+                not floats
+                or names is not last_names  # (rows parsed alike share one tuple)
+                or last_head != (label, precision, True)
+            ):
+                kinds = (float,) * len(values) if floats else tuple(map(type, values))
+                head = (label, precision, floats or kinds)
+                if head != last_head or names != last_names:
+                    key = (label, names, precision, kinds)
+                    entry = self._templates.get(key, False)
+                    if entry is False:
+                        entry = self._templates[key] = self._template(*key)
+                    self._last = (head, names, entry)
             if entry is not None:
                 template, order = entry
                 if order is None:

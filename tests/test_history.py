@@ -713,3 +713,25 @@ def test_progress_steps_per_second_eta_and_mfu(monkeypatch):
     ):
         with pytest.raises(ValueError, match=match):
             jh.History(**bad)
+
+
+def test_state_can_be_replaced_and_refuses_what_is_no_state():
+    h = jh.History(distributed_history=False)
+    h.update({"loss": 1.0})
+    h.state = jh.HistoryState().update({"acc": 0.5}, step=10)
+    assert h.update({"loss": 2.0}) == "step=11 loss=2.000000"
+    assert h.state.keys == ("acc", "loss")
+    with pytest.raises(TypeError, match="HistoryState"):
+        h.state = {"loss": [1.0]}
+    assert h.state.keys == ("acc", "loss")  # nothing lost
+
+
+def test_a_state_read_during_the_run_never_changes():
+    h = jh.History(distributed_history=False)
+    for s in range(4):
+        h.update({"step": s, "loss": float(s)})
+    before = h.state
+    for s in range(4, 8):
+        h.update({"step": s, "loss": float(s)})
+    assert before.steps("loss").tolist() == [0, 1, 2, 3]
+    assert h.state.steps("loss").tolist() == list(range(8))

@@ -11,6 +11,8 @@ import pytest
 
 import jaxhistory as jh
 from jaxhistory import _history_state
+from jaxhistory._history_state import Appender
+from jaxhistory._row import parse_row
 
 
 def test_empty_state():
@@ -920,3 +922,62 @@ def test_summary_of_single_values_matches_numpy():
     for name in ("m1", "m2"):
         assert math.isnan(got[name]["mean"]) and got[name]["nonfinite"] == 1
     assert math.isnan(got["m1"]["last"]) and got["m2"]["last"] == math.inf
+
+
+def test_the_appender_makes_a_state_only_when_read():
+    rec = Appender()
+    for s in range(5):
+        rec.append(parse_row({"loss": s / 2, "lr": 1e-3}, None, rec.next_step))
+    first = rec.state
+    assert first is rec.state  # nothing appended since: the same object
+    assert first.values("loss").tolist() == [0.0, 0.5, 1.0, 1.5, 2.0]
+    rec.append(parse_row({"loss": 9.0, "lr": 1e-3}, None, rec.next_step))
+    assert first.steps("loss").tolist() == [0, 1, 2, 3, 4]  # never sees later rows
+    assert rec.state.steps("loss").tolist() == [0, 1, 2, 3, 4, 5]
+    assert rec.next_step == rec.state.next_step == 6
+
+
+def test_the_appender_goes_on_after_a_read_state_is_branched():
+    """A state read from the appender and updated elsewhere takes the end of the
+    shared table: the appender's next row copies, and both keep their own."""
+    rec = Appender()
+    for s in range(3):
+        rec.append(parse_row({"a": float(s)}, None, rec.next_step))
+    branch = rec.state.update({"a": 100.0})
+    rec.append(parse_row({"a": 3.0}, None, rec.next_step))
+    rec.append(parse_row({"a": 4.0}, None, rec.next_step))
+    assert branch.values("a").tolist() == [0.0, 1.0, 2.0, 100.0]
+    assert rec.state.values("a").tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_the_appender_refuses_what_the_state_refuses_and_keeps_the_rest():
+    rec = Appender()
+    rec.append(parse_row({"a": 1.0}, 5))
+    assert not rec.append_floats(("a",), (2.0,), 5)  # not past the last step
+    assert not rec.append_floats(("b",), (2.0,), 6)  # not the last row's names
+    with pytest.raises(ValueError, match="already recorded"):
+        rec.append(parse_row({"a": 2.0}, 5))
+    assert rec.state.values("a").tolist() == [1.0]
+    rec.set(jh.HistoryState().update({"b": 1.0}))
+    assert not rec.append_floats(("a",), (2.0,), 7)  # forgot the old names
+    rec.append(parse_row({"a": 2.0}, 7))
+    assert rec.state.keys == ("b", "a") and rec.next_step == 8
+
+
+def test_the_appender_interleaves_key_sets_and_value_kinds():
+    rec = Appender()
+    expect = {"a": [], "b": [], "c": []}
+    for s in range(300):  # crosses the staging size of a table
+        if s % 3:
+            rec.append(parse_row({"a": s * 0.5}, s))
+            expect["a"].append(s * 0.5)
+        elif s % 2:
+            rec.append(parse_row({"b": s}, s))  # an int: its own dtype
+            expect["b"].append(s)
+        else:
+            rec.append(parse_row({"c": np.float32(s)}, s))
+            expect["c"].append(s)
+    state = rec.state
+    for name, values in expect.items():
+        np.testing.assert_array_equal(state.values(name), values)
+    assert state.values("b").dtype == np.int64

@@ -6,7 +6,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxhistory._row import Row, RowKind, kind_of, parse_row, step_entry
+from jaxhistory import _row as row_module
+from jaxhistory._row import (
+    Repeat,
+    Row,
+    RowKind,
+    kind_of,
+    parse_row,
+    repeat_of,
+    repeated,
+    step_entry,
+)
 
 
 def test_a_flat_dict_of_floats():
@@ -97,3 +107,87 @@ def test_a_row_is_immutable_and_extends_into_a_new_row():
 def test_step_entry_alone():
     assert step_entry({"x": 1}, None) == ({"x": 1}, None, "step")
     assert step_entry({"iter": 2, "x": 1}, None) == ({"x": 1}, 2, "iter")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda s, m: m,  # no step entry: the next step
+        lambda s, m: {"step": s, **m},  # the form ezpz users write
+        lambda s, m: {**m, "step": s},
+    ],
+    ids=["no-step", "step-first", "step-last"],
+)
+def test_a_repeated_dict_parses_as_the_first_did(make):
+    """The second and later dicts with the same keys take the cheap way, which
+    must give the row the full parse gives, and refuse what it refuses."""
+    base = {"loss": 0.5, "lr": 1e-3}
+    first = parse_row(make(10, base), None, 0, 1.0)
+    assert repeat_of(make(10, base), first) is not None
+    for step in (11, 12, 1000):
+        metrics = make(step, {"loss": step / 3, "lr": 2e-3})
+        row = parse_row(metrics, None, step if "step" not in metrics else 0, 2.0)
+        fresh = _parsed_without_cache(metrics, row)
+        assert row == fresh and row.names is first.names  # shared names tuple
+        assert type(row) is Row and row.kind is RowKind.FINITE_FLOATS
+    # what the cheap way does not take goes the full way, with its answer
+    assert parse_row(make(13, {"loss": math.nan, "lr": 1.0}), None, 13).kind is (
+        RowKind.FLOATS
+    )
+    assert parse_row(make(14, {"loss": 1, "lr": 1.0}), None, 14).kind is (
+        RowKind.NUMBERS
+    )
+    assert parse_row(make(15, {"loss": np.float32(1), "lr": 1.0}), None, 15).kind is (
+        RowKind.VALUES
+    )
+    nested = parse_row(make(16, {"loss": {"a": 1.0}, "lr": 1.0}), None, 16)
+    assert nested.names == ("loss/a", "lr")
+
+
+def _parsed_without_cache(metrics, row):
+    saved = row_module._last[0]
+    row_module._last[0] = None
+    try:
+        return parse_row(metrics, None, row.step, row.timestamp)
+    finally:
+        row_module._last[0] = saved
+
+
+@pytest.mark.parametrize(
+    ("step", "match"),
+    [
+        (True, "step"),
+        (2.5, "whole number"),
+        ("3", "step"),
+        (2**63, "int64"),
+    ],
+)
+def test_a_repeated_dict_with_a_bad_step_is_refused_as_the_first(step, match):
+    parse_row({"step": 1, "loss": 0.5})
+    with pytest.raises((TypeError, ValueError), match=match):
+        parse_row({"step": step, "loss": 0.5})
+
+
+def test_a_repeated_dict_keeps_its_own_step_below_the_next():
+    """A step entry below ``next_step`` is the full parse's to judge (the state
+    then refuses a step already recorded)."""
+    parse_row({"step": 5, "loss": 0.5}, None, 0)
+    row = parse_row({"step": 3, "loss": 0.5}, None, 6)
+    assert row.step == 3
+
+
+def test_the_same_keys_in_another_order_are_another_row():
+    parse_row({"a": 1.0, "b": 2.0})
+    row = parse_row({"b": 2.0, "a": 1.0})
+    assert row.names == ("b", "a") and row.values == (2.0, 1.0)
+
+
+def test_repeat_of_takes_only_dicts_of_finite_floats_with_a_plain_step():
+    row = parse_row({"iter": 3, "loss": 0.5})
+    assert row.label == "iter" and repeat_of({"iter": 3, "loss": 0.5}, row) is None
+    mid = {"loss": 0.5, "step": 2, "lr": 1.0}
+    assert repeat_of(mid, parse_row(mid)) is None  # step neither first nor last
+    assert repeat_of([("loss", 0.5)], parse_row({"loss": 0.5})) is None
+    nan = {"loss": math.nan}
+    assert repeat_of(nan, parse_row(nan)) is None
+    assert repeated(Repeat(("a",), ("a",), None), [("a", 1.0)], 0, 0.0) is None
