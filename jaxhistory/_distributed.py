@@ -16,6 +16,7 @@ import numpy as np
 from jaxhistory._env import env_flag
 from jaxhistory._names import COUNTER_KEYS
 from jaxhistory._provenance import Layout, check_provenance, concrete_layout
+from jaxhistory._row import Row, RowKind
 from jaxhistory._stats import Stats, global_stats
 from jaxhistory._tree import flatten_metrics
 
@@ -162,6 +163,25 @@ class Reducer:
         if not self.provenance and stats.where is not None:
             stats = Stats(stats.names, stats.table)
         return stats, straggler, (mesh if meshes else None)
+
+    def reduced_row(self, row: Row) -> tuple[Row, Any]:
+        """``row`` with what needs it reduced into one :class:`~jaxhistory.Stats`
+        named ``{name}/{stat}``, at the place of the first reduced value (the
+        summary keeps the order), and the mesh of the per-device values (None
+        if there were none)."""
+        items = list(zip(row.names, row.values, strict=True))
+        plain, reduce = self.split(items)
+        if not reduce:
+            return row, None
+        stats, straggler, mesh = self.reduce(reduce)
+        record = dict(plain)
+        first = next(i for i, (n, _) in enumerate(items) if n == reduce[0][0])
+        kept = [(n, v) for n, v in items[:first] if n in record]
+        record = {**dict(kept), "": stats, **record, **straggler}
+        row = row._replace(
+            names=tuple(record), values=tuple(record.values()), kind=RowKind.VALUES
+        )
+        return row, mesh
 
 
 def _reduce(

@@ -274,30 +274,13 @@ class History:
             self._reduce_host
             or (row.kind is RowKind.VALUES and any(map(is_per_device, row.values)))
         ):
-            row = self._reduced(row)
+            row, mesh = self._reducer.reduced_row(row)
+            if mesh is not None and self.mesh is None:
+                self.mesh = mesh
         rec.append(row)
         if row.kind is RowKind.VALUES and self.mesh is None:
             self.mesh = mesh_of(row.values)
         return row
-
-    def _reduced(self, row: Row) -> Row:
-        """``row`` with what needs it reduced across devices (and processes) into
-        one :class:`~jaxhistory.Stats` named ``{name}/{stat}``, at the place of
-        the first reduced value (the summary keeps the order)."""
-        items = list(zip(row.names, row.values, strict=True))
-        plain, reduce = self._reducer.split(items)
-        if not reduce:
-            return row
-        stats, straggler, mesh = self._reducer.reduce(reduce)
-        if mesh is not None and self.mesh is None:
-            self.mesh = mesh
-        record = dict(plain)
-        first = next(i for i, (n, _) in enumerate(items) if n == reduce[0][0])
-        kept = [(n, v) for n, v in items[:first] if n in record]
-        record = {**dict(kept), "": stats, **record, **straggler}
-        return row._replace(
-            names=tuple(record), values=tuple(record.values()), kind=RowKind.VALUES
-        )
 
     def attach(self, metrics: Any, step: int | None = None) -> None:
         """Records host values of this process alone, never reduced across devices

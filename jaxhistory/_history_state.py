@@ -27,7 +27,6 @@ from jaxhistory._table import (
     InFlight,
     Table,
     Tables,
-    device_signature,
 )
 
 __all__ = ["STEP_KEYS", "Appender", "HistoryState", "warmup_count"]
@@ -222,7 +221,9 @@ class HistoryState:
             ):
                 return self._append_floats(names, values, step, entry)
         if kind is RowKind.VALUES and Stats in set(map(type, values)):
-            return self._append_with_stats(row)
+            # each Stats is one packed row (its whole table, still on device if
+            # it is), named {key}/{metric}/{stat}
+            return _appending.with_stats(self, row)
         ptypes = ALL_FLOATS if kind >= RowKind.FLOATS else tuple(map(type, values))
         if entry is not None and entry[0].ptypes == ptypes and step >= self.next_step:
             # Fast path: same metrics, same Python scalar types as last time, and a
@@ -234,25 +235,9 @@ class HistoryState:
             new = tables.copy()
             new[names] = (table, n + 1)
             return self._derive(new, step + 1, appended=names)
-        dsig = None if entry is None else entry[0].dsig
-        if (
-            dsig is not None
-            and step >= self.next_step
-            and device_signature(values) == dsig
-        ):
-            # Device fast path: the same metrics as JAX arrays of the same
-            # types, dtypes, shapes and shardings as a row that passed the
-            # checks, at a step past everything recorded.
-            table, n = entry
-            self._inflight.add(values, table.async_copy)
-            on_device = True
-        else:
-            table, n, values, on_device = _appending.prepare(
-                self, names, values, ptypes, step
-            )
-            if on_device:
-                arrays = [v for v in values if isinstance(v, jax.Array)]
-                self._inflight.add(arrays, table.async_copy)
+        table, n, values, on_device = _appending.placed(
+            self, entry, names, values, ptypes, step
+        )
         table = _appending.append_row(table, n, step, values, on_device)
         new = tables.copy()
         new[names] = (table, n + 1)
@@ -280,14 +265,6 @@ class HistoryState:
         tables = self.data.tables.copy()
         tables[names] = (table, n + 1)
         return self._derive(tables, step + 1, appended=names, same=appended and n > 0)
-
-    def _append_with_stats(self, row: Row) -> HistoryState:
-        """:meth:`append` for rows holding :class:`~jaxhistory.Stats` values.
-
-        Each ``Stats`` is recorded as one packed row (its whole table, still on
-        device if it is), named ``{key}/{metric}/{stat}``.
-        """
-        return _appending.with_stats(self, row)
 
     def update_packed(
         self, names: tuple[str, ...], vector: Any, step: int | None = None
@@ -485,9 +462,10 @@ class Appender:
     keeps appending to.
 
     A row of floats with the names of the row before it, at a later step, goes
-    straight onto the end of that row's table, which the newest state owns;
-    the :class:`HistoryState` holding it is made when :attr:`state` is read:
-    one object per read rather than one per update. Anything else goes through
+    onto the end of that row's table (in place, as :meth:`HistoryState.append`
+    does; a copy where a state read from here was updated meanwhile), and the
+    :class:`HistoryState` holding it is made when :attr:`state` is read: one
+    object per read rather than one per update. Anything else goes through
     :meth:`HistoryState.append`. Not thread-safe: its owner holds a lock.
     """
 
@@ -511,9 +489,7 @@ class Appender:
             names = self._names
             tables = self._state.data.tables.copy()
             tables[names] = (table, self._n)
-            self._state = self._state._derive(
-                tables, self.next_step, appended=names, same=True
-            )
+            self._state = self._state._derive(tables, self.next_step, appended=names)
             self._table = None
         return self._state
 
@@ -532,23 +508,15 @@ class Appender:
             self._names = None
 
     def append_floats(self, names: tuple, values: tuple, step: int) -> bool:
-        """Appends a row of Python floats in place; False (nothing done) where
-        it must take :meth:`append`: names not those of the last row appended,
-        a step not past everything recorded, a table another state extended."""
+        """Appends a row of Python floats to the table of the last row appended;
+        False (nothing done) where it must take :meth:`append`: other names, or
+        a step not past everything recorded."""
         if names != self._names or not self.next_step <= step <= INT64_MAX:
             return False
         table = self._table
         if table is None:
-            table = self._state.data.tables[self._names][0]
-        n = self._n
-        with table.lock:
-            if table.length != n:  # another state appended to it
-                return False
-            table.rows.append(values)  # Table.append, inlined
-            table.row_steps.append(step)
-            table.last_step = step
-            table.length = n + 1
-            if len(table.rows) >= STAGE:
-                table.move_stage()
-        self._table, self._n, self.next_step = table, n + 1, step + 1
+            table = self._state.data.tables[names][0]
+        # in place, unless another state appended to it first: then a copy
+        table = _appending.append_row(table, self._n, step, values)
+        self._table, self._n, self.next_step = table, self._n + 1, step + 1
         return True
