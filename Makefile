@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_multihost.py --out benchmarks/results/multihost.md
 	$(BIN)/python benchmarks/bench_scale.py --out benchmarks/results/scale.md
 	$(BIN)/python benchmarks/bench_metrics.py --out benchmarks/results/metrics.md
+	$(BIN)/python benchmarks/bench_watch.py --out benchmarks/results/watch.md
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

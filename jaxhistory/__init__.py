@@ -64,13 +64,16 @@ from jaxhistory._stats import (
     per_shard,
 )
 from jaxhistory._timing import StopWatch
+from jaxhistory._watch import DEFAULT_WATCH, WATCH_STATS, watch
 from jaxhistory.launch import LaunchError, launch_local
 
 __version__ = _version.__version__
 
 __all__ = [
+    "DEFAULT_WATCH",
     "PROVENANCE",
     "STATS",
+    "WATCH_STATS",
     "History",
     "HistoryState",
     "LaunchError",
@@ -108,6 +111,7 @@ __all__ = [
     "step_flops",
     "trace",
     "warmup_count",
+    "watch",
 ]
 
 # The shard_map forms moved into jaxhistory.collective; the old top-level

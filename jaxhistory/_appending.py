@@ -341,7 +341,7 @@ def with_stats(state: HistoryState, row: Row) -> HistoryState:
     for key, stats in zip(row.names, row.values, strict=True):
         if type(stats) is Stats:
             prefix = f"{key}/" if key else ""
-            names = stat_names(stats.names, prefix)
+            names = stat_names(stats.names, prefix, stats.rows)
             out = out.update_packed(names, stats.table, step=step)
             if stats.where is not None:  # provenance: device indices
                 names = stat_names(stats.names, prefix, PROVENANCE)

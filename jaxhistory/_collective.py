@@ -32,6 +32,7 @@ __all__ = [
     "reduce_min_collective",
     "reduce_std_collective",
     "reduce_sum_collective",
+    "varying_axes",
 ]
 
 AxisName = Hashable | tuple[Hashable, ...]
@@ -68,7 +69,9 @@ def bound_axis_size(axis_name: Any, caller: str) -> int:
         ) from None
 
 
-def _varying_axes(x: Any) -> frozenset:
+def varying_axes(x: Any) -> frozenset:
+    """The manual mesh axes over which ``x`` differs from device to device
+    (its type says so under ``check_vma=True``; empty otherwise)."""
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)  # jax 0.10: the manual-axes type of a value
     return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", ()))
@@ -221,7 +224,7 @@ def collective_reduce(
 def _call(fn: Callable, leaf: Leaf, axis_name: AxisName) -> jax.Array:
     result = _ops.check_scalar(leaf.name, fn(leaf.value, axis_name))
     axes = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
-    if axes & _varying_axes(result):
+    if axes & varying_axes(result):
         raise ValueError(
             f"the reduction of metric {leaf.name!r} returned a per-device value; a "
             "callable passed to jaxhistory.collective.reduce_custom must reduce "

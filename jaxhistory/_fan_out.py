@@ -54,7 +54,7 @@ def _on_host(stats: Stats, values: list) -> Stats:
     where = None
     if stats.where is not None:
         where = np.asarray(values[rows * k :], np.int64).reshape(-1, k)
-    return Stats(stats.names, table, where)
+    return Stats(stats.names, table, where, stats.rows)
 
 
 class FanOut:
@@ -171,7 +171,7 @@ class FanOut:
     def _stats_values(self, step, stats, lost: list[str]) -> dict:
         out: dict[str, float] = {}
         for prefix, s in stats:
-            names = stat_names(s.names, prefix)
+            names = stat_names(s.names, prefix, s.rows)
             if s.where is not None:
                 names += stat_names(s.names, prefix, PROVENANCE)
             try:

@@ -60,30 +60,42 @@ class Stats(Mapping):
 
     It maps ``"name/mean"``, ``"name/max"``, ``"name/min"`` and ``"name/std"`` to
     values, like a dict, but holds them in one ``(4, K)`` array (rows in
-    :data:`STATS` order, one column per metric). As a pytree it has that one leaf,
-    so a jitted step that returns it hands back one buffer instead of ``4 * K``
-    scalars, and ``jax.device_get(stats)`` fetches everything in one transfer.
+    :data:`STATS` order, one column per metric); :func:`~jaxhistory.watch`
+    returns one whose rows are the statistics it was asked for. As a pytree it
+    has that one leaf, so a jitted step that returns it hands back one buffer
+    instead of ``4 * K`` scalars, and ``jax.device_get(stats)`` fetches
+    everything in one transfer.
     With provenance it also maps ``"name/argmax"``, ``"name/argmin"`` and
     ``"name/nan_device"`` to device indices, held in a second, int32 ``(3, K)``
     array (rows in :data:`PROVENANCE` order).
 
     Attributes:
         names: the metric names, one per column.
-        table: the ``(4, K)`` array.
+        table: the ``(4, K)`` array (``(len(rows), K)``).
+        rows: the statistic of each row of ``table`` (:data:`STATS`).
         where: the ``(3, K)`` int32 array of device indices, or None.
     """
 
-    __slots__ = ("_index", "names", "table", "where")
+    __slots__ = ("_index", "names", "rows", "table", "where")
 
-    def __init__(self, names: tuple[str, ...], table: Any, where: Any = None):
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        table: Any,
+        where: Any = None,
+        rows: tuple[str, ...] = STATS,
+    ):
         self.names = tuple(names)
         self.table = table
         self.where = where
+        self.rows = tuple(rows)
         self._index: dict[str, tuple[int, int, int]] | None = None
 
     def _keys(self) -> dict[str, tuple[int, int, int]]:
         if self._index is None:
-            rows = [(0, STATS)] + ([(1, PROVENANCE)] if self.where is not None else [])
+            rows = [(0, self.rows)]
+            if self.where is not None:
+                rows.append((1, PROVENANCE))
             self._index = {
                 (f"{name}/{stat}" if name else stat): (part, row, col)
                 for col, name in enumerate(self.names)
@@ -100,7 +112,7 @@ class Stats(Mapping):
         return iter(self._keys())
 
     def __len__(self) -> int:
-        rows = len(STATS) + (len(PROVENANCE) if self.where is not None else 0)
+        rows = len(self.rows) + (len(PROVENANCE) if self.where is not None else 0)
         return rows * len(self.names)
 
     def __repr__(self) -> str:
@@ -113,13 +125,13 @@ class Stats(Mapping):
 
     def tree_flatten(self):
         if self.where is None:
-            return (self.table,), (self.names, False)
-        return (self.table, self.where), (self.names, True)
+            return (self.table,), (self.names, False, self.rows)
+        return (self.table, self.where), (self.names, True, self.rows)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        names, provenance = aux
-        return cls(names, children[0], children[1] if provenance else None)
+        names, provenance, rows = aux
+        return cls(names, children[0], children[1] if provenance else None, rows)
 
 
 def _check_nonempty(leaves: list[Leaf]) -> None:

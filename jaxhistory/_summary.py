@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from jaxhistory._memory import MemorySample
-from jaxhistory._names import COUNTER_KEYS, printable
+from jaxhistory._names import COUNTER_KEYS, STATS, printable
 from jaxhistory._provenance import device_label
 from jaxhistory._row import Row, RowKind
 from jaxhistory._stats import Stats
@@ -31,6 +31,8 @@ def nonfinite_notes(stats: Stats, prefix: str = "") -> dict[str, str]:
     host-side ``stats`` whose statistics are not all finite; the device comes
     from its provenance (``nan_device``, else the device of an infinite max or
     min) and is left out when unknown."""
+    if stats.rows != STATS:  # watch(): its nonfinite row counts them
+        return {}
     table = np.asarray(stats.table, np.float64)
     if np.isfinite(table).all():
         return {}
@@ -138,7 +140,19 @@ def summary_line(
             values.update(jax.device_get(dict(device)))
         for name, _ in items:
             value = values[name]
-            if isinstance(value, Stats):
+            if isinstance(value, Stats) and value.rows != STATS:
+                # watch(): the statistics over every leaf together (the last
+                # column) stand for the rest, which only the history holds
+                table = np.asarray(value.table, np.float64)
+                base = "/".join(p for p in (name, value.names[-1]) if p)
+                for i, stat in enumerate(value.rows):
+                    key = f"{base}/{stat}" if base else stat
+                    value = float(table[i, -1])
+                    if stat == "nonfinite" and math.isfinite(value):
+                        parts[key] = str(int(value))  # a count
+                    else:
+                        parts[key] = _format(value, precision, False)
+            elif isinstance(value, Stats):
                 prefix = f"{name}/" if name else ""
                 notes = (
                     watch.check(step[1], value, prefix)

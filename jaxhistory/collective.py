@@ -12,9 +12,13 @@ together.
   provenance, which device holds the max, min and first NaN) as one
   :class:`~jaxhistory.Stats`, in at most two all-reduces.
 * :func:`all_gather`: every leaf from every shard, one collective per dtype.
+* :func:`watch`: norm, rms, max_abs, zero fraction and non-finite count of
+  every leaf of a pytree (gradients, parameters), in one ``pmax`` and one
+  ``psum``.
 
 The SPMD forms (inside ``jax.jit`` on global arrays) are the top-level names
-``jaxhistory.reduce_mean``, ... and ``jaxhistory.distributed_stats``.
+``jaxhistory.reduce_mean``, ..., ``jaxhistory.distributed_stats`` and
+``jaxhistory.watch``.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -38,6 +42,7 @@ from jaxhistory._collective import reduce_min_collective as reduce_min
 from jaxhistory._collective import reduce_std_collective as reduce_std
 from jaxhistory._collective import reduce_sum_collective as reduce_sum
 from jaxhistory._stats import distributed_stats_collective as distributed_stats
+from jaxhistory._watch import watch_collective as watch
 
 __all__ = [
     "all_gather",
@@ -48,4 +53,5 @@ __all__ = [
     "reduce_min",
     "reduce_std",
     "reduce_sum",
+    "watch",
 ]

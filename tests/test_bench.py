@@ -139,3 +139,16 @@ def test_bench_metrics_quick(tmp_path):
     assert re.search(
         r"^\| flax `nnx.MultiMetric`[^|]* \| \d+ \| \d+ \| \d+ \|", text, re.M
     )
+
+
+def test_bench_watch_quick(tmp_path):
+    _, text = run_quick("bench_watch.py", tmp_path)
+    rows = re.findall(
+        r"^\| (bare|watch|by_hand) \| (\d+) \| ([\d.]+) \| ([\d.]+) \|", text, re.M
+    )
+    assert len(rows) == 6, text  # three variants, two placements
+    bare = [int(n) for v, n, *_ in rows if v == "bare"]
+    watched = [int(n) for v, n, *_ in rows if v == "watch"]
+    # replicated gradients: no extra collective; sharded: at most two
+    assert watched[0] == bare[0] and watched[1] - bare[1] <= 2, rows
+    assert all(float(ms) > 0 for *_, ms, _ in rows)

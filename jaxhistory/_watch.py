@@ -1,0 +1,563 @@
+"""watch: statistics of every leaf of a pytree (gradients, parameters, optimizer
+updates, sown activations) inside a jitted step, in at most two all-reduces.
+
+Each leaf (or group of leaves, or layer of a stacked leaf) is a *column*. On
+each device, the values it holds of a column go into two small tables: one of
+maxima (``max |x|``, ``max x``, ``-min x``) and one of sums (``x^2``, zeros,
+non-finite values, and, for mean and std, ``x - c`` and ``(x - c)^2`` with ``c``
+the column's midrange from the maxima). The max table of every column goes
+through one ``pmax`` and the sum table through one ``psum``, whatever the
+number of leaves. A leaf held whole by several devices (replicated over a mesh
+axis) counts once: only the copy at index 0 of each such axis adds to the
+tables. Under ``jit`` the leaves are global arrays and the tables are made in a
+``shard_map`` over their mesh, from each leaf's sharding; where every leaf is
+replicated, nothing is all-reduced.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxhistory._collective import (
+    AxisName,
+    bound_axis_size,
+    check_axis_name,
+    varying_axes,
+)
+from jaxhistory._names import check_depth, path_name
+from jaxhistory._stats import Stats
+from jaxhistory._tree import acc_dtype, flatten_metrics
+
+__all__ = ["DEFAULT_WATCH", "WATCH_STATS", "watch", "watch_collective"]
+
+WATCH_STATS = ("norm", "rms", "max_abs", "zero_frac", "nonfinite", "mean", "std")
+DEFAULT_WATCH = ("norm", "rms", "max_abs", "zero_frac", "nonfinite")
+_SHIFTED = frozenset({"mean", "std"})  # the statistics that need the shifted sums
+
+
+class _Part(NamedTuple):
+    """How one leaf adds to the tables: its first column, how many columns it
+    fills (its layers when split, else 1), and the mesh axes it is sharded
+    over (of its leading axis apart, when split)."""
+
+    column: int
+    layers: int | None  # None: the whole leaf is one column
+    lead_axes: tuple[str, ...]  # mesh axes its leading (layer) axis is split over
+    axes: frozenset  # every mesh axis its values vary over
+
+
+def _check_stats(stats: Any) -> tuple[str, ...]:
+    if isinstance(stats, str):
+        stats = (stats,)
+    try:
+        stats = tuple(stats)
+    except TypeError:
+        raise TypeError(
+            f"watch: stats must be a sequence of names from {WATCH_STATS}, got "
+            f"{stats!r:.60}"
+        ) from None
+    unknown = [s for s in stats if s not in WATCH_STATS]
+    if unknown or not stats:
+        raise ValueError(
+            f"watch: unknown statistic(s) {unknown!r}; choose from {WATCH_STATS}"
+            if unknown
+            else f"watch: stats is empty; choose from {WATCH_STATS}"
+        )
+    return tuple(dict.fromkeys(stats))
+
+
+def _patterns(value: Any, what: str) -> tuple[str, ...]:
+    if value is None or value is False:
+        return ()
+    if value is True:
+        return ("**",)
+    if isinstance(value, str):
+        return (value,)
+    items = tuple(value)
+    if not all(isinstance(p, str) and p for p in items):
+        raise TypeError(f"watch: {what} must be glob patterns (str), got {value!r:.80}")
+    return items
+
+
+def _match(pattern: str, path: str) -> str | None:
+    """The part of ``path`` that ``pattern`` matches, segment by segment from
+    the start (the path may go on); ``**`` matches the whole path."""
+    if pattern == "**":
+        return path
+    want, have = pattern.split("/"), path.split("/")
+    if len(have) < len(want):
+        return None
+    if all(fnmatch.fnmatchcase(h, w) for h, w in zip(have, want, strict=False)):
+        return "/".join(have[: len(want)])
+    return None
+
+
+def _leaves(tree: Any) -> list[tuple[str, jax.Array]]:
+    """``[(path, value)]``: names joined with ``/``, an nnx Variable's
+    ``.value`` left out of its name; values checked and made arrays."""
+    check_depth(tree)
+    pairs = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
+    if not pairs:
+        raise ValueError("watch: the tree has no leaves (nothing to watch)")
+    out, seen = [], set()
+    for path, value in pairs:
+        last = path[-1] if path else None
+        if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "value":
+            path = path[:-1]  # a Variable's value: named as the Variable
+        name = path_name(path)
+        if value is None:
+            raise TypeError(f"watch: leaf {name or '<root>'!r} is None, not an array")
+        if name in seen:
+            raise ValueError(f"watch: two leaves are named {name!r}")
+        seen.add(name)
+        leaf = flatten_metrics({"": value} if not name else {name: value})[0][0]
+        out.append((name, leaf.value))
+    return out
+
+
+def _spec_axes(spec: Any, ndim: int) -> list[tuple[str, ...]]:
+    """The mesh axes each dimension is sharded over."""
+    entries = list(spec) + [None] * (ndim - len(spec))
+    out = []
+    for e in entries[:ndim]:
+        if e is None:
+            out.append(())
+        elif isinstance(e, tuple):
+            out.append(tuple(e))
+        else:
+            out.append((e,))
+    return out
+
+
+class _Plan(NamedTuple):
+    names: tuple[str, ...]  # column names, the global one last
+    parts: list[_Part]
+    counts: np.ndarray  # values per column (global), the global column last
+    dtype: Any
+
+
+class _Where(NamedTuple):
+    """Where a leaf's values are: the mesh axes its leading axis is split
+    over, every mesh axis its values differ over, and how many blocks like
+    this one make the whole leaf (1 for a global array)."""
+
+    lead: tuple[str, ...]
+    axes: frozenset
+    copies: int
+
+
+def _plan(
+    leaves: list[tuple[str, jax.Array]],
+    wheres: list[_Where],
+    prefix: str,
+    split: tuple[str, ...],
+    groups: tuple[str, ...],
+) -> _Plan:
+    columns: dict[str, int] = {}
+    layers_of: dict[str, int | None] = {}
+    counts: list[int] = []
+    parts: list[_Part] = []
+    used = dict.fromkeys(groups, False)
+    for (name, value), where in zip(leaves, wheres, strict=True):
+        base = name
+        for pattern in groups:
+            found = _match(pattern, name)
+            if found is not None:
+                base, used[pattern] = found, True
+                break
+        layers = None
+        if value.ndim >= 1 and any(_match(p, name) is not None for p in split):
+            layers = value.shape[0]
+        if base in layers_of and layers_of[base] != layers:
+            raise ValueError(
+                f"watch: leaf {name!r} joins {base!r}, whose other leaves have "
+                f"{layers_of[base]} layers where it has {layers} (split_layers "
+                "needs one number of layers per group)"
+            )
+        if base not in columns:
+            layers_of[base] = layers
+            columns[base] = len(counts)
+            counts += [0] * (layers or 1)
+        start = columns[base]
+        per = math.prod(value.shape[1:]) if layers is not None else value.size
+        for i in range(layers or 1):
+            counts[start + i] += per * where.copies
+        lead = where.lead if layers is not None else ()
+        parts.append(_Part(start, layers, lead, where.axes))
+    unused = [p for p, hit in used.items() if not hit]
+    if unused:
+        shown = ", ".join(repr(n) for n, _ in leaves[:3])
+        raise ValueError(
+            f"watch: group pattern(s) {unused!r} match no leaf (leaves are named "
+            f"like {shown})"
+        )
+    names = []
+    for base in columns:
+        layers = layers_of[base]
+        full = f"{prefix}/{base}" if prefix and base else prefix or base
+        names += [full] if layers is None else [f"{full}/{i}" for i in range(layers)]
+    names.append(prefix)  # the global column: every leaf together
+    dtype = jnp.result_type(*[acc_dtype(v.dtype) for _, v in leaves])
+    counts.append(sum(counts))
+    return _Plan(tuple(names), parts, np.asarray(counts, np.float64), dtype)
+
+
+def _mask(axes: Sequence[str], held: frozenset, dtype) -> Any:
+    """1 on the devices whose copy of a leaf counts (index 0 of every axis it
+    is replicated over), else 0; 1 outside any mesh."""
+    mask = None
+    for axis in axes:
+        if axis not in held:
+            one = (lax.axis_index(axis) == 0).astype(dtype)
+            mask = one if mask is None else mask * one
+    return mask
+
+
+def _lead_offset(lead: tuple[str, ...], local: int) -> Any:
+    """Where this device's layers start among all layers."""
+    index = 0
+    for axis in lead:
+        index = index * lax.axis_size(axis) + lax.axis_index(axis)
+    return index * local
+
+
+def _tables(
+    blocks: list[jax.Array],
+    plan: _Plan,
+    axes: Sequence[str],
+    shifted: bool,
+    pmax: Any,
+    psum: Any,
+) -> tuple[jax.Array, jax.Array]:
+    """The all-reduced max table ``(C, 1 or 3)`` and sum table ``(C, 3 or 5)``
+    of the plan's columns (the global column left out).
+
+    Every part is one row per layer (or one row); parts whose rows are equally
+    long are stacked and reduced together (one reduction per statistic and
+    row length, not per leaf), then the rows are gathered into the columns in
+    one operation per table."""
+    dtype = plan.dtype
+    by_length: dict[int, list[int]] = {}
+    rows_of, keeps = [], []
+    for i, (x, part) in enumerate(zip(blocks, plan.parts, strict=True)):
+        x2 = x.astype(dtype).reshape(1 if part.layers is None else x.shape[0], -1)
+        rows_of.append(x2)
+        keep = _mask(axes, part.axes, dtype)
+        ones = jnp.ones((x2.shape[0], 1), dtype)
+        keeps.append(ones if keep is None else ones * keep)
+        by_length.setdefault(x2.shape[1], []).append(i)
+    stacks = []  # (indices, stacked rows, their keep flags)
+    for idx in by_length.values():
+        x2 = jnp.concatenate([rows_of[i] for i in idx])
+        keep = jnp.concatenate([keeps[i] for i in idx])
+        stacks.append((idx, x2, keep))
+    maxed: list[Any] = [None] * len(blocks)
+    for idx, x2, keep in stacks:
+        nan = jnp.isnan(x2)
+        ext = [jnp.max(jnp.where(nan, 0, jnp.abs(x2)), axis=1, initial=0)]
+        if shifted:  # the midrange, for the shifted sums
+            low = -jnp.inf
+            ext.append(jnp.max(jnp.where(nan, low, x2), axis=1, initial=low))
+            ext.append(jnp.max(jnp.where(nan, low, -x2), axis=1, initial=low))
+        rows = jnp.where(keep > 0, jnp.stack(ext, axis=1), -jnp.inf)
+        _scatter(maxed, idx, rows, rows_of)
+    ext = pmax(_columns(maxed, plan, "max"))  # all-reduce 1
+    centre = None
+    if shifted:
+        mid = ext[:, 1] / 2 - ext[:, 2] / 2
+        centre = jnp.where(jnp.isfinite(mid), mid, 0)
+    summed: list[Any] = [None] * len(blocks)
+    for idx, x2, keep in stacks:
+        cols = [
+            jnp.sum(jnp.square(x2), axis=1),
+            jnp.sum((x2 == 0).astype(dtype), axis=1),
+            jnp.sum((~jnp.isfinite(x2)).astype(dtype), axis=1),
+        ]
+        if shifted:  # each row shifted by its column's midrange
+            starts = []
+            for i in idx:
+                part, k = plan.parts[i], rows_of[i].shape[0]
+                start = part.column
+                if part.lead_axes:
+                    start = start + _lead_offset(part.lead_axes, k)
+                starts.append(lax.dynamic_slice(centre, (start,), (k,)))
+            d = x2 - jnp.concatenate(starts).reshape(-1, 1)
+            cols += [jnp.sum(d, axis=1), jnp.sum(jnp.square(d), axis=1)]
+        _scatter(summed, idx, jnp.stack(cols, axis=1) * keep, rows_of)
+    return ext, psum(_columns(summed, plan, "add"))  # all-reduce 2
+
+
+def _scatter(out: list, idx: list[int], rows: jax.Array, rows_of: list) -> None:
+    """Splits a stack's reduced ``rows`` back into its parts' rows."""
+    at = 0
+    for i in idx:
+        k = rows_of[i].shape[0]
+        out[i] = rows[at : at + k]
+        at += k
+
+
+def _columns(rows: list[jax.Array], plan: _Plan, how: str) -> jax.Array:
+    """Each part's rows (one per local layer, or one) gathered into a table of
+    the plan's columns, by max or by add."""
+    c = len(plan.names) - 1
+    ids, placed = [], []
+    for block, part in zip(rows, plan.parts, strict=True):
+        if part.lead_axes:  # the layers are split over devices: this one's go
+            fill = -jnp.inf if how == "max" else 0  # at their offset
+            full = jnp.full((part.layers, block.shape[1]), fill, block.dtype)
+            start = (_lead_offset(part.lead_axes, block.shape[0]), 0)
+            block = lax.dynamic_update_slice(full, block, start)
+        placed.append(block)
+        ids.append(np.arange(part.column, part.column + (part.layers or 1)))
+    table = jnp.concatenate(placed)
+    ids = np.concatenate(ids)
+    if np.array_equal(ids, np.arange(c)):  # a column per part, in order
+        return table
+    segment = jax.ops.segment_max if how == "max" else jax.ops.segment_sum
+    return segment(table, jnp.asarray(ids), num_segments=c)
+
+
+def _finish(ext, sums, plan: _Plan, stats: tuple[str, ...]) -> jax.Array:
+    """The ``(len(stats), C + 1)`` table: each column's statistics, then the
+    global column's (every leaf together)."""
+    dtype = plan.dtype
+    counts = jnp.asarray(plan.counts[:-1], dtype)
+    total = jnp.asarray(plan.counts[-1], dtype)
+    sq, zeros, nonfinite = sums[:, 0], sums[:, 1], sums[:, 2]
+    g_sq, g_zeros, g_nonfinite = jnp.sum(sq), jnp.sum(zeros), jnp.sum(nonfinite)
+    max_abs = ext[:, 0]
+    out = {
+        "norm": (jnp.sqrt(sq), jnp.sqrt(g_sq)),
+        "rms": (jnp.sqrt(sq / counts), jnp.sqrt(g_sq / total)),
+        "max_abs": (max_abs, jnp.max(max_abs)),
+        "zero_frac": (zeros / counts, g_zeros / total),
+        "nonfinite": (nonfinite, g_nonfinite),
+    }
+    if sums.shape[1] == 5:
+        mx, mn = ext[:, 1], -ext[:, 2]
+        centre = jnp.where(jnp.isfinite(mx / 2 + mn / 2), mx / 2 + mn / 2, 0)
+        d1 = sums[:, 3] / counts
+        mean = centre + d1
+        var = jnp.maximum(sums[:, 4] / counts - jnp.square(d1), 0)
+        # every leaf together: the columns' means and spreads combined (Chan)
+        g_mean = jnp.sum(counts * mean) / total
+        g_var = jnp.sum(counts * (var + jnp.square(mean - g_mean))) / total
+        bad = nonfinite > 0
+        mean = jnp.where(bad, jnp.nan, mean)
+        std = jnp.where(bad, jnp.nan, jnp.sqrt(var))
+        g_bad = g_nonfinite > 0
+        out["mean"] = (mean, jnp.where(g_bad, jnp.nan, g_mean))
+        out["std"] = (std, jnp.where(g_bad, jnp.nan, jnp.sqrt(g_var)))
+    rows = [jnp.concatenate([out[s][0], out[s][1][None]]) for s in stats]
+    return jnp.stack(rows)
+
+
+def _stats_of(leaves, wheres, blocks_fn, prefix, stats, split, groups) -> Stats:
+    plan = _plan(leaves, wheres, prefix, split, groups)
+    shifted = bool(_SHIFTED.intersection(stats))
+    ext, sums = blocks_fn(plan, shifted)
+    return Stats(plan.names, _finish(ext, sums, plan, stats), rows=stats)
+
+
+def _check_prefix(prefix: Any) -> str:
+    if prefix is None:
+        return ""
+    if not isinstance(prefix, str):
+        raise TypeError(f"watch: prefix must be a str, got {prefix!r:.60}")
+    return prefix.strip("/")
+
+
+def watch(
+    tree: Any,
+    *,
+    stats: Sequence[str] = DEFAULT_WATCH,
+    split_layers: bool | str | Sequence[str] = False,
+    groups: str | Sequence[str] | None = None,
+    prefix: str | None = None,
+) -> Stats:
+    """Per-leaf statistics of a pytree, inside ``jit`` / ``nnx.jit``, in at most
+    two all-reduces whatever the number of leaves.
+
+    Args:
+        tree: gradients, parameters, optimizer updates, sown activations: any
+            pytree of arrays (an ``nnx.State`` too; a Variable is named by its
+            path, without ``/value``). Integer and bool leaves are watched as
+            float32 values.
+        stats: which statistics, from :data:`WATCH_STATS`: ``norm`` (L2),
+            ``rms``, ``max_abs``, ``zero_frac`` (the fraction of exact zeros),
+            ``nonfinite`` (the count of NaN and infinite values), ``mean`` and
+            ``std`` (population). Default :data:`DEFAULT_WATCH`, the first five.
+        split_layers: a leading axis of stacked layers (``nnx.scan`` /
+            ``nnx.vmap`` stacks) becomes one entry per layer,
+            ``{path}/{i}/{stat}``. True: every leaf with an axis; glob
+            patterns: the leaves whose path they match (``"layers"``: every
+            leaf under ``layers``).
+        groups: glob patterns matched against the start of each leaf's path,
+            segment by segment (``"layers/*"`` groups ``layers/3/attn/kernel``
+            into ``layers/3``): each group is one entry, all its leaves'
+            values together. A leaf takes the first pattern that matches;
+            leaves that none matches keep entries of their own. A pattern that
+            matches nothing is a ValueError.
+        prefix: put before every name (``"grads"`` gives ``grads/norm`` and
+            ``grads/layers/0/kernel/norm``).
+
+    Returns:
+        A :class:`Stats` mapping, read like a flat dict: ``{path}/{stat}`` for
+        every leaf (or group, or layer), and ``{stat}`` (``{prefix}/{stat}``)
+        over every leaf together: ``norm`` is the global L2 norm. One
+        ``(len(stats), K + 1)`` array: one transfer to the host, and
+        :class:`~jaxhistory.History` records it as one packed row.
+
+    Raises:
+        ValueError: an empty tree, an unknown statistic, a group pattern that
+            matches no leaf, leaves of one group split into different numbers
+            of layers.
+        TypeError: a leaf that is not numeric (a string, None, an object).
+
+    Values accumulate in float32 (float64 for float64 leaves): ``norm`` and
+    ``rms`` overflow to inf above about 1.8e19 in float32. NaN and infinite
+    values are counted by ``nonfinite``, make ``norm``, ``rms``, ``mean`` and
+    ``std`` NaN or inf, and are left out of ``max_abs``.
+
+    Under ``jit`` with sharded leaves, the statistics are computed from each
+    device's shard in a ``shard_map`` over the leaves' mesh (read from their
+    types: exact on Explicit mesh axes, ``jax.make_mesh``'s default) and
+    combined in one ``pmax`` and one ``psum``; a leaf replicated over an axis
+    counts once. Where every leaf is replicated, no collective is issued.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import jaxhistory as jh
+        >>> grads = {"w": jnp.array([3.0, 4.0]), "b": jnp.zeros(2)}
+        >>> out = jax.jit(jh.watch)(grads)
+        >>> float(out["norm"]), float(out["w/norm"]), float(out["b/zero_frac"])
+        (5.0, 5.0, 1.0)
+    """
+    stats = _check_stats(stats)
+    prefix = _check_prefix(prefix)
+    split = _patterns(split_layers, "split_layers")
+    groups = _patterns(groups, "groups")
+    leaves = _leaves(tree)
+    arrays = [v for _, v in leaves]
+    if not any(isinstance(v, jax.core.Tracer) for v in arrays):
+        # outside jit: the same computation, jitted (one compile per structure)
+        return jax.jit(
+            lambda t: watch(
+                t, stats=stats, split_layers=split, groups=groups, prefix=prefix
+            )
+        )(dict(leaves))
+    mesh, specs = _mesh_and_specs(arrays)
+    if mesh is None:  # every leaf replicated: nothing to all-reduce
+        wheres = [_Where((), frozenset(), 1)] * len(arrays)
+
+        def local(plan, shifted):
+            return _tables(arrays, plan, (), shifted, _same, _same)
+
+        return _stats_of(leaves, wheres, local, prefix, stats, split, groups)
+    wheres = []
+    for spec, v in zip(specs, arrays, strict=True):
+        dims = _spec_axes(spec, v.ndim)
+        lead = dims[0] if dims else ()
+        wheres.append(_Where(lead, frozenset(a for d in dims for a in d), 1))
+    axes = tuple(mesh.axis_names)
+
+    def sharded(plan, shifted):
+        def body(*blocks):
+            return _tables(
+                list(blocks),
+                plan,
+                axes,
+                shifted,
+                lambda t: lax.pmax(t, axes),
+                lambda t: lax.psum(t, axes),
+            )
+
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=tuple(specs), out_specs=(P(), P())
+        )(*arrays)
+
+    return _stats_of(leaves, wheres, sharded, prefix, stats, split, groups)
+
+
+def _same(table: jax.Array) -> jax.Array:
+    return table
+
+
+def _mesh_and_specs(arrays: list[jax.Array]) -> tuple[Any, list[Any]]:
+    """The mesh the traced leaves are sharded over and each one's spec; (None,
+    []) where every leaf is replicated (or no mesh is known)."""
+    mesh, specs = None, []
+    for v in arrays:
+        sharding = getattr(jax.typeof(v), "sharding", None)
+        spec = getattr(sharding, "spec", None)
+        m = getattr(sharding, "mesh", None)
+        specs.append(P() if spec is None else spec)
+        if spec is not None and any(e is not None for e in spec):
+            if mesh is not None and m != mesh:
+                raise ValueError(
+                    "watch: the leaves are sharded over different meshes; watch "
+                    "them in separate calls"
+                )
+            mesh = m
+    if mesh is None or getattr(mesh, "size", 1) <= 1:
+        return None, []
+    return mesh, specs
+
+
+def watch_collective(
+    tree: Any,
+    axis_name: AxisName,
+    *,
+    stats: Sequence[str] = DEFAULT_WATCH,
+    split_layers: bool | str | Sequence[str] = False,
+    groups: str | Sequence[str] | None = None,
+    prefix: str | None = None,
+) -> Stats:
+    """:func:`watch` inside ``jax.shard_map``: each leaf is this device's block;
+    the statistics are over every device's blocks along ``axis_name`` (a mesh
+    axis or a tuple of them), in one ``lax.pmax`` and one ``lax.psum``.
+
+    A leaf that does not vary over an axis (its type says so under
+    ``check_vma=True``) counts once; with ``check_vma=False`` every leaf is
+    taken to differ on every device. With ``split_layers``, each block's
+    leading axis holds all the layers (the layer axis is not sharded).
+    Arguments, result and errors as for :func:`watch`.
+    """
+    axis_name = check_axis_name(axis_name)
+    axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    stats = _check_stats(stats)
+    prefix = _check_prefix(prefix)
+    split = _patterns(split_layers, "split_layers")
+    groups = _patterns(groups, "groups")
+    sizes = {a: bound_axis_size(a, "watch_collective") for a in axes}
+    leaves = _leaves(tree)
+    arrays = [v for _, v in leaves]
+    # Under check_vma=True a value's type says which axes it differs over (the
+    # axis index always does); without, every leaf is taken to differ on every
+    # device.
+    typed = bool(varying_axes(lax.axis_index(axes[0])))
+    wheres = []
+    for v in arrays:
+        held = varying_axes(v) & frozenset(axes) if typed else frozenset(axes)
+        wheres.append(_Where((), held, math.prod(sizes[a] for a in held)))
+
+    def local(plan, shifted):
+        return _tables(
+            arrays,
+            plan,
+            axes,
+            shifted,
+            lambda t: lax.pmax(t, axis_name),
+            lambda t: lax.psum(t, axis_name),
+        )
+
+    return _stats_of(leaves, wheres, local, prefix, stats, split, groups)

@@ -1,0 +1,287 @@
+"""watch: per-leaf statistics of a pytree inside jit and shard_map, against
+float64 NumPy on 8 devices, in at most two all-reduces."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxhistory as jh
+
+SPECS = [P("data"), P(None, "model"), P("data", "model"), P(), P("model")]
+
+
+def expected(x: np.ndarray) -> dict[str, float]:
+    x = np.asarray(x, np.float64)
+    finite = x[~np.isnan(x)]
+    return {
+        "norm": float(np.sqrt(np.sum(x * x))),
+        "rms": float(np.sqrt(np.mean(x * x))),
+        "max_abs": float(np.abs(finite).max()) if finite.size else 0.0,
+        "zero_frac": float(np.mean(x == 0)),
+        "nonfinite": float(np.sum(~np.isfinite(x))),
+        "mean": float(np.mean(x)),
+        "std": float(np.std(x)),
+    }
+
+
+def assert_close(got, want, scale=1.0, rtol=2e-6):
+    if math.isnan(want):
+        assert math.isnan(got)
+    else:
+        assert abs(got - want) <= rtol * max(abs(want), scale), (got, want)
+
+
+def sharded_tree(mesh2d, n=40, seed=0):
+    rng = np.random.default_rng(seed)
+    tree = {}
+    for i in range(n):
+        shape = (8 * (i % 3 + 1), 4 * (i % 4 + 1))
+        x = rng.normal(size=shape) * (i + 1) + (3.0 if i % 7 == 0 else 0.0)
+        x[rng.random(shape) < 0.1] = 0.0
+        sharding = NamedSharding(mesh2d, SPECS[i % len(SPECS)])
+        tree[f"block{i}"] = {"kernel": jax.device_put(jnp.float32(x), sharding)}
+    return tree
+
+
+def test_every_statistic_of_every_leaf_matches_float64_numpy(mesh2d):
+    tree = sharded_tree(mesh2d)
+    out = jax.jit(lambda t: jh.watch(t, stats=jh.WATCH_STATS))(tree)
+    everything = []
+    for name, leaf in tree.items():
+        x = np.asarray(leaf["kernel"], np.float64)
+        everything.append(x.ravel())
+        for stat, want in expected(x).items():
+            scale = x.std() if stat == "mean" else 1e-6
+            assert_close(float(out[f"{name}/kernel/{stat}"]), want, scale)
+    total = expected(np.concatenate(everything))
+    for stat, want in total.items():
+        assert_close(float(out[stat]), want, total["std"] if stat == "mean" else 1e-6)
+    assert out.rows == jh.WATCH_STATS and out.table.shape == (7, 41)
+
+
+@pytest.mark.parametrize("k", [1, 10, 300])
+def test_any_number_of_sharded_leaves_takes_at_most_two_all_reduces(mesh2d, k):
+    tree = sharded_tree(mesh2d, n=k, seed=k)
+    counts = jh.collective_counts(jh.watch, tree)
+    assert counts.get("all-reduce", 0) <= 2 and sum(counts.values()) <= 2, counts
+    shifted = jh.collective_counts(lambda t: jh.watch(t, stats=("mean", "std")), tree)
+    assert sum(shifted.values()) <= 2, shifted
+
+
+def test_replicated_leaves_take_no_collective(mesh):
+    tree = {
+        f"p{i}": jax.device_put(jnp.ones((4, 3)) * i, NamedSharding(mesh, P()))
+        for i in range(20)
+    }
+    assert jh.collective_counts(jh.watch, tree) == {}
+    out = jax.jit(jh.watch)(tree)
+    assert float(out["p3/norm"]) == pytest.approx(3 * math.sqrt(12))
+
+
+def test_split_layers_gives_one_entry_per_layer_also_when_the_layers_are_sharded(
+    mesh2d,
+):
+    rng = np.random.default_rng(1)
+    stack = rng.normal(size=(8, 6, 4)) * np.arange(1, 9)[:, None, None]
+    tree = {
+        "layers": {
+            "kernel": jax.device_put(
+                jnp.float32(stack), NamedSharding(mesh2d, P("data"))
+            ),
+            "bias": jnp.float32(stack[:, 0]),
+        },
+        "embed": jnp.float32(rng.normal(size=(5, 4))),
+    }
+    out = jax.jit(lambda t: jh.watch(t, stats=jh.WATCH_STATS, split_layers="layers"))(
+        tree
+    )
+    for i in range(8):
+        for stat, want in expected(stack[i]).items():
+            scale = stack[i].std() if stat == "mean" else 1e-6
+            assert_close(float(out[f"layers/kernel/{i}/{stat}"]), want, scale)
+        assert_close(float(out[f"layers/bias/{i}/norm"]), np.linalg.norm(stack[i, 0]))
+    assert "embed/norm" in out and "embed/0/norm" not in out  # not split
+    assert (
+        jh.collective_counts(lambda t: jh.watch(t, split_layers="layers"), tree).get(
+            "all-reduce", 0
+        )
+        <= 2
+    )
+
+
+def test_groups_report_per_block_with_the_layer_index_kept():
+    rng = np.random.default_rng(2)
+    tree = {
+        "layers": {
+            str(i): {"attn": {"q": rng.normal(size=(4, 4)), "k": rng.normal(size=4)}}
+            for i in range(3)
+        },
+        "head": rng.normal(size=(4, 2)),
+    }
+    tree = jax.tree.map(jnp.float32, tree)
+    out = jax.jit(lambda t: jh.watch(t, groups="layers/*", prefix="grads"))(tree)
+    for i in range(3):
+        block = tree["layers"][str(i)]["attn"]
+        both = np.concatenate([np.ravel(block["q"]), np.ravel(block["k"])])
+        assert_close(float(out[f"grads/layers/{i}/norm"]), np.linalg.norm(both))
+    assert "grads/head/norm" in out  # matched by no pattern: an entry of its own
+    assert not any(k.startswith("grads/layers/0/attn") for k in out)
+    everything = np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
+    assert_close(float(out["grads/norm"]), np.linalg.norm(everything))
+
+
+def test_split_groups_need_one_number_of_layers():
+    tree = {"a": {"x": jnp.ones((3, 2)), "y": jnp.ones((4, 2))}}
+    with pytest.raises(ValueError, match="layers"):
+        jh.watch(tree, groups="a", split_layers=True)
+
+
+def test_nonfinite_values_are_counted_and_left_out_of_max_abs():
+    x = jnp.array([1.0, -7.0, jnp.nan, jnp.inf, 0.0])
+    out = jax.jit(lambda t: jh.watch(t, stats=jh.WATCH_STATS))({"g": x})
+    assert float(out["g/nonfinite"]) == 2 and float(out["nonfinite"]) == 2
+    assert float(out["g/max_abs"]) == math.inf  # inf is a value; NaN is not
+    assert math.isnan(float(out["g/norm"])) and math.isnan(float(out["g/std"]))
+    assert float(out["g/zero_frac"]) == pytest.approx(0.2)
+    only_nan = jax.jit(jh.watch)({"g": jnp.full(3, jnp.nan)})
+    assert float(only_nan["g/max_abs"]) == 0.0 and float(only_nan["g/nonfinite"]) == 3
+
+
+def test_integer_and_bool_leaves_are_watched_as_float32():
+    out = jh.watch({"steps": jnp.arange(5), "mask": jnp.array([True, False])})
+    assert out.table.dtype == jnp.float32
+    assert float(out["steps/norm"]) == pytest.approx(math.sqrt(30))
+    assert float(out["mask/zero_frac"]) == 0.5
+
+
+def test_outside_jit_it_runs_jitted_and_gives_the_same(mesh2d):
+    tree = sharded_tree(mesh2d, n=5)
+    eager = jh.watch(tree)
+    jitted = jax.jit(jh.watch)(tree)
+    np.testing.assert_allclose(np.asarray(eager.table), np.asarray(jitted.table))
+
+
+def test_an_nnx_models_gradients_are_named_by_path_in_nnx_jit(mesh):
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([nnx.Linear(4, 4, rngs=rngs) for _ in range(2)])
+            self.head = nnx.Linear(4, 1, rngs=rngs)
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = nnx.relu(layer(x))
+            return self.head(x)
+
+    model = Model(nnx.Rngs(0))
+    x = jnp.ones((8, 4))
+
+    @nnx.jit
+    def step(model, x):
+        grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        return grads, jh.watch(grads, prefix="grads")
+
+    grads, out = step(model, x)
+    assert "grads/layers/0/kernel/norm" in out and "grads/head/bias/norm" in out
+    flat = jax.tree.leaves(grads)
+    total = math.sqrt(sum(float(jnp.sum(jnp.square(g))) for g in flat))
+    assert float(out["grads/norm"]) == pytest.approx(total, rel=1e-6)
+
+
+def collective_watch(mesh, check_vma, **kw):
+    def body(per_device, shared):
+        return jh.collective.watch(
+            {"per_device": per_device, "shared": shared}, "data", **kw
+        )
+
+    return jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("data"), P()),
+            out_specs=P(),
+            check_vma=check_vma,
+        )
+    )
+
+
+def test_the_shard_map_form_counts_a_replicated_leaf_once(mesh):
+    rng = np.random.default_rng(3)
+    per_device = rng.normal(size=(8, 5)).astype(np.float32)
+    shared = rng.normal(size=(3,)).astype(np.float32)
+    args = (
+        jax.device_put(per_device, NamedSharding(mesh, P("data"))),
+        jax.device_put(shared, NamedSharding(mesh, P())),
+    )
+    fn = collective_watch(mesh, True, stats=jh.WATCH_STATS)
+    out = fn(*args)
+    for name, x in (("per_device", per_device), ("shared", shared)):
+        for stat, want in expected(x).items():
+            scale = np.std(x) if stat == "mean" else 1e-6
+            assert_close(float(out[f"{name}/{stat}"]), want, scale)
+    both = np.concatenate([per_device.ravel(), shared])
+    assert_close(float(out["norm"]), np.linalg.norm(both))
+    counts = jh.collective_counts(fn, *args)
+    assert counts.get("all-reduce", 0) <= 2 and sum(counts.values()) <= 2, counts
+
+
+def test_the_shard_map_form_without_check_vma_takes_every_block_as_distinct(mesh):
+    per_device = np.arange(40, dtype=np.float32).reshape(8, 5)
+    shared = np.ones(3, np.float32)
+    out = collective_watch(mesh, False)(
+        jax.device_put(per_device, NamedSharding(mesh, P("data"))),
+        jax.device_put(shared, NamedSharding(mesh, P())),
+    )
+    assert_close(float(out["per_device/norm"]), np.linalg.norm(per_device))
+    assert_close(float(out["shared/norm"]), math.sqrt(3 * 8))  # 8 copies counted
+
+
+def test_history_records_watch_as_one_packed_row_and_summarizes_the_total():
+    h = jh.History(distributed_history=False)
+    grads = {"w": jnp.array([3.0, 4.0]), "b": jnp.zeros(2)}
+    line = h.update({"loss": 0.5, "grads": jh.watch(grads)}, step=1)
+    assert "grads/norm=5.000000" in line and "grads/w/norm" not in line
+    assert "grads/nonfinite=0 " in line + " "
+    assert h.state.values("grads/w/norm").tolist() == [5.0]
+    assert h.state.values("grads/b/zero_frac").tolist() == [1.0]
+    assert h.state.values("grads/nonfinite").tolist() == [0.0]
+
+
+def test_a_watch_result_is_a_pytree_that_keeps_its_rows():
+    out = jh.watch({"x": jnp.ones(3)}, stats=("norm", "max_abs"))
+    leaves, treedef = jax.tree.flatten(out)
+    back = jax.tree.unflatten(treedef, leaves)
+    assert back.rows == ("norm", "max_abs") and dict(back) == dict(out)
+    assert set(out) == {"x/norm", "x/max_abs", "norm", "max_abs"}
+
+
+@pytest.mark.parametrize(
+    ("tree", "kw", "error", "match"),
+    [
+        ({}, {}, ValueError, "no leaves"),
+        ({"a": None}, {}, TypeError, "'a' is None"),
+        ({"a": "text"}, {}, TypeError, "'a'"),
+        ({"a": object()}, {}, TypeError, "'a'"),
+        ({"a": jnp.ones(2)}, {"stats": ("norm", "median")}, ValueError, "median"),
+        ({"a": jnp.ones(2)}, {"stats": ()}, ValueError, "empty"),
+        ({"a": jnp.ones(2)}, {"stats": 3}, TypeError, "stats"),
+        ({"a": jnp.ones(2)}, {"groups": "layers/*"}, ValueError, "match no leaf"),
+        ({"a": jnp.ones(2)}, {"groups": [1]}, TypeError, "glob"),
+        ({"a": jnp.ones(2)}, {"prefix": 3}, TypeError, "prefix"),
+    ],
+)
+def test_bad_input_is_refused_naming_it(tree, kw, error, match):
+    with pytest.raises(error, match=match):
+        jh.watch(tree, **kw)
+
+
+def test_the_shard_map_form_needs_a_bound_axis():
+    with pytest.raises(ValueError, match="axis_name"):
+        jh.collective.watch({"a": jnp.ones(2)}, None)
+    with pytest.raises(ValueError, match="not a bound mesh axis"):
+        jh.collective.watch({"a": jnp.ones(2)}, "data")
