@@ -59,6 +59,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxhistory
+from jaxhistory.sentinels import NonFinite, Spike
 
 if jax.device_count() != 8:
     sys.exit(
@@ -203,14 +204,23 @@ def record_state(ms: list[dict], with_step: bool = False) -> float:
 
 
 def record_history(
-    ms: list[dict], log: bool, default_call: bool, with_step: bool = False
+    ms: list[dict],
+    log: bool,
+    default_call: bool,
+    with_step: bool = False,
+    sentinels: bool = False,
 ) -> float:
     """Times only the loop of ``History.update`` calls (not the construction, not
     ``close()``); the background writer's thread runs, and competes for the GIL,
     during the loop. Then checks the history and the log hold every step."""
     with tempfile.TemporaryDirectory(prefix="bench_history_") as tmp:
         report_dir = Path(tmp) if log else None
-        history = jaxhistory.History(distributed_history=False, report_dir=report_dir)
+        watchers = (
+            [NonFinite(), Spike(KEYS[0], action=lambda e: None)] if sentinels else ()
+        )
+        history = jaxhistory.History(
+            distributed_history=False, report_dir=report_dir, sentinels=watchers
+        )
         line = ""
         if default_call and with_step:  # {"step": s, **metrics}, as ezpz users do
             start = time.perf_counter()
@@ -271,6 +281,11 @@ RECORDERS: dict[str, tuple[str, Callable[[list[dict]], float], float | None]] = 
         ".update(m, summarize=False)`, JSONL log streamed",
         functools.partial(record_history, log=True, default_call=False),
         HISTORY_LOG_TARGET,
+    ),
+    "history_log_sentinels": (
+        "the same with two sentinels, `NonFinite()` on every metric and `Spike(m0)`",
+        functools.partial(record_history, log=True, default_call=False, sentinels=True),
+        None,
     ),
     "history_default": (
         "`History(distributed_history=False, report_dir=tmp).update(m)`: summary "

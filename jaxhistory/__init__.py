@@ -31,6 +31,7 @@ from jaxhistory import (
     export,
     metrics,
     publish,
+    sentinels,
     sinks,
     trace,
 )
@@ -107,6 +108,7 @@ __all__ = [
     "reduce_sum",
     "save_metrics",
     "save_state",
+    "sentinels",
     "sinks",
     "step_flops",
     "trace",
@@ -119,7 +121,7 @@ __all__ = [
 _MOVED = {
     f"{name}_collective": ("jaxhistory.collective", name)
     for name in collective.__all__
-    if name != "all_gather"  # (never had the suffix)
+    if name not in ("all_gather", "watch")  # (never had the suffix)
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from jaxhistory._side_values import SideValues
 from jaxhistory._summary import NonfiniteWatch, SummaryLine, memory_token
 from jaxhistory.export._finalize import finalize as write_outputs
 from jaxhistory.export._units import MAX_PLOTS
+from jaxhistory.sentinels import Guard, SentinelError
 
 __all__ = ["History", "distributed_default", "memory_token"]
 
@@ -117,6 +119,11 @@ class History:
             step) and ``peak_flops`` (the peak FLOP/s of every device the step
             runs on, together) ``perf/mfu``, the model FLOPs utilisation.
 
+        sentinels: :mod:`jaxhistory.sentinels` checks on the recorded values
+            (:class:`~jaxhistory.sentinels.NonFinite`,
+            :class:`~jaxhistory.sentinels.Spike`) that warn, raise or call back,
+            and record ``sentinel/nonfinite`` and ``sentinel/spike``.
+
     With several processes and distributed history, each update that reduces
     something also records ``straggler/process`` (the process that reached the
     update last) and ``straggler/lag`` (seconds after the median process), in
@@ -154,8 +161,10 @@ class History:
         total_steps: int | None = None,
         flops_per_step: float | None = None,
         peak_flops: float | None = None,
+        sentinels: Sequence[Any] = (),
     ):
         memory = check_options(keys, log_every, memory)
+        self._guard = Guard(sentinels) if sentinels else None
         self.memory_every = memory  # 0: off
         # One lock for everything below: update, attach, flush and close may run
         # on several threads at once (attach takes only the side values' lock).
@@ -258,6 +267,9 @@ class History:
                     )
             if out.writing or _trace_state.active() is not None:
                 out.add(logged)
+            found = self._checked(row) if self._guard is not None else None
+        if found:
+            self._act(found)
         if not summarize or row.step % self.log_every:
             return ""
         line = self._line.format(row, precision)
@@ -281,6 +293,41 @@ class History:
         if row.kind is RowKind.VALUES and self.mesh is None:
             self.mesh = mesh_of(row.values)
         return row
+
+    def _checked(self, row: Row | None, wait: bool = False) -> list:
+        """Runs the sentinels on ``row`` (and on earlier device rows now on the
+        host) and records their counts (the caller holds the lock)."""
+        guard = self._guard
+        found = guard.ready(wait)
+        if row is not None:
+            if row.kind is RowKind.VALUES:
+                guard.device_row(row.step, row.names, row.values)
+                if wait:
+                    found += guard.ready(wait)
+            else:
+                finite = row.kind is RowKind.FINITE_FLOATS
+                found += guard.host_row(row.step, row.names, row.values, finite)
+        if found:
+            rows = []
+            for step, name, total in guard.counted(found):
+                state = self._rec.state
+                if name in state:  # each metric's steps increase
+                    step = max(step, int(state.steps(name)[-1]) + 1)
+                self._rec.append(Row(step, (name,), (total,), RowKind.FINITE_FLOATS))
+                rows.append((step, [(name, total)]))
+            self._emit(rows)
+        return found
+
+    def _act(self, found: list) -> None:
+        """Warns, calls back, or raises for the sentinels' events (not under the
+        lock: a callback may record); a raise once the step's line is in the
+        log."""
+        error = self._guard.act(found)
+        if error is not None:
+            writer = self._out.writer
+            if writer is not None:
+                writer.flush()
+            raise error
 
     def attach(self, metrics: Any, step: int | None = None) -> None:
         """Records host values of this process alone, never reduced across devices
@@ -364,11 +411,14 @@ class History:
         naming it."""
         with self._lock:
             self._record_leftover(with_step_only=True)
+            found = self._checked(None, wait=True) if self._guard else None
             writer, feed = self._out.flush()
         if writer is not None:
             writer.flush()
         if feed is not None:  # waits a bounded time; warns naming a stuck sink
             feed.flush()
+        if found:
+            self._act(found)
 
     def close(self) -> None:
         """Records values still attached, writes the queued JSONL lines, closes
@@ -411,7 +461,19 @@ class History:
             if self.report_dir is None:
                 raise ValueError("finalize needs an outdir (or a History report_dir)")
             outdir = self.report_dir
-        self.flush()
+        try:
+            self.flush()
+        except SentinelError as err:  # the run is over: the outputs still come
+            warnings.warn(f"sentinel at finalize: {err}", RuntimeWarning, stacklevel=2)
+        guard = self._guard
+        if guard is not None:
+            for sentinel in guard.unmatched():
+                warnings.warn(
+                    f"{sentinel!r} matched no recorded metric (metrics are named "
+                    f"like {', '.join(map(repr, self.state.keys[:3]))})",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         with self._lock:
             self._record_leftover()
             writer = self._out.writer
@@ -440,6 +502,7 @@ class History:
             timestamps=stamps,
             mesh=self.mesh,
             written=files,
+            events=list(guard.events) if guard is not None else (),
         )
         images = [p for p in files if p.suffix == ".png"]
         for sink in self.sinks:  # e.g. W&B: the history table and the plots

@@ -230,22 +230,38 @@ def _lead_offset(lead: tuple[str, ...], local: int) -> Any:
     return index * local
 
 
+def _needs(stats: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The columns of the max table and of the sum table that ``stats`` read."""
+    wanted = set(stats)
+    shifted = bool(_SHIFTED & wanted)
+    maxes = ("abs",) * ("max_abs" in wanted) + ("max", "negmin") * shifted
+    sums = (
+        ("sq",) * bool({"norm", "rms"} & wanted)
+        + ("zeros",) * ("zero_frac" in wanted)
+        + ("nonfinite",) * ("nonfinite" in wanted)
+        + ("d1", "d2") * shifted
+    )
+    return maxes, sums
+
+
 def _tables(
     blocks: list[jax.Array],
     plan: _Plan,
     axes: Sequence[str],
-    shifted: bool,
+    stats: tuple[str, ...],
     pmax: Any,
     psum: Any,
-) -> tuple[jax.Array, jax.Array]:
-    """The all-reduced max table ``(C, 1 or 3)`` and sum table ``(C, 3 or 5)``
-    of the plan's columns (the global column left out).
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """The all-reduced columns of the max table and of the sum table that
+    ``stats`` need (see :func:`_needs`), each one value per plan column (the
+    global column left out).
 
     Every part is one row per layer (or one row); parts whose rows are equally
     long are stacked and reduced together (one reduction per statistic and
     row length, not per leaf), then the rows are gathered into the columns in
     one operation per table."""
     dtype = plan.dtype
+    max_cols, sum_cols = _needs(stats)
     by_length: dict[int, list[int]] = {}
     rows_of, keeps = [], []
     for i, (x, part) in enumerate(zip(blocks, plan.parts, strict=True)):
@@ -260,29 +276,38 @@ def _tables(
         x2 = jnp.concatenate([rows_of[i] for i in idx])
         keep = jnp.concatenate([keeps[i] for i in idx])
         stacks.append((idx, x2, keep))
-    maxed: list[Any] = [None] * len(blocks)
-    for idx, x2, keep in stacks:
-        nan = jnp.isnan(x2)
-        ext = [jnp.max(jnp.where(nan, 0, jnp.abs(x2)), axis=1, initial=0)]
-        if shifted:  # the midrange, for the shifted sums
-            low = -jnp.inf
-            ext.append(jnp.max(jnp.where(nan, low, x2), axis=1, initial=low))
-            ext.append(jnp.max(jnp.where(nan, low, -x2), axis=1, initial=low))
-        rows = jnp.where(keep > 0, jnp.stack(ext, axis=1), -jnp.inf)
-        _scatter(maxed, idx, rows, rows_of)
-    ext = pmax(_columns(maxed, plan, "max"))  # all-reduce 1
+    ext = {}
+    if max_cols:
+        maxed: list[Any] = [None] * len(blocks)
+        low = -jnp.inf
+        for idx, x2, keep in stacks:
+            nan = jnp.isnan(x2)
+            cols = []
+            if "abs" in max_cols:
+                cols.append(jnp.max(jnp.where(nan, 0, jnp.abs(x2)), axis=1, initial=0))
+            if "max" in max_cols:  # the midrange, for the shifted sums
+                cols.append(jnp.max(jnp.where(nan, low, x2), axis=1, initial=low))
+                cols.append(jnp.max(jnp.where(nan, low, -x2), axis=1, initial=low))
+            rows = jnp.where(keep > 0, jnp.stack(cols, axis=1), low)
+            _scatter(maxed, idx, rows, rows_of)
+        table = pmax(_columns(maxed, plan, "max"))  # all-reduce 1
+        ext = {name: table[:, j] for j, name in enumerate(max_cols)}
     centre = None
-    if shifted:
-        mid = ext[:, 1] / 2 - ext[:, 2] / 2
+    if "max" in ext:
+        mid = ext["max"] / 2 - ext["negmin"] / 2
         centre = jnp.where(jnp.isfinite(mid), mid, 0)
+    if not sum_cols:
+        return ext, {}
     summed: list[Any] = [None] * len(blocks)
     for idx, x2, keep in stacks:
-        cols = [
-            jnp.sum(jnp.square(x2), axis=1),
-            jnp.sum((x2 == 0).astype(dtype), axis=1),
-            jnp.sum((~jnp.isfinite(x2)).astype(dtype), axis=1),
-        ]
-        if shifted:  # each row shifted by its column's midrange
+        cols = {}
+        if "sq" in sum_cols:
+            cols["sq"] = jnp.sum(jnp.square(x2), axis=1)
+        if "zeros" in sum_cols:
+            cols["zeros"] = jnp.sum((x2 == 0).astype(dtype), axis=1)
+        if "nonfinite" in sum_cols:
+            cols["nonfinite"] = _nonfinite(x2, cols.get("sq"))
+        if centre is not None:  # each row shifted by its column's midrange
             starts = []
             for i in idx:
                 part, k = plan.parts[i], rows_of[i].shape[0]
@@ -291,9 +316,23 @@ def _tables(
                     start = start + _lead_offset(part.lead_axes, k)
                 starts.append(lax.dynamic_slice(centre, (start,), (k,)))
             d = x2 - jnp.concatenate(starts).reshape(-1, 1)
-            cols += [jnp.sum(d, axis=1), jnp.sum(jnp.square(d), axis=1)]
-        _scatter(summed, idx, jnp.stack(cols, axis=1) * keep, rows_of)
-    return ext, psum(_columns(summed, plan, "add"))  # all-reduce 2
+            cols["d1"], cols["d2"] = jnp.sum(d, axis=1), jnp.sum(jnp.square(d), axis=1)
+        rows = jnp.stack([cols[c] for c in sum_cols], axis=1) * keep
+        _scatter(summed, idx, rows, rows_of)
+    table = psum(_columns(summed, plan, "add"))  # all-reduce 2
+    return ext, {name: table[:, j] for j, name in enumerate(sum_cols)}
+
+
+def _nonfinite(x2: jax.Array, sq: jax.Array | None) -> jax.Array:
+    """The count of NaN and infinite values of each row; counted only where
+    the sums of squares say there may be some (one pass saved otherwise)."""
+
+    def count():
+        return jnp.sum((~jnp.isfinite(x2)).astype(x2.dtype), axis=1)
+
+    if sq is None:
+        return count()
+    return lax.cond(jnp.all(jnp.isfinite(sq)), lambda: jnp.zeros_like(sq), count)
 
 
 def _scatter(out: list, idx: list[int], rows: jax.Array, rows_of: list) -> None:
@@ -326,45 +365,42 @@ def _columns(rows: list[jax.Array], plan: _Plan, how: str) -> jax.Array:
     return segment(table, jnp.asarray(ids), num_segments=c)
 
 
-def _finish(ext, sums, plan: _Plan, stats: tuple[str, ...]) -> jax.Array:
+def _finish(ext: dict, sums: dict, plan: _Plan, stats: tuple[str, ...]) -> jax.Array:
     """The ``(len(stats), C + 1)`` table: each column's statistics, then the
     global column's (every leaf together)."""
     dtype = plan.dtype
     counts = jnp.asarray(plan.counts[:-1], dtype)
     total = jnp.asarray(plan.counts[-1], dtype)
-    sq, zeros, nonfinite = sums[:, 0], sums[:, 1], sums[:, 2]
-    g_sq, g_zeros, g_nonfinite = jnp.sum(sq), jnp.sum(zeros), jnp.sum(nonfinite)
-    max_abs = ext[:, 0]
-    out = {
-        "norm": (jnp.sqrt(sq), jnp.sqrt(g_sq)),
-        "rms": (jnp.sqrt(sq / counts), jnp.sqrt(g_sq / total)),
-        "max_abs": (max_abs, jnp.max(max_abs)),
-        "zero_frac": (zeros / counts, g_zeros / total),
-        "nonfinite": (nonfinite, g_nonfinite),
-    }
-    if sums.shape[1] == 5:
-        mx, mn = ext[:, 1], -ext[:, 2]
-        centre = jnp.where(jnp.isfinite(mx / 2 + mn / 2), mx / 2 + mn / 2, 0)
-        d1 = sums[:, 3] / counts
-        mean = centre + d1
-        var = jnp.maximum(sums[:, 4] / counts - jnp.square(d1), 0)
+    out = {}
+    if "sq" in sums:
+        sq, g_sq = sums["sq"], jnp.sum(sums["sq"])
+        out["norm"] = (jnp.sqrt(sq), jnp.sqrt(g_sq))
+        out["rms"] = (jnp.sqrt(sq / counts), jnp.sqrt(g_sq / total))
+    if "abs" in ext:
+        out["max_abs"] = (ext["abs"], jnp.max(ext["abs"]))
+    if "zeros" in sums:
+        out["zero_frac"] = (sums["zeros"] / counts, jnp.sum(sums["zeros"]) / total)
+    if "nonfinite" in sums:
+        out["nonfinite"] = (sums["nonfinite"], jnp.sum(sums["nonfinite"]))
+    if "d1" in sums:
+        mid = ext["max"] / 2 - ext["negmin"] / 2
+        centre = jnp.where(jnp.isfinite(mid), mid, 0)
+        d1 = sums["d1"] / counts
+        mean = centre + d1  # inf and NaN go through as in NumPy
+        var = jnp.maximum(sums["d2"] / counts - jnp.square(d1), 0)
+        var = jnp.where(jnp.isfinite(d1), var, jnp.nan)
         # every leaf together: the columns' means and spreads combined (Chan)
         g_mean = jnp.sum(counts * mean) / total
         g_var = jnp.sum(counts * (var + jnp.square(mean - g_mean))) / total
-        bad = nonfinite > 0
-        mean = jnp.where(bad, jnp.nan, mean)
-        std = jnp.where(bad, jnp.nan, jnp.sqrt(var))
-        g_bad = g_nonfinite > 0
-        out["mean"] = (mean, jnp.where(g_bad, jnp.nan, g_mean))
-        out["std"] = (std, jnp.where(g_bad, jnp.nan, jnp.sqrt(g_var)))
+        out["mean"] = (mean, g_mean)
+        out["std"] = (jnp.sqrt(var), jnp.sqrt(g_var))
     rows = [jnp.concatenate([out[s][0], out[s][1][None]]) for s in stats]
     return jnp.stack(rows)
 
 
 def _stats_of(leaves, wheres, blocks_fn, prefix, stats, split, groups) -> Stats:
     plan = _plan(leaves, wheres, prefix, split, groups)
-    shifted = bool(_SHIFTED.intersection(stats))
-    ext, sums = blocks_fn(plan, shifted)
+    ext, sums = blocks_fn(plan, stats)
     return Stats(plan.names, _finish(ext, sums, plan, stats), rows=stats)
 
 
@@ -459,8 +495,8 @@ def watch(
     if mesh is None:  # every leaf replicated: nothing to all-reduce
         wheres = [_Where((), frozenset(), 1)] * len(arrays)
 
-        def local(plan, shifted):
-            return _tables(arrays, plan, (), shifted, _same, _same)
+        def local(plan, wanted):
+            return _tables(arrays, plan, (), wanted, _same, _same)
 
         return _stats_of(leaves, wheres, local, prefix, stats, split, groups)
     wheres = []
@@ -470,13 +506,13 @@ def watch(
         wheres.append(_Where(lead, frozenset(a for d in dims for a in d), 1))
     axes = tuple(mesh.axis_names)
 
-    def sharded(plan, shifted):
+    def sharded(plan, wanted):
         def body(*blocks):
             return _tables(
                 list(blocks),
                 plan,
                 axes,
-                shifted,
+                wanted,
                 lambda t: lax.pmax(t, axes),
                 lambda t: lax.psum(t, axes),
             )
@@ -550,12 +586,12 @@ def watch_collective(
         held = varying_axes(v) & frozenset(axes) if typed else frozenset(axes)
         wheres.append(_Where((), held, math.prod(sizes[a] for a in held)))
 
-    def local(plan, shifted):
+    def local(plan, wanted):
         return _tables(
             arrays,
             plan,
             axes,
-            shifted,
+            wanted,
             lambda t: lax.pmax(t, axis_name),
             lambda t: lax.psum(t, axis_name),
         )

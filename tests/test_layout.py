@@ -86,6 +86,7 @@ LAYERS = {
     "jaxhistory._run_setup": EFFECTS,  # resume, the sinks of this process
     "jaxhistory._side_values": EFFECTS,  # attached values, memory samples
     "jaxhistory._summary": EFFECTS,
+    "jaxhistory.sentinels": EFFECTS,  # checks that act on recorded values
     "jaxhistory._distributed": EFFECTS,
     "jaxhistory._history": EFFECTS,
     "jaxhistory._results": EFFECTS,

@@ -285,3 +285,19 @@ def test_the_shard_map_form_needs_a_bound_axis():
         jh.collective.watch({"a": jnp.ones(2)}, None)
     with pytest.raises(ValueError, match="not a bound mesh axis"):
         jh.collective.watch({"a": jnp.ones(2)}, "data")
+
+
+@pytest.mark.parametrize("stat", jh.WATCH_STATS)
+def test_each_statistic_alone_matches_numpy_in_its_collectives(mesh2d, stat):
+    """Only what a statistic needs is computed: one all-reduce for a sum or a
+    max alone, two for mean and std (the midrange first)."""
+    tree = sharded_tree(mesh2d, n=10, seed=5)
+    fn = jax.jit(lambda t: jh.watch(t, stats=(stat,)))
+    out = fn(tree)
+    assert set(out) == {f"{n}/kernel/{stat}" for n in tree} | {stat}
+    for name, leaf in tree.items():
+        x = np.asarray(leaf["kernel"], np.float64)
+        scale = x.std() if stat == "mean" else 1e-6
+        assert_close(float(out[f"{name}/kernel/{stat}"]), expected(x)[stat], scale)
+    counts = jh.collective_counts(lambda t: jh.watch(t, stats=(stat,)), tree)
+    assert sum(counts.values()) == (2 if stat in ("mean", "std") else 1), counts

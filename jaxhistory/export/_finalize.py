@@ -9,6 +9,7 @@ import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,7 @@ def finalize(
     environment: dict[str, Any] | None = None,
     written: list[Path] | None = None,
     max_plots: int | None = MAX_PLOTS,
+    events: Sequence[Any] = (),
 ):
     """Writes the outputs of a run into ``outdir``; returns its ``xarray.Dataset``.
 
@@ -141,7 +143,8 @@ def finalize(
     At most ``max_plots`` metrics are plotted (None: all; a figure costs about
     0.1 s of CPU): those with cross-device statistics first, then the others in
     recording order. The report names the rest, whose statistics it holds
-    like every metric's.
+    like every metric's. ``events``: what the run's sentinels found
+    (:class:`~jaxhistory.sentinels.Event`), listed in the report.
     """
     check_run_name(run_name)
     if run_id is None:
@@ -262,6 +265,7 @@ def finalize(
             terminal_plots=terminal,
             files=files,
             unplotted=[(u.title, max_plots) for u in unplotted],
+            events=events,
         )
     if written is not None:
         written.extend(files)

@@ -6,6 +6,7 @@ import datetime as _dt
 import math
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,28 @@ __all__ = ["devices_section", "md_escape", "stats_table", "to_markdown"]
 
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]|<>~#&])")
 TABLE_STATS = ("mean", "std", "median", "min", "max", "last", "nonfinite", "count")
+
+
+def sentinel_section(events: Sequence[Any]) -> list[str]:
+    """The events the run's sentinels found: how many of each kind, and a
+    table of the first 50 (step, metric, what)."""
+    kinds: dict[str, int] = {}
+    for event in events:
+        kinds[event.kind] = kinds.get(event.kind, 0) + 1
+    counted = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+    lines = [f"{len(events)} event(s): {counted}.", ""]
+    lines += ["| step | metric | sentinel | what |", "|---:|---|---|---|"]
+    for event in list(events)[:50]:
+        lines.append(
+            f"| {event.step} | {md_escape(event.metric)} | {event.kind} | "
+            f"{md_escape(event.detail)} |"
+        )
+    if len(events) > 50:
+        lines += [
+            "",
+            f"... and {len(events) - 50} more (the JSONL log has the counts).",
+        ]
+    return lines
 
 
 def md_escape(text: Any) -> str:
@@ -217,6 +240,7 @@ def to_markdown(
     files: list[str | os.PathLike] = (),
     unplotted: list[tuple[str, int]] = (),
     run_name: str | None = None,
+    events: Sequence[Any] = (),
 ) -> Path:
     """Writes the run's markdown report to ``path``; returns it.
 
@@ -263,6 +287,8 @@ def to_markdown(
     devices = devices_section(state)
     if devices:
         lines += ["", "## Devices", "", *devices]
+    if events:
+        lines += ["", "## Sentinels", "", *sentinel_section(events)]
     if images:
         relative = [
             (item[0], _relative(item[1], here))

@@ -1,0 +1,186 @@
+"""jaxhistory.sentinels: NonFinite and Spike act before the crash, name the
+metric, the step and the device, and never lose a line of the log."""
+
+import json
+import logging
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxhistory as jh
+from jaxhistory.sentinels import Event, NonFinite, SentinelError, Spike
+
+
+def caught_messages(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught]
+
+
+def test_a_nan_host_value_warns_at_its_update_and_is_counted(tmp_path, caplog):
+    h = jh.History(
+        distributed_history=False, report_dir=tmp_path, sentinels=[NonFinite()]
+    )
+    h.update({"loss": 1.0, "lr": 0.1}, step=1)
+    with caplog.at_level(logging.WARNING, logger="jaxhistory"):
+        messages = caught_messages(lambda: h.update({"loss": math.nan}, step=2))
+    assert messages == ["step 2: 'loss' is NaN"]
+    assert "step 2: 'loss' is NaN" in caplog.text
+    assert h.state.values("sentinel/nonfinite").tolist() == [1.0]
+    assert h.state.steps("sentinel/nonfinite").tolist() == [2]
+    h.close()
+    lines = [json.loads(x) for x in h.log_path.read_text().splitlines()]
+    assert lines[-1]["step"] == 2
+    assert lines[-1]["metrics"] == {"loss": "NaN", "sentinel/nonfinite": 1.0}
+
+
+def test_nonfinite_watches_only_its_patterns():
+    h = jh.History(
+        distributed_history=False, sentinels=[NonFinite(["train/*", "loss"])]
+    )
+    messages = caught_messages(
+        lambda: h.update({"eval/acc": math.inf, "train": {"loss": -math.inf}}, step=0)
+    )
+    assert messages == ["step 0: 'train/loss' is -inf"]
+
+
+def test_a_nan_on_one_device_is_named_with_its_device_and_process(mesh):
+    values = np.arange(8, dtype=np.float32)
+    values[3] = np.nan
+    loss = jax.device_put(values, NamedSharding(mesh, P("data")))
+    h = jh.History(distributed_history=True, sentinels=[NonFinite("loss/mean")])
+    messages = caught_messages(lambda: (h.update({"loss": loss}, step=5), h.flush()))
+    sentinel = [m for m in messages if m.startswith("step 5: 'loss/mean'")]
+    assert sentinel == ["step 5: 'loss/mean' is NaN on device 3 (process 0)"]
+    assert h.state.values("sentinel/nonfinite").tolist() == [1.0]
+
+
+def test_device_values_are_checked_within_the_in_flight_window():
+    seen = []
+    h = jh.History(
+        distributed_history=False, sentinels=[NonFinite("x", action=seen.append)]
+    )
+    h.update({"x": jnp.array([1.0, jnp.inf])}, step=0)
+    for s in range(1, 12):  # no flush: later updates find it on the host
+        h.update({"x": jnp.array([1.0, 2.0])}, step=s)
+    assert [e.step for e in seen] == [0]
+    assert seen[0].value == math.inf
+
+
+def smooth_noisy(n, seed):
+    rng = np.random.default_rng(seed)
+    trend = 2.0 * np.exp(-np.arange(n) / 3000) + 0.5
+    return trend + 0.02 * rng.normal(size=n)
+
+
+def test_no_false_alarm_on_ten_thousand_smooth_noisy_steps():
+    events = []
+    spikes = [Spike("a", action=events.append), Spike("b", action=events.append)]
+    h = jh.History(distributed_history=False, sentinels=spikes)
+    a, b = smooth_noisy(10_000, 0), smooth_noisy(10_000, 1) * 1e-6
+    for s in range(10_000):
+        h.update({"a": float(a[s]), "b": float(b[s])}, step=s, summarize=False)
+    assert events == []
+    assert "sentinel/spike" not in h.state
+
+
+def test_one_spike_does_not_hide_the_next():
+    events = []
+    h = jh.History(
+        distributed_history=False, sentinels=[Spike("loss", action=events.append)]
+    )
+    loss = smooth_noisy(600, 2)
+    loss[300], loss[301], loss[450] = 9.0, 7.0, -3.0
+    for s, v in enumerate(loss):
+        h.update({"loss": float(v)}, step=s, summarize=False)
+    assert [e.step for e in events] == [300, 301, 450]
+    assert all(isinstance(e, Event) and e.kind == "spike" for e in events)
+    assert "robust deviations from the median" in events[0].detail
+    assert h.state.values("sentinel/spike").tolist() == [1.0, 2.0, 3.0]
+
+
+def test_a_raise_comes_after_the_steps_line_is_in_the_log(tmp_path):
+    h = jh.History(
+        distributed_history=False,
+        report_dir=tmp_path,
+        sentinels=[Spike("loss", window=20, action="raise")],
+    )
+    for s in range(30):
+        h.update({"loss": 1.0 + 0.01 * (s % 3)}, step=s)
+    with pytest.raises(SentinelError, match="step 30: 'loss' spiked") as info:
+        h.update({"loss": 50.0, "lr": 0.1}, step=30)
+    assert info.value.event.step == 30 and info.value.event.value == 50.0
+    lines = [json.loads(x) for x in h.log_path.read_text().splitlines()]
+    assert lines[-1]["step"] == 30  # on disk already
+    assert lines[-1]["metrics"]["loss"] == 50.0
+    assert h.state.values("loss")[-1] == 50.0  # and recorded
+    h.update({"loss": 1.0}, step=31)  # recording goes on after the error
+    assert h.state.last_step("loss") == 31
+
+
+def test_a_callable_action_that_raises_is_reported_and_recording_goes_on():
+    def broken(event):
+        raise KeyError("oops")
+
+    h = jh.History(distributed_history=False, sentinels=[NonFinite(action=broken)])
+    messages = caught_messages(lambda: h.update({"loss": math.nan}, step=1))
+    assert len(messages) == 1 and "KeyError('oops')" in messages[0]
+    assert "recording goes on" in messages[0]
+    h.update({"loss": 1.0}, step=2)
+    assert h.state.steps("loss").tolist() == [1, 2]
+
+
+def test_a_sentinel_naming_a_metric_never_recorded_warns_at_finalize(tmp_path):
+    h = jh.History(distributed_history=False, sentinels=[Spike("val_loss")])
+    h.update({"loss": 1.0}, step=0)
+    messages = caught_messages(lambda: h.finalize(tmp_path, plot=False))
+    assert any(
+        "Spike('val_loss'" in m and "matched no recorded metric" in m for m in messages
+    )
+
+
+def test_the_report_lists_the_events(tmp_path):
+    h = jh.History(distributed_history=False, sentinels=[NonFinite()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        h.update({"loss": 1.0}, step=0)
+        h.update({"loss": math.inf}, step=1)
+        h.finalize(tmp_path, plot=False)
+    report = (tmp_path / "report.md").read_text()
+    assert "## Sentinels" in report and "1 event(s): 1 nonfinite." in report
+    assert "| 1 | loss | nonfinite | is inf |" in report
+
+
+def test_spike_needs_enough_values_and_ignores_nonfinite_and_arrays():
+    spike = Spike("x", window=10, min_steps=5)
+    assert [spike.see("x", s, 1.0) for s in range(4)] == [None] * 4
+    assert spike.see("x", 4, 100.0) is None  # 4 values seen: not yet
+    assert spike.see("x", 5, math.nan) is None
+    assert spike.see("x", 6, np.ones(3)) is None
+    assert spike.see("x", 7, 1e6) is not None  # constant window: any change
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: NonFinite(action="explode"), ValueError, "action"),
+        (lambda: NonFinite(metrics=[1]), TypeError, "glob"),
+        (lambda: NonFinite(metrics=[]), TypeError, "glob"),
+        (lambda: Spike(3), TypeError, "metric"),
+        (lambda: Spike("x", window=2), ValueError, "window"),
+        (lambda: Spike("x", threshold=0), ValueError, "threshold"),
+        (lambda: Spike("x", threshold=math.nan), ValueError, "threshold"),
+        (lambda: Spike("x", window=10, min_steps=11), ValueError, "min_steps"),
+        (lambda: jh.History(sentinels=["loss"]), TypeError, "NonFinite or Spike"),
+    ],
+)
+def test_bad_sentinels_are_refused_naming_what_was_wrong(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
