@@ -11,6 +11,12 @@ across devices without leaving the jitted train step:
   shard (shape ``(8,)``) without moving data between devices, and
   :func:`jaxhistory.distributed_stats` computes that loss's mean, max, min and
   standard deviation across the shards on device, in two all-reduces;
+* :func:`jaxhistory.watch` gives the gradients' and the parameter updates' norm,
+  rms, largest value, zero fraction and NaN/inf count per layer and over the
+  whole model, in the same step (the gradients are replicated: no collective);
+* two sentinels watch the run: a NaN or infinite loss statistic or gradient
+  (:class:`jaxhistory.sentinels.NonFinite`) and a loss spike
+  (:class:`jaxhistory.sentinels.Spike`) each warn, naming the step;
 * the host fetches the statistics only for logged steps, in one ``jax.device_get``;
 * every ``--eval-every`` steps, a held-out set of 1,000 examples is evaluated in
   padded batches with a :class:`jaxhistory.metrics.Collection` (the loss's mean and
@@ -47,6 +53,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxhistory
 from jaxhistory import trace
+from jaxhistory.sentinels import NonFinite, Spike
 
 IN_FEATURES = 16
 HIDDEN = 64
@@ -99,18 +106,26 @@ def make_dataset(seed: int) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
 @nnx.jit
 def train_step(
     model: MLP, optimizer: nnx.Optimizer, x: jax.Array, y: jax.Array
-) -> tuple[jaxhistory.Stats, jax.Array]:
-    """One SGD step; returns the loss's cross-device statistics and the grad norm."""
+) -> tuple[jaxhistory.Stats, jaxhistory.Stats, jaxhistory.Stats]:
+    """One optimizer step; returns the loss's cross-device statistics and the
+    per-layer statistics of the gradients and of the parameter updates."""
 
     def loss_fn(model: MLP) -> tuple[jax.Array, jax.Array]:
         per_example = jnp.mean(jnp.square(model(x) - y), axis=-1)  # (batch,)
         return jnp.mean(per_example), per_example
 
     grads, per_example = nnx.grad(loss_fn, has_aux=True)(model)
+    # (a copy: the optimizer updates the model's variables in place)
+    before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
     optimizer.update(model, grads)
+    updates = jax.tree.map(jnp.subtract, nnx.state(model, nnx.Param), before)
     # per_shard: (batch,) sharded over "data" -> (8,), one mean loss per device.
     stats = jaxhistory.distributed_stats({"loss": jaxhistory.per_shard(per_example)})
-    return stats, optax.global_norm(grads)
+    # One entry per layer (groups="*": linear1, linear2, out) and one over the
+    # whole model: grads/norm is the global gradient norm.
+    grad_stats = jaxhistory.watch(grads, groups="*")
+    update_stats = jaxhistory.watch(updates, groups="*", stats=("norm", "max_abs"))
+    return stats, grad_stats, update_stats
 
 
 @nnx.jit
@@ -188,6 +203,11 @@ def main(argv: list[str] | None = None) -> None:
             total_steps=args.steps,
             report_dir=args.outdir,
             run_name=f"demo-seed{args.seed}",
+            # Warn at a NaN/inf loss statistic or gradient, and at a loss spike.
+            sentinels=[
+                NonFinite(["train/*", "grads/*"]),
+                Spike("train/loss/mean", window=50),
+            ],
         )
 
         # A Chrome trace of the run (open traces/merged_trace.json in Perfetto):
@@ -204,16 +224,24 @@ def main(argv: list[str] | None = None) -> None:
             with jaxhistory.StopWatch("dispatch step"):  # host time: jit is async
                 x, y = jax.device_put((xs[idx], ys[idx]), batch_sharding)
                 out = train_step(model, optimizer, x, y)
-            stats, grad_norm = out
-            # Stats are recorded as train/loss/mean|max|min|std; nothing waits here.
+            stats, grads, updates = out
+            # Stats are recorded as train/loss/mean|max|min|std, grads/linear1/norm,
+            # ...; nothing waits here.
             history.update(
-                {"step": step, "train": stats, "grad_norm": grad_norm, "lr": args.lr},
+                {
+                    "step": step,
+                    "train": stats,
+                    "grads": grads,
+                    "updates": updates,
+                    "lr": args.lr,
+                },
                 summarize=False,
             )
             if step % args.log_every == 0 or step == args.steps:
                 # Timed after this step's update: step= records it at this step.
                 with jaxhistory.StopWatch("wait and log", history=history, step=step):
-                    s, grad_norm = jax.device_get(out)  # one transfer for all
+                    s, g, _ = jax.device_get(out)  # one transfer for all
+                    grad_norm = g["norm"]
                     print(
                         f"step={step:4d}  loss mean={s['loss/mean']:.6f} "
                         f"min={s['loss/min']:.6f} max={s['loss/max']:.6f} "

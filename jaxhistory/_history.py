@@ -298,15 +298,16 @@ class History:
         """Runs the sentinels on ``row`` (and on earlier device rows now on the
         host) and records their counts (the caller holds the lock)."""
         guard = self._guard
-        found = guard.ready(wait)
-        if row is not None:
-            if row.kind is RowKind.VALUES:
-                guard.device_row(row.step, row.names, row.values)
-                if wait:
-                    found += guard.ready(wait)
-            else:
-                finite = row.kind is RowKind.FINITE_FLOATS
-                found += guard.host_row(row.step, row.names, row.values, finite)
+        found = guard.ready(wait) if guard.pending else []
+        if row is None:
+            pass
+        elif row.kind is not RowKind.VALUES:
+            finite = row.kind is RowKind.FINITE_FLOATS
+            found += guard.host_row(row.step, row.names, row.values, finite)
+        else:
+            guard.device_row(row.step, row.names, row.values)
+            if wait:
+                found += guard.ready(wait)
         if found:
             rows = []
             for step, name, total in guard.counted(found):

@@ -26,6 +26,7 @@ __all__ = [
     "PROVENANCE",
     "STATS",
     "STEP_KEYS",
+    "WATCH_STATS",
     "aggregated_names",
     "check_depth",
     "decode_netcdf",
@@ -39,6 +40,8 @@ __all__ = [
 ]
 
 STATS = ("mean", "max", "min", "std")
+# What jaxhistory.watch computes per leaf (and over every leaf together).
+WATCH_STATS = ("norm", "rms", "max_abs", "zero_frac", "nonfinite", "mean", "std")
 # With provenance: the device holding the max, the min and the first NaN.
 PROVENANCE = ("argmax", "argmin", "nan_device")
 STEP_KEYS = ("step", "iter")  # an entry with one of these names is the step

@@ -33,13 +33,12 @@ from jaxhistory._collective import (
     check_axis_name,
     varying_axes,
 )
-from jaxhistory._names import check_depth, path_name
+from jaxhistory._names import WATCH_STATS, check_depth, path_name
 from jaxhistory._stats import Stats
 from jaxhistory._tree import acc_dtype, flatten_metrics
 
 __all__ = ["DEFAULT_WATCH", "WATCH_STATS", "watch", "watch_collective"]
 
-WATCH_STATS = ("norm", "rms", "max_abs", "zero_frac", "nonfinite", "mean", "std")
 DEFAULT_WATCH = ("norm", "rms", "max_abs", "zero_frac", "nonfinite")
 _SHIFTED = frozenset({"mean", "std"})  # the statistics that need the shifted sums
 

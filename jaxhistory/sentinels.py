@@ -213,34 +213,36 @@ class Spike(Sentinel):
             return None  # NaN or inf: NonFinite's to report
         seen = self._seen.get(name)
         if seen is None:
-            seen = self._seen[name] = [
-                collections.deque(maxlen=self.window),
-                0.0,
-                0.0,
-                0,
-            ]
+            seen = [collections.deque(maxlen=self.window), 0.0, 0.0, 0]
+            self._seen[name] = seen
         values = seen[0]
         event = None
         if len(values) >= self.min_steps:
             if seen[3] >= self._refresh or seen[3] == len(values):
                 self._measure(seen)
             if abs(value - seen[1]) > self.threshold * seen[2]:
-                if seen[3]:
-                    self._measure(seen)  # judged against fresh figures
-                median, scale = seen[1], seen[2]
-                z = abs(value - median) / scale
-                if z > self.threshold:
-                    event = Event(
-                        self.kind,
-                        name,
-                        step,
-                        value,
-                        f"spiked: {value:.6g} is {z:.1f} robust deviations from "
-                        f"the median {median:.6g} of the last {len(values)} values",
-                    )
+                event = self._judged(name, step, value, seen)
         values.append(value)
         seen[3] += 1
         return event
+
+    def _judged(self, name: str, step: int, value: float, seen: list) -> Event | None:
+        """The event for a value past the threshold, judged against freshly
+        computed figures (None if it is not past them)."""
+        if seen[3]:
+            self._measure(seen)
+        median, scale = seen[1], seen[2]
+        z = abs(value - median) / scale
+        if z <= self.threshold:
+            return None
+        return Event(
+            self.kind,
+            name,
+            step,
+            value,
+            f"spiked: {value:.6g} is {z:.1f} robust deviations from the median "
+            f"{median:.6g} of the last {len(seen[0])} values",
+        )
 
     @staticmethod
     def _measure(seen: list) -> None:
@@ -278,30 +280,38 @@ class Guard:
         self.counts = {"nonfinite": 0, "spike": 0}
         self.matched: set[int] = set()  # sentinels that matched a recorded metric
         self._plan: dict[tuple, list] = {}  # names -> [(index, sentinels)]
-        self._device: collections.deque = collections.deque()
+        self._last: tuple = (None, None, None)  # the last names, finite, plan
+        self.pending: collections.deque = collections.deque()  # device rows
         self._spikes = [s for s in sentinels if isinstance(s, Spike)]
 
-    def _targets(self, names: tuple) -> list:
-        plan = self._plan.get(names)
+    def _targets(self, names: tuple, finite: bool = False) -> list:
+        """``[(index, sentinels)]`` of the names some sentinel watches (with
+        ``finite``, leaving out the NonFinite ones: nothing for them to see)."""
+        last = self._last
+        if last[0] is names and last[1] is finite:  # rows parsed alike share names
+            return last[2]
+        key = (names, finite)
+        plan = self._plan.get(key)
         if plan is None:
             if len(self._plan) > 256:
                 self._plan.clear()
             plan = []
             for i, name in enumerate(names):
                 who = [s for s in self.sentinels if s.wants(name)]
+                self.matched.update(id(s) for s in who)
+                if finite:
+                    who = [s for s in who if s.kind != "nonfinite"]
                 if who:
                     plan.append((i, who))
-                    self.matched.update(id(s) for s in who)
-            self._plan[names] = plan
+            self._plan[key] = plan
+        self._last = (names, finite, plan)
         return plan
 
     def host_row(self, step: int, names: tuple, values: tuple, finite: bool) -> list:
         """Checks a row of Python numbers now (``finite``: known finite)."""
         events = []
-        for i, who in self._targets(names):
+        for i, who in self._targets(names, finite):
             for s in who:
-                if finite and s.kind == "nonfinite":
-                    continue
                 event = s.see(names[i], step, values[i])
                 if event is not None:
                     events.append((s, event))
@@ -309,13 +319,13 @@ class Guard:
 
     def device_row(self, step: int, names: tuple, values: tuple) -> None:
         """Queues a row with device values, checked once they are on the host."""
-        self._device.append((step, names, values))
+        self.pending.append((step, names, values))
 
     def ready(self, wait: bool = False) -> list:
         """Checks the queued device rows whose values are on the host (all of
         them with ``wait``; the oldest ones past :attr:`INFLIGHT` in any case)."""
         events = []
-        queue = self._device
+        queue = self.pending
         while queue:
             step, names, values = queue[0]
             if not (wait or len(queue) > self.INFLIGHT or _ready(values)):

@@ -64,13 +64,19 @@ def test_demo_runs_and_loss_decreases(tmp_path):
     assert (out / "dataset.nc").is_file() and (out / "report.md").is_file()
     (log,) = out.glob("demo-seed0-*.jsonl")
     state = jh.HistoryState.from_jsonl(log)
-    assert state.count("train/loss/mean") == state.count("grad_norm") == 30
+    assert state.count("train/loss/mean") == state.count("grads/norm") == 30
+    # watch: per layer (linear1, linear2, out) and over the model, per step
+    for layer in ("linear1", "linear2", "out"):
+        assert state.count(f"grads/{layer}/norm") == 30
+        assert state.count(f"updates/{layer}/max_abs") == 30
+    assert (out / "plots" / "mplot" / "grads_norm.layers.png").is_file()
+    assert "## Per layer" in (out / "report.md").read_text()
     assert (out / "plots" / "mplot" / "train_loss.png").is_file()
     assert (out / "plots" / "tplot" / "train_loss.txt").is_file()
     assert "· mean" in proc.stdout and f"outputs: {out}" in proc.stdout
     state = jh.HistoryState.from_netcdf(out / "dataset.nc")
     assert state.steps("train/loss/mean").tolist() == list(range(1, 31))
-    assert state.count("grad_norm") == 30
+    assert state.count("grads/norm") == 30
     # End-of-training report: the table on stdout and the result files.
     assert "***** train metrics *****" in proc.stdout
     assert re.search(r"  train_runtime +=  *\d+:\d\d:\d\d\.\d\d", proc.stdout)

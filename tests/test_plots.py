@@ -428,3 +428,57 @@ def test_the_terminal_legend_is_under_the_plot_not_over_the_data(tmp_path):
     ]  # fmt: skip
     top = next(ln for ln in lines if ln.startswith("2.5"))
     assert "+" in top  # the early spike is visible, not under a legend box
+
+
+def test_watch_entries_make_heatmaps_in_png_text_and_the_report(tmp_path):
+    """Per-layer watch entries are drawn as one heatmap per statistic (entry x
+    step), in PNG and text, in the report's "Per layer" section; they take no
+    line plots of their own, their totals do."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxhistory.export._tplot import layers_text
+    from jaxhistory.export._units import layer_families
+
+    rng = np.random.default_rng(0)
+    h = jh.History(distributed_history=False)
+    watch = jax.jit(lambda t: jh.watch(t, split_layers=True, stats=("norm", "rms")))
+    for s in range(30):
+        scale = np.exp(-np.arange(60) / 20.0)[:, None]
+        grads = {"layers": {"w": jnp.float32(rng.normal(size=(60, 16)) * scale)}}
+        h.update({"loss": 1.0 / (s + 1), "grads": watch(grads)}, step=s)
+    families = layer_families(h.state.keys)
+    assert [(f.prefix, f.stat, len(f.labels)) for f in families] == [
+        ("grads", "norm", 60),
+        ("grads", "rms", 60),
+    ]
+    assert families[0].labels[:3] == ("layers/w/0", "layers/w/1", "layers/w/2")
+    assert families[0].labels[10] == "layers/w/10"  # natural order
+    h.finalize(tmp_path, max_plots=None)
+    mplot, tplot = tmp_path / "plots" / "mplot", tmp_path / "plots" / "tplot"
+    assert (mplot / "grads_norm.layers.png").stat().st_size > 10_000
+    text = (tplot / "grads_norm.layers.txt").read_text()
+    assert text.startswith("grads: norm per entry (60 entries)")
+    assert "layers/w/0..1 |" in text and "linear scale" in text  # 60 rows: pairs
+    pngs = sorted(p.name for p in mplot.glob("*.png"))
+    assert "grads_norm.png" in pngs and "loss.png" in pngs
+    assert not any("layers_w_" in p for p in pngs)  # entries only in heatmaps
+    report = (tmp_path / "report.md").read_text()
+    assert "## Per layer" in report
+    assert "![grads: norm per entry](<plots/mplot/grads_norm.layers.png>)" in report
+    # 200 entries fold into at most 40 lines, each naming its range once
+    many = layers_text(
+        "x", np.arange(5), np.ones((200, 5)), [f"b/{i}" for i in range(200)]
+    )
+    assert len(many.splitlines()) == 1 + 40 + 2 and "b/0..4 |" in many
+
+
+def test_layer_families_need_a_total_and_three_entries():
+    from jaxhistory.export._units import layer_families
+
+    assert layer_families(["a/x/norm", "a/y/norm", "a/z/norm"]) == []  # no total
+    assert layer_families(["a/x/norm", "a/y/norm", "a/norm"]) == []  # two entries
+    keys = ["x/norm", "y/norm", "z/norm", "norm", "x/rms"]
+    (family,) = layer_families(keys)
+    assert family.prefix == "" and family.total == "norm"
+    assert family.title == "norm per entry"

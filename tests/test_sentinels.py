@@ -184,3 +184,22 @@ def test_spike_needs_enough_values_and_ignores_nonfinite_and_arrays():
 def test_bad_sentinels_are_refused_naming_what_was_wrong(make, error, match):
     with pytest.raises(error, match=match):
         make()
+
+
+def test_the_plot_of_a_metric_marks_where_its_sentinel_fired(tmp_path):
+    from jaxhistory.export import _mpl
+
+    h = jh.History(distributed_history=False)
+    for s in range(50):
+        h.update({"loss": 1.0 + (5.0 if s == 30 else 0.01 * (s % 3))}, step=s)
+    pending = _mpl.start_png(h.state, tmp_path, marks={"loss": [30, 3]})
+    (kind, (_data, unit, steps), path) = pending.jobs[0]
+    assert kind == "unit" and unit.title == "loss" and steps == [3, 30]
+    assert pending.wait() == [path] and path.stat().st_size > 5_000
+    events = []
+    h2 = jh.History(
+        distributed_history=False, sentinels=[Spike("loss", action=events.append)]
+    )
+    for s in range(50):
+        h2.update({"loss": 1.0 + (5.0 if s == 30 else 0.01 * (s % 3))}, step=s)
+    assert [e.step for e in events] == [30]

@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+from test_history_state import key_sets
 
 import jaxhistory as jh
 from jaxhistory import export
@@ -57,13 +58,6 @@ def test_a_metric_named_like_the_mask_with_gaps_and_no_nan_round_trips(tmp_path)
 
 
 # ----- sparse metrics in bulk: one long table ---------------------------------------
-
-
-def key_sets(n):
-    s = jh.HistoryState()
-    for i in range(n):
-        s = s.update({f"sample/{i}": float(i), "loss": 1.0 / (i + 1)}, step=i)
-    return s
 
 
 def test_sparse_metrics_in_bulk_go_to_one_long_table(tmp_path):

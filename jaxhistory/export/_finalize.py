@@ -30,8 +30,8 @@ from jaxhistory.export._jsonl import to_jsonl
 from jaxhistory.export._markdown import to_markdown
 from jaxhistory.export._mpl import start_png
 from jaxhistory.export._netcdf import to_netcdf
-from jaxhistory.export._tplot import summary_choice, write_all
-from jaxhistory.export._units import MAX_PLOTS, capped, plot_units
+from jaxhistory.export._tplot import summary_choice, write_all, write_layers
+from jaxhistory.export._units import MAX_PLOTS, capped, layer_families, plot_units
 
 __all__ = ["Progress", "finalize"]
 
@@ -155,7 +155,15 @@ def finalize(
     if run_name:
         attrs["run_name"] = run_name
     attrs["warmup_steps"] = warmup_count(warmup, len(state.all_steps()))
-    units, unplotted = capped(plot_units(state), max_plots) if plot else ([], [])
+    families = layer_families(state.keys) if plot else []
+    # A watch family's entries are drawn in its heatmap; its total keeps a plot.
+    in_heatmaps = {name for f in families for name in f.names}
+    units = (
+        [u for u in plot_units(state) if not in_heatmaps.issuperset(u.names)]
+        if plot
+        else []
+    )
+    units, unplotted = capped(units, max_plots) if plot else ([], [])
     if jax.process_index() != 0:
         ds = state.to_xarray()
         ds.attrs.update(netcdf_attrs(attrs))
@@ -196,6 +204,7 @@ def finalize(
         files.append(log)
     images: list[Path] = []
     titles: dict[Path, str] = {}  # image -> the title of its plot
+    per_layer: list[tuple] = []  # (title, heatmap image, text) per watch family
     terminal: dict[str, str] = {}
     if plot:
         arrays = sum(1 for u in units if u.raw is not None and state.shape(u.raw))
@@ -211,10 +220,21 @@ def finalize(
             raise WriteError(outdir / "plots", err) from err
         pending = None
         try:
+            marks: dict[str, list[int]] = {}  # where sentinels fired
+            for event in events:
+                marks.setdefault(event.metric, []).append(event.step)
             pending = start_png(
-                state, staging / "mplot", warmup, num_chains, progress, units
+                state,
+                staging / "mplot",
+                warmup,
+                num_chains,
+                progress,
+                units,
+                families,
+                marks,
             )  # drawn by worker processes while the terminal plots are made
             tplots = write_all(state, staging / "tplot", warmup, progress, units)
+            layer_texts = write_layers(state, staging / "tplot", warmup, families)
             images = pending.wait()
             titles = pending.titles
             pending = None
@@ -235,7 +255,12 @@ def finalize(
         titles = {final / p.relative_to(staging): t for p, t in titles.items()}
         images = [final / p.relative_to(staging) for p in images]
         tplots = [(u, final / p.relative_to(staging), t) for u, p, t in tplots]
-        files += images + [path for _, path, _ in tplots]
+        layer_texts = [
+            (f, final / p.relative_to(staging), t) for f, p, t in layer_texts
+        ]
+        files += images + [path for _, path, _ in tplots + layer_texts]
+        by_title = {t: p for p, t in titles.items()}
+        per_layer = [(f.title, by_title.get(f.title), t) for f, _, t in layer_texts]
         chosen = {u.title for u in summary_choice(units)}
         terminal = {u.title: text for u, _, text in tplots if u.title in chosen}
         if echo:
@@ -261,11 +286,16 @@ def finalize(
             run_id=run_id,
             run_name=run_name,
             environment=env,
-            images=[(titles[p], p) for p in images if p.suffix == ".png"],
+            images=[
+                (titles[p], p)
+                for p in images
+                if p.suffix == ".png" and titles[p] not in {f.title for f in families}
+            ],
             terminal_plots=terminal,
             files=files,
             unplotted=[(u.title, max_plots) for u in unplotted],
             events=events,
+            per_layer=per_layer,
         )
     if written is not None:
         written.extend(files)

@@ -241,6 +241,7 @@ def to_markdown(
     unplotted: list[tuple[str, int]] = (),
     run_name: str | None = None,
     events: Sequence[Any] = (),
+    per_layer: Sequence[tuple] = (),
 ) -> Path:
     """Writes the run's markdown report to ``path``; returns it.
 
@@ -289,6 +290,19 @@ def to_markdown(
         lines += ["", "## Devices", "", *devices]
     if events:
         lines += ["", "## Sentinels", "", *sentinel_section(events)]
+    if per_layer:
+        lines += ["", "## Per layer", ""]
+        lines += [
+            "Each watched statistic, one row per entry (layer, leaf or group) and "
+            "the steps across; the text form of each is beside the terminal plots.",
+            "",
+        ]
+        for title, image, text in per_layer:
+            lines += [f"### {md_escape(title)}", ""]
+            if image is not None:
+                lines += [f"![{md_escape(title)}](<{_relative(image, here)}>)", ""]
+            else:
+                lines += ["```", text.rstrip("\n"), "```", ""]
     if images:
         relative = [
             (item[0], _relative(item[1], here))

@@ -7,6 +7,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,9 +17,11 @@ from jaxhistory._names import file_stems
 from jaxhistory._optional import import_optional
 from jaxhistory.export._units import (
     MARKERS_UP_TO,
+    LayerFamily,
     PlotUnit,
     bucket,
     constant_unit,
+    family_matrix,
     log_scale,
     plot_units,
     printable,
@@ -81,7 +84,9 @@ def _draw_constant(unit: PlotUnit, x: np.ndarray, value: float, path: Path) -> N
     _save(fig, path)
 
 
-def _draw_unit(data: dict[str, tuple], unit: PlotUnit, path: Path) -> None:
+def _draw_unit(
+    data: dict[str, tuple], unit: PlotUnit, marks: Sequence, path: Path
+) -> None:
     """Draws one unit from ``data``, its series by name (warmup left out).
 
     A unit whose lines are all one value (:func:`constant_unit`) is drawn as
@@ -191,7 +196,10 @@ def _draw_unit(data: dict[str, tuple], unit: PlotUnit, path: Path) -> None:
             va="center",
             transform=ax.transAxes,
         )
-    elif ax.get_legend_handles_labels()[0]:
+    for i, step in enumerate(marks):  # where a sentinel fired on this metric
+        label = "sentinel" if i == 0 else None
+        ax.axvline(step, color="crimson", alpha=0.6, lw=0.9, ls="--", label=label)
+    if ax.get_legend_handles_labels()[0] and (ax.lines or ax.collections):
         ax.legend(loc="best", fontsize="small")
     _save(fig, path)
 
@@ -263,6 +271,39 @@ def _draw_heatmap(title, x, chains, path: Path) -> None:
     _save(fig, path)
 
 
+def _draw_layers(title, x, data, labels, path: Path) -> None:
+    """A family of watch entries as a heatmap: one row per entry (layer, leaf
+    or group), steps across; a log colour scale where the values are positive
+    and span more than two decades; at most 40 row labels."""
+    from matplotlib.colors import LogNorm
+
+    rows = data.shape[0]
+    height = max(SIZE[1], min(14.0, 1.6 + 0.055 * rows))
+    fig = _figure()
+    fig.set_size_inches(SIZE[0], height)
+    fig.subplots_adjust(
+        left=0.24, right=0.9, top=1 - 0.45 / height, bottom=0.55 / height
+    )
+    ax = fig.add_subplot()
+    cols = _pick(len(x), 1000)
+    shown = np.ma.masked_invalid(data[:, cols])
+    finite = data[np.isfinite(data)]
+    norm = None
+    if finite.size and finite.min() > 0 and finite.max() / finite.min() > 100:
+        norm = LogNorm(vmin=float(finite.min()), vmax=float(finite.max()))
+    extent = (float(x[0]) - 0.5, float(x[-1]) + 0.5, rows - 0.5, -0.5)
+    image = ax.imshow(
+        shown, aspect="auto", interpolation="nearest", extent=extent, norm=norm
+    )
+    fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02)
+    ticks = _pick(rows, 40)
+    ax.set_yticks(ticks)
+    ax.set_yticklabels([printable(labels[i])[-32:] for i in ticks], fontsize=7)
+    ax.set_title(f"{printable(title)} ({rows} entries)")
+    ax.set_xlabel("step")
+    _save(fig, path)
+
+
 def to_png(
     state: HistoryState,
     outdir: str | os.PathLike,
@@ -294,10 +335,15 @@ def start_png(
     num_chains: int = 128,
     progress=None,
     units: list[PlotUnit] | None = None,
+    families: Sequence[LayerFamily] = (),
+    marks: dict[str, list[int]] | None = None,
 ) -> PendingPlots:
     """:func:`to_png`, returning at once with the plots being drawn (in worker
     processes when there are many); ``.wait()`` returns the paths. ``units``
-    (of :func:`plot_units`) draws only those."""
+    (of :func:`plot_units`) draws only those; each of ``families`` (of
+    :func:`layer_families`) is drawn as a heatmap, ``{stem}.layers.png``;
+    ``marks`` (metric -> steps) draws a dashed line at each step on the plots
+    of those metrics (where a sentinel fired)."""
     if not isinstance(num_chains, int) or num_chains < 1:
         raise ValueError(f"num_chains must be a positive int, got {num_chains!r}")
     outdir = Path(outdir)
@@ -307,9 +353,11 @@ def start_png(
     stems = file_stems(u.title for u in units)
     taken = {stem.casefold() for stem in stems.values()}
     jobs = []  # (kind, arguments, path): the data read here, drawn anywhere
+    marks = marks or {}
     for unit in units:
         data = {name: series(state, name, first) for name in unit.names}
-        jobs.append(("unit", (data, unit), outdir / f"{stems[unit.title]}.png"))
+        steps = sorted({s for n in unit.names for s in marks.get(n, ()) if s >= first})
+        jobs.append(("unit", (data, unit, steps), outdir / f"{stems[unit.title]}.png"))
         if unit.raw is not None and state.shape(unit.raw):
             x, y = data[unit.raw]
             if len(x):
@@ -319,6 +367,13 @@ def start_png(
                     stem = _extra_stem(stems[unit.title], kind, taken)
                     args = (unit.title, x, chains)
                     jobs.append((kind, args, outdir / f"{stem}.png"))
+    family_stems = file_stems(f.total for f in families)
+    for family in families:
+        x, data = family_matrix(state, family, first)
+        if len(x):
+            stem = _extra_stem(family_stems[family.total], "layers", taken)
+            args = (family.title, x, data, family.labels)
+            jobs.append(("layers", args, outdir / f"{stem}.png"))
     return PendingPlots(jobs, progress)
 
 
@@ -334,7 +389,12 @@ WORKER = (
     "from jaxhistory.export._draw_worker import main\n"
     "sys.exit(main(sys.argv[2]))\n"
 )
-_DRAW = {"unit": _draw_unit, "ridge": _draw_ridge, "heatmap": _draw_heatmap}
+_DRAW = {
+    "unit": _draw_unit,
+    "ridge": _draw_ridge,
+    "heatmap": _draw_heatmap,
+    "layers": _draw_layers,
+}
 
 
 def draw_job(job: tuple) -> Path:

@@ -31,6 +31,7 @@ from jaxhistory.export._units import (
     PlotUnit,
     bucket,
     constant_unit,
+    family_matrix,
     plot_units,
     printable,
     row_stats,
@@ -245,6 +246,92 @@ def write_all(state, outdir, warmup=0, progress=None, units=None):
         out.append((unit, path, text))
         if progress:
             progress(path)
+    return out
+
+
+SHADES = " .:-=+*#%@"  # low to high
+
+
+def layers_text(
+    title: str,
+    x: np.ndarray,
+    data: np.ndarray,
+    labels,
+    width: int = 72,
+    height: int = 40,
+) -> str:
+    """A family of watch entries as a text heatmap: one line per entry (entries
+    binned into at most ``height`` lines, each showing its bin's largest
+    value), steps binned into at most ``width`` columns (their mean), shades
+    from ``SHADES`` on a log scale where the values are positive and span more
+    than two decades; ``?`` where there is no finite value."""
+    rows, n = data.shape
+    row_bins = np.array_split(np.arange(rows), min(rows, height))
+    col_bins = np.array_split(np.arange(n), min(n, width))
+    grid = np.full((len(row_bins), len(col_bins)), np.nan)
+    with np.errstate(all="ignore"):
+        finite = np.where(np.isfinite(data), data, np.nan)
+        for i, rb in enumerate(row_bins):
+            block = finite[rb]
+            for j, cb in enumerate(col_bins):
+                cell = block[:, cb]
+                if np.isfinite(cell).any():
+                    grid[i, j] = np.nanmax(np.nanmean(cell, axis=1))
+    values = grid[np.isfinite(grid)]
+    log = bool(values.size) and values.min() > 0 and values.max() / values.min() > 100
+    scaled = np.log10(grid) if log else grid
+    lo, hi = (np.nanmin(scaled), np.nanmax(scaled)) if values.size else (0.0, 1.0)
+    span = hi - lo if hi > lo else 1.0
+    names = []
+    for rb in row_bins:
+        first, last = printable(labels[rb[0]]), printable(labels[rb[-1]])
+        if len(rb) == 1:
+            names.append(first)
+        else:  # layers/kernel/100..109: the shared folder once
+            pairs = zip(first, last, strict=False)
+            same = next(
+                (i for i, (a, b) in enumerate(pairs) if a != b),
+                min(len(first), len(last)),
+            )
+            cut = first.rfind("/", 0, same) + 1
+            names.append(f"{first}..{last[cut:]}")
+    pad = min(max(len(t) for t in names), 36)
+    lines = [f"{printable(title)} ({rows} entries)"]
+    for name, row in zip(names, scaled, strict=True):
+        cells = "".join(
+            "?"
+            if not np.isfinite(v)
+            else SHADES[min(int((v - lo) / span * len(SHADES)), len(SHADES) - 1)]
+            for v in row
+        )
+        lines.append(f"{name[-pad:]:>{pad}} |{cells}|")
+    lines.append(f"{'':>{pad}}  step {x[0]:g} .. {x[-1]:g}")
+    low = 10**lo if log else lo
+    high = 10**hi if log else hi
+    scale = "log" if log else "linear"
+    lines.append(
+        f"{'':>{pad}}  '{SHADES[0]}' {low:.3g} .. '{SHADES[-1]}' {high:.3g} "
+        f"({scale} scale; '?': no finite value)"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def write_layers(state, outdir, warmup, families) -> list[tuple]:
+    """A text heatmap of each watch family (:func:`layers_text`):
+    ``[(family, path, text)]``, written as ``{stem}.layers.txt``."""
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    first = state.first_kept_step(warmup)
+    stems = file_stems(f.total for f in families)
+    out = []
+    for family in families:
+        x, data = family_matrix(state, family, first)
+        if not len(x):
+            continue
+        text = layers_text(family.title, x, data, family.labels)
+        path = outdir / f"{stems[family.total]}.layers.txt"
+        path.write_text(text, encoding="utf-8")
+        out.append((family, path, text))
     return out
 
 

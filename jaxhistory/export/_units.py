@@ -4,21 +4,31 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from jaxhistory._names import PROVENANCE, STATS, aggregated_names, printable
+from jaxhistory._names import (
+    PROVENANCE,
+    STATS,
+    WATCH_STATS,
+    aggregated_names,
+    printable,
+)
 
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState
 
 __all__ = [
     "MAX_POINTS",
+    "LayerFamily",
     "PlotUnit",
     "bucket",
     "constant",
     "constant_unit",
+    "family_matrix",
+    "layer_families",
     "log_scale",
     "plot_units",
     "printable",
@@ -50,6 +60,74 @@ class PlotUnit:
     def names(self) -> tuple[str, ...]:
         named = (self.raw, *self.stats.values(), *(n for _, n in self.others))
         return tuple(n for n in named if n is not None)
+
+
+class LayerFamily(NamedTuple):
+    """The entries of one :func:`~jaxhistory.watch` statistic (``norm``, ...)
+    under one prefix, drawn together as a heatmap (entry x step): the
+    entries' labels (their paths, in natural order: ``layers/2`` before
+    ``layers/10``) and metric names, and the total's metric name."""
+
+    prefix: str
+    stat: str
+    labels: tuple[str, ...]
+    names: tuple[str, ...]
+    total: str
+
+    @property
+    def title(self) -> str:
+        return (
+            f"{self.prefix}: {self.stat} per entry"
+            if self.prefix
+            else (f"{self.stat} per entry")
+        )
+
+
+def _natural(text: str) -> list:
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
+
+
+def layer_families(keys: Sequence[str], min_rows: int = 3) -> list[LayerFamily]:
+    """The watch statistics of ``keys`` with at least ``min_rows`` entries:
+    ``{prefix}/{path}/{stat}`` beside a total ``{prefix}/{stat}`` (``{stat}``
+    with no prefix), ``stat`` one of :data:`~jaxhistory.WATCH_STATS`."""
+    present = set(keys)
+    found: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for name in keys:
+        base, _, stat = name.rpartition("/")
+        if stat not in WATCH_STATS or not base:
+            continue
+        parts = base.split("/")
+        for cut in range(len(parts) - 1, -1, -1):
+            prefix = "/".join(parts[:cut])
+            if (f"{prefix}/{stat}" if prefix else stat) in present:
+                entry = "/".join(parts[cut:])
+                found.setdefault((prefix, stat), []).append((entry, name))
+                break
+    out = []
+    for (prefix, stat), rows in found.items():
+        if len(rows) >= min_rows:
+            rows.sort(key=lambda r: _natural(r[0]))
+            labels, names = zip(*rows, strict=True)
+            total = f"{prefix}/{stat}" if prefix else stat
+            out.append(LayerFamily(prefix, stat, labels, names, total))
+    return out
+
+
+def family_matrix(
+    state: HistoryState, family: LayerFamily, first: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The steps from ``first`` on and the ``(entries, steps)`` values of a
+    family (NaN where an entry has no record at a step)."""
+    parts = [series(state, name, first) for name in family.names]
+    x = parts[0][0]
+    if not all(np.array_equal(p[0], x) for p in parts):
+        x = np.unique(np.concatenate([p[0] for p in parts]))
+    data = np.full((len(parts), len(x)), np.nan)
+    for i, (steps, values) in enumerate(parts):
+        values = np.asarray(values, np.float64).reshape(len(steps), -1)[:, 0]
+        data[i, np.searchsorted(x, steps)] = values
+    return x, data
 
 
 # Prefixes of metrics compared with ``train/...`` on one plot.
