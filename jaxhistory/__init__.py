@@ -4,7 +4,9 @@ Reducers compute statistics across devices inside jitted train steps:
 
 * SPMD (inside ``jax.jit`` / ``nnx.jit`` on global arrays): :func:`reduce_mean`,
   :func:`reduce_sum`, :func:`reduce_max`, :func:`reduce_min`, :func:`reduce_std`,
-  :func:`reduce_custom`, :func:`distributed_stats`, :func:`per_shard`.
+  :func:`reduce_custom`, :func:`distributed_stats`, :func:`per_shard`, and
+  :func:`watch` (norm, rms, max_abs, zero fraction, NaN/inf count of every leaf
+  of a pytree: per-layer gradients, parameters, updates).
 * Collective (inside ``jax.shard_map``, ``axis_name`` required): the
   :mod:`jaxhistory.collective` namespace (``jh.collective.reduce_mean``, ...,
   ``jh.collective.distributed_stats``, ``jh.collective.all_gather``); on the
@@ -13,8 +15,9 @@ Reducers compute statistics across devices inside jitted train steps:
 Accumulators that merge across batches and devices (``Average``, ``Accuracy``,
 ``Std``, ``Collection``, ...): :mod:`jaxhistory.metrics`.
 
-Recording: :class:`HistoryState`, :class:`History`, :class:`MetricBuffer`; outputs
-in :mod:`jaxhistory.export`. End-of-stage reports: :func:`log_metrics`,
+Recording: :class:`HistoryState`, :class:`History`, :class:`MetricBuffer`; checks
+that act before a crash in :mod:`jaxhistory.sentinels` (``NonFinite``, ``Spike``);
+outputs in :mod:`jaxhistory.export`. End-of-stage reports: :func:`log_metrics`,
 :func:`metrics_format`, :func:`save_metrics`, :func:`save_state`,
 :class:`MemoryTracker`, :func:`device_memory`, :func:`compiled_memory`.
 Publishing and timing: :mod:`jaxhistory.publish` (``put_metric``, ``@prof``),

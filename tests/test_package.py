@@ -106,6 +106,8 @@ def test_public_functions_have_runnable_examples():
         "export._jsonl",
         "_results",
         "_memory",
+        "_watch",
+        "sentinels",
     ],
 )
 def test_docstring_examples_run(module):
