@@ -281,8 +281,12 @@ def _draw_layers(title, x, data, labels, path: Path) -> None:
     height = max(SIZE[1], min(14.0, 1.6 + 0.055 * rows))
     fig = _figure()
     fig.set_size_inches(SIZE[0], height)
-    fig.subplots_adjust(
-        left=0.24, right=0.9, top=1 - 0.45 / height, bottom=0.55 / height
+    longest = max(len(printable(label)[-32:]) for label in labels)
+    fig.subplots_adjust(  # room for the row labels, at 7 points
+        left=min(0.3, 0.05 + 0.0085 * longest),
+        right=0.9,
+        top=1 - 0.45 / height,
+        bottom=0.55 / height,
     )
     ax = fig.add_subplot()
     cols = _pick(len(x), 1000)
