@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import collections
 import dataclasses
 import fnmatch
@@ -93,7 +94,7 @@ def _check_action(action: Any) -> Any:
     )
 
 
-class Sentinel:
+class Sentinel(abc.ABC):
     """A check on recorded values: :class:`NonFinite`, :class:`Spike`."""
 
     kind = ""
@@ -104,8 +105,10 @@ class Sentinel:
         """Whether this sentinel looks at metric ``name``."""
         return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
 
+    @abc.abstractmethod
     def see(self, name: str, step: int, value: Any, note: str = "") -> Event | None:
-        raise NotImplementedError  # each kind of sentinel says what it checks
+        """Looks at ``value`` of metric ``name`` at ``step`` (``note``: where it
+        is, for a non-finite statistic with provenance); the event, or None."""
 
 
 class NonFinite(Sentinel):

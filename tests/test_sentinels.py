@@ -203,3 +203,13 @@ def test_the_plot_of_a_metric_marks_where_its_sentinel_fired(tmp_path):
     for s in range(50):
         h2.update({"loss": 1.0 + (5.0 if s == 30 else 0.01 * (s % 3))}, step=s)
     assert [e.step for e in events] == [30]
+
+
+def test_a_sentinel_kind_must_say_what_it_sees():
+    from jaxhistory.sentinels import Sentinel
+
+    class Nothing(Sentinel):
+        kind = "nothing"
+
+    with pytest.raises(TypeError, match="abstract"):
+        Nothing()
