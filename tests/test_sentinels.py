@@ -213,3 +213,38 @@ def test_a_sentinel_kind_must_say_what_it_sees():
 
     with pytest.raises(TypeError, match="abstract"):
         Nothing()
+
+
+def test_sentinels_under_several_threads_see_each_threads_values_once():
+    import threading
+
+    events = []
+    h = jh.History(
+        distributed_history=False,
+        sentinels=[
+            NonFinite(action=events.append),
+            Spike("*/loss", window=50, action=events.append),
+        ],
+    )
+
+    def run(i):
+        rng = np.random.default_rng(i)
+        for s in range(1500):
+            v = 1.0 + 0.01 * rng.normal()
+            if i == 2 and s == 1000:
+                v = math.nan
+            if i == 3 and s == 1200:
+                v = 9.0
+            h.update({f"t{i}/loss": v}, step=s, summarize=False)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    found = sorted((e.kind, e.metric, e.step) for e in events)
+    assert found == [("nonfinite", "t2/loss", 1000), ("spike", "t3/loss", 1200)]
+    assert h.state.values("sentinel/nonfinite").tolist() == [1.0]
+    assert h.state.values("sentinel/spike").tolist() == [1.0]
+    for i in range(4):
+        assert h.state.count(f"t{i}/loss") == 1500
