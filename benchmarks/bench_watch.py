@@ -1,4 +1,4 @@
-"""Benchmark: what ``jaxhistory.watch`` costs in a train step of ~1,000 leaves.
+"""Benchmark: ``jaxhistory.watch`` in a train step of ~1,000 leaves; quantiles.
 
 A model of ``L`` dense layers (a ``(64, 64)`` kernel and a ``(64,)`` bias each:
 ``2 L`` parameter leaves, 1,000 at the default ``L = 500``) trained with SGD on 8
@@ -20,9 +20,17 @@ paired ratio to ``bare`` (per repeat, bare's time over the variant's, then the
 median), and the host time to record the step's output in a ``History``
 (``watch``: one packed row; ``by_hand``: 1,000 host reads and a dict).
 
+Then the quantiles of ``distributed_stats(..., quantiles=...)`` for arrays of
+more than one value per device (read from a histogram whose counts ride in the
+sum all-reduce): the rank error (how far the returned value's rank is from the
+quantile asked for) over 100 random arrays of 10^4 to 10^6 elements (normal,
+lognormal, uniform, exponential and Student-t with 2 degrees of freedom, in
+turn), sharded over the 8 devices, per dtype (float32, bfloat16), for the 1st,
+10th, 50th, 90th and 99th percentiles.
+
 Run: ``make bench`` or
 ``python benchmarks/bench_watch.py [--out PATH] [--layers L] [--repeats R]``;
-``--quick`` is a smoke run with 50 layers and 3 repeats.
+``--quick`` is a smoke run with 50 layers, 3 repeats and 10 arrays.
 """
 
 import os
@@ -162,6 +170,65 @@ def bench(layers: int, repeats: int, fsdp: bool) -> str:
     return "\n".join(rows) + "\n"
 
 
+QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
+DISTRIBUTIONS = ("normal", "lognormal", "uniform", "exponential", "student_t")
+
+
+def rank_error(ordered: np.ndarray, value: float, q: float) -> float:
+    """How far the rank of ``value`` among ``ordered`` is from ``q`` (0 where
+    ``value`` sits at rank ``q``, ties included)."""
+    lo = np.searchsorted(ordered, value, side="left") / len(ordered)
+    hi = np.searchsorted(ordered, value, side="right") / len(ordered)
+    return 0.0 if lo <= q <= hi else min(abs(lo - q), abs(hi - q))
+
+
+def bench_quantiles(arrays: int) -> str:
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    rng = np.random.default_rng(0)
+    fn = jax.jit(lambda m: jh.distributed_stats(m, quantiles=QUANTILES))
+    rows = [
+        "## Quantiles across devices, from histograms\n",
+        f"{arrays} random arrays per dtype, sizes log-uniform in 10^4..10^6 "
+        "(rounded to a multiple of 8), sharded over 8 devices; the rank error of "
+        "each quantile against the exact one of the same (rounded) values.\n",
+        "| dtype | quantile | median rank error | max rank error | target |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for dtype in (jnp.float32, jnp.bfloat16):
+        errors: dict[float, list[float]] = {q: [] for q in QUANTILES}
+        collectives = set()
+        for i in range(arrays):
+            n = int(10 ** rng.uniform(4, 6)) // 8 * 8
+            kind = DISTRIBUTIONS[i % len(DISTRIBUTIONS)]
+            if kind == "student_t":
+                values = rng.standard_t(2, size=n)
+            else:
+                values = getattr(rng, kind)(size=n)
+            x = jax.device_put(
+                jnp.asarray(values, dtype), NamedSharding(mesh, P("data"))
+            )
+            out = fn({"x": x})
+            ordered = np.sort(np.asarray(x.astype(jnp.float32), np.float64))
+            for q in QUANTILES:
+                got = float(out[f"x/p{100 * q:g}"])
+                errors[q].append(rank_error(ordered, got, q))
+            if i < 2:
+                collectives.add(sum(jh.collective_counts(fn, {"x": x}).values()))
+        for q in QUANTILES:
+            worst = max(errors[q])
+            rows.append(
+                f"| {jnp.dtype(dtype).name} | {q:g} | "
+                f"{statistics.median(errors[q]):.2e} | {worst:.2e} | "
+                f"≤ 1e-2: {'met' if worst <= 0.01 else '**missed**'} |"
+            )
+        rows.append("")
+        rows.append(
+            f"{jnp.dtype(dtype).name}: all-reduces per call {sorted(collectives)} "
+            "(target ≤ 2)\n"
+        )
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write the report here")
@@ -178,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = ["## watch(grads) in a train step\n"]
     for fsdp in (False, True):
         sections.append(bench(layers, repeats, fsdp))
+    sections.append(bench_quantiles(10 if args.quick else 100))
     report(machine_info(), args.quick, sections, args.out)
     return 0
 

@@ -6,7 +6,8 @@ Reducers compute statistics across devices inside jitted train steps:
   :func:`reduce_sum`, :func:`reduce_max`, :func:`reduce_min`, :func:`reduce_std`,
   :func:`reduce_custom`, :func:`distributed_stats`, :func:`per_shard`, and
   :func:`watch` (norm, rms, max_abs, zero fraction, NaN/inf count of every leaf
-  of a pytree: per-layer gradients, parameters, updates).
+  of a pytree: per-layer gradients, parameters, updates) and :func:`histogram`
+  (counts over fixed bins, across devices).
 * Collective (inside ``jax.shard_map``, ``axis_name`` required): the
   :mod:`jaxhistory.collective` namespace (``jh.collective.reduce_mean``, ...,
   ``jh.collective.distributed_stats``, ``jh.collective.all_gather``); on the
@@ -51,6 +52,7 @@ from jaxhistory._memory import (
     device_memory,
     live_array_bytes,
 )
+from jaxhistory._quantiles import histogram
 from jaxhistory._reduce import (
     reduce_custom,
     reduce_max,
@@ -96,6 +98,7 @@ __all__ = [
     "distributed_default",
     "distributed_stats",
     "export",
+    "histogram",
     "launch_local",
     "live_array_bytes",
     "log_metrics",
@@ -124,7 +127,7 @@ __all__ = [
 _MOVED = {
     f"{name}_collective": ("jaxhistory.collective", name)
     for name in collective.__all__
-    if name not in ("all_gather", "watch")  # (never had the suffix)
+    if name not in ("all_gather", "watch", "histogram")  # (never had the suffix)
 }
 
 

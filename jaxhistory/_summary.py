@@ -31,9 +31,9 @@ def nonfinite_notes(stats: Stats, prefix: str = "") -> dict[str, str]:
     host-side ``stats`` whose statistics are not all finite; the device comes
     from its provenance (``nan_device``, else the device of an infinite max or
     min) and is left out when unknown."""
-    if stats.rows != STATS:  # watch(): its nonfinite row counts them
+    if stats.rows[:4] != STATS:  # watch(): its nonfinite row counts them
         return {}
-    table = np.asarray(stats.table, np.float64)
+    table = np.asarray(stats.table, np.float64)[:4]  # (quantiles after them)
     if np.isfinite(table).all():
         return {}
     where = None if stats.where is None else np.asarray(stats.where)
@@ -140,7 +140,7 @@ def summary_line(
             values.update(jax.device_get(dict(device)))
         for name, _ in items:
             value = values[name]
-            if isinstance(value, Stats) and value.rows != STATS:
+            if isinstance(value, Stats) and value.rows[:4] != STATS:
                 # watch(): the statistics over every leaf together (the last
                 # column) stand for the rest, which only the history holds
                 table = np.asarray(value.table, np.float64)

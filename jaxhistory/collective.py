@@ -12,6 +12,7 @@ together.
   provenance, which device holds the max, min and first NaN) as one
   :class:`~jaxhistory.Stats`, in at most two all-reduces.
 * :func:`all_gather`: every leaf from every shard, one collective per dtype.
+* :func:`histogram`: counts of the values over fixed bins, in one ``psum``.
 * :func:`watch`: norm, rms, max_abs, zero fraction and non-finite count of
   every leaf of a pytree (gradients, parameters), in one ``pmax`` and one
   ``psum``.
@@ -41,12 +42,14 @@ from jaxhistory._collective import reduce_mean_collective as reduce_mean
 from jaxhistory._collective import reduce_min_collective as reduce_min
 from jaxhistory._collective import reduce_std_collective as reduce_std
 from jaxhistory._collective import reduce_sum_collective as reduce_sum
+from jaxhistory._quantiles import histogram_collective as histogram
 from jaxhistory._stats import distributed_stats_collective as distributed_stats
 from jaxhistory._watch import watch_collective as watch
 
 __all__ = [
     "all_gather",
     "distributed_stats",
+    "histogram",
     "reduce_custom",
     "reduce_max",
     "reduce_mean",

@@ -358,7 +358,7 @@ class Guard:
                 cells = stat_names(host.names, prefix, host.rows)
                 flat_names += cells
                 flat_values += np.asarray(host.table).reshape(-1).tolist()
-                if host.rows == STATS:
+                if host.rows[:4] == STATS:
                     for metric, note in nonfinite_notes(host, prefix).items():
                         for stat in STATS:
                             notes[f"{metric}/{stat}"] = note

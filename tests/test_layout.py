@@ -68,6 +68,7 @@ LAYERS = {
     "jaxhistory.collective": DEVICE,  # the shard_map forms, one namespace
     "jaxhistory._stats": DEVICE,
     "jaxhistory._watch": DEVICE,
+    "jaxhistory._quantiles": DEVICE,
     "jaxhistory._provenance": DEVICE,
     "jaxhistory.export._draw_worker": EFFECTS,
     "jaxhistory._buffer": DEVICE,

@@ -108,6 +108,7 @@ def test_public_functions_have_runnable_examples():
         "_memory",
         "_watch",
         "sentinels",
+        "_quantiles",
     ],
 )
 def test_docstring_examples_run(module):

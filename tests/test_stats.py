@@ -1,5 +1,7 @@
 """distributed_stats (SPMD and collective), per_shard and collective counting."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -339,3 +341,152 @@ def test_a_tree_deeper_than_the_limit_is_refused(mesh):
         with pytest.raises(ValueError, match=r"more than 100 levels deep"):
             jh.distributed_stats(tree, provenance=provenance)
     assert float(jnp.ones(2).sum()) == 2.0  # JAX still works
+
+
+# ----- quantiles across devices ------------------------------------------------------
+
+QS = (0.1, 0.5, 0.9, 0.99)
+
+
+def rank_error(values: np.ndarray, got: float, q: float) -> float:
+    ordered = np.sort(values.astype(np.float64).ravel())
+    lo = np.searchsorted(ordered, got, side="left") / len(ordered)
+    hi = np.searchsorted(ordered, got, side="right") / len(ordered)
+    return 0.0 if lo <= q <= hi else min(abs(lo - q), abs(hi - q))
+
+
+@pytest.mark.parametrize("family", ["spmd", "collective"])
+def test_quantiles_of_one_value_per_device_are_exact_at_no_extra_collective(
+    family, mesh
+):
+    values = np.random.default_rng(1).normal(size=8).astype(np.float32)
+    metrics = {"loss": per_device(mesh, values)}
+    if family == "spmd":
+        fn = functools.partial(jh.distributed_stats, quantiles=QS)
+        plain = jh.distributed_stats
+    else:
+        fn = jax.shard_map(
+            lambda m: jh.collective.distributed_stats(
+                jax.tree.map(lambda v: v[0], m), "data", quantiles=QS
+            ),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P(),
+        )
+        plain = stats_collective(mesh)
+    out = jax.jit(fn)(metrics)
+    want = np.quantile(values.astype(np.float64), QS)  # NumPy's linear rule
+    for q, w in zip(QS, want, strict=True):
+        assert float(out[f"loss/p{100 * q:g}"]) == pytest.approx(w, rel=1e-6)
+    assert out.rows == (*jh.STATS, "p10", "p50", "p90", "p99")
+    assert jh.collective_counts(fn, metrics) == jh.collective_counts(plain, metrics)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "dist", ["normal", "lognormal", "uniform", "exponential", "heavy", "offset"]
+)
+def test_quantiles_of_large_arrays_are_within_a_percent_of_rank(dist, dtype, mesh2d):
+    rng = np.random.default_rng(7)
+    if dist == "heavy":  # Student-t, 2 degrees of freedom: huge values both ways
+        values = rng.standard_t(2, size=(4, 20_000)).astype(np.float32)
+    elif dist == "offset":  # a narrow spread far from zero
+        values = (1000 + rng.normal(size=(4, 20_000))).astype(np.float32)
+    else:
+        values = getattr(rng, dist)(size=(4, 20_000)).astype(np.float32)
+    x = jax.device_put(
+        jnp.asarray(values, dtype), NamedSharding(mesh2d, P(None, "data"))
+    )
+    fn = functools.partial(jh.distributed_stats, quantiles=QS)
+    out = jax.jit(fn)({"a": x})
+    exact = np.asarray(x.astype(jnp.float32))
+    for q in QS:
+        assert rank_error(exact, float(out[f"a/p{100 * q:g}"]), q) <= 0.01
+    counts = jh.collective_counts(fn, {"a": x})
+    assert sum(counts.values()) <= 2, counts  # replicated over "model": counted once
+    assert float(out["a/mean"]) == pytest.approx(exact.mean(), rel=1e-3, abs=1e-3)
+
+
+def test_quantiles_in_shard_map_with_check_vma(mesh):
+    values = np.random.default_rng(3).lognormal(size=(8, 5000)).astype(np.float32)
+    fn = jax.jit(
+        jax.shard_map(
+            lambda v: jh.collective.distributed_stats(
+                {"a": v[0]}, "data", quantiles=QS
+            ),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P(),
+            check_vma=True,
+        )
+    )
+    x = jax.device_put(values, NamedSharding(mesh, P("data")))
+    out = fn(x)
+    for q in QS:
+        assert rank_error(values, float(out[f"a/p{100 * q:g}"]), q) <= 0.01
+    assert sum(jh.collective_counts(fn, x).values()) <= 2
+
+
+def test_quantiles_of_replicated_arrays_take_no_collective():
+    values = np.linspace(-3, 5, 10_001, dtype=np.float32)
+    fn = functools.partial(jh.distributed_stats, quantiles=(0.25, 0.5))
+    out = jax.jit(fn)({"w": jnp.asarray(values)})
+    assert float(out["w/p50"]) == pytest.approx(1.0, abs=8 / 2048)
+    assert float(out["w/p25"]) == pytest.approx(-1.0, abs=8 / 2048)
+    assert jh.collective_counts(fn, {"w": jnp.asarray(values)}) == {}
+
+
+def test_a_nan_makes_the_quantiles_nan(mesh):
+    values = np.arange(8 * 100, dtype=np.float32)
+    values[17] = np.nan
+    x = jax.device_put(values, NamedSharding(mesh, P("data")))
+    out = jax.jit(lambda m: jh.distributed_stats(m, quantiles=(0.5,)))({"a": x})
+    assert np.isnan(float(out["a/p50"])) and np.isnan(float(out["a/mean"]))
+
+
+@pytest.mark.parametrize(
+    ("quantiles", "error", "match"),
+    [
+        ((0.0,), ValueError, "strictly between 0 and 1"),
+        ((1.0,), ValueError, "strictly between 0 and 1"),
+        ((1.5,), ValueError, "1.5"),
+        ((float("nan"),), ValueError, "nan"),
+        ((True,), ValueError, "True"),
+        (("0.5",), ValueError, "'0.5'"),
+        ((0.5, 0.5), ValueError, "repeat"),
+        (None, TypeError, "quantiles"),
+    ],
+)
+def test_bad_quantiles_are_refused_naming_them(quantiles, error, match):
+    with pytest.raises(error, match=match):
+        jh.distributed_stats({"a": jnp.ones(4)}, quantiles=quantiles)
+
+
+def test_quantiles_of_large_arrays_with_provenance_are_refused(mesh):
+    x = jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("data")))
+    fn = functools.partial(
+        jh.distributed_stats, provenance=True, quantiles=(0.5,), mesh=mesh
+    )
+    with pytest.raises(ValueError, match="provenance"):
+        jax.jit(fn)({"a": x})
+    # one value per device: exact, with provenance
+    out = jax.jit(fn)({"a": per_device(mesh, np.arange(8.0))})
+    assert float(out["a/p50"]) == 3.5 and int(out["a/argmax"]) == 7
+
+
+def test_history_records_quantiles_and_plots_them_as_bands(tmp_path, mesh):
+    from jaxhistory.export._units import plot_units
+
+    h = jh.History(distributed_history=False)
+    fn = jax.jit(lambda m: jh.distributed_stats(m, quantiles=(0.1, 0.5, 0.9)))
+    for s in range(5):
+        x = per_device(mesh, np.arange(8.0) + s)
+        line = h.update({"loss": fn({"l": x})}, step=s)
+    assert line == "step=4 loss/l=7.500000(±2.291288)"
+    assert h.state.values("loss/l/p50").tolist() == [3.5, 4.5, 5.5, 6.5, 7.5]
+    (unit,) = plot_units(h.state)
+    assert unit.title == "loss/l" and unit.stats["p90"] == "loss/l/p90"
+    h.finalize(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "plots" / "mplot").glob("*.png")) == [
+        "loss_l.png"
+    ]

@@ -25,6 +25,7 @@ from jaxhistory.export._units import (
     log_scale,
     plot_units,
     printable,
+    quantile_keys,
     row_stats,
     scale_exponent,
     series,
@@ -136,6 +137,23 @@ def _draw_unit(
                 ms=3,
             )
             drawn += [lo_b, hi_b]
+        quantiles = quantile_keys(unit.stats)
+        if quantiles:  # across devices: the outer pair as a band, the median
+            _, q_lo = bucket(*data[unit.stats[quantiles[0]]], "min")
+            xq, q_hi = bucket(*data[unit.stats[quantiles[-1]]], "max")
+            if len(quantiles) > 1 and len(q_lo) == len(q_hi):
+                ax.fill_between(
+                    xq,
+                    q_lo,
+                    q_hi,
+                    alpha=0.25,
+                    color="C2",
+                    lw=0,
+                    label=f"{quantiles[0]}-{quantiles[-1]}",
+                )
+            if "p50" in unit.stats:
+                xm, med = bucket(*data[unit.stats["p50"]], "mean")
+                ax.plot(xm, med, color="C2", lw=1.0, ls="--", label="median")
     if unit.raw is not None:
         x, y = data[unit.raw]
         if y.ndim > 1:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_POINTS",
+    "QUANTILE",
     "LayerFamily",
     "PlotUnit",
     "bucket",
@@ -32,6 +33,7 @@ __all__ = [
     "log_scale",
     "plot_units",
     "printable",
+    "quantile_keys",
     "row_stats",
     "same_value",
     "scale_exponent",
@@ -60,6 +62,15 @@ class PlotUnit:
     def names(self) -> tuple[str, ...]:
         named = (self.raw, *self.stats.values(), *(n for _, n in self.others))
         return tuple(n for n in named if n is not None)
+
+
+QUANTILE = re.compile(r"p\d+(\.\d+)?")  # a quantile's row: p50, p99.9
+
+
+def quantile_keys(stats: dict[str, str]) -> list[str]:
+    """The quantile rows of a unit's statistics, lowest first."""
+    found = [k for k in stats if QUANTILE.fullmatch(k)]
+    return sorted(found, key=lambda k: float(k[1:]))
 
 
 class LayerFamily(NamedTuple):
@@ -150,6 +161,12 @@ def plot_units(state: HistoryState) -> list[PlotUnit]:
         if name in grouped:
             base = name.rpartition("/")[0]
             stats = {s: f"{base}/{s}" for s in STATS}
+            # its quantiles across devices (distributed_stats(quantiles=...))
+            stats.update(
+                (n.rpartition("/")[2], n)
+                for n in keys
+                if n.startswith(f"{base}/p") and QUANTILE.fullmatch(n[len(base) + 1 :])
+            )
             raw = base if base in keys and base not in grouped else None
             units.append(PlotUnit(base, raw, stats))
             done.update(stats.values())

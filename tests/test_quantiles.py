@@ -1,0 +1,78 @@
+"""histogram: counts over fixed bins across devices, against NumPy on 8 devices
+and under shard_map; History records it as an array metric."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxhistory as jh
+
+
+@pytest.mark.parametrize("spec", [P("data"), P(None, "model"), P("data", "model"), P()])
+def test_histogram_matches_numpy_on_any_sharding(mesh2d, spec):
+    values = np.random.default_rng(0).normal(size=(8, 1000)).astype(np.float32)
+    values[0, :3] = [np.nan, 10.0, -10.0]  # left out: NaN and outside the range
+    values[1, 0] = 3.0  # the high edge: in the last bin, as NumPy counts it
+    x = jax.device_put(values, NamedSharding(mesh2d, spec))
+    fn = jax.jit(lambda v: jh.histogram(v, 30, (-3, 3)))
+    want, _ = np.histogram(values[~np.isnan(values)], 30, (-3, 3))
+    np.testing.assert_array_equal(np.asarray(fn(x)), want)
+    counts = jh.collective_counts(lambda v: jh.histogram(v, 30, (-3, 3)), x)
+    assert sum(counts.values()) == (0 if spec == P() else 1), counts
+
+
+def test_log_spaced_bins_match_numpy_on_geometric_edges(mesh):
+    values = np.random.default_rng(1).lognormal(0, 2, size=8000).astype(np.float32)
+    x = jax.device_put(values, NamedSharding(mesh, P("data")))
+    got = jax.jit(lambda v: jh.histogram(v, 20, (1e-2, 1e2), log=True))(x)
+    edges = np.geomspace(1e-2, 1e2, 21)
+    want, _ = np.histogram(values, edges)
+    # a value on an edge may fall either side of it in float32 logs
+    assert np.abs(np.asarray(got) - want).sum() <= 2 and got.sum() == want.sum()
+
+
+def test_the_shard_map_form_adds_the_blocks_in_one_psum(mesh):
+    values = np.arange(8 * 50, dtype=np.float32).reshape(8, 50)
+    fn = jax.jit(
+        jax.shard_map(
+            lambda v: jh.collective.histogram(v, "data", 8, (0, 400)),
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P(),
+        )
+    )
+    x = jax.device_put(values, NamedSharding(mesh, P("data")))
+    np.testing.assert_array_equal(np.asarray(fn(x)), [50.0] * 8)
+    assert jh.collective_counts(fn, x) == {"all-reduce": 1}
+
+
+def test_history_records_a_histogram_as_an_array_metric_and_draws_it(tmp_path):
+    h = jh.History(distributed_history=False)
+    rng = np.random.default_rng(2)
+    fn = jax.jit(lambda v: jh.histogram(v, 16, (-4, 4)))
+    for s in range(20):
+        h.update({"act": fn(jnp.asarray(rng.normal(size=500) * (1 + s / 10)))}, step=s)
+    assert h.state.shape("act") == (16,) and h.state.values("act").sum() > 0
+    h.finalize(tmp_path)
+    mplot = tmp_path / "plots" / "mplot"
+    assert (mplot / "act.heatmap.png").is_file() and (mplot / "act.png").is_file()
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"bins": 0}, ValueError, "bins"),
+        ({"bins": 2.5}, ValueError, "bins"),
+        ({"range": (1, 1)}, ValueError, "low below high"),
+        ({"range": (0, float("inf"))}, ValueError, "finite"),
+        ({"range": 3}, ValueError, "range"),
+        ({"range": (0, 1), "log": True}, ValueError, "above 0"),
+        ({"log": "yes"}, TypeError, "log"),
+    ],
+)
+def test_bad_histogram_arguments_are_refused_naming_them(kw, error, match):
+    with pytest.raises(error, match=match):
+        jh.histogram(jnp.ones(4), **kw)
