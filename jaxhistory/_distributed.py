@@ -5,8 +5,11 @@ all devices or processes, in one fused jitted call per update."""
 from __future__ import annotations
 
 import functools
+import json
 import itertools
+import threading
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -25,6 +28,7 @@ __all__ = [
     "DISTRIBUTED_LIMIT",
     "STRAGGLER",
     "Reducer",
+    "agreed_run_id",
     "distributed_default",
     "is_per_device",
     "mesh_of",
@@ -32,6 +36,9 @@ __all__ = [
 
 DISTRIBUTED_LIMIT = 384  # devices; above this the per-update all-reduce is off
 NAMES_TIMEOUT_S = 120.0  # how long processes wait for each other's metric names
+RUN_ID_TIMEOUT_S = 30.0  # how long a process waits to read the job's run id
+_RUN_IDS: dict[str | None, int] = {}  # run name -> Histories made with it here
+_RUN_IDS_LOCK = threading.Lock()
 _REDUCERS = itertools.count()  # numbers History instances alike in every process
 _OFF_VARS = ("JAXHISTORY_NO_DISTRIBUTED_HISTORY", "JAXHISTORY_LOCAL_HISTORY")
 # With several processes: the wall-clock time at which each process reached the
@@ -238,6 +245,41 @@ def _client() -> Any:
     from jax._src import distributed  # the key-value store has no public API
 
     return getattr(distributed.global_state, "client", None)
+
+
+def agreed_run_id(candidate: str, run_name: str | None) -> str:
+    """The run id every process of a multi-process job uses (``candidate``
+    with one process, or before ``jax.distributed.initialize``).
+
+    The k-th History made with ``run_name`` in each process shares one id: the
+    first process to get there puts its ``candidate`` in the distributed
+    runtime's key-value store, and every process reads it back. Nobody waits
+    for a process that makes no History; a store that does not answer within
+    :data:`RUN_ID_TIMEOUT_S` leaves this process its own id, with a warning.
+    """
+    client = _client() if jax.process_count() > 1 else None
+    if client is None:
+        return candidate
+    with _RUN_IDS_LOCK:
+        k = _RUN_IDS.get(run_name, 0)
+        _RUN_IDS[run_name] = k + 1
+    # The key holds the name as JSON would quote it: never a path separator.
+    key = f"jaxhistory/run_id/{json.dumps(run_name)}/{k}"
+    try:
+        client.key_value_set(key, candidate)  # refused when another was first
+    except Exception:
+        pass
+    try:
+        return client.blocking_key_value_get(key, int(RUN_ID_TIMEOUT_S * 1000))
+    except Exception as err:
+        warnings.warn(
+            f"process {jax.process_index()} could not read the job's run id from "
+            f"the distributed runtime ({type(err).__name__}); it uses "
+            f"{candidate!r}, which other processes may not share",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return candidate
 
 
 def _check_same_names(reducer: int, round_: int, names: tuple[str, ...]) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 from jaxhistory import _trace_state
 from jaxhistory._distributed import (
     Reducer,
+    agreed_run_id,
     distributed_default,
     is_per_device,
     mesh_of,
@@ -69,8 +70,11 @@ class History:
             waiting and return ``""``.
         run_name: the first part of ``run_id`` (``{run_name}-{YYYYmmdd-HHMMSS}``,
             with ``-2``, ``-3``, ... where that id is taken), which names the
-            JSONL log and is recorded in the outputs. A name, never a path:
-            separators, ``..`` and control characters raise ValueError.
+            JSONL log and is recorded in the outputs. Every process of a
+            multi-process job uses the same id (the k-th History made with a
+            name shares the first process's id, through the distributed
+            runtime's key-value store). A name, never a path: separators,
+            ``..`` and control characters raise ValueError.
         sinks: more places each update goes (:mod:`jaxhistory.sinks`: console,
             JSONL, TensorBoard, W&B, or anything with ``write``/``flush``/``close``).
             Each gets every update as a :class:`~jaxhistory.sinks.Record` of its
@@ -192,8 +196,11 @@ class History:
             if log is not None and self.jsonl_path is None and self.report_dir is None:
                 self.jsonl_path = log  # the run's own log goes on
             check_not_erased(log, self.jsonl_path, self.jsonl_overwrite)
-        self.run_id = resumed_id or run_id_for(
-            run_name, None if self.jsonl_path is not None else self.report_dir
+        self.run_id = resumed_id or agreed_run_id(
+            run_id_for(
+                run_name, None if self.jsonl_path is not None else self.report_dir
+            ),
+            run_name,
         )
         self.mesh = None  # the mesh of the per-device metrics, once one is seen
         self._updates = 0

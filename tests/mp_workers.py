@@ -443,3 +443,20 @@ def metrics_across_processes() -> dict:
     hit = (cat["logits"].argmax(1) == cat["labels"])[cat["mask"]]
     want = {"loss": x.mean(), "loss_std": x.std(), "acc": hit.mean(), "last": x[-1]}
     return {"got": got, "want": want}
+
+
+def run_ids(sleep_on: int, seconds: float) -> dict:
+    """Each process makes two Histories (one named, one not); ``sleep_on``
+    starts ``seconds`` late, so its clock reads a later second. Process 2 (when
+    there is one) makes no History at all."""
+    import jax
+
+    import jaxhistory as jh
+
+    if jax.process_index() == 2:
+        return {"ids": []}
+    if jax.process_index() == sleep_on:
+        time.sleep(seconds)
+    first = jh.History(distributed_history=False, run_name="mp")
+    second = jh.History(distributed_history=False)
+    return {"ids": [first.run_id, second.run_id]}

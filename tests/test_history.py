@@ -735,3 +735,15 @@ def test_a_state_read_during_the_run_never_changes():
         h.update({"step": s, "loss": float(s)})
     assert before.steps("loss").tolist() == [0, 1, 2, 3]
     assert h.state.steps("loss").tolist() == list(range(8))
+
+
+@pytest.mark.slow
+def test_every_process_of_a_job_uses_one_run_id():
+    """Processes that start a second apart (their clocks name different
+    seconds) agree on one id per History; a process that makes no History
+    holds nobody up."""
+    results = jh.launch_local("mp_workers:run_ids", 3, 1, args=(1, 1.2), timeout=120)
+    ids = [r["ids"] for r in results if r["ids"]]
+    assert len(ids) == 2 and ids[0] == ids[1], results
+    named, unnamed = ids[0]
+    assert named.startswith("mp-") and unnamed.startswith("run-"), ids
