@@ -4,9 +4,10 @@ all devices or processes, in one fused jitted call per update."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import json
 import itertools
+import json
 import threading
 import time
 import warnings
@@ -29,6 +30,7 @@ __all__ = [
     "STRAGGLER",
     "Reducer",
     "agreed_run_id",
+    "distributed_client",
     "distributed_default",
     "is_per_device",
     "mesh_of",
@@ -240,6 +242,11 @@ def _all_devices_mesh() -> jax.sharding.Mesh:
     return jax.sharding.Mesh(jax.devices(), ("devices",))
 
 
+def distributed_client() -> Any:
+    """The distributed runtime's client with several processes, else None."""
+    return _client() if jax.process_count() > 1 else None
+
+
 def _client() -> Any:
     """The distributed runtime's client (None before jax.distributed.initialize)."""
     from jax._src import distributed  # the key-value store has no public API
@@ -265,10 +272,8 @@ def agreed_run_id(candidate: str, run_name: str | None) -> str:
         _RUN_IDS[run_name] = k + 1
     # The key holds the name as JSON would quote it: never a path separator.
     key = f"jaxhistory/run_id/{json.dumps(run_name)}/{k}"
-    try:
-        client.key_value_set(key, candidate)  # refused when another was first
-    except Exception:
-        pass
+    with contextlib.suppress(Exception):  # refused when another was first
+        client.key_value_set(key, candidate)
     try:
         return client.blocking_key_value_get(key, int(RUN_ID_TIMEOUT_S * 1000))
     except Exception as err:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -10,17 +11,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxhistory import _trace_state
 from jaxhistory._distributed import (
     Reducer,
     agreed_run_id,
+    distributed_client,
     distributed_default,
     is_per_device,
     mesh_of,
 )
 from jaxhistory._env import check_run_name
+from jaxhistory._hang import HANG_TIMEOUT_S, HangWatch, check_hang_timeout, hang_key
 from jaxhistory._history_state import Appender, HistoryState
 from jaxhistory._progress import Progress
 from jaxhistory._row import Row, RowKind, parse_row
@@ -127,6 +131,12 @@ class History:
             (:class:`~jaxhistory.sentinels.NonFinite`,
             :class:`~jaxhistory.sentinels.Spike`) that warn, raise or call back,
             and record ``sentinel/nonfinite`` and ``sentinel/spike``.
+        hang_timeout: with several processes, seconds a process may stay behind
+            the step the others are at before every other process names it (a
+            ``RuntimeWarning``, a ``jaxhistory`` logger record, a ``hang/*``
+            line in the log); None turns the watch off. Its background thread
+            starts at the first update and stops at :meth:`close` or
+            :meth:`finalize`; with one process there is nothing to watch.
 
     With several processes and distributed history, each update that reduces
     something also records ``straggler/process`` (the process that reached the
@@ -166,8 +176,10 @@ class History:
         flops_per_step: float | None = None,
         peak_flops: float | None = None,
         sentinels: Sequence[Any] = (),
+        hang_timeout: float | None = HANG_TIMEOUT_S,
     ):
         memory = check_options(keys, log_every, memory)
+        self.hang_timeout = check_hang_timeout(hang_timeout)
         self._guard = Guard(sentinels) if sentinels else None
         self.memory_every = memory  # 0: off
         # One lock for everything below: update, attach, flush and close may run
@@ -205,6 +217,10 @@ class History:
         self.mesh = None  # the mesh of the per-device metrics, once one is seen
         self._updates = 0
         self._reducer = Reducer(provenance)
+        # With several processes: a report when one stalls (started by the
+        # first update, so a History never used posts nothing).
+        self._hang: HangWatch | None = None
+        self._hang_key = hang_key() if self._reducer.multi_process else None
         # host scalars are reduced across processes: no fast path then
         self._reduce_host = self.distributed_history and self._reducer.multi_process
         self._watch = NonfiniteWatch()  # one warning per metric gone NaN/inf
@@ -287,6 +303,8 @@ class History:
         caller holds the lock)."""
         rec = self._rec
         row = parse_row(metrics, step, rec.next_step, now)
+        if self._hang_key is not None:  # before the reduction, which may wait
+            self._beat(row.step)
         if self._progress is not None:
             row = self._progress.add(row, self.log_every)
         if self.distributed_history and (
@@ -300,6 +318,55 @@ class History:
         if row.kind is RowKind.VALUES and self.mesh is None:
             self.mesh = mesh_of(row.values)
         return row
+
+    def _beat(self, step: int) -> None:
+        """Tells the hang watch this process reached ``step`` (started here
+        the first time; the caller holds the lock)."""
+        hang = self._hang
+        if hang is None:
+            client = distributed_client()
+            if self.hang_timeout is None or client is None:
+                self._hang_key = None  # nothing to watch: never asked again
+                return
+            hang = self._hang = HangWatch(
+                self.hang_timeout,
+                client,
+                self._hang_key,
+                jax.process_index(),
+                jax.process_count(),
+                self._hang_report,
+            )
+        hang.beat(step)
+
+    def _hang_report(self, stalled: list, front: int) -> None:
+        """Writes a hang report to the log and the trace, on the watch thread.
+        The recording thread may be the one waiting (holding the lock): the
+        row goes straight to the log's writer, which takes rows from any
+        thread; before the log has started, only if the lock comes free."""
+        first = stalled[0]
+        handler = _trace_state.active()
+        if handler is not None:
+            args = {"process": first.process, "step": first.step, "span": first.span}
+            handler.instant("hang", args, scope="g")
+        names = ("hang/process", "hang/last_step", "hang/seconds", "hang/processes")
+        values = (first.process, first.step, round(first.seconds, 3), len(stalled))
+        row = Row(max(front, 0), names, values, RowKind.VALUES, time.time())
+        writer = self._out.writer
+        if writer is not None:
+            with contextlib.suppress(ValueError):  # closed meanwhile
+                writer.add(row)
+                return
+        if self._lock.acquire(timeout=1.0):
+            try:
+                if self._out.writing:
+                    self._out.add(row)
+            finally:
+                self._lock.release()
+
+    def _stop_hang_watch(self) -> None:
+        hang, self._hang = self._hang, None
+        if hang is not None:
+            hang.stop()
 
     def _checked(self, row: Row | None, wait: bool = False) -> list:
         """Runs the sentinels on ``row`` (and on earlier device rows now on the
@@ -440,6 +507,7 @@ class History:
         a warning naming it and the records it did not get. One that raises
         gets a warning; the others are closed all the same. A sink may call
         this from its own ``write``."""
+        self._stop_hang_watch()
         with self._lock:
             self._record_leftover()
             feed = self._out.close()
@@ -469,6 +537,7 @@ class History:
             if self.report_dir is None:
                 raise ValueError("finalize needs an outdir (or a History report_dir)")
             outdir = self.report_dir
+        self._stop_hang_watch()  # the run is over here
         try:
             self.flush()
         except SentinelError as err:  # the run is over: the outputs still come

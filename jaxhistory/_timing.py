@@ -101,10 +101,12 @@ class StopWatch:
         annotation = jax.profiler.TraceAnnotation(self.msg)
         annotation.__enter__()
         self._frames().append((time.perf_counter_ns(), annotation, []))
+        _trace_state.span_opened(self.msg)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         start_ns, annotation, pending = self._frames().pop()
+        _trace_state.span_closed()
         try:
             block = None if self.block is True else self.block
             wait = [a for a in (block, *pending) if a is not None]

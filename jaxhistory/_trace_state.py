@@ -6,11 +6,42 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["activate", "active", "deactivate", "drain", "register_stream"]
+__all__ = [
+    "activate",
+    "active",
+    "deactivate",
+    "drain",
+    "innermost_span",
+    "register_stream",
+    "span_closed",
+    "span_opened",
+]
 
 _lock = threading.Lock()
 _stack: list[Any] = []
 _streams: weakref.WeakSet = weakref.WeakSet()  # History background writers
+_spans: dict[int, list[str]] = {}  # thread id -> its open StopWatch spans
+
+
+def span_opened(name: str) -> None:
+    """Notes that this thread entered the StopWatch span ``name``."""
+    _spans.setdefault(threading.get_ident(), []).append(name)
+
+
+def span_closed() -> None:
+    """Notes that this thread left its innermost StopWatch span."""
+    spans = _spans.get(threading.get_ident())
+    if spans:
+        spans.pop()
+
+
+def innermost_span(thread_id: int) -> str | None:
+    """The innermost StopWatch span open on thread ``thread_id``, or None."""
+    spans = _spans.get(thread_id)
+    try:
+        return spans[-1] if spans else None
+    except IndexError:  # emptied by its thread meanwhile
+        return None
 
 
 def register_stream(stream: Any) -> None:

@@ -460,3 +460,67 @@ def run_ids(sleep_on: int, seconds: float) -> dict:
     first = jh.History(distributed_history=False, run_name="mp")
     second = jh.History(distributed_history=False)
     return {"ids": [first.run_id, second.run_id]}
+
+
+def hang_run(how: str, timeout: float) -> dict:
+    """Process 1 stops at step 3 inside a StopWatch span ("sleep": for
+    ``timeout`` + 4 s; "stop": SIGSTOP until process 0, once it has reported,
+    sends SIGCONT). Returns each process's reports, how long after the stop
+    the first came, and what its log says."""
+    import json
+    import logging
+    import os
+    import signal
+    import tempfile
+    import threading
+
+    import jax
+
+    import jaxhistory as jh
+    from jaxhistory._distributed import distributed_client
+
+    client = distributed_client()
+    me = jax.process_index()
+    reports, seen = [], threading.Event()
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            if "may hang" in record.getMessage():
+                reports.append((time.time(), record.getMessage()))
+                seen.set()
+
+    logging.getLogger("jaxhistory").addHandler(Catch())
+    log = os.path.join(tempfile.mkdtemp(), "run{process_index}.jsonl")
+    history = jh.History(distributed_history=True, hang_timeout=timeout, jsonl_path=log)
+    if me == 0 and how == "stop":
+
+        def wake():
+            seen.wait(60)
+            pid = int(client.blocking_key_value_get("test/pid", 60_000))
+            os.kill(pid, signal.SIGCONT)
+
+        threading.Thread(target=wake, daemon=True).start()
+    for step in range(6):
+        if me == 1 and step == 3:
+            with jh.StopWatch("load batch"):
+                client.key_value_set("test/stopped", repr(time.time()))
+                if how == "sleep":
+                    time.sleep(timeout + 4)
+                else:  # after a post of the watch (every timeout / 5 s)
+                    time.sleep(timeout / 2)
+                    client.key_value_set("test/pid", str(os.getpid()))
+                    os.kill(os.getpid(), signal.SIGSTOP)
+        history.update({"loss": float(step)})
+    history.close()
+    stopped = float(client.blocking_key_value_get("test/stopped", 60_000))
+    logged = []
+    with open(log.replace("{process_index}", str(me))) as f:
+        for line in f:
+            m = json.loads(line).get("metrics", {})
+            if "hang/process" in m:
+                logged.append([m["hang/process"], m["hang/last_step"]])
+    return {
+        "reports": [text for _, text in reports],
+        "latency": reports[0][0] - stopped if reports else None,
+        "logged": logged[0] if logged else None,
+    }

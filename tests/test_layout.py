@@ -89,6 +89,7 @@ LAYERS = {
     "jaxhistory._summary": EFFECTS,
     "jaxhistory.sentinels": EFFECTS,  # checks that act on recorded values
     "jaxhistory._distributed": EFFECTS,
+    "jaxhistory._hang": EFFECTS,  # the hang report of a multi-process History
     "jaxhistory._history": EFFECTS,
     "jaxhistory._results": EFFECTS,
     "jaxhistory._timing": EFFECTS,
@@ -485,17 +486,19 @@ def test_no_private_name_crosses_a_module():
 
 
 # The only modules that start threads: the writer (and its per-sink fan-out,
-# which keeps one slow sink from holding the others back), the memory sampler
+# which keeps one slow sink from holding the others back), the memory sampler,
+# the hang watch (apart from the writer: it must speak when the log is stuck)
 # and the launcher's output readers.
 THREAD_MODULES = {
     "jaxhistory._writer",
     "jaxhistory.sinks._feed",
     "jaxhistory._memory",
+    "jaxhistory._hang",
     "jaxhistory.launch",
 }
 
 
-def test_threads_start_only_in_the_writer_the_memory_sampler_and_the_launcher():
+def test_threads_start_only_in_the_thread_modules():
     offenders = []
     for name, path, tree in _sources():
         if name in THREAD_MODULES:

@@ -1,0 +1,191 @@
+"""The hang watch: which processes a report names, and when."""
+
+import json
+import logging
+import time
+
+import pytest
+
+import jaxhistory as jh
+from jaxhistory._hang import HangWatch, check_hang_timeout
+
+pytestmark = pytest.mark.filterwarnings("ignore:processes may hang")
+
+
+class Store:
+    """The key-value store's calls the watch makes, in memory."""
+
+    def __init__(self):
+        self.data = {}
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.data[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.data.items() if k.startswith(prefix)]
+
+
+def entry(process, step, seq, span=None, done=False):
+    key = f"jaxhistory/hang/k/{process}"
+    return key, json.dumps([step, seq, f"host{process}", span, done])
+
+
+@pytest.fixture
+def watch():
+    w = HangWatch(10.0, Store(), "k", me=0, count=3)
+    w._stop.set()  # checked by hand here: the thread stays out of it
+    yield w
+    w.stop()
+
+
+def test_a_process_behind_the_others_is_named_after_the_timeout(watch):
+    posts = [entry(0, 5, 1), entry(1, 4, 1, span="data"), entry(2, 5, 1)]
+    assert watch.check(posts, 0.0) == ([], 5)
+    assert watch.check(posts, 9.9)[0] == []
+    stalled, front = watch.check(posts, 10.0)
+    assert front == 5 and [s.process for s in stalled] == [1]
+    (s,) = stalled
+    assert (s.host, s.step, s.span, s.responding) == ("host1", 4, "data", False)
+    assert "process 1 ('host1') at step 4 in 'data'" in s.text()
+
+
+def test_a_report_is_made_once_and_again_after_the_run_moves(watch):
+    posts = [entry(0, 5, 1), entry(1, 4, 1), entry(2, 5, 1)]
+    watch.check(posts, 0.0)
+    assert len(watch.check(posts, 10.0)[0]) == 1
+    assert watch.check(posts, 20.0)[0] == []  # the same episode
+    moved = [entry(0, 6, 2), entry(1, 6, 2), entry(2, 6, 2)]
+    assert watch.check(moved, 21.0)[0] == []
+    later = [entry(0, 7, 3), entry(1, 6, 3), entry(2, 7, 3)]
+    watch.check(later, 22.0)
+    assert [s.process for s in watch.check(later, 32.0)[0]] == [1]
+
+
+def test_a_process_that_keeps_posting_is_responding(watch):
+    watch.check([entry(0, 5, 1), entry(1, 4, 1), entry(2, 5, 1)], 0.0)
+    stalled, _ = watch.check([entry(0, 5, 2), entry(1, 4, 9), entry(2, 5, 2)], 10.0)
+    assert stalled[0].responding and "not responding" not in stalled[0].text()
+
+
+def test_when_nobody_moves_the_one_whose_posts_stopped_is_named(watch):
+    watch.check([entry(0, 5, 1), entry(1, 5, 1), entry(2, 5, 1)], 0.0)
+    stalled, front = watch.check([entry(0, 5, 8), entry(1, 5, 1), entry(2, 5, 8)], 12.0)
+    assert front == 5 and [s.process for s in stalled] == [1]
+
+
+def test_a_long_pause_of_everyone_is_not_a_hang(watch):
+    """Everyone at one step and posting (a checkpoint, an evaluation)."""
+    watch.check([entry(p, 5, 1) for p in range(3)], 0.0)
+    assert watch.check([entry(p, 5, 2) for p in range(3)], 100.0)[0] == []
+
+
+def test_a_process_that_never_posted_is_named(watch):
+    watch.check([entry(0, 3, 1), entry(2, 3, 1)], 0.0)
+    stalled, _ = watch.check([entry(0, 3, 2), entry(2, 3, 2)], 10.0)
+    assert [(s.process, s.step, s.host) for s in stalled] == [(1, -1, "?")]
+    assert "no step yet" in stalled[0].text()
+
+
+def test_a_process_that_is_done_is_never_named(watch):
+    watch.check([entry(0, 9, 1), entry(1, 4, 1, done=True), entry(2, 9, 1)], 0.0)
+    posts = [entry(0, 9, 2), entry(1, 4, 1, done=True), entry(2, 9, 2)]
+    assert watch.check(posts, 100.0)[0] == []
+
+
+def test_this_process_does_not_name_itself_as_behind(watch):
+    watch.check([entry(0, 4, 1), entry(1, 5, 1), entry(2, 5, 1)], 0.0)
+    posts = [entry(0, 4, 2), entry(1, 5, 2), entry(2, 5, 2)]
+    assert watch.check(posts, 10.0)[0] == []
+
+
+def test_entries_that_are_not_the_watchs_are_skipped(watch):
+    posts = [
+        ("jaxhistory/hang/k/x", "[1, 1, 'h', null, false]"),
+        ("jaxhistory/hang/k/1", "not json"),
+        ("jaxhistory/hang/k/2", json.dumps([1, 2])),
+        entry(0, 5, 1),
+    ]
+    watch.check(posts, 0.0)
+    stalled, _ = watch.check(posts, 10.0)
+    assert sorted(s.process for s in stalled) == [1, 2]  # never posted, as read
+
+
+def test_the_thread_posts_and_reports(caplog):
+    store = Store()
+    store.data.update(dict([entry(1, 0, 1)]))
+    got = []
+    with caplog.at_level(logging.WARNING, logger="jaxhistory"):
+        w = HangWatch(0.5, store, "k", me=0, count=2, report=lambda s, f: got.append(f))
+        w.beat(3)
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.warns(RuntimeWarning):  # one more report, after the run moves
+            store.data.update(dict([entry(1, 3, 2)]))
+            w.beat(4)
+            while len(got) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        w.stop()
+    assert got[:2] == [3, 4], got
+    assert "process 1 ('host1') at step 0" in caplog.text
+    assert json.loads(store.data["jaxhistory/hang/k/0"])[0] == 4
+    assert json.loads(store.data["jaxhistory/hang/k/0"])[4] is True  # done
+
+
+def test_a_report_that_raises_is_logged_and_the_watch_goes_on(caplog):
+    store = Store()
+
+    def report(stalled, front):
+        raise OSError("disk full")
+
+    with caplog.at_level(logging.WARNING, logger="jaxhistory"):
+        w = HangWatch(0.2, store, "k", me=0, count=2, report=report)
+        w.beat(1)
+        deadline = time.monotonic() + 10
+        while "disk full" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        w.stop()
+    assert "could not write the hang report" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [
+        ("300", TypeError),
+        (True, TypeError),
+        (-1, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+    ],
+)
+def test_bad_hang_timeouts_are_refused(value, error):
+    with pytest.raises(error, match="hang_timeout"):
+        check_hang_timeout(value)
+
+
+def test_hang_timeout_off_and_on():
+    assert check_hang_timeout(None) is None and check_hang_timeout(0) is None
+    assert check_hang_timeout(False) is None and check_hang_timeout(2) == 2.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sleep", "stop"])
+def test_the_others_name_a_process_that_sleeps_or_is_stopped(how):
+    """Three processes; process 1 sleeps (or is SIGSTOPped) at step 3, the
+    others wait for it in their next update. Both others name it, with its
+    host, step and open span, within hang_timeout + 5 s."""
+    timeout = 2.0
+    results = jh.launch_local(
+        "mp_workers:hang_run", 3, 1, args=(how, timeout), timeout=120
+    )
+    for process in (0, 2):
+        r = results[process]
+        assert r["reports"], results
+        text = r["reports"][0]
+        assert "process 1 (" in text and "at step 2 in 'load batch'" in text, text
+        assert "others are at step 3" in text, text
+        assert timeout <= r["latency"] <= timeout + 5, r
+        if how == "stop":
+            assert "not responding" in text, text
+        assert r["logged"] == [1, 2]  # process 1 at step 2, in the log
+    assert results[1]["reports"] == []  # nobody waited long for the others
