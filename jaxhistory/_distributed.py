@@ -109,6 +109,10 @@ class Reducer:
         self._fns: dict[tuple, Any] = {}  # jitted reductions per set of layouts
         self._id = next(_REDUCERS)
         self._agreed: set[tuple[str, ...]] = set()  # name sets all processes use
+        # (rounds of names agreed, the names, the step) of the latest reduction:
+        # read by the hang watch's thread to answer a process whose names changed
+        self.latest: tuple[int, tuple[str, ...], int] | None = None
+        self._answered: set[int] = set()
 
     def split(self, items: list[tuple[str, Any]]) -> tuple[list, list]:
         """(recorded as they are, reduced across devices/processes)."""
@@ -126,7 +130,9 @@ class Reducer:
                 plain.append((name, value))
         return plain, reduce
 
-    def reduce(self, items: list[tuple[str, Any]]) -> tuple[Stats, dict, Any]:
+    def reduce(
+        self, items: list[tuple[str, Any]], step: int = 0
+    ) -> tuple[Stats, dict, Any]:
         """The statistics of ``items`` (one fused call), the straggler values
         (``{}`` with one process, or on the first update) and the mesh of the
         per-device values (None if there were none)."""
@@ -135,11 +141,13 @@ class Reducer:
             hi = float(now // ARRIVAL_UNIT)
             items = [*items, (ARRIVAL[0], hi), (ARRIVAL[1], now - hi * ARRIVAL_UNIT)]
         names = tuple(sorted(n for n, _ in items))
-        if self.multi_process and names not in self._agreed:
-            # Only when this process's names change: through the distributed
-            # runtime's key-value store, never through the device queue.
-            _check_same_names(self._id, len(self._agreed), names)
-            self._agreed.add(names)
+        if self.multi_process:
+            if names not in self._agreed:
+                # Only when this process's names change: through the distributed
+                # runtime's key-value store, never through the device queue.
+                _check_same_names(self._id, len(self._agreed), names, step)
+                self._agreed.add(names)
+            self.latest = (len(self._agreed), names, step)
         arrays = {n: v for n, v in items if isinstance(v, jax.Array)}
         host = [(n, v) for n, v in items if not isinstance(v, jax.Array)]
         meshes = [v.sharding.mesh for v in arrays.values()]
@@ -182,7 +190,7 @@ class Reducer:
         plain, reduce = self.split(items)
         if not reduce:
             return row, None
-        stats, straggler, mesh = self.reduce(reduce)
+        stats, straggler, mesh = self.reduce(reduce, row.step)
         record = dict(plain)
         first = next(i for i, (n, _) in enumerate(items) if n == reduce[0][0])
         kept = [(n, v) for n, v in items[:first] if n in record]
@@ -191,6 +199,69 @@ class Reducer:
             names=tuple(record), values=tuple(record.values()), kind=RowKind.VALUES
         )
         return row, mesh
+
+    def answer_names(self) -> str | None:
+        """Answers, from another thread, a process whose metric names changed
+        at a step this process has already reduced with its own names (so it
+        will never post names for that step itself, and that process would
+        wait for them): posts this process's names for that round. Returns the
+        text of the difference (also raised there), or None."""
+        latest, client = self.latest, _client()
+        if latest is None or client is None:
+            return None
+        round_, names, step = latest
+        if round_ in self._answered:
+            return None
+        prefix = f"jaxhistory/reducer{self._id}/names{round_}/"
+        me = jax.process_index()
+        try:
+            entries = client.key_value_dir_get(prefix)
+        except Exception:
+            return None
+        everyone = {me: (names, step)}
+        for key, text in entries:
+            other, posted = _read_names(key, text)
+            if other is not None and other != me:
+                everyone[other] = posted
+        waiting = [s for p, (_, s) in everyone.items() if p != me]
+        if not waiting or step < min(waiting) or f"{prefix}{me}" in dict(entries):
+            return None  # nobody asks, or this process has not got there yet
+        self._answered.add(round_)
+        with contextlib.suppress(Exception):  # posted meanwhile: theirs stands
+            client.key_value_set(f"{prefix}{me}", _names_text(names, step))
+        return _difference(everyone)
+
+
+def _names_text(names: tuple[str, ...], step: int) -> str:
+    return json.dumps({"step": step, "names": list(names)})
+
+
+def _read_names(key: Any, text: str) -> tuple[int | None, tuple]:
+    """(process, (names, step)) of one posted entry; (None, ()) when unreadable."""
+    try:
+        process = int(str(key).rsplit("/", 1)[-1])
+        posted = json.loads(text)
+        return process, (tuple(map(str, posted["names"])), int(posted["step"]))
+    except (ValueError, TypeError, KeyError):
+        return None, ()
+
+
+def _difference(everyone: dict[int, tuple[tuple[str, ...], int]]) -> str | None:
+    """What differs among the processes' ``(names, step)``, or None."""
+    if len({names for names, _ in everyone.values()}) < 2:
+        return None
+    common = set.intersection(*(set(names) for names, _ in everyone.values()))
+    parts = [
+        f"process {p} has {_shown(set(names) - common) or 'no other names'} "
+        f"(at step {step})"
+        for p, (names, step) in sorted(everyone.items())
+    ]
+    return (
+        "processes passed different metrics to History.update: "
+        + "; ".join(parts)
+        + f" (all have {_shown(common)}). Every process must record the same "
+        "names for distributed history"
+    )
 
 
 def _reduce(
@@ -287,22 +358,28 @@ def agreed_run_id(candidate: str, run_name: str | None) -> str:
         return candidate
 
 
-def _check_same_names(reducer: int, round_: int, names: tuple[str, ...]) -> None:
+def _check_same_names(
+    reducer: int, round_: int, names: tuple[str, ...], step: int = 0
+) -> None:
     """Raises ValueError, on every process, unless all processes reduce ``names``.
 
-    Each process posts its names under a key of its own in the distributed
-    runtime's key-value store and reads every other process's, waiting at most
-    :data:`NAMES_TIMEOUT_S` for each. ``reducer`` and ``round_`` (the number of
-    name sets agreed on before) make the keys the same in every process.
+    Each process posts its names (and ``step``, where they changed) under a
+    key of its own in the distributed runtime's key-value store and reads
+    every other process's, waiting at most :data:`NAMES_TIMEOUT_S` for each.
+    A process that has already reduced that step with other names answers
+    from its hang watch's thread (:meth:`Reducer.answer_names`), so a metric
+    added on one process mid-run is an error within seconds. ``reducer`` and
+    ``round_`` (the number of name sets agreed on before) make the keys the
+    same in every process.
     """
     client = _client()
     if client is None:  # several processes without the runtime: cannot happen
         raise RuntimeError("several JAX processes but no distributed runtime client")
     me, count = jax.process_index(), jax.process_count()
     prefix = f"jaxhistory/reducer{reducer}/names{round_}"
-    client.key_value_set(f"{prefix}/{me}", "\n".join(names))
+    client.key_value_set(f"{prefix}/{me}", _names_text(names, step), True)
     deadline = time.monotonic() + NAMES_TIMEOUT_S
-    everyone: dict[int, tuple[str, ...]] = {me: names}
+    everyone = {me: (names, step)}
     for other in range(count):
         if other == me:
             continue
@@ -312,23 +389,15 @@ def _check_same_names(reducer: int, round_: int, names: tuple[str, ...]) -> None
         except Exception as err:  # the runtime's deadline error
             raise TimeoutError(
                 f"process {other} did not send its metric names within "
-                f"{NAMES_TIMEOUT_S:g} s (process {me} records {_shown(names)}): every "
-                "process must call History.update with distributed history, with "
-                f"the same metric names ({type(err).__name__})"
+                f"{NAMES_TIMEOUT_S:g} s (process {me} records {_shown(names)} from "
+                f"step {step}): every process must call History.update with "
+                "distributed history, with the same metric names "
+                f"({type(err).__name__})"
             ) from None
-        everyone[other] = tuple(text.split("\n")) if text else ()
-    if len(set(everyone.values())) > 1:
-        common = set.intersection(*(set(v) for v in everyone.values()))
-        parts = [
-            f"process {p} has {_shown(set(v) - common) or 'no other names'}"
-            for p, v in sorted(everyone.items())
-        ]
-        raise ValueError(
-            "processes passed different metrics to History.update: "
-            + "; ".join(parts)
-            + f" (all have {_shown(common)}). Every process must record the same "
-            "names for distributed history"
-        )
+        _, everyone[other] = _read_names(f"{prefix}/{other}", text)
+    difference = _difference(everyone)
+    if difference is not None:
+        raise ValueError(difference)
 
 
 def _shown(names: Any) -> list[str]:

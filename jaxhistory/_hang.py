@@ -103,6 +103,8 @@ class HangWatch:
         me: this process's index; ``count``: how many processes there are.
         report: called on the watch thread with the stalled processes and the
             step the others are at, after the warning and the logger record.
+        every_period: called on the watch thread every period; a text it
+            returns is a problem to tell (a warning and a logger record).
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class HangWatch:
         me: int,
         count: int,
         report: Callable[[list[Stalled], int], None] | None = None,
+        every_period: Callable[[], str | None] | None = None,
     ):
         self.timeout = timeout
         self.period = min(max(timeout / 5, 0.1), 5.0)
@@ -122,6 +125,7 @@ class HangWatch:
         self._prefix = f"jaxhistory/hang/{key}/"
         self._me, self._count = me, count
         self._report = report
+        self._every_period = every_period
         self._host = socket.gethostname()
         self._seen: dict[int, _Seen] = {}
         self._reported: tuple | None = None
@@ -157,6 +161,14 @@ class HangWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.period):
             self._post()
+            if self._every_period is not None:
+                try:
+                    problem = self._every_period()
+                except Exception as err:  # its own trouble must not stop the watch
+                    problem = f"the hang watch's periodic check failed: {err!r}"
+                if problem:
+                    logger.warning("%s", problem)
+                    warnings.warn(problem, RuntimeWarning, stacklevel=1)
             try:
                 entries = self._client.key_value_dir_get(self._prefix)
             except Exception:

@@ -335,6 +335,7 @@ class History:
                 jax.process_index(),
                 jax.process_count(),
                 self._hang_report,
+                self._reducer.answer_names,
             )
         hang.beat(step)
 

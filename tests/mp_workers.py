@@ -524,3 +524,17 @@ def hang_run(how: str, timeout: float) -> dict:
         "latency": reports[0][0] - stopped if reports else None,
         "logged": logged[0] if logged else None,
     }
+
+
+def metric_added_on_one_process(hang_timeout: float) -> None:
+    """Both record "loss" for 3 steps; at step 3 process 1 adds "extra" (and
+    raises), while process 0 waits in its step-3 reduction."""
+    import jax
+
+    import jaxhistory as jh
+
+    history = jh.History(distributed_history=True, hang_timeout=hang_timeout)
+    for step in range(3):
+        history.update({"loss": float(step)})
+    extra = {"extra": 1.0} if jax.process_index() == 1 else {}
+    history.update({"loss": 3.0, **extra})

@@ -1,6 +1,7 @@
 """History: summary lines, distributed history, settings, attach, run names and
 the log each run owns, the dict view, resume, progress (steps/s, ETA, MFU)."""
 
+import time
 import warnings
 from unittest import mock
 
@@ -747,3 +748,20 @@ def test_every_process_of_a_job_uses_one_run_id():
     assert len(ids) == 2 and ids[0] == ids[1], results
     named, unnamed = ids[0]
     assert named.startswith("mp-") and unnamed.startswith("run-"), ids
+
+
+@pytest.mark.slow
+def test_a_metric_added_on_one_process_mid_run_fails_fast_naming_it():
+    """Process 1 adds a metric at step 3; process 0 goes on with the old ones.
+    Process 1 gets a clear ValueError within seconds (not a 120 s timeout
+    blaming process 0), and the job ends."""
+    start = time.monotonic()
+    with pytest.raises(jh.LaunchError) as info:
+        jh.launch_local(
+            "mp_workers:metric_added_on_one_process", 2, 1, args=(2.0,), timeout=90
+        )
+    assert time.monotonic() - start < 30
+    text = str(info.value)
+    assert "did not send" not in text, text
+    assert "process 1 has ['extra'] (at step 3)" in text, text
+    assert "process 0 has no other names (at step 3)" in text, text
