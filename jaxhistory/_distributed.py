@@ -4,6 +4,7 @@ all devices or processes, in one fused jitted call per update."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -11,6 +12,7 @@ import json
 import threading
 import time
 import warnings
+import zlib
 from typing import Any
 
 import jax
@@ -27,6 +29,7 @@ from jaxhistory._tree import flatten_metrics
 __all__ = [
     "ARRIVAL",
     "DISTRIBUTED_LIMIT",
+    "SAME",
     "STRAGGLER",
     "Reducer",
     "agreed_run_id",
@@ -50,6 +53,11 @@ _OFF_VARS = ("JAXHISTORY_NO_DISTRIBUTED_HISTORY", "JAXHISTORY_LOCAL_HISTORY")
 ARRIVAL = ("straggler/arrival_hi", "straggler/arrival_lo")
 ARRIVAL_UNIT = 1024.0
 STRAGGLER = ("straggler/process", "straggler/lag")
+# With several processes, a value recorded as it is (not reduced) must be the
+# same on every process: a checksum of it rides in the reduction as a host
+# scalar under this prefix (never recorded), and differs -> max != min.
+SAME = "\x00same/"
+SAME_WINDOW = 8  # updates later the checksums are read (all processes alike)
 
 
 def distributed_default() -> bool:
@@ -113,6 +121,9 @@ class Reducer:
         # read by the hang watch's thread to answer a process whose names changed
         self.latest: tuple[int, tuple[str, ...], int] | None = None
         self._answered: set[int] = set()
+        # (step, names, whether each differs across processes) per update, read
+        # SAME_WINDOW updates later: at the same update on every process
+        self._same: collections.deque = collections.deque()
 
     def split(self, items: list[tuple[str, Any]]) -> tuple[list, list]:
         """(recorded as they are, reduced across devices/processes)."""
@@ -128,7 +139,30 @@ class Reducer:
                 reduce.append((name, value))
             else:
                 plain.append((name, value))
+                if self.multi_process and _process_local(value):
+                    reduce.append((SAME + name, _checksum(value)))
         return plain, reduce
+
+    def check_same(self, wait_all: bool = False) -> None:
+        """Raises ValueError when a value recorded as it is differed across
+        processes, read :data:`SAME_WINDOW` updates after it was recorded (or
+        all of them with ``wait_all``): at the same update on every process."""
+        pending = self._same
+        while pending and (wait_all or len(pending) > SAME_WINDOW):
+            step, names, differs = pending.popleft()
+            bad = [n for n, d in zip(names, np.asarray(differs), strict=True) if d]
+            if bad:
+                pending.clear()
+                raise ValueError(
+                    f"{bad[0]!r} differs across processes at step {step}"
+                    + (f" (and {bad[1:]!r})" if bad[1:] else "")
+                    + ": a value recorded as it is (a NumPy array, a JAX array "
+                    "on this process's devices only) must be the same on every "
+                    "process. Reduce it inside the step (jh.distributed_stats), "
+                    "or pass it per device (jh.per_shard) to get its statistics "
+                    "across devices; History.attach records a value of this "
+                    "process alone"
+                )
 
     def reduce(
         self, items: list[tuple[str, Any]], step: int = 0
@@ -176,7 +210,10 @@ class Reducer:
                     provenance=self.provenance,
                 )
             )
-        stats, straggler = fn(arrays, packed)
+        stats, straggler, differs = fn(arrays, packed)
+        if differs is not None:
+            same = tuple(n[len(SAME) :] for n in host_names if n.startswith(SAME))
+            self._same.append((step, same, differs))
         if not self.provenance and stats.where is not None:
             stats = Stats(stats.names, stats.table)
         return stats, straggler, (mesh if meshes else None)
@@ -270,12 +307,14 @@ def _reduce(
     host_names: tuple[str, ...],
     layouts: dict[str, Layout],
     provenance: bool = True,
-) -> tuple[Stats, dict]:
+) -> tuple[Stats, dict, Any]:
     """The jitted reduction of the per-device ``arrays`` and the host scalars
     (the columns of ``packed``, named ``host_names``): statistics (with
     provenance when ``layouts`` are given) and, when the two arrival scalars
     are among the host scalars, the last process to arrive and its lag behind
-    the median process, at no extra collective."""
+    the median process, at no extra collective; and whether each checksum of
+    a value recorded as it is (host names starting with :data:`SAME`) differs
+    across processes (None without checksums)."""
     metrics = dict(arrays)
     for j, name in enumerate(host_names):
         metrics[name] = packed[:, j]
@@ -287,11 +326,18 @@ def _reduce(
         gather = (index[ARRIVAL[0]], index[ARRIVAL[1]])
     picks = frozenset(gather or ())
     stats, gathered = global_stats(leaves, lays, picks, provenance=provenance)
-    if gather is None:
-        return stats, {}
-    keep = [i for i in range(len(leaves)) if i not in picks]
+    stats = _constants_stay(stats)
+    checks = [i for i, lf in enumerate(leaves) if lf.name.startswith(SAME)]
+    differs = None
+    if checks:  # a checksum's max and min differ: so did the value
+        differs = stats.table[1, checks] != stats.table[2, checks]
+    if gather is None and not checks:
+        return stats, {}, None
+    keep = [i for i in range(len(leaves)) if i not in picks and i not in checks]
     where = None if stats.where is None else stats.where[:, keep]
     stats = Stats(tuple(stats.names[i] for i in keep), stats.table[:, keep], where)
+    if gather is None:
+        return stats, {}, differs
     devices = jax.devices()
     first: dict[int, int] = {}  # process -> the slot of its first device
     for slot, index in enumerate(lays[gather[0]].holders.tolist()):
@@ -302,10 +348,45 @@ def _reduce(
     # Relative to the earliest whole unit: small, so exact enough in float32.
     arrival = (hi - jnp.min(hi)) * ARRIVAL_UNIT + lo
     last = jnp.argmax(arrival)
-    return stats, {
-        STRAGGLER[0]: jnp.asarray(procs, jnp.int32)[last],
-        STRAGGLER[1]: arrival[last] - jnp.median(arrival),
-    }
+    return (
+        stats,
+        {
+            STRAGGLER[0]: jnp.asarray(procs, jnp.int32)[last],
+            STRAGGLER[1]: arrival[last] - jnp.median(arrival),
+        },
+        differs,
+    )
+
+
+def _constants_stay(stats: Stats) -> Stats:
+    """Where every value was the same (max == min), that value as the mean and
+    0 as the std, exactly: a float32 mean of equal values can be an ulp off
+    (0.003 on 3 processes x 2 devices: mean 0.0030000002589, std 2.3e-10),
+    which would make a constant look like noise."""
+    mean, mx, mn, std = stats.table[:4]
+    same = mx == mn
+    table = stats.table.at[0].set(jnp.where(same, mx, mean))
+    table = table.at[3].set(jnp.where(same, 0, std))
+    return Stats(stats.names, table, stats.where, stats.rows)
+
+
+def _process_local(value: Any) -> bool:
+    """Whether a value recorded as it is comes from this process alone (so
+    may differ across processes): anything but a global JAX array."""
+    if isinstance(value, Stats):
+        return False
+    if isinstance(value, jax.Array):
+        return value.is_fully_addressable
+    return True
+
+
+def _checksum(value: Any) -> float:
+    """24 bits of a CRC of the value's dtype, shape and bytes: exact in
+    float32, the same on every process exactly when the values are (but for
+    one chance in 16 million). A JAX array is fetched for it."""
+    arr = np.ascontiguousarray(np.asarray(value))
+    head = f"{arr.dtype.str}{arr.shape}".encode()
+    return float(zlib.crc32(arr.tobytes(), zlib.crc32(head)) & 0xFFFFFF)
 
 
 @functools.lru_cache(maxsize=1)
@@ -403,7 +484,8 @@ def _check_same_names(
 def _shown(names: Any) -> list[str]:
     """The user's metric names among ``names``, sorted: without the arrival
     times History adds itself."""
-    return sorted(n for n in names if n not in ARRIVAL)
+    shown = (n.removeprefix(SAME) for n in names if n not in ARRIVAL)
+    return sorted(set(shown))
 
 
 def _per_process_rows(

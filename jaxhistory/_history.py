@@ -291,6 +291,8 @@ class History:
             if out.writing or _trace_state.active() is not None:
                 out.add(logged)
             found = self._checked(row) if self._guard is not None else None
+            if self._reduce_host:
+                self._same_everywhere()
         if found:
             self._act(found)
         if not summarize or row.step % self.log_every:
@@ -394,6 +396,18 @@ class History:
             self._emit(rows)
         return found
 
+    def _same_everywhere(self, wait_all: bool = False) -> None:
+        """Raises ValueError (after the log has the step's line) when a value
+        recorded as it is differed across processes (the caller holds the
+        lock)."""
+        try:
+            self._reducer.check_same(wait_all)
+        except ValueError:
+            writer = self._out.writer
+            if writer is not None:
+                writer.flush()
+            raise
+
     def _act(self, found: list) -> None:
         """Warns, calls back, or raises for the sentinels' events (not under the
         lock: a callback may record); a raise once the step's line is in the
@@ -487,6 +501,8 @@ class History:
         naming it."""
         with self._lock:
             self._record_leftover(with_step_only=True)
+            if self._reduce_host:  # every process flushes: the reads line up
+                self._same_everywhere(wait_all=True)
             found = self._checked(None, wait=True) if self._guard else None
             writer, feed = self._out.flush()
         if writer is not None:
@@ -539,6 +555,12 @@ class History:
                 raise ValueError("finalize needs an outdir (or a History report_dir)")
             outdir = self.report_dir
         self._stop_hang_watch()  # the run is over here
+        if self._reduce_host:
+            try:
+                with self._lock:
+                    self._same_everywhere(wait_all=True)
+            except ValueError as err:  # the run is over: the outputs still come
+                warnings.warn(str(err), RuntimeWarning, stacklevel=2)
         try:
             self.flush()
         except SentinelError as err:  # the run is over: the outputs still come

@@ -538,3 +538,33 @@ def metric_added_on_one_process(hang_timeout: float) -> None:
         history.update({"loss": float(step)})
     extra = {"extra": 1.0} if jax.process_index() == 1 else {}
     history.update({"loss": 3.0, **extra})
+
+
+def differing_plain_values(name: str) -> dict:
+    """Records, for 16 steps, "loss" (a host scalar, reduced), "lr" (0.003 on
+    every process) and ``name``: a NumPy array ("np"), a single-device JAX
+    array ("jax") or a NumPy array the same everywhere ("same"), which on
+    process 1 differs from step 5 on (except "same")."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxhistory as jh
+
+    history = jh.History(distributed_history=True)
+    me = jax.process_index()
+    raised = None
+    for step in range(16):
+        bump = 1.0 if (me == 1 and step >= 5 and name != "same") else 0.0
+        value = np.array([float(step), bump])
+        if name == "jax":
+            value = jnp.asarray(value)
+        try:
+            history.update({"loss": float(me), "lr": 0.003, "w": value}, step=step)
+        except ValueError as err:
+            raised = (step, str(err))
+            break
+    state = history.state
+    return {
+        "raised": raised,
+        "lr": {k: state.values(k).tolist() for k in state.keys if k.startswith("lr")},
+    }

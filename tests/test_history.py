@@ -765,3 +765,31 @@ def test_a_metric_added_on_one_process_mid_run_fails_fast_naming_it():
     assert "did not send" not in text, text
     assert "process 1 has ['extra'] (at step 3)" in text, text
     assert "process 0 has no other names (at step 3)" in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["np", "jax"])
+def test_a_value_recorded_as_is_that_differs_across_processes_is_an_error(kind):
+    """A NumPy array (or a single-device JAX array) that differs on process 1
+    from step 5 on: every process raises ValueError at the same update, within
+    the checking window, naming the metric, the step and both ways out."""
+    results = jh.launch_local(
+        "mp_workers:differing_plain_values", 2, 1, args=(kind,), timeout=120
+    )
+    raised = [r["raised"] for r in results]
+    assert raised[0] is not None and raised[0][0] == raised[1][0], raised
+    step, text = raised[0]
+    assert 5 <= step <= 5 + 8, raised
+    assert "'w'" in text and "step 5" in text, text
+    assert "distributed_stats" in text and "per_shard" in text, text
+
+
+@pytest.mark.slow
+def test_values_the_same_on_every_process_pass_and_a_constant_stays_constant():
+    results = jh.launch_local(
+        "mp_workers:differing_plain_values", 3, 2, args=("same",), timeout=120
+    )
+    assert [r["raised"] for r in results] == [None] * 3
+    lr = results[0]["lr"]
+    assert set(lr["lr/std"]) == {0.0}, lr
+    assert set(lr["lr/mean"]) == set(lr["lr/max"]) == {float(np.float32(0.003))}, lr
