@@ -57,6 +57,7 @@ STRAGGLER = ("straggler/process", "straggler/lag")
 # same on every process: a checksum of it rides in the reduction as a host
 # scalar under this prefix (never recorded), and differs -> max != min.
 SAME = "\x00same/"
+LAGS = "\x00lags"  # each process's arrival lag (not recorded as such)
 SAME_WINDOW = 8  # updates later the checksums are read (all processes alike)
 
 
@@ -124,6 +125,8 @@ class Reducer:
         # (step, names, whether each differs across processes) per update, read
         # SAME_WINDOW updates later: at the same update on every process
         self._same: collections.deque = collections.deque()
+        # (each process's arrival lag, the processes) of the latest reduction
+        self.lags: tuple[Any, tuple[int, ...]] | None = None
 
     def split(self, items: list[tuple[str, Any]]) -> tuple[list, list]:
         """(recorded as they are, reduced across devices/processes)."""
@@ -211,6 +214,9 @@ class Reducer:
                 )
             )
         stats, straggler, differs = fn(arrays, packed)
+        if LAGS in straggler:  # every process's lag: for the straggler scores
+            straggler = dict(straggler)
+            self.lags = (straggler.pop(LAGS), _processes(mesh))
         if differs is not None:
             same = tuple(n[len(SAME) :] for n in host_names if n.startswith(SAME))
             self._same.append((step, same, differs))
@@ -353,6 +359,7 @@ def _reduce(
         {
             STRAGGLER[0]: jnp.asarray(procs, jnp.int32)[last],
             STRAGGLER[1]: arrival[last] - jnp.median(arrival),
+            LAGS: arrival - jnp.median(arrival),
         },
         differs,
     )
@@ -368,6 +375,13 @@ def _constants_stay(stats: Stats) -> Stats:
     table = stats.table.at[0].set(jnp.where(same, mx, mean))
     table = table.at[3].set(jnp.where(same, 0, std))
     return Stats(stats.names, table, stats.where, stats.rows)
+
+
+@functools.lru_cache(maxsize=16)
+def _processes(mesh: jax.sharding.Mesh) -> tuple[int, ...]:
+    """The processes holding ``mesh``'s devices, ascending: the order of the
+    arrival lags."""
+    return tuple(sorted({d.process_index for d in mesh.devices.flat}))
 
 
 def _process_local(value: Any) -> bool:

@@ -37,6 +37,7 @@ from jaxhistory._run_setup import (
     sinks_here,
 )
 from jaxhistory._side_values import SideValues
+from jaxhistory._stragglers import StragglerScores, check_window
 from jaxhistory._summary import NonfiniteWatch, SummaryLine, memory_token
 from jaxhistory.export._finalize import finalize as write_outputs
 from jaxhistory.export._units import MAX_PLOTS
@@ -137,6 +138,11 @@ class History:
             line in the log); None turns the watch off. Its background thread
             starts at the first update and stops at :meth:`close` or
             :meth:`finalize`; with one process there is nothing to watch.
+        straggler_window: with several processes, updates per window of the
+            straggler scores: at the end of each, every process's median and
+            p90 arrival lag (``straggler/median_lag``, ``straggler/p90_lag``),
+            the slowest process and its score, and a warning for a process
+            consistently slower.
 
     With several processes and distributed history, each update that reduces
     something also records ``straggler/process`` (the process that reached the
@@ -177,6 +183,7 @@ class History:
         peak_flops: float | None = None,
         sentinels: Sequence[Any] = (),
         hang_timeout: float | None = HANG_TIMEOUT_S,
+        straggler_window: int = 100,
     ):
         memory = check_options(keys, log_every, memory)
         self.hang_timeout = check_hang_timeout(hang_timeout)
@@ -223,6 +230,8 @@ class History:
         self._hang_key = hang_key() if self._reducer.multi_process else None
         # host scalars are reduced across processes: no fast path then
         self._reduce_host = self.distributed_history and self._reducer.multi_process
+        window = check_window(straggler_window)
+        self._stragglers = StragglerScores(window) if self._reduce_host else None
         self._watch = NonfiniteWatch()  # one warning per metric gone NaN/inf
         self._line = SummaryLine(self.keys, self._watch)
         log_path = log_target(self.jsonl_path, self.report_dir, self.run_id)
@@ -317,6 +326,12 @@ class History:
             if mesh is not None and self.mesh is None:
                 self.mesh = mesh
         rec.append(row)
+        lags = self._reducer.lags
+        if lags is not None and self._stragglers is not None:
+            self._reducer.lags = None
+            self._stragglers.add(row.step, now, *lags)
+            if self._stragglers.due():
+                self._record_scores(self._stragglers.take())
         if row.kind is RowKind.VALUES and self.mesh is None:
             self.mesh = mesh_of(row.values)
         return row
@@ -395,6 +410,15 @@ class History:
                 rows.append((step, [(name, total)]))
             self._emit(rows)
         return found
+
+    def _record_scores(self, rows: list) -> None:
+        """Records and logs straggler score rows (the caller holds the lock)."""
+        emitted = []
+        for step, values in rows:
+            names, vals = tuple(values), tuple(values.values())
+            self._rec.append(Row(step, names, vals, RowKind.VALUES))
+            emitted.append((step, list(values.items())))
+        self._emit(emitted)
 
     def _same_everywhere(self, wait_all: bool = False) -> None:
         """Raises ValueError (after the log has the step's line) when a value
@@ -503,6 +527,7 @@ class History:
             self._record_leftover(with_step_only=True)
             if self._reduce_host:  # every process flushes: the reads line up
                 self._same_everywhere(wait_all=True)
+                self._record_scores(self._stragglers.take(wait_all=True))
             found = self._checked(None, wait=True) if self._guard else None
             writer, feed = self._out.flush()
         if writer is not None:

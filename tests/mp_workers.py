@@ -568,3 +568,33 @@ def differing_plain_values(name: str) -> dict:
         "raised": raised,
         "lr": {k: state.values(k).tolist() for k in state.keys if k.startswith("lr")},
     }
+
+
+def straggler_scores_run(slow: int, outdir: str) -> dict:
+    """Three processes step every 100 ms; process ``slow`` (-1: none) takes
+    10% longer before each update. Windows of 10 updates, 40 updates."""
+    import warnings
+
+    import jax
+
+    import jaxhistory as jh
+
+    history = jh.History(distributed_history=True, straggler_window=10)
+    flagged = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(40):
+            time.sleep(0.1)
+            if jax.process_index() == slow:
+                time.sleep(0.01)
+            history.update({"loss": float(step)}, step=step)
+        history.flush()
+        flagged = [str(w.message) for w in caught if "consistently" in str(w.message)]
+    state = history.state
+    history.finalize(outdir, plot=jax.process_index() == 0)
+    return {
+        "flagged": flagged,
+        "median": np.asarray(state.values("straggler/median_lag")).tolist(),
+        "steps": np.asarray(state.steps("straggler/median_lag")).tolist(),
+        "slowest": np.asarray(state.values("straggler/slowest")).tolist(),
+    }

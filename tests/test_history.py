@@ -793,3 +793,28 @@ def test_values_the_same_on_every_process_pass_and_a_constant_stays_constant():
     lr = results[0]["lr"]
     assert set(lr["lr/std"]) == {0.0}, lr
     assert set(lr["lr/mean"]) == set(lr["lr/max"]) == {float(np.float32(0.003))}, lr
+
+
+@pytest.mark.slow
+def test_a_process_ten_percent_slower_is_flagged_and_tabled(tmp_path):
+    results = jh.launch_local(
+        "mp_workers:straggler_scores_run", 3, 1, args=(2, str(tmp_path)), timeout=180
+    )
+    first = results[0]
+    assert first["steps"] == [9, 19, 29, 39], first
+    assert all(s == 2 for s in first["slowest"][1:]), first
+    medians = np.asarray(first["median"])
+    assert medians.shape == (4, 3) and (medians[1:, 2] > 0.005).all(), medians
+    for r in results:  # every process sees the same and warns
+        assert r["flagged"] and "process 2 is consistently slower" in r["flagged"][0]
+    report = (tmp_path / "report.md").read_text()
+    assert "## Stragglers" in report and "| 2 |" in report, report
+    assert (tmp_path / "plots" / "mplot" / "straggler_median_lag.heatmap.png").exists()
+
+
+@pytest.mark.slow
+def test_equal_processes_are_never_flagged(tmp_path):
+    results = jh.launch_local(
+        "mp_workers:straggler_scores_run", 3, 1, args=(-1, str(tmp_path)), timeout=180
+    )
+    assert [r["flagged"] for r in results] == [[], [], []], results

@@ -90,6 +90,7 @@ LAYERS = {
     "jaxhistory.sentinels": EFFECTS,  # checks that act on recorded values
     "jaxhistory._distributed": EFFECTS,
     "jaxhistory._hang": EFFECTS,  # the hang report of a multi-process History
+    "jaxhistory._stragglers": EFFECTS,  # per-process arrival lags over windows
     "jaxhistory._history": EFFECTS,
     "jaxhistory._results": EFFECTS,
     "jaxhistory._timing": EFFECTS,

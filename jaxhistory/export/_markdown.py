@@ -18,6 +18,7 @@ from jaxhistory._env import ENV_LABELS
 from jaxhistory._files import atomic_write
 from jaxhistory._names import PROVENANCE, aggregated_names, grouped
 from jaxhistory._provenance import device_label
+from jaxhistory._stragglers import straggler_table
 from jaxhistory.export._units import printable, same_value
 
 if TYPE_CHECKING:
@@ -288,6 +289,9 @@ def to_markdown(
     devices = devices_section(state)
     if devices:
         lines += ["", "## Devices", "", *devices]
+    stragglers = straggler_table(state)
+    if stragglers:
+        lines += ["", "## Stragglers", "", *stragglers]
     if events:
         lines += ["", "## Sentinels", "", *sentinel_section(events)]
     if per_layer:

@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxhistory._names import file_stems
 from jaxhistory._optional import import_optional
+from jaxhistory._stragglers import LAG_BY_PROCESS
 from jaxhistory.export._units import (
     MARKERS_UP_TO,
     LayerFamily,
@@ -283,9 +284,14 @@ def _draw_heatmap(title, x, chains, path: Path) -> None:
     bar = fig.colorbar(image, ax=ax)
     if exponent:
         bar.set_label(f"in units of 1e{exponent}")
-    ax.set_title(f"{printable(title)}: {data.shape[0]} series")
+    from matplotlib.ticker import MaxNLocator
+
+    what = ("process", "processes") if title in LAG_BY_PROCESS else ("series",) * 2
+    ax.set_title(f"{printable(title)}: {data.shape[0]} {what[1]}")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    what = what[0]
     ax.set_xlabel("step")
-    ax.set_ylabel("series")
+    ax.set_ylabel(what)
     _save(fig, path)
 
 
