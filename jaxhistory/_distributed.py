@@ -28,6 +28,7 @@ from jaxhistory._tree import flatten_metrics
 
 __all__ = [
     "ARRIVAL",
+    "BATCH_MAX",
     "DISTRIBUTED_LIMIT",
     "SAME",
     "STRAGGLER",
@@ -59,6 +60,7 @@ STRAGGLER = ("straggler/process", "straggler/lag")
 SAME = "\x00same/"
 LAGS = "\x00lags"  # each process's arrival lag (not recorded as such)
 SAME_WINDOW = 8  # updates later the checksums are read (all processes alike)
+BATCH_MAX = 64  # updates a batch of values to reduce holds at most
 
 
 def distributed_default() -> bool:
@@ -125,8 +127,11 @@ class Reducer:
         # (step, names, whether each differs across processes) per update, read
         # SAME_WINDOW updates later: at the same update on every process
         self._same: collections.deque = collections.deque()
-        # (each process's arrival lag, the processes) of the latest reduction
-        self.lags: tuple[Any, tuple[int, ...]] | None = None
+        # (step, time, each process's arrival lag, the processes) per update
+        # reduced and not yet taken by History's straggler scores
+        self.lags: list[tuple[int, float, Any, tuple[int, ...]]] = []
+        self._batch: list[tuple[int, float, list]] = []  # (step, time, items)
+        self._batch_names: tuple[str, ...] = ()
 
     def split(self, items: list[tuple[str, Any]]) -> tuple[list, list]:
         """(recorded as they are, reduced across devices/processes)."""
@@ -167,26 +172,38 @@ class Reducer:
                     "process alone"
                 )
 
-    def reduce(
-        self, items: list[tuple[str, Any]], step: int = 0
-    ) -> tuple[Stats, dict, Any]:
-        """The statistics of ``items`` (one fused call), the straggler values
-        (``{}`` with one process, or on the first update) and the mesh of the
-        per-device values (None if there were none)."""
+    def _arrived(
+        self, items: list[tuple[str, Any]], step: int
+    ) -> tuple[list[tuple[str, Any]], float]:
+        """``items`` with this process's arrival time (with several processes),
+        their names checked against the other processes' when they change;
+        and the time."""
+        now = time.time()
         if self.multi_process:
-            now = time.time()
             hi = float(now // ARRIVAL_UNIT)
             items = [*items, (ARRIVAL[0], hi), (ARRIVAL[1], now - hi * ARRIVAL_UNIT)]
-        names = tuple(sorted(n for n, _ in items))
-        if self.multi_process:
+            names = tuple(sorted(n for n, _ in items))
             if names not in self._agreed:
                 # Only when this process's names change: through the distributed
                 # runtime's key-value store, never through the device queue.
                 _check_same_names(self._id, len(self._agreed), names, step)
                 self._agreed.add(names)
             self.latest = (len(self._agreed), names, step)
-        arrays = {n: v for n, v in items if isinstance(v, jax.Array)}
-        host = [(n, v) for n, v in items if not isinstance(v, jax.Array)]
+        return items, now
+
+    def _program(
+        self, updates: list[tuple[int, float, list]], prefixes: tuple[str, ...]
+    ) -> tuple[tuple, Any, bool]:
+        """Runs one reduction of ``updates`` (``(step, time, items)`` each, their
+        names prefixed with ``prefixes``): its outputs, the mesh, and whether
+        there were per-device values."""
+        arrays, host = {}, []
+        for prefix, (_, _, items) in zip(prefixes, updates, strict=True):
+            for n, v in items:
+                if isinstance(v, jax.Array):
+                    arrays[prefix + n] = v
+                else:
+                    host.append((prefix + n, v))
         meshes = [v.sharding.mesh for v in arrays.values()]
         mesh = meshes[0] if meshes else _all_devices_mesh()
         # All host scalars in one global array: one transfer per local device.
@@ -202,46 +219,135 @@ class Reducer:
             layouts.update(
                 dict.fromkeys(host_names, concrete_layout(column, (mesh.size,)))
             )
-        key = (host_names, tuple((n, lay.key) for n, lay in layouts.items()))
+        key = (prefixes, host_names, tuple((n, lay.key) for n, lay in layouts.items()))
         fn = self._fns.get(key)
         if fn is None:
+            if len(self._fns) >= 64:  # bounded: batches of varying length
+                self._fns.clear()
             fn = self._fns[key] = jax.jit(
                 functools.partial(
                     _reduce,
                     host_names=host_names,
                     layouts=layouts,
                     provenance=self.provenance,
+                    prefixes=prefixes,
                 )
             )
-        stats, straggler, differs = fn(arrays, packed)
+        return fn(arrays, packed), mesh, bool(meshes)
+
+    def _finish(
+        self,
+        step: int,
+        now: float,
+        stats: Stats,
+        straggler: dict,
+        differs: Any,
+        mesh: Any,
+        names: tuple[str, ...],
+    ) -> tuple[Stats, dict]:
+        """Keeps one update's lags and checksum results (of the checksums among
+        ``names``); returns its statistics (without provenance when it is off)
+        and straggler values."""
+        straggler = dict(straggler)
         if LAGS in straggler:  # every process's lag: for the straggler scores
-            straggler = dict(straggler)
-            self.lags = (straggler.pop(LAGS), _processes(mesh))
+            self.lags.append((step, now, straggler.pop(LAGS), _processes(mesh)))
         if differs is not None:
-            same = tuple(n[len(SAME) :] for n in host_names if n.startswith(SAME))
+            same = tuple(n.removeprefix(SAME) for n in names if n.startswith(SAME))
             self._same.append((step, same, differs))
         if not self.provenance and stats.where is not None:
             stats = Stats(stats.names, stats.table)
-        return stats, straggler, (mesh if meshes else None)
+        return stats, straggler
 
-    def reduced_row(self, row: Row) -> tuple[Row, Any]:
+    def reduce(
+        self, items: list[tuple[str, Any]], step: int = 0
+    ) -> tuple[Stats, dict, Any]:
+        """The statistics of ``items`` (one fused call), the straggler values
+        (``{}`` with one process) and the mesh of the per-device values (None
+        if there were none)."""
+        items, now = self._arrived(items, step)
+        (stats, stragglers, differs), mesh, has = self._program(
+            [(step, now, items)], ("",)
+        )
+        names = tuple(sorted(n for n, _ in items))
+        stats, straggler = self._finish(
+            step, now, stats, stragglers[0], differs[0], mesh, names
+        )
+        return stats, straggler, (mesh if has else None)
+
+    def reduced_row(self, row: Row, every: int = 1) -> tuple[Row, list[Row], Any]:
         """``row`` with what needs it reduced into one :class:`~jaxhistory.Stats`
         named ``{name}/{stat}``, at the place of the first reduced value (the
-        summary keeps the order), and the mesh of the per-device values (None
-        if there were none)."""
+        summary keeps the order); the rows of earlier updates reduced now (in
+        batches); and the mesh of the per-device values (None if there were
+        none).
+
+        With several processes and ``every`` > 1, what needs reducing waits in
+        a batch, reduced in one program (and fetched) at steps that are
+        multiples of ``every``, after :data:`BATCH_MAX` updates, or when the
+        names change; each update's values are recorded at its own step.
+        """
         items = list(zip(row.names, row.values, strict=True))
         plain, reduce = self.split(items)
-        if not reduce:
-            return row, None
-        stats, straggler, mesh = self.reduce(reduce, row.step)
-        record = dict(plain)
-        first = next(i for i, (n, _) in enumerate(items) if n == reduce[0][0])
-        kept = [(n, v) for n, v in items[:first] if n in record]
-        record = {**dict(kept), "": stats, **record, **straggler}
-        row = row._replace(
-            names=tuple(record), values=tuple(record.values()), kind=RowKind.VALUES
-        )
-        return row, mesh
+        batched = every > 1 and self.multi_process
+        if not batched:
+            if not reduce:
+                return row, [], None
+            stats, straggler, mesh = self.reduce(reduce, row.step)
+            return _placed(row, items, plain, reduce, stats, straggler), [], mesh
+        earlier: list[Row] = []
+        mesh = None
+        if reduce:
+            arrived, now = self._arrived(reduce, row.step)
+            names = self.latest[1]
+            if self._batch and names != self._batch_names:
+                rows, mesh = self.run_batch()
+                earlier += rows
+            self._batch.append((row.step, now, arrived))
+            self._batch_names = names
+        if self._batch and (row.step % every == 0 or len(self._batch) >= BATCH_MAX):
+            rows, found = self.run_batch()
+            mesh = found or mesh
+            if reduce:  # this update's own values go into its row
+                last = rows.pop()
+                stats, *rest = last.values
+                straggler = dict(zip(last.names[1:], rest, strict=True))
+                row = _placed(row, items, plain, reduce, stats, straggler)
+            earlier += rows
+        elif reduce:
+            row = row._replace(
+                names=tuple(n for n, _ in plain),
+                values=tuple(v for _, v in plain),
+                kind=RowKind.VALUES,
+            )
+        return row, earlier, mesh
+
+    def run_batch(self) -> tuple[list[Row], Any]:
+        """Reduces the waiting batch in one program, fetched here: one row of
+        each update's statistics and straggler values at its step; and the
+        mesh of the per-device values (None if there were none)."""
+        batch, self._batch = self._batch, []
+        if not batch:
+            return [], None
+        names = self._batch_names
+        prefixes = tuple(f"{i}\x01" for i in range(len(batch)))
+        out, mesh, has = self._program(batch, prefixes)
+        stats, stragglers, differs = jax.device_get(out)
+        rows = []
+        for i, (prefix, (step, now, _)) in enumerate(zip(prefixes, batch, strict=True)):
+            cols = [j for j, n in enumerate(stats.names) if n.startswith(prefix)]
+            where = None if stats.where is None else stats.where[:, cols]
+            part = Stats(
+                tuple(stats.names[j][len(prefix) :] for j in cols),
+                stats.table[:, cols],
+                where,
+                stats.rows,
+            )
+            part, straggler = self._finish(
+                step, now, part, stragglers[i], differs[i], mesh, names
+            )
+            names = ("", *straggler)
+            rows.append(Row(step, names, (part, *straggler.values()), RowKind.VALUES))
+        return rows, (mesh if has else None)
 
     def answer_names(self) -> str | None:
         """Answers, from another thread, a process whose metric names changed
@@ -273,6 +379,20 @@ class Reducer:
         with contextlib.suppress(Exception):  # posted meanwhile: theirs stands
             client.key_value_set(f"{prefix}{me}", _names_text(names, step))
         return _difference(everyone)
+
+
+def _placed(
+    row: Row, items: list, plain: list, reduce: list, stats: Stats, straggler: dict
+) -> Row:
+    """``row`` with its reduced values replaced by ``stats`` (named ``""``, at
+    the place of the first of them) and the straggler values at the end."""
+    record = dict(plain)
+    first = next(i for i, (n, _) in enumerate(items) if n == reduce[0][0])
+    kept = [(n, v) for n, v in items[:first] if n in record]
+    record = {**dict(kept), "": stats, **record, **straggler}
+    return row._replace(
+        names=tuple(record), values=tuple(record.values()), kind=RowKind.VALUES
+    )
 
 
 def _names_text(names: tuple[str, ...], step: int) -> str:
@@ -313,56 +433,66 @@ def _reduce(
     host_names: tuple[str, ...],
     layouts: dict[str, Layout],
     provenance: bool = True,
-) -> tuple[Stats, dict, Any]:
+    prefixes: tuple[str, ...] = ("",),
+) -> tuple[Stats, tuple, tuple]:
     """The jitted reduction of the per-device ``arrays`` and the host scalars
-    (the columns of ``packed``, named ``host_names``): statistics (with
-    provenance when ``layouts`` are given) and, when the two arrival scalars
-    are among the host scalars, the last process to arrive and its lag behind
-    the median process, at no extra collective; and whether each checksum of
-    a value recorded as it is (host names starting with :data:`SAME`) differs
-    across processes (None without checksums)."""
+    (the columns of ``packed``, named ``host_names``) of one or more updates
+    (their names start with one of ``prefixes``): statistics (with provenance
+    when ``layouts`` are given); per update, when its two arrival scalars are
+    among the host scalars, the last process to arrive, its lag behind the
+    median process and every process's lag (``{}`` without), at no extra
+    collective; and per update whether each checksum of a value recorded as
+    it is (names ``{prefix}{SAME}...``) differs across processes (None
+    without checksums)."""
     metrics = dict(arrays)
     for j, name in enumerate(host_names):
         metrics[name] = packed[:, j]
     leaves, _ = flatten_metrics(metrics)
     lays = [layouts[lf.name] for lf in leaves]
-    gather = None
-    if ARRIVAL[0] in host_names:
-        index = {lf.name: i for i, lf in enumerate(leaves)}
-        gather = (index[ARRIVAL[0]], index[ARRIVAL[1]])
-    picks = frozenset(gather or ())
+    index = {lf.name: i for i, lf in enumerate(leaves)}
+    pairs = [
+        (index[p + ARRIVAL[0]], index[p + ARRIVAL[1]])
+        if p + ARRIVAL[0] in index
+        else None
+        for p in prefixes
+    ]
+    picks = frozenset(i for pair in pairs if pair for i in pair)
     stats, gathered = global_stats(leaves, lays, picks, provenance=provenance)
     stats = _constants_stay(stats)
-    checks = [i for i, lf in enumerate(leaves) if lf.name.startswith(SAME)]
-    differs = None
-    if checks:  # a checksum's max and min differ: so did the value
-        differs = stats.table[1, checks] != stats.table[2, checks]
-    if gather is None and not checks:
-        return stats, {}, None
-    keep = [i for i in range(len(leaves)) if i not in picks and i not in checks]
-    where = None if stats.where is None else stats.where[:, keep]
-    stats = Stats(tuple(stats.names[i] for i in keep), stats.table[:, keep], where)
-    if gather is None:
-        return stats, {}, differs
-    devices = jax.devices()
-    first: dict[int, int] = {}  # process -> the slot of its first device
-    for slot, index in enumerate(lays[gather[0]].holders.tolist()):
-        first.setdefault(devices[index].process_index, slot)
-    procs = sorted(first)
-    slots = np.asarray([first[p] for p in procs])
-    hi, lo = gathered[gather[0]][slots], gathered[gather[1]][slots]
-    # Relative to the earliest whole unit: small, so exact enough in float32.
-    arrival = (hi - jnp.min(hi)) * ARRIVAL_UNIT + lo
-    last = jnp.argmax(arrival)
-    return (
-        stats,
-        {
-            STRAGGLER[0]: jnp.asarray(procs, jnp.int32)[last],
-            STRAGGLER[1]: arrival[last] - jnp.median(arrival),
-            LAGS: arrival - jnp.median(arrival),
-        },
-        differs,
+    checks = [[index[n] for n in index if n.startswith(p + SAME)] for p in prefixes]
+    # a checksum's max and min differ: so did the value
+    differs = tuple(
+        stats.table[1, c] != stats.table[2, c] if c else None for c in checks
     )
+    dropped = picks | {i for c in checks for i in c}
+    if dropped:
+        keep = [i for i in range(len(leaves)) if i not in dropped]
+        where = None if stats.where is None else stats.where[:, keep]
+        stats = Stats(tuple(stats.names[i] for i in keep), stats.table[:, keep], where)
+    stragglers = []
+    for pair in pairs:
+        if pair is None:
+            stragglers.append({})
+            continue
+        devices = jax.devices()
+        first: dict[int, int] = {}  # process -> the slot of its first device
+        for slot, holder in enumerate(lays[pair[0]].holders.tolist()):
+            first.setdefault(devices[holder].process_index, slot)
+        procs = sorted(first)
+        slots = np.asarray([first[p] for p in procs])
+        hi, lo = gathered[pair[0]][slots], gathered[pair[1]][slots]
+        # Relative to the earliest whole unit: small, so exact enough in float32.
+        arrival = (hi - jnp.min(hi)) * ARRIVAL_UNIT + lo
+        last = jnp.argmax(arrival)
+        lags = arrival - jnp.median(arrival)
+        stragglers.append(
+            {
+                STRAGGLER[0]: jnp.asarray(procs, jnp.int32)[last],
+                STRAGGLER[1]: lags[last],
+                LAGS: lags,
+            }
+        )
+    return stats, tuple(stragglers), differs
 
 
 def _constants_stay(stats: Stats) -> Stats:

@@ -232,6 +232,7 @@ class History:
         self._reduce_host = self.distributed_history and self._reducer.multi_process
         window = check_window(straggler_window)
         self._stragglers = StragglerScores(window) if self._reduce_host else None
+        self._pending_found: list = []  # sentinel events of rows reduced in a batch
         self._watch = NonfiniteWatch()  # one warning per metric gone NaN/inf
         self._line = SummaryLine(self.keys, self._watch)
         log_path = log_target(self.jsonl_path, self.report_dir, self.run_id)
@@ -300,8 +301,11 @@ class History:
             if out.writing or _trace_state.active() is not None:
                 out.add(logged)
             found = self._checked(row) if self._guard is not None else None
+            if self._pending_found:  # from earlier rows reduced in a batch
+                found = [*self._pending_found, *(found or [])]
+                self._pending_found = []
             if self._reduce_host:
-                self._same_everywhere()
+                self._same_everywhere(wait_all=self.log_every > 1)
         if found:
             self._act(found)
         if not summarize or row.step % self.log_every:
@@ -322,16 +326,13 @@ class History:
             self._reduce_host
             or (row.kind is RowKind.VALUES and any(map(is_per_device, row.values)))
         ):
-            row, mesh = self._reducer.reduced_row(row)
+            row, earlier, mesh = self._reducer.reduced_row(row, self.log_every)
             if mesh is not None and self.mesh is None:
                 self.mesh = mesh
+            if earlier:
+                self._record_reduced(earlier)
         rec.append(row)
-        lags = self._reducer.lags
-        if lags is not None and self._stragglers is not None:
-            self._reducer.lags = None
-            self._stragglers.add(row.step, now, *lags)
-            if self._stragglers.due():
-                self._record_scores(self._stragglers.take())
+        self._take_lags()
         if row.kind is RowKind.VALUES and self.mesh is None:
             self.mesh = mesh_of(row.values)
         return row
@@ -410,6 +411,36 @@ class History:
                 rows.append((step, [(name, total)]))
             self._emit(rows)
         return found
+
+    def _record_reduced(self, rows: list[Row]) -> None:
+        """Records, logs and checks rows of earlier updates reduced in a batch
+        (the caller holds the lock)."""
+        for r in rows:
+            self._rec.append(r)
+            if self._guard is not None:
+                self._pending_found += self._checked(r)
+        self._emit([(r.step, list(zip(r.names, r.values, strict=True))) for r in rows])
+
+    def _take_lags(self) -> None:
+        """Hands the reduced arrival lags to the straggler scores, and records
+        the scores of every window due (the caller holds the lock)."""
+        lags = self._reducer.lags
+        if lags and self._stragglers is not None:
+            for entry in lags:
+                self._stragglers.add(*entry)
+            lags.clear()
+            if self._stragglers.due():
+                self._record_scores(self._stragglers.take())
+
+    def _finish_batch(self) -> None:
+        """Reduces the values still waiting in a batch (every process calls
+        this at the same point: close and finalize; the caller holds the
+        lock)."""
+        if self._reduce_host and self.log_every > 1:
+            rows, _ = self._reducer.run_batch()
+            if rows:
+                self._record_reduced(rows)
+                self._take_lags()
 
     def _record_scores(self, rows: list) -> None:
         """Records and logs straggler score rows (the caller holds the lock)."""
@@ -551,6 +582,7 @@ class History:
         this from its own ``write``."""
         self._stop_hang_watch()
         with self._lock:
+            self._finish_batch()
             self._record_leftover()
             feed = self._out.close()
         if feed is not None:
@@ -583,6 +615,7 @@ class History:
         if self._reduce_host:
             try:
                 with self._lock:
+                    self._finish_batch()
                     self._same_everywhere(wait_all=True)
             except ValueError as err:  # the run is over: the outputs still come
                 warnings.warn(str(err), RuntimeWarning, stacklevel=2)

@@ -598,3 +598,43 @@ def straggler_scores_run(slow: int, outdir: str) -> dict:
         "steps": np.asarray(state.steps("straggler/median_lag")).tolist(),
         "slowest": np.asarray(state.values("straggler/slowest")).tolist(),
     }
+
+
+def batched_run(log_every: int, steps: int) -> dict:
+    """A per-shard loss and a host scalar recorded with ``log_every``: the
+    programs run, the summary lines and the records."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxhistory as jh
+    from jaxhistory import _distributed
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+    history = jh.History(distributed_history=True, log_every=log_every)
+    programs = []
+    run = _distributed.Reducer._program
+
+    def counted(self, updates, prefixes):
+        programs.append(len(updates))
+        return run(self, updates, prefixes)
+
+    _distributed.Reducer._program = counted
+    lines = []
+    for step in range(steps):
+        data = global_data(step, 1, n)["m0"]
+        loss = jax.make_array_from_callback(
+            data.shape, sharding, lambda i, data=data: data[i]
+        )
+        host = float(jax.process_index() + 1) * (step + 1)
+        lines.append(history.update({"loss": loss, "host": host}, step=step))
+    history.close()
+    state = history.state
+    return {
+        "programs": programs,
+        "lines": lines,
+        "records": {k: np.asarray(state.values(k)).tolist() for k in state.keys},
+        "steps": {k: np.asarray(state.steps(k)).tolist() for k in state.keys},
+    }

@@ -115,7 +115,13 @@ def test_bench_publish_quick(tmp_path):
 def test_bench_multihost_quick(tmp_path):
     _, text = run_quick("bench_multihost.py", tmp_path)
     assert "| processes x devices | variant |" in text
-    for variant in ("baseline", "history", "bare step", "history \\+ host"):
+    for variant in (
+        "baseline",
+        "history",
+        "bare step",
+        "history \\+ host",
+        "history \\+ host, log_every=16",
+    ):
         row = re.search(rf"^\| 2 \S 2 \| `{variant}` \| ([\d.]+) \|", text, re.M)
         assert row and float(row.group(1)) > 0, f"no ms/step for {variant}:\n{text}"
 

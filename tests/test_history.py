@@ -818,3 +818,23 @@ def test_equal_processes_are_never_flagged(tmp_path):
         "mp_workers:straggler_scores_run", 3, 1, args=(-1, str(tmp_path)), timeout=180
     )
     assert [r["flagged"] for r in results] == [[], [], []], results
+
+
+@pytest.mark.slow
+def test_with_log_every_values_are_reduced_in_batches_and_recorded_at_their_steps():
+    """2 processes x 2 devices, log_every=4, 10 updates: 4 programs (at steps
+    0, 4 and 8, and the rest at close) instead of 10, the same records at the
+    same steps as one program per update, summary lines at 0, 4 and 8."""
+    each = jh.launch_local("mp_workers:batched_run", 2, 2, args=(1, 10), timeout=180)
+    batched = jh.launch_local("mp_workers:batched_run", 2, 2, args=(4, 10), timeout=180)
+    assert [r["programs"] for r in each] == [[1] * 10] * 2
+    assert [r["programs"] for r in batched] == [[1, 4, 4, 1]] * 2
+    one, many = each[0], batched[0]
+    for name in ("loss/mean", "loss/std", "loss/argmax", "host/mean", "host/max"):
+        assert many["steps"][name] == list(range(10)), name
+        np.testing.assert_allclose(many["records"][name], one["records"][name])
+    assert many["steps"]["straggler/process"] == list(range(10))
+    assert [bool(x) for x in many["lines"]] == [k % 4 == 0 for k in range(10)]
+    head = [line.split(" straggler")[0] for line in (many["lines"][4], one["lines"][4])]
+    assert head[0] == head[1], head
+    assert "loss=" in many["lines"][4] and "host=" in many["lines"][4]
