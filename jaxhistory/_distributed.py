@@ -132,6 +132,9 @@ class Reducer:
         self.lags: list[tuple[int, float, Any, tuple[int, ...]]] = []
         self._batch: list[tuple[int, float, list]] = []  # (step, time, items)
         self._batch_names: tuple[str, ...] = ()
+        self._inflight: list[tuple] = []  # batches dispatched, not yet fetched
+        # reductions (one per update, or per batch) so far: when checksums are due
+        self._clock = 0
 
     def split(self, items: list[tuple[str, Any]]) -> tuple[list, list]:
         """(recorded as they are, reduced across devices/processes)."""
@@ -153,11 +156,12 @@ class Reducer:
 
     def check_same(self, wait_all: bool = False) -> None:
         """Raises ValueError when a value recorded as it is differed across
-        processes, read :data:`SAME_WINDOW` updates after it was recorded (or
-        all of them with ``wait_all``): at the same update on every process."""
+        processes, read :data:`SAME_WINDOW` reductions after it was recorded
+        (in batches: at the next batch), or all of them with ``wait_all``: at
+        the same update on every process."""
         pending = self._same
-        while pending and (wait_all or len(pending) > SAME_WINDOW):
-            step, names, differs = pending.popleft()
+        while pending and (wait_all or pending[0][0] <= self._clock):
+            _, step, names, differs = pending.popleft()
             bad = [n for n, d in zip(names, np.asarray(differs), strict=True) if d]
             if bad:
                 pending.clear()
@@ -244,6 +248,7 @@ class Reducer:
         differs: Any,
         mesh: Any,
         names: tuple[str, ...],
+        due: int,
     ) -> tuple[Stats, dict]:
         """Keeps one update's lags and checksum results (of the checksums among
         ``names``); returns its statistics (without provenance when it is off)
@@ -253,7 +258,7 @@ class Reducer:
             self.lags.append((step, now, straggler.pop(LAGS), _processes(mesh)))
         if differs is not None:
             same = tuple(n.removeprefix(SAME) for n in names if n.startswith(SAME))
-            self._same.append((step, same, differs))
+            self._same.append((due, step, same, differs))
         if not self.provenance and stats.where is not None:
             stats = Stats(stats.names, stats.table)
         return stats, straggler
@@ -269,12 +274,16 @@ class Reducer:
             [(step, now, items)], ("",)
         )
         names = tuple(sorted(n for n, _ in items))
+        self._clock += 1
+        due = self._clock + SAME_WINDOW
         stats, straggler = self._finish(
-            step, now, stats, stragglers[0], differs[0], mesh, names
+            step, now, stats, stragglers[0], differs[0], mesh, names, due
         )
         return stats, straggler, (mesh if has else None)
 
-    def reduced_row(self, row: Row, every: int = 1) -> tuple[Row, list[Row], Any]:
+    def reduced_row(
+        self, row: Row, every: int = 1, now_wanted: bool = True
+    ) -> tuple[Row, list[Row], Any]:
         """``row`` with what needs it reduced into one :class:`~jaxhistory.Stats`
         named ``{name}/{stat}``, at the place of the first reduced value (the
         summary keeps the order); the rows of earlier updates reduced now (in
@@ -282,9 +291,13 @@ class Reducer:
         none).
 
         With several processes and ``every`` > 1, what needs reducing waits in
-        a batch, reduced in one program (and fetched) at steps that are
-        multiples of ``every``, after :data:`BATCH_MAX` updates, or when the
-        names change; each update's values are recorded at its own step.
+        a batch, reduced in one program at steps that are multiples of
+        ``every``, after :data:`BATCH_MAX` updates, or when the names change
+        (the same updates on every process). A batch's results are fetched at
+        the next batch, when the devices are done with them, so the host keeps
+        running ahead; with ``now_wanted`` (a summary line at this update) the
+        batch this update closes is fetched at once and this update's values go
+        into ``row``. Each update's values are recorded at its own step.
         """
         items = list(zip(row.names, row.values, strict=True))
         plain, reduce = self.split(items)
@@ -294,60 +307,72 @@ class Reducer:
                 return row, [], None
             stats, straggler, mesh = self.reduce(reduce, row.step)
             return _placed(row, items, plain, reduce, stats, straggler), [], mesh
-        earlier: list[Row] = []
-        mesh = None
         if reduce:
             arrived, now = self._arrived(reduce, row.step)
             names = self.latest[1]
             if self._batch and names != self._batch_names:
-                rows, mesh = self.run_batch()
-                earlier += rows
+                self.run_batch()
             self._batch.append((row.step, now, arrived))
             self._batch_names = names
-        if self._batch and (row.step % every == 0 or len(self._batch) >= BATCH_MAX):
-            rows, found = self.run_batch()
-            mesh = found or mesh
-            if reduce:  # this update's own values go into its row
-                last = rows.pop()
-                stats, *rest = last.values
-                straggler = dict(zip(last.names[1:], rest, strict=True))
-                row = _placed(row, items, plain, reduce, stats, straggler)
-            earlier += rows
+        closes = bool(self._batch) and (
+            row.step % every == 0 or len(self._batch) >= BATCH_MAX
+        )
+        if closes:  # batches close at the same updates everywhere
+            self._clock += 1
+            self.run_batch()  # its checksums are read at the next one
+        rows, mesh = self.collect(everything=closes and now_wanted)
+        if reduce and rows and rows[-1].step == row.step and closes and now_wanted:
+            last = rows.pop()  # this update's own values go into its row
+            stats, *rest = last.values
+            straggler = dict(zip(last.names[1:], rest, strict=True))
+            row = _placed(row, items, plain, reduce, stats, straggler)
         elif reduce:
             row = row._replace(
                 names=tuple(n for n, _ in plain),
                 values=tuple(v for _, v in plain),
                 kind=RowKind.VALUES,
             )
-        return row, earlier, mesh
+        return row, rows, mesh
 
-    def run_batch(self) -> tuple[list[Row], Any]:
-        """Reduces the waiting batch in one program, fetched here: one row of
-        each update's statistics and straggler values at its step; and the
-        mesh of the per-device values (None if there were none)."""
+    def run_batch(self) -> None:
+        """Dispatches the reduction of the waiting batch (one program; not
+        waited for: :meth:`collect` fetches it)."""
         batch, self._batch = self._batch, []
-        if not batch:
-            return [], None
-        names = self._batch_names
-        prefixes = tuple(f"{i}\x01" for i in range(len(batch)))
-        out, mesh, has = self._program(batch, prefixes)
-        stats, stragglers, differs = jax.device_get(out)
-        rows = []
-        for i, (prefix, (step, now, _)) in enumerate(zip(prefixes, batch, strict=True)):
-            cols = [j for j, n in enumerate(stats.names) if n.startswith(prefix)]
-            where = None if stats.where is None else stats.where[:, cols]
-            part = Stats(
-                tuple(stats.names[j][len(prefix) :] for j in cols),
-                stats.table[:, cols],
-                where,
-                stats.rows,
+        if batch:
+            prefixes = tuple(f"{i}\x01" for i in range(len(batch)))
+            out, mesh, has = self._program(batch, prefixes)
+            self._inflight.append(
+                (batch, prefixes, out, mesh, has, self._batch_names, self._clock + 1)
             )
-            part, straggler = self._finish(
-                step, now, part, stragglers[i], differs[i], mesh, names
-            )
-            names = ("", *straggler)
-            rows.append(Row(step, names, (part, *straggler.values()), RowKind.VALUES))
-        return rows, (mesh if has else None)
+
+    def collect(self, everything: bool = False) -> tuple[list[Row], Any]:
+        """Fetches the batches dispatched before the newest (all of them with
+        ``everything``): one row of each update's statistics and straggler
+        values at its step; and the mesh of the per-device values (None if
+        there were none)."""
+        rows, found = [], None
+        keep = 0 if everything else 1
+        while len(self._inflight) > keep:
+            batch, prefixes, out, mesh, has, names, due = self._inflight.pop(0)
+            found = mesh if has else found
+            stats, stragglers, differs = jax.device_get(out)
+            for i, (prefix, (step, now, _)) in enumerate(
+                zip(prefixes, batch, strict=True)
+            ):
+                cols = [j for j, n in enumerate(stats.names) if n.startswith(prefix)]
+                where = None if stats.where is None else stats.where[:, cols]
+                part = Stats(
+                    tuple(stats.names[j][len(prefix) :] for j in cols),
+                    stats.table[:, cols],
+                    where,
+                    stats.rows,
+                )
+                part, straggler = self._finish(
+                    step, now, part, stragglers[i], differs[i], mesh, names, due
+                )
+                values = (part, *straggler.values())
+                rows.append(Row(step, ("", *straggler), values, RowKind.VALUES))
+        return rows, found
 
     def answer_names(self) -> str | None:
         """Answers, from another thread, a process whose metric names changed

@@ -279,7 +279,7 @@ class History:
             raise ValueError(f"precision must be a non-negative int, got {precision!r}")
         with self._lock:
             now = time.time()
-            row = self._recorded(metrics, step, now)
+            row = self._recorded(metrics, step, now, summarize)
             self._updates += 1
             out = self._out
             out.stamp(row.step, now)
@@ -305,7 +305,7 @@ class History:
                 found = [*self._pending_found, *(found or [])]
                 self._pending_found = []
             if self._reduce_host:
-                self._same_everywhere(wait_all=self.log_every > 1)
+                self._same_everywhere()
         if found:
             self._act(found)
         if not summarize or row.step % self.log_every:
@@ -313,7 +313,9 @@ class History:
         line = self._line.format(row, precision)
         return f"{line} {token}" if token else line
 
-    def _recorded(self, metrics: Any, step: Any, now: float) -> Row:
+    def _recorded(
+        self, metrics: Any, step: Any, now: float, summarize: bool = True
+    ) -> Row:
         """Parses, completes (progress), reduces and records one update (the
         caller holds the lock)."""
         rec = self._rec
@@ -326,7 +328,9 @@ class History:
             self._reduce_host
             or (row.kind is RowKind.VALUES and any(map(is_per_device, row.values)))
         ):
-            row, earlier, mesh = self._reducer.reduced_row(row, self.log_every)
+            row, earlier, mesh = self._reducer.reduced_row(
+                row, self.log_every, summarize
+            )
             if mesh is not None and self.mesh is None:
                 self.mesh = mesh
             if earlier:
@@ -433,11 +437,12 @@ class History:
                 self._record_scores(self._stragglers.take())
 
     def _finish_batch(self) -> None:
-        """Reduces the values still waiting in a batch (every process calls
-        this at the same point: close and finalize; the caller holds the
-        lock)."""
+        """Reduces the values still waiting in a batch and fetches every batch
+        (every process calls this at the same point: close and finalize; the
+        caller holds the lock)."""
         if self._reduce_host and self.log_every > 1:
-            rows, _ = self._reducer.run_batch()
+            self._reducer.run_batch()
+            rows, _ = self._reducer.collect(everything=True)
             if rows:
                 self._record_reduced(rows)
                 self._take_lags()

@@ -540,7 +540,7 @@ def metric_added_on_one_process(hang_timeout: float) -> None:
     history.update({"loss": 3.0, **extra})
 
 
-def differing_plain_values(name: str) -> dict:
+def differing_plain_values(name: str, log_every: int = 1) -> dict:
     """Records, for 16 steps, "loss" (a host scalar, reduced), "lr" (0.003 on
     every process) and ``name``: a NumPy array ("np"), a single-device JAX
     array ("jax") or a NumPy array the same everywhere ("same"), which on
@@ -550,7 +550,7 @@ def differing_plain_values(name: str) -> dict:
 
     import jaxhistory as jh
 
-    history = jh.History(distributed_history=True)
+    history = jh.History(distributed_history=True, log_every=log_every)
     me = jax.process_index()
     raised = None
     for step in range(16):
@@ -559,7 +559,11 @@ def differing_plain_values(name: str) -> dict:
         if name == "jax":
             value = jnp.asarray(value)
         try:
-            history.update({"loss": float(me), "lr": 0.003, "w": value}, step=step)
+            history.update(
+                {"loss": float(me), "lr": 0.003, "w": value},
+                step=step,
+                summarize=me == 0,  # the batches' reads differ: the raise must not
+            )
         except ValueError as err:
             raised = (step, str(err))
             break
@@ -600,7 +604,7 @@ def straggler_scores_run(slow: int, outdir: str) -> dict:
     }
 
 
-def batched_run(log_every: int, steps: int) -> dict:
+def batched_run(log_every: int, steps: int, summarize: str = "all") -> dict:
     """A per-shard loss and a host scalar recorded with ``log_every``: the
     programs run, the summary lines and the records."""
     import jax
@@ -629,7 +633,12 @@ def batched_run(log_every: int, steps: int) -> dict:
             data.shape, sharding, lambda i, data=data: data[i]
         )
         host = float(jax.process_index() + 1) * (step + 1)
-        lines.append(history.update({"loss": loss, "host": host}, step=step))
+        wanted = summarize == "all" or (
+            summarize == "first" and jax.process_index() == 0
+        )
+        lines.append(
+            history.update({"loss": loss, "host": host}, step=step, summarize=wanted)
+        )
     history.close()
     state = history.state
     return {

@@ -158,3 +158,15 @@ def test_bench_watch_quick(tmp_path):
     # replicated gradients: no extra collective; sharded: at most two
     assert watched[0] == bare[0] and watched[1] - bare[1] <= 2, rows
     assert all(float(ms) > 0 for *_, ms, _ in rows)
+
+
+def test_bench_stall_quick(tmp_path):
+    _, text = run_quick("bench_stall.py", tmp_path)
+    assert re.search(r"^\| sleeps \| 2 \| [\d.]+, [\d.]+ \| .*: met \|$", text, re.M), (
+        text
+    )
+    assert re.search(r"^\| 2 \| 10% \| \d+, [\d.]+ \|", text, re.M), text
+    assert re.search(
+        r"^\| none \| 0% \| never \| 0 \(all processes\) \|$", text, re.M
+    ), text
+    assert "`HangWatch.beat`" in text

@@ -838,3 +838,32 @@ def test_with_log_every_values_are_reduced_in_batches_and_recorded_at_their_step
     head = [line.split(" straggler")[0] for line in (many["lines"][4], one["lines"][4])]
     assert head[0] == head[1], head
     assert "loss=" in many["lines"][4] and "host=" in many["lines"][4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("summarize", ["none", "first"])
+def test_batches_fetched_later_record_the_same(summarize):
+    """Without a summary line at a batch's last update (on every process, or
+    only on process 0), a batch is fetched at the next one or at close: the
+    records are the same."""
+    each = jh.launch_local("mp_workers:batched_run", 2, 2, args=(1, 10), timeout=180)
+    late = jh.launch_local(
+        "mp_workers:batched_run", 2, 2, args=(4, 10, summarize), timeout=180
+    )
+    for r in late:
+        assert r["programs"] == [1, 4, 4, 1]
+        for name in ("loss/mean", "loss/argmin", "host/mean", "host/std"):
+            assert r["steps"][name] == list(range(10)), name
+            np.testing.assert_allclose(
+                r["records"][name], each[0]["records"][name], err_msg=name
+            )
+
+
+@pytest.mark.slow
+def test_in_batches_a_differing_value_raises_at_the_same_update_everywhere():
+    results = jh.launch_local(
+        "mp_workers:differing_plain_values", 2, 1, args=("np", 4), timeout=120
+    )
+    raised = [r["raised"] for r in results]
+    assert raised[0] is not None and raised[0][0] == raised[1][0], raised
+    assert "'w' differs across processes at step 5" in raised[0][1]
