@@ -33,6 +33,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_memory.py --out benchmarks/results/memory.md
 	$(BIN)/python benchmarks/bench_publish.py --out benchmarks/results/publish.md
 	$(BIN)/python benchmarks/bench_multihost.py --out benchmarks/results/multihost.md
+	$(BIN)/python benchmarks/bench_stall.py --out benchmarks/results/stall.md
 	$(BIN)/python benchmarks/bench_scale.py --out benchmarks/results/scale.md
 	$(BIN)/python benchmarks/bench_metrics.py --out benchmarks/results/metrics.md
 	$(BIN)/python benchmarks/bench_watch.py --out benchmarks/results/watch.md

@@ -72,7 +72,10 @@ class History:
             (appending continues a resumed run).
         log_every: summarize (and so wait for device values) only at steps that
             are multiples of N (N, 2N, ...; and step 0); the others record without
-            waiting and return ``""``.
+            waiting and return ``""``. With several processes and N > 1, the
+            values to reduce across processes also wait, reduced in one program
+            per batch at those steps (each recorded at its own step); then
+            :meth:`close` and :meth:`finalize` are collective.
         run_name: the first part of ``run_id`` (``{run_name}-{YYYYmmdd-HHMMSS}``,
             with ``-2``, ``-3``, ... where that id is taken), which names the
             JSONL log and is recorded in the outputs. Every process of a

@@ -481,28 +481,30 @@ def hang_run(how: str, timeout: float) -> dict:
 
     client = distributed_client()
     me = jax.process_index()
-    reports, seen = [], threading.Event()
+    reports = []
 
     class Catch(logging.Handler):
         def emit(self, record):
             if "may hang" in record.getMessage():
+                if not reports:
+                    client.key_value_set(f"test/reported/{me}", "1")
                 reports.append((time.time(), record.getMessage()))
-                seen.set()
 
     logging.getLogger("jaxhistory").addHandler(Catch())
     log = os.path.join(tempfile.mkdtemp(), "run{process_index}.jsonl")
     history = jh.History(distributed_history=True, hang_timeout=timeout, jsonl_path=log)
     if me == 0 and how == "stop":
 
-        def wake():
-            seen.wait(60)
+        def wake():  # once both others have reported
+            for other in (0, 2):
+                client.blocking_key_value_get(f"test/reported/{other}", 60_000)
             pid = int(client.blocking_key_value_get("test/pid", 60_000))
             os.kill(pid, signal.SIGCONT)
 
         threading.Thread(target=wake, daemon=True).start()
     for step in range(6):
         if me == 1 and step == 3:
-            with jh.StopWatch("load batch"):
+            with jh.StopWatch("load batch"):  # no more steps from here
                 client.key_value_set("test/stopped", repr(time.time()))
                 if how == "sleep":
                     time.sleep(timeout + 4)
