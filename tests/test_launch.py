@@ -105,7 +105,7 @@ def test_the_name_mismatch_error_lists_only_the_metrics_the_user_recorded():
         assert "(all have ['loss'])" in message, message
         assert "straggler" not in message, message
     timed_out = jh.launch_local("mp_workers:names_timeout", 2, 1, timeout=120)[0]
-    assert "(process 0 records ['loss'])" in timed_out["error"], timed_out
+    assert "(process 0 records ['loss'] from step 0)" in timed_out["error"], timed_out
 
 
 # ----- the output of launched processes ---------------------------------------------
