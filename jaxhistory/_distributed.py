@@ -672,8 +672,10 @@ def _per_process_rows(
         arr = np.asarray(value)
         if arr.dtype.kind not in "biuf":
             raise TypeError(f"metric {name!r} is not numeric ({type(value).__name__})")
-        row.append(np.float32(arr))
-    values = np.asarray(row, np.float32)
+        row.append(arr)
+    # float64 where JAX computes in it (jax_enable_x64), float32 otherwise
+    dtype = np.float64 if jax.config.jax_enable_x64 else np.float32
+    values = np.asarray(row, dtype)
     shape = (mesh.size, len(values))
     sharding = jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names), None)

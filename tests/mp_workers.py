@@ -649,3 +649,20 @@ def batched_run(log_every: int, steps: int, summarize: str = "all") -> dict:
         "records": {k: np.asarray(state.values(k)).tolist() for k in state.keys},
         "steps": {k: np.asarray(state.steps(k)).tolist() for k in state.keys},
     }
+
+
+def host_scalars_in_float64() -> dict:
+    """With jax_enable_x64: a host scalar's statistics across processes."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    import jaxhistory as jh
+
+    history = jh.History(distributed_history=True)
+    value = 1234567.891 + jax.process_index() * 1e-6
+    history.update({"x": value, "lr": 0.003}, step=0)
+    state = history.state
+    return {
+        k: float(state.values(k)[0])
+        for k in ("x/mean", "x/max", "x/min", "lr/mean", "lr/std")
+    }

@@ -867,3 +867,11 @@ def test_in_batches_a_differing_value_raises_at_the_same_update_everywhere():
     raised = [r["raised"] for r in results]
     assert raised[0] is not None and raised[0][0] == raised[1][0], raised
     assert "'w' differs across processes at step 5" in raised[0][1]
+
+
+@pytest.mark.slow
+def test_host_scalars_are_reduced_in_float64_where_jax_allows_it():
+    got = jh.launch_local("mp_workers:host_scalars_in_float64", 2, 1, timeout=120)[0]
+    assert got["x/max"] == 1234567.891 + 1e-6 and got["x/min"] == 1234567.891
+    assert got["x/mean"] == pytest.approx(1234567.891 + 0.5e-6, abs=1e-9)
+    assert got["lr/mean"] == 0.003 and got["lr/std"] == 0.0
