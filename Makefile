@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test lint format bench docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 lint: $(STAMP)
 	$(BIN)/ruff check jaxhistory tests benchmarks examples
@@ -39,4 +42,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_watch.py --out benchmarks/results/watch.md
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .ruff_cache

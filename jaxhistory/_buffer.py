@@ -140,7 +140,7 @@ class MetricBuffer:
             float32, other dtypes as given.
         count: int32 scalar, the number of writes so far.
 
-    Example:
+    Examples:
         >>> import jax
         >>> import jax.numpy as jnp
         >>> from jaxhistory._buffer import MetricBuffer

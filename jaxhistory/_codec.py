@@ -105,7 +105,7 @@ def _clean(values: Mapping[str, Any]) -> Mapping[str, Any]:
 def jsonl_value(value: Any) -> bytes:
     """The JSON text of one metric value (numbers, NumPy/JAX scalars and arrays).
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> from jaxhistory._codec import jsonl_value
         >>> jsonl_value(0.1), jsonl_value(np.array([1.5, np.nan])), jsonl_value(3)
@@ -147,7 +147,7 @@ def encode_records(batch: Batch) -> bytes:
     values through another); lines are then put together by one ``%``-format
     per few thousand lines.
 
-    Example:
+    Examples:
         >>> from jaxhistory._codec import encode_records
         >>> from jaxhistory._record import Batch
         >>> encode_records(Batch([1], [None], [{"loss": 0.25}]))

@@ -103,7 +103,7 @@ def fused_by_dtype(
         dtype_of: the grouping key (e.g. an accumulation dtype the inputs are
             cast to).
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> from jaxhistory._collective import fused_by_dtype
         >>> calls = []
@@ -254,7 +254,7 @@ def reduce_mean_collective(
     when masks leave different shards with different counts. ``weights`` and
     ``mask`` work as in :func:`jaxhistory.reduce_mean`. All leaves share one ``psum``.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from jax.sharding import NamedSharding, PartitionSpec as P
         >>> import jaxhistory as jh
@@ -307,7 +307,7 @@ def reduce_custom_collective(
     every device (reduce across the axis with ``lax.psum``/``pmax``/... yourself);
     a per-device result raises ValueError.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from jax import lax
         >>> from jax.sharding import NamedSharding, PartitionSpec as P
@@ -342,7 +342,7 @@ def all_gather(metrics: Any, axis_name: AxisName) -> Any:
     fills in the rest. Split the result per device on the host with
     :func:`collect_from_devices`.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from jax.sharding import NamedSharding, PartitionSpec as P
         >>> import jaxhistory as jh
@@ -386,7 +386,7 @@ def collect_from_devices(metrics: Any) -> Any:
         TypeError: a leaf is not numeric.
         ValueError: a leaf is a scalar or the leaves disagree on the device count.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> import jaxhistory as jh
         >>> jh.collect_from_devices({"loss": np.array([0.5, 0.25])})

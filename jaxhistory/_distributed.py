@@ -70,7 +70,7 @@ def distributed_default() -> bool:
     is 1/true/yes, or when there are more than 384 devices (the all-reduce per
     update costs too much there); on otherwise.
 
-    Example:
+    Examples:
         >>> import jaxhistory as jh
         >>> jh.distributed_default()  # 8 devices here, no variable set
         True

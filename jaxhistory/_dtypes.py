@@ -39,7 +39,7 @@ def warmup_count(warmup: float, n: int) -> int:
     1 or more is a number of steps. The same rule holds everywhere jaxhistory
     takes a ``warmup``.
 
-    Example:
+    Examples:
         >>> import jaxhistory as jh
         >>> jh.warmup_count(0.05, 200), jh.warmup_count(3, 200), jh.warmup_count(0, 200)
         (10, 3, 0)

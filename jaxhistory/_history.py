@@ -121,15 +121,16 @@ class History:
         resume_step: with ``resume``, leave out the records at this step and
             later: the steps a restart from an earlier checkpoint (of step
             ``resume_step - 1``) records again. In the log, the later line wins.
-        total_steps, flops_per_step, peak_flops: progress. At each step that is
-            a multiple of ``log_every``, to a dict update, History adds
-            ``perf/steps_per_sec`` (since the previous summarized step), with
-            ``total_steps`` ``perf/eta_sec`` (seconds to the last step, at the
-            median time a step took over the last 32 such intervals: one slow
-            interval, a compilation, does not throw it), and with
-            ``flops_per_step`` (:func:`~jaxhistory.step_flops` of the compiled
-            step) and ``peak_flops`` (the peak FLOP/s of every device the step
-            runs on, together) ``perf/mfu``, the model FLOPs utilisation.
+        total_steps: progress. At each step that is a multiple of
+            ``log_every``, to a dict update, History adds ``perf/steps_per_sec``
+            (since the previous summarized step) and, with ``total_steps``,
+            ``perf/eta_sec`` (seconds to the last step, at the median time a
+            step took over the last 32 such intervals: one slow interval, a
+            compilation, does not throw it).
+        flops_per_step: with ``peak_flops``, History also adds ``perf/mfu``,
+            the model FLOPs utilisation: :func:`~jaxhistory.step_flops` of the
+            compiled step.
+        peak_flops: the peak FLOP/s of every device the step runs on, together.
 
         sentinels: :mod:`jaxhistory.sentinels` checks on the recorded values
             (:class:`~jaxhistory.sentinels.NonFinite`,
@@ -156,7 +157,7 @@ class History:
     all recorded (each thread's in its order), and ``attach``, ``flush`` and
     ``close`` may run beside them.
 
-    Example:
+    Examples:
         >>> import jaxhistory as jh
         >>> h = jh.History(distributed_history=False)
         >>> h.update({"step": 42, "loss": 0.1234567, "lr": 1e-3})
@@ -502,7 +503,7 @@ class History:
                 None, a JAX tracer, ...); nothing of this call is kept, and the
                 values already waiting are not affected.
 
-        Example:
+        Examples:
             >>> import jaxhistory as jh
             >>> h = jh.History(distributed_history=False)
             >>> h.attach({"timing": {"data": 0.25}})

@@ -60,7 +60,7 @@ class HistoryState:
     run, ``jax.tree.unflatten`` back into a state, and checkpointing beside a
     train state (orbax ``StandardSave`` of ``jax.device_get(state)``).
 
-    Example:
+    Examples:
         >>> import jaxhistory as jh
         >>> s0 = jh.HistoryState()
         >>> s1 = s0.update({"loss": 0.5, "lr": 1e-3})
@@ -173,7 +173,7 @@ class HistoryState:
     def select(self, *prefixes: str) -> HistoryState:
         """Only the metrics named ``prefix`` or ``prefix/...``, for any prefix given.
 
-        Example:
+        Examples:
             >>> import jaxhistory as jh
             >>> s = jh.HistoryState().update({"train": {"loss": 1.0}, "eval/loss": 2.0})
             >>> s.select("train").keys

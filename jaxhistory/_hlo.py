@@ -44,7 +44,7 @@ def collective_counts(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, int]
     Returns:
         ``{opcode: count}``, e.g. ``{"all-reduce": 2}``; empty when there are none.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import jaxhistory as jh
         >>> jh.collective_counts(jh.distributed_stats, {"loss": jnp.ones(4)})
@@ -80,7 +80,7 @@ def step_flops(fn: Callable, *args: Any, **kwargs: Any) -> float:
     the work the devices do, which is what ``peak_flops`` bounds. Collectives'
     arithmetic (an all-reduce's additions) counts too.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import jaxhistory as jh
         >>> jh.step_flops(lambda a, b: a @ b, jnp.ones((4, 8)), jnp.ones((8, 2)))

@@ -44,7 +44,7 @@ def live_array_bytes(devices: Sequence[Any]) -> int:
     the stand-in for ``bytes_in_use`` where a backend (CPU) reports no memory
     statistics.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp, jaxhistory as jh
         >>> device = jax.devices()[3]
         >>> before = jh.live_array_bytes([device])
@@ -115,7 +115,7 @@ def device_memory(devices: Sequence[Any] | None = None) -> MemorySample:
     whose stats are None, lack ``bytes_in_use`` or report -1 falls back to the
     bytes of the live JAX arrays on it, and then the peak is unknown (None).
 
-    Example:
+    Examples:
         >>> import jaxhistory as jh
         >>> sample = jh.device_memory()  # CPU here: no memory_stats
         >>> sample.source, sample.peak
@@ -190,7 +190,7 @@ class MemoryTracker:
     delta counts the bytes of live JAX arrays and the peaked delta is None:
     unavailable, never a made-up 0.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, jaxhistory as jh
         >>> tracker = jh.MemoryTracker()
         >>> with tracker.stage("train"):
@@ -354,7 +354,7 @@ def compiled_memory(fn: Callable, *args: Any, **kwargs: Any) -> dict[str, int]:
     Compiles ``fn`` for ``args`` (abstract ``jax.ShapeDtypeStruct`` values work
     too) without running it.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, jaxhistory as jh
         >>> m = jh.compiled_memory(lambda x: (x @ x).sum(), jnp.ones((256, 256)))
         >>> m["argument"], m["output"]

@@ -58,7 +58,7 @@ def printable(name: object) -> str:
     summary line, the console sink), where it could otherwise clear the screen
     or break the line.
 
-    Example:
+    Examples:
         >>> from jaxhistory._names import printable
         >>> printable("loss\\x1b[2J")
         'loss\\\\x1b[2J'
@@ -192,7 +192,7 @@ def flatten(metrics: Any) -> list[tuple[str, Any]]:
     the tree nests more than :data:`MAX_DEPTH` levels, and TypeError for a bare
     leaf (it has no name).
 
-    Example:
+    Examples:
         >>> from jaxhistory._names import flatten
         >>> flatten({"train": {"loss": 0.5}, "lr": 1e-3})
         [('train/loss', 0.5), ('lr', 0.001)]
@@ -270,7 +270,7 @@ def _quote(ch: str) -> str:
 def encode_netcdf(name: str) -> str:
     """A netCDF-safe variable name that :func:`decode_netcdf` turns back into ``name``.
 
-    Example:
+    Examples:
         >>> from jaxhistory._names import encode_netcdf, decode_netcdf
         >>> encode_netcdf("train/loss"), decode_netcdf("train%2Floss")
         ('train%2Floss', 'train/loss')
@@ -304,7 +304,7 @@ def file_stems(names) -> dict[str, str]:
     case-insensitive file systems) or a stem is empty, each gets the CRC-32 of its
     name appended.
 
-    Example:
+    Examples:
         >>> from jaxhistory._names import file_stems
         >>> file_stems(["train/loss", "../../x"])
         {'train/loss': 'train_loss', '../../x': 'x'}

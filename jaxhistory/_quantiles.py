@@ -202,7 +202,7 @@ def histogram(
         ValueError: ``bins`` not a positive int; ``range`` not two finite
             numbers in order; ``log`` with ``low <= 0``.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> import jaxhistory as jh
         >>> jax.jit(lambda x: jh.histogram(x, 4, (0, 4)))(jnp.arange(5.0)).tolist()

@@ -65,7 +65,7 @@ def reduce_mean(metrics: Any, *, weights: Any = None, mask: Any = None) -> Any:
         A pytree shaped like ``metrics`` with a scalar per leaf, float32 for
         bfloat16/float16/float32/integer inputs (float64 stays float64).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> import jaxhistory as jh
         >>> jax.jit(jh.reduce_mean)({"loss": jnp.array([1.0, 2.0, 3.0, 6.0])})
@@ -88,7 +88,7 @@ def reduce_sum(metrics: Any) -> Any:
     Floats accumulate in float32 at least; integers (and booleans, as 0/1) keep an
     integer dtype.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import jaxhistory as jh
         >>> jh.reduce_sum({"tokens": jnp.array([3, 4, 5])})
@@ -104,7 +104,7 @@ def reduce_max(metrics: Any) -> Any:
     Raises:
         ValueError: a leaf has no elements.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import jaxhistory as jh
         >>> jh.reduce_max({"grad_norm": jnp.array([0.5, 2.0, 1.0])})
@@ -120,7 +120,7 @@ def reduce_min(metrics: Any) -> Any:
     Raises:
         ValueError: a leaf has no elements.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import jaxhistory as jh
         >>> jh.reduce_min({"grad_norm": jnp.array([0.5, 2.0, 1.0])})
@@ -136,7 +136,7 @@ def reduce_std(metrics: Any) -> Any:
     Computed in two passes (mean, then mean squared deviation), so it stays accurate
     in float32 when the mean is large next to the spread. A scalar's std is 0.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import jaxhistory as jh
         >>> jh.reduce_std({"loss": jnp.array([1e4 - 1, 1e4 + 1])})
@@ -162,7 +162,7 @@ def reduce_custom(metrics: Any, reduce_fn: _ops.ReduceSpec = None) -> Any:
         ValueError: an unknown operation, a name that is not in ``metrics``, or a
             callable that returned more than one value.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import jaxhistory as jh
         >>> m = {"loss": jnp.array([1.0, 3.0]), "tokens": jnp.array([10, 20])}

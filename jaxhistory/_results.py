@@ -83,7 +83,7 @@ def metrics_format(metrics: Mapping[str, Any]) -> dict[str, Any]:
     ``"n/a"``, and anything else (a string such as ``"Not available"``, a list) is
     kept as it is. ``metrics`` is not changed.
 
-    Example:
+    Examples:
         >>> import jaxhistory as jh
         >>> jh.metrics_format(
         ...     {"train_runtime": 3725.5, "train_mem_cpu_alloc_delta": 3 * 2**20,
@@ -105,7 +105,7 @@ def log_metrics(split: str, metrics: Mapping[str, Any]) -> str:
     the ``jaxhistory`` logger. Other processes print and log nothing. Returns the
     table (``""`` on other processes).
 
-    Example:
+    Examples:
         >>> import jaxhistory as jh
         >>> _ = jh.log_metrics("eval", {"eval_loss": 0.25, "eval_runtime": 61.5})
         ***** eval metrics *****
@@ -204,7 +204,7 @@ def save_metrics(
     (OSError naming it).
     Only process 0 writes. Returns the paths written.
 
-    Example:
+    Examples:
         >>> import tempfile, jaxhistory as jh
         >>> out = tempfile.mkdtemp()
         >>> [p.name for p in jh.save_metrics("eval", {"eval_loss": 0.25}, out)]
@@ -241,7 +241,7 @@ def save_state(history: Any, output_dir: str | os.PathLike) -> Path | None:
     "next_step": ...}`` with keys sorted, NaN and infinities as ``null``; it is
     written atomically, by process 0 only (others return None).
 
-    Example:
+    Examples:
         >>> import tempfile, json, jaxhistory as jh
         >>> s = jh.HistoryState().update({"loss": 0.5}).update({"loss": 0.25})
         >>> path = jh.save_state(s, tempfile.mkdtemp())

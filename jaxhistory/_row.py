@@ -59,7 +59,7 @@ class Row(NamedTuple):
     and the name its step goes by in the summary line (``step`` or ``iter``).
     Immutable: the history, the writer and the summary line read the same row.
 
-    Example:
+    Examples:
         >>> from jaxhistory._row import parse_row
         >>> row = parse_row({"step": 3, "loss": 0.5, "lr": 1e-3})
         >>> row.step, row.names, row.kind.name

@@ -509,7 +509,7 @@ def distributed_stats(
     leaves with one value per device (what :func:`per_shard` returns) are
     gathered whole in one all-reduce instead and summarised on every device.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> import jaxhistory as jh
         >>> stats = jax.jit(jh.distributed_stats)({"loss": jnp.array([1.0, 3.0])})
@@ -703,7 +703,7 @@ def distributed_stats_collective(
         ``name/std`` (and the provenance entries), the same on every device of
         the axis.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> from jax.sharding import NamedSharding, PartitionSpec as P
         >>> import jaxhistory as jh
@@ -826,7 +826,7 @@ def per_shard(
         ValueError: the shard count is unknown, disagrees with the sharding, or does
             not divide the batch; or ``reduce`` is unknown.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp
         >>> import jaxhistory as jh
         >>> jh.per_shard(jnp.array([1.0, 3.0, 5.0, 7.0]), num_shards=2)

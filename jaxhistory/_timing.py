@@ -41,7 +41,7 @@ class StopWatch:
     keeps the later value), or at ``step`` if given; it never moves the
     history's step counter.
 
-    Example:
+    Examples:
         >>> import jax.numpy as jnp, jaxhistory as jh
         >>> h = jh.History(distributed_history=False)
         >>> with jh.StopWatch("matmul", history=h) as sw:

@@ -469,7 +469,7 @@ def watch(
     combined in one ``pmax`` and one ``psum``; a leaf replicated over an axis
     counts once. Where every leaf is replicated, no collective is issued.
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> import jaxhistory as jh
         >>> grads = {"w": jnp.array([3.0, 4.0]), "b": jnp.zeros(2)}

@@ -21,7 +21,7 @@ The SPMD forms (inside ``jax.jit`` on global arrays) are the top-level names
 ``jaxhistory.reduce_mean``, ..., ``jaxhistory.distributed_stats`` and
 ``jaxhistory.watch``.
 
-Example:
+Examples:
     >>> import jax, jax.numpy as jnp
     >>> import jaxhistory as jh
     >>> from jax.sharding import PartitionSpec as P

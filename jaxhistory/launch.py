@@ -110,7 +110,8 @@ def launch_local(
         target: a module-level function or a ``"package.module:function"`` string.
         num_processes: how many processes (one "host" each).
         devices_per_process: simulated CPU devices in each process.
-        args, kwargs: passed to ``target`` in every process; they must pickle.
+        args: passed to ``target`` in every process; they must pickle.
+        kwargs: passed to ``target`` in every process; they must pickle.
         timeout: seconds for the whole job. Past it every process is killed: a
             process that skips a collective would otherwise hang the others forever.
         env: extra environment variables for the processes.
@@ -127,7 +128,7 @@ def launch_local(
         LaunchError: a process exited with an error, raised, or the job timed out.
             The message holds the tail of every process's log.
 
-    Example:
+    Examples:
         >>> import jaxhistory as jh
         >>> jh.launch_local("jax:process_count", num_processes=2)  # doctest: +SKIP
         [2, 2]

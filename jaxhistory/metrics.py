@@ -110,7 +110,7 @@ class Metric:
     Merging every shard into one, :meth:`fold`, is ``combine`` folded over the
     shard axis (override it only for a vectorised form).
 
-    Example:
+    Examples:
         >>> import jax, jax.numpy as jnp
         >>> import jaxhistory as jh
         >>> class Total(jh.metrics.Metric):

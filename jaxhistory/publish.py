@@ -6,7 +6,7 @@ raises never turns a success into a failure nor hides the caller's exception or
 return value, ``@prof("group")`` is a clear TypeError, and the registry is
 thread-safe and can be reset or scoped.
 
-Example:
+Examples:
     >>> from jaxhistory import publish
     >>> with publish.scoped():  # a private registry, restored afterwards
     ...     publish.configure(publish.ConsoleMetricHandler(), group="app")
@@ -73,7 +73,7 @@ class MetricHandler(abc.ABC):
 class ConsoleMetricHandler(MetricHandler):
     """Prints ``[<timestamp>][<group>]: <name>=<value>`` to ``stream`` (stdout).
 
-    Example:
+    Examples:
         >>> from jaxhistory import publish
         >>> publish.ConsoleMetricHandler().emit(
         ...     publish.MetricData(1700000000.5, "app", "latency.ms", 1.25))
@@ -105,7 +105,7 @@ class HistoryHandler(MetricHandler):
     keeps the later value), on this process alone, from any thread, without
     moving the step counter.
 
-    Example:
+    Examples:
         >>> import jaxhistory as jh
         >>> from jaxhistory import publish
         >>> h = jh.History(distributed_history=False)
@@ -242,7 +242,7 @@ def configure(handler: Any, group: str | None = None) -> None:
     :class:`NullMetricHandler`. ``handler`` may also be a sink (``write`` /
     ``flush`` / ``close``), wrapped in :class:`SinkHandler`.
 
-    Example:
+    Examples:
         >>> from jaxhistory import publish
         >>> with publish.scoped():
         ...     publish.configure(publish.ConsoleMetricHandler())  # the default
@@ -258,7 +258,7 @@ def get_stream(group: str = DEFAULT_GROUP) -> MetricStream:
     """A :class:`MetricStream` publishing to ``group`` (its handler looked up at
     each ``add_value``, so configuring later still takes effect).
 
-    Example:
+    Examples:
         >>> from jaxhistory import publish
         >>> with publish.scoped():
         ...     stream = publish.get_stream("io")
@@ -277,7 +277,7 @@ getStream = get_stream  # torchelastic's name
 def put_metric(name: str, value: Any, metric_group: str = DEFAULT_GROUP) -> None:
     """Publishes ``value`` as ``name`` in ``metric_group``.
 
-    Example:
+    Examples:
         >>> from jaxhistory import publish
         >>> publish.put_metric("ready", 1)  # the null handler: nowhere
     """
@@ -335,7 +335,7 @@ def prof(fn: Callable | None = None, *, group: str = DEFAULT_GROUP):
     duration is float milliseconds from a monotonic clock. A failing handler
     gives a RuntimeWarning; it never changes the function's result or exception.
 
-    Example:
+    Examples:
         >>> from jaxhistory import publish
         >>> with publish.scoped():
         ...     publish.configure(publish.ConsoleMetricHandler(), group="agent")

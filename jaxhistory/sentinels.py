@@ -21,7 +21,7 @@ flight (8), or at :meth:`~jaxhistory.History.flush` /
 :meth:`~jaxhistory.History.finalize`. A ``"raise"`` comes after the step's
 line is in the JSONL log.
 
-Example:
+Examples:
     >>> import warnings
     >>> import jaxhistory as jh
     >>> from jaxhistory.sentinels import NonFinite

@@ -10,7 +10,7 @@ complete and truncated files (``.gz`` too); :func:`merge_traces` (and the
 ``jaxhistory merge-traces`` command) merges traces from several processes onto
 one clock.
 
-Example:
+Examples:
     >>> import tempfile, jaxhistory as jh
     >>> from jaxhistory import trace
     >>> folder = tempfile.mkdtemp()

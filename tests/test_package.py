@@ -206,3 +206,25 @@ def test_the_namespaces_export_what_users_call():
         "to_terminal",
     }
     assert "Record" in jaxhistory.sinks.__all__ and "Sink" in jaxhistory.sinks.__all__
+
+
+def test_the_docs_site_has_a_reference_page_per_public_namespace():
+    """Every public namespace has an API page that renders it from its
+    docstrings, listed in the site's navigation."""
+    root = Path(__file__).resolve().parents[1]
+    config = (root / "mkdocs.yml").read_text()
+    namespaces = [
+        "jaxhistory",
+        "jaxhistory.collective",
+        "jaxhistory.metrics",
+        "jaxhistory.sentinels",
+        "jaxhistory.export",
+        "jaxhistory.sinks",
+        "jaxhistory.publish",
+        "jaxhistory.trace",
+    ]
+    pages = {p.read_text(): p for p in (root / "docs" / "api").glob("*.md")}
+    for name in namespaces:
+        found = [p for text, p in pages.items() if f"\n::: {name}\n" in text]
+        assert found, f"no API page renders {name}"
+        assert f"api/{found[0].name}" in config, f"{found[0].name} is not in the nav"

@@ -48,7 +48,7 @@ def to_netcdf(
     where unknown; ``time_`` if a metric is named ``time``), which plain xarray
     opens as datetimes.
 
-    Example:
+    Examples:
         >>> import tempfile, pathlib, jaxhistory as jh
         >>> s = jh.HistoryState().update({"train": {"loss": 0.5}, "step": 3})
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "dataset.nc"

@@ -14,7 +14,7 @@ Built in: :class:`ConsoleSink`, :class:`NullSink`, :class:`JsonlSink`,
 TensorFlow) and :class:`WandbSink` (``pip install 'jaxhistory[wandb]'``); the
 last two import their package only when created.
 
-Example:
+Examples:
     >>> import io
     >>> from jaxhistory.sinks import ConsoleSink, Record
     >>> sink = ConsoleSink(stream=io.StringIO())

@@ -193,7 +193,7 @@ class _Feed:
 class SinkFeed:
     """Feeds ``sinks`` from threads of their own (see the module docstring).
 
-    Example:
+    Examples:
         >>> import io
         >>> from jaxhistory.sinks import ConsoleSink, Record
         >>> from jaxhistory.sinks._feed import SinkFeed

@@ -26,7 +26,7 @@ class JsonlSink:
     :attr:`error`, counts the records it could not write in :attr:`lost`, and
     starts the next write on a new line.
 
-    Example:
+    Examples:
         >>> import tempfile, pathlib
         >>> from jaxhistory.sinks import JsonlSink, Record
         >>> path = pathlib.Path(tempfile.mkdtemp()) / "log.jsonl"

@@ -21,7 +21,7 @@ class TensorBoardSink:
     go to ``logdir`` (view them with ``tensorboard --logdir``); no TensorFlow is
     needed. Needs ``pip install 'jaxhistory[tensorboard]'``.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from jaxhistory.sinks import Record, TensorBoardSink
         >>> sink = TensorBoardSink(tempfile.mkdtemp())
