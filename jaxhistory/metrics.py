@@ -156,16 +156,24 @@ class Metric:
         return cls(**cls.identity(int(num_shards)))
 
     @classmethod
-    def from_model_output(cls, *, num_shards: int | None = None, **outputs) -> Metric:
+    def from_model_output(
+        cls, *values: Any, num_shards: int | None = None, **outputs
+    ) -> Metric:
         """The metric of one batch. ``outputs`` are the model's outputs by name
         (each metric reads the ones it needs and ignores the rest), with an
         optional ``mask`` (batch-first, true for the examples to count).
+        A metric of one output (``Average``, ``Std``, ...) also takes it as
+        the one positional argument, as CLU and metrax write it:
+        ``Average.from_model_output(loss, mask=mask)``.
         ``num_shards``: see the module notes (read from the sharding if omitted).
 
         Raises:
             ValueError: an output of per-example weights (``weights``, ``weight``
                 or ``sample_weight``) that this metric does not read.
+            TypeError: a positional value given twice, more than one, or to a
+                metric that reads several outputs by name.
         """
+        outputs = cls._positional(values, outputs)
         for name in cls.unread_weights(outputs):
             argname = getattr(cls, "argname", "loss")
             raise ValueError(
@@ -174,6 +182,31 @@ class Metric:
                 f"weights={name!r})"
             )
         return cls._of_batch(num_shards, outputs)
+
+    @classmethod
+    def _positional(cls, values: tuple, outputs: dict) -> dict:
+        """``outputs`` with a positional value under the output this metric
+        reads (its ``argname``)."""
+        if not values:
+            return outputs
+        argname = getattr(cls, "argname", None)
+        if argname is None:
+            reads = getattr(cls, "reads", ())
+            raise TypeError(
+                f"{cls.__name__} takes the model outputs by name"
+                + (f" ({', '.join(f'{r}=...' for r in reads)})" if reads else "")
+                + f", got {len(values)} positional value(s)"
+            )
+        if len(values) > 1:
+            raise TypeError(
+                f"{cls.__name__} takes one positional value ({argname}), got "
+                f"{len(values)}"
+            )
+        if argname in outputs:
+            raise TypeError(
+                f"{cls.__name__} got {argname} twice: positionally and by name"
+            )
+        return {argname: values[0], **outputs}
 
     @classmethod
     def unread_weights(cls, outputs: Mapping[str, Any]) -> list[str]:
@@ -193,14 +226,14 @@ class Metric:
             **{f: getattr(batch, f).astype(like[f].dtype) for f in cls._fields}
         )
 
-    def update(self, *, num_shards: int | None = None, **outputs) -> Metric:
-        """``self.merge(type(self).from_model_output(**outputs))``, the batch
-        split into this metric's shard count unless ``num_shards`` says
+    def update(self, *values: Any, num_shards: int | None = None, **outputs) -> Metric:
+        """``self.merge(type(self).from_model_output(*values, **outputs))``, the
+        batch split into this metric's shard count unless ``num_shards`` says
         otherwise."""
         if num_shards is None and self.num_shards:
             num_shards = self.num_shards
         return self.merge(
-            type(self).from_model_output(num_shards=num_shards, **outputs)
+            type(self).from_model_output(*values, num_shards=num_shards, **outputs)
         )
 
     @property
@@ -765,6 +798,8 @@ class Accuracy(Metric):
     ``labels``, with an optional ``mask``. A label outside the classes (an
     ignore index such as -100, or a class the logits do not have) is a miss,
     whatever the prediction."""
+
+    reads: ClassVar[tuple[str, ...]] = ("logits", "labels")
 
     correct: jax.Array
     count: jax.Array

@@ -871,3 +871,28 @@ def test_a_metric_missing_an_override_names_it():
         Half.from_model_output(values=jnp.ones(4))
     with pytest.raises(NotImplementedError, match="Half must define result"):
         Half.empty(1).compute()
+
+
+def test_values_may_be_passed_positionally_as_clu_and_metrax_users_write():
+    """``Average.from_model_output(values, mask=...)``: the positional value is
+    the output the metric reads (``values``, or its ``from_output`` name)."""
+    v = jnp.array([1.0, 2.0, 6.0])
+    mask = jnp.array([True, True, False])
+    m = jh.metrics.Average.from_model_output(v, mask=mask)
+    assert float(m.compute()) == 1.5
+    assert float(m.update(jnp.array([4.5])).compute()) == 2.5
+    loss = jh.metrics.Average.from_output("loss")
+    assert float(loss.from_model_output(v).compute()) == 3.0
+    assert float(jh.metrics.Std.from_model_output(v).compute()) == pytest.approx(
+        float(np.std([1.0, 2.0, 6.0])), rel=1e-6
+    )
+
+
+def test_a_positional_value_that_cannot_be_placed_is_refused_naming_why():
+    v = jnp.ones(3)
+    with pytest.raises(TypeError, match="values.*twice"):
+        jh.metrics.Average.from_model_output(v, values=v)
+    with pytest.raises(TypeError, match="one positional"):
+        jh.metrics.Average.from_model_output(v, v)
+    with pytest.raises(TypeError, match="by name.*logits.*labels"):
+        jh.metrics.Accuracy.from_model_output(v)
