@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_scale.py --out benchmarks/results/scale.md
 	$(BIN)/python benchmarks/bench_metrics.py --out benchmarks/results/metrics.md
 	$(BIN)/python benchmarks/bench_watch.py --out benchmarks/results/watch.md
+	$(BIN)/python benchmarks/bench_pod.py --out benchmarks/results/pod.md
 
 clean:
 	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .ruff_cache

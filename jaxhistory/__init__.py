@@ -44,7 +44,7 @@ from jaxhistory._collective import all_gather, collect_from_devices
 from jaxhistory._distributed import distributed_default
 from jaxhistory._history import History
 from jaxhistory._history_state import HistoryState, warmup_count
-from jaxhistory._hlo import collective_counts, step_flops
+from jaxhistory._hlo import collective_bytes, collective_counts, step_flops
 from jaxhistory._memory import (
     MemorySample,
     MemoryTracker,
@@ -92,6 +92,7 @@ __all__ = [
     "all_gather",
     "collect_from_devices",
     "collective",
+    "collective_bytes",
     "collective_counts",
     "compiled_memory",
     "device_memory",

@@ -1,4 +1,4 @@
-"""distributed_stats: mean, max, min and std of many metrics in two collectives.
+"""distributed_stats: mean, max, min, std of many metrics in two or three collectives.
 
 Both forms compute, for every leaf ``name``, the entries ``name/mean``, ``name/max``,
 ``name/min`` and ``name/std`` (population std) over all the leaf's values across
@@ -18,6 +18,16 @@ rows back the same way (``_two_pass``; ``_gathered`` for one value per device);
 they differ only in how a reduction is issued (``_Issue``): the SPMD form reduces
 global arrays and lets the compiler place the all-reduce, the shard_map form
 reduces each shard's values and calls ``lax.pmax`` / ``lax.psum``.
+
+How the bytes scale with the number ``S`` of devices holding a leaf. Up to
+:data:`GATHER_DEVICES` of them, leaves with one value per device are gathered
+whole (one all-reduce of ``K * S`` values) and provenance counts, per holder,
+the elements equal to the max and the min in the sum (``2 * K * S`` values).
+Above it every path takes ``O(K)`` values whatever ``S``: one value per device
+takes the two passes too, and provenance takes a third, small max-reduction of
+``where(x == max, -rank, -inf)`` (and the same for the min), whose result is
+the lowest rank, so the lowest device index, holding the extreme; the NaN
+device already rides in the first reduction the same way.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ from jaxhistory._quantiles import (
 from jaxhistory._tree import Leaf, acc_dtype, flatten_metrics
 
 __all__ = [
+    "GATHER_DEVICES",
     "PROVENANCE",
     "STATS",
     "Stats",
@@ -60,6 +71,17 @@ __all__ = [
     "per_shard",
     "shard_count",
 ]
+
+
+# bench_pod.py, K=100 on 8-64 simulated CPU devices: gathering wins to 32, loses at 64
+GATHER_DEVICES = 32
+
+
+def _gathers(holders: int) -> bool:
+    """Whether ``holders`` devices are few enough for the forms whose bytes grow
+    with them (one value per device gathered whole, per-holder provenance
+    counts): at most :data:`GATHER_DEVICES`, read when a call is traced."""
+    return holders <= GATHER_DEVICES
 
 
 @jax.tree_util.register_pytree_node_class
@@ -264,16 +286,20 @@ def _two_pass(
     quantiles: Sequence[float] = (),
     source: Any = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """The statistics of stacked leaves in one max- and one sum-reduction.
+    """The statistics of stacked leaves in one max- and one sum-reduction
+    (and a second max-reduction for provenance without a one-hot).
 
     Args:
         xs: stacks of leaves, ``(k_i, ...)`` each, of one dtype; ``k`` leaves in all.
         issue: how the two reductions are issued.
         counts: the number of values of each leaf (a scalar or ``(k,)``).
         provenance: ``(rank, onehot, holders)``: each element's holder as a
-            position in ``holders`` (broadcast against a leaf), ``(S, ...)``
-            one-hot of the holders' elements, and the ``S`` device indices, in
-            ascending order; None for no device indices.
+            position in ``holders`` (broadcast against a leaf, in the leaves'
+            dtype), ``(S, ...)`` one-hot of the holders' elements, and the ``S``
+            device indices, in ascending order; None for no device indices.
+            With ``onehot`` None the lowest rank holding the max (min) comes
+            from a third, max-reduction of ``2 k`` values instead of per-holder
+            counts in the sum (``2 k S`` values).
         extra: more blocks for the sum-reduction, whose rows come back.
         quantiles: also these quantiles of each leaf, from histograms whose
             counts ride in the sum-reduction (an ``issue`` that reduces each
@@ -297,11 +323,18 @@ def _two_pass(
     c = _shift(mx, mn)
     ds = [x - cx for x, cx in zip(xs, _per_stack(c, xs), strict=True)]
     summed = ds + [issue.squares(d) for d in ds] + [isnan for *_, isnan in cleaned]
+    ranked = provenance is not None and provenance[1] is None
     if provenance is not None:
-        onehot = provenance[1]
+        rank, onehot = provenance[:2]
+        lowest = []
         for found in (mx, mn):
             held = zip(xs, _per_stack(found, xs), strict=True)
-            summed += [_holder_block(x == f, onehot) for x, f in held]
+            if ranked:
+                lowest += [jnp.where(x == f, -rank, -jnp.inf) for x, f in held]
+            else:
+                summed += [_holder_block(x == f, onehot) for x, f in held]
+        if ranked:
+            lowest = -issue.max(lowest)  # all-reduce 3: the lowest ranks
     hist = []
     if quantiles:  # each leaf's counts between its min and max
         hist = [hist_block(x, mxs, mns) for x, mxs, mns in _per_leaf(xs, mx, mn)]
@@ -317,11 +350,14 @@ def _two_pass(
         if extra:
             sums = sums[: sums.shape[0] - k * BINS]
     where, end = None, 3 * k
-    if provenance is not None:
+    if ranked:
+        where = _where(ext[2 * k :], lowest[:k], lowest[k:], provenance[2])
+    elif provenance is not None:
         holders = provenance[2]
         end += 2 * k * holders.shape[0]
         held = sums[3 * k : end].reshape(2, k, -1)
-        where = _where(ext[2 * k :], held[0], held[1], holders)
+        first = [jnp.argmax(h > 0, axis=1) for h in held]  # the lowest holder
+        where = _where(ext[2 * k :], first[0], first[1], holders)
     return table, where, sums[end:] if extra else None
 
 
@@ -358,26 +394,26 @@ def _finish(c: jax.Array, ext: jax.Array, sums: jax.Array, counts: Any) -> jax.A
 
 
 def _where(
-    nan_ext: jax.Array, at_max: jax.Array, at_min: jax.Array, holders: jax.Array
+    nan_ext: jax.Array, max_rank: jax.Array, min_rank: jax.Array, holders: jax.Array
 ) -> jax.Array:
     """The ``(3, k)`` int32 device indices from one group's reduced partials.
 
     ``nan_ext`` is the reduced ``max(-rank)`` over NaN elements (``-inf`` where
-    none), ``at_max``/``at_min`` the reduced ``(k, S)`` counts, per holder, of
-    elements equal to the max/min, and ``holders`` the ``S`` device indices in
-    ascending order. The first holder with a count is the lowest device index;
-    a NaN makes every index the NaN's device.
+    none), ``max_rank``/``min_rank`` the lowest rank holding each leaf's
+    max/min (``inf`` where none: no element equals it, as in a leaf of NaN
+    only), and ``holders`` the ``S`` device indices in ascending order, so the
+    lowest rank is the lowest device index; a NaN makes every index the NaN's
+    device.
     """
     has_nan = nan_ext > -jnp.inf
-    nan_rank = jnp.where(has_nan, -nan_ext, 0).astype(jnp.int32)
-    holders = jnp.broadcast_to(holders, at_max.shape)
+    slots = holders.shape[-1]
 
-    def pick(rank):
-        return jnp.take_along_axis(holders, rank[:, None], axis=1)[:, 0]
+    def pick(rank):  # rank 0 where none, as argmax over no count gives
+        rank = jnp.where(rank < slots, rank, 0).astype(jnp.int32)
+        return jnp.take(holders, rank, axis=-1)
 
-    nan_device = jnp.where(has_nan, pick(nan_rank), -1)
-    first_max = pick(jnp.argmax(at_max > 0, axis=1).astype(jnp.int32))
-    first_min = pick(jnp.argmax(at_min > 0, axis=1).astype(jnp.int32))
+    nan_device = jnp.where(has_nan, pick(jnp.where(has_nan, -nan_ext, 0)), -1)
+    first_max, first_min = pick(max_rank), pick(min_rank)
     return jnp.stack(
         [
             jnp.where(has_nan, nan_device, first_max),
@@ -470,10 +506,13 @@ def distributed_stats(
             lowest index on ties) and ``name/nan_device`` (the lowest index of a
             device holding a NaN, -1 when none; with a NaN, argmax and argmin
             name that device too, as max and min are NaN). Still two
-            all-reduces per group of leaves. Under jit it reads each value's
-            sharding from its type, which is exact on Explicit mesh axes
-            (``jax.make_mesh``'s default), and the mesh's devices from
-            ``jax.set_mesh`` or ``mesh``.
+            all-reduces per group of leaves on up to :data:`GATHER_DEVICES`
+            devices; on more, a third of ``2 K`` values (the lowest rank
+            holding each max and min) instead of ``2 K`` counts per device
+            in the sum. Under jit it reads each value's sharding from its
+            type, which is exact on Explicit mesh axes (``jax.make_mesh``'s
+            default), and the mesh's devices from ``jax.set_mesh`` or
+            ``mesh``.
         mesh: the mesh the values are on, for ``provenance`` under jit outside
             ``jax.set_mesh``. Its devices in another order than the values'
             mesh's (or other devices) make jit refuse to compile the call,
@@ -481,8 +520,10 @@ def distributed_stats(
         quantiles: also ``name/p50``, ``name/p90``, ... for these quantiles in
             (0, 1) (``p99.9`` for 0.999). A leaf with one value per device:
             the exact quantile of those values (NumPy's linear rule), at no
-            extra collective. A larger leaf: read from a histogram of 2048
-            bins between its min and max (log-spaced where its values are
+            extra collective: every value is gathered for it, on more than
+            :data:`GATHER_DEVICES` devices too, so its bytes grow with the
+            device count. A larger leaf: read from a histogram of 2048 bins
+            between its min and max (log-spaced where its values are
             positive and span more than three decades, ``asinh``-spaced where
             they straddle zero) whose counts ride in the sum all-reduce; its
             rank is off by at most the share of values in one bin; values
@@ -507,7 +548,11 @@ def distributed_stats(
     Leaves of the same shape, dtype and sharding are stacked, so ``K`` of them
     compile to two all-reduces in total (one max, one sum), whatever ``K``;
     leaves with one value per device (what :func:`per_shard` returns) are
-    gathered whole in one all-reduce instead and summarised on every device.
+    gathered whole in one all-reduce instead and summarised on every device,
+    on up to :data:`GATHER_DEVICES` (32) devices (``K * D`` values). On more, every
+    all-reduce carries ``O(K)`` values whatever the device count ``D``: two
+    passes, and a third small max-reduction for provenance (at most three
+    all-reduces, ``8 K`` values in all with provenance, ``5 K`` without).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -547,10 +592,13 @@ def global_stats(
     ``layouts`` says where each leaf's elements are (None where unknown); with
     ``provenance`` every leaf needs one and the device indices are computed.
     A group of leaves with one element per holder (a per-device value, a host
-    scalar per device) is gathered whole in one all-reduce and summarised on
-    every device; others take the two-pass form. ``gather``: indices of leaves
-    whose per-holder values are also returned (``{index: (S,) values}``, the
-    value each holder's elements share), at no extra collective.
+    scalar per device) on at most :data:`GATHER_DEVICES` holders is gathered
+    whole in one all-reduce and summarised on every device (on more, only to
+    give exact ``quantiles``); others take the two-pass form, with provenance
+    in a third all-reduce of ``O(K)`` values above :data:`GATHER_DEVICES`.
+    ``gather``: indices of leaves whose per-holder values are also returned
+    (``{index: (S,) values}``, the value each holder's elements share), at no
+    extra collective (their ``S`` values per leaf ride in the sum).
     """
     layouts = layouts or [None] * len(leaves)
     groups: dict[tuple, list[int]] = {}
@@ -566,7 +614,9 @@ def global_stats(
         stacked = jnp.stack([leaves[i].value.astype(acc) for i in idx])
         layout = layouts[idx[0]]
         picks = [j for j, i in enumerate(idx) if i in gather]
-        if layout is not None and layout.rank.size == len(layout.holders):
+        wide = layout is not None and not _gathers(len(layout.holders))
+        one_each = layout is not None and layout.rank.size == len(layout.holders)
+        if one_each and (quantiles or not wide):
             holders = jnp.asarray(layout.holders)
             onehot = jnp.asarray(layout.onehot)
             table, where, v = _gathered(stacked, _SPMD, onehot, holders, quantiles)
@@ -583,7 +633,11 @@ def global_stats(
             where, values = None, []
         else:
             table, where, values = _global_group(
-                stacked, layout if provenance or picks else None, picks
+                stacked,
+                layout if provenance or picks else None,
+                picks,
+                wide,
+                provenance,
             )
         parts.append((idx, table, where))
         gathered.update({idx[j]: v for j, v in zip(picks, values, strict=True)})
@@ -645,22 +699,37 @@ def _group_key(leaf: Leaf) -> tuple:
 
 
 def _global_group(
-    stacked: jax.Array, layout: Layout | None, picks: list[int]
+    stacked: jax.Array,
+    layout: Layout | None,
+    picks: list[int],
+    wide: bool = False,
+    provenance: bool = True,
 ) -> tuple[jax.Array, Any, list[jax.Array]]:
     """One group of ``k`` stacked leaves: its ``(4, k)`` table, its ``(3, k)``
-    device indices (with a layout) and the per-holder values of ``picks``."""
+    device indices (with a layout and ``provenance``; None without) and the
+    per-holder values of ``picks``. ``wide``: the device indices from the
+    lowest ranks (a third all-reduce of ``2 k`` values) rather than per-holder
+    counts (``2 k S`` values in the sum)."""
     count = math.prod(stacked.shape[1:])
     if layout is None:
         return _two_pass([stacked], _SPMD, count)[0], None, []
     dtype = stacked.dtype
-    onehot = jnp.asarray(layout.onehot, dtype)
-    provenance = (jnp.asarray(layout.rank, dtype), onehot, jnp.asarray(layout.holders))
+    rank = jnp.asarray(layout.rank, dtype)
+    slots = len(layout.holders)
+    onehot = None
+    if not wide:
+        onehot = jnp.asarray(layout.onehot, dtype)
+    elif picks:  # from the ranks on device: no (S, ...) constant
+        at = jnp.arange(slots, dtype=dtype).reshape((-1,) + (1,) * rank.ndim)
+        onehot = (rank[None] == at).astype(dtype)
+    place = None
+    if provenance:
+        place = (rank, None if wide else onehot, jnp.asarray(layout.holders))
     extra = [_slot_block(stacked[np.asarray(picks)], onehot)] if picks else []
-    table, where, rest = _two_pass([stacked], _SPMD, count, provenance, extra)
+    table, where, rest = _two_pass([stacked], _SPMD, count, place, extra)
     if not picks:
         return table, where, []
-    slots = len(layout.holders)
-    per_slot = np.maximum(layout.onehot.reshape(slots, -1).sum(axis=1), 1)
+    per_slot = np.maximum(np.bincount(layout.rank.ravel(), minlength=slots), 1)
     values = rest.reshape(len(picks), slots) / jnp.asarray(per_slot, dtype)
     return table, where, list(values)
 
@@ -679,7 +748,9 @@ def distributed_stats_collective(
     taken over all elements of all shards. The whole pytree costs one ``pmax`` and
     one ``psum``, whatever the number of leaves (one pair per accumulation dtype, so
     two pairs only when float64 and float32 leaves mix); when every leaf is a
-    scalar, one ``psum`` gathers them all and every shard summarises them. Within
+    scalar, one ``psum`` gathers them all and every shard summarises them, on up
+    to :data:`GATHER_DEVICES` shards (on more, the two passes: their bytes do
+    not grow with the shard count, except for exact ``quantiles``). Within
     a shard the spread is computed around the shard's own mean, so only the spread
     between shards goes through the shifted sum.
 
@@ -687,7 +758,8 @@ def distributed_stats_collective(
         metrics: a pytree of this shard's values.
         axis_name: the mesh axis (or tuple of axes) to reduce over.
         provenance: also ``name/argmax``, ``name/argmin`` and ``name/nan_device``,
-            as for :func:`distributed_stats`, in the same two collectives. Every
+            as for :func:`distributed_stats`, in the same two collectives (a
+            third ``pmax`` of ``2 K`` values above :data:`GATHER_DEVICES`). Every
             mesh axis must be manual in the shard_map; the mesh's devices come
             from ``jax.set_mesh`` or ``mesh`` (the mesh given to shard_map).
         mesh: the shard_map's mesh, for ``provenance`` outside ``jax.set_mesh``:
@@ -723,6 +795,7 @@ def distributed_stats_collective(
     axis_name = check_axis_name(axis_name)
     leaves, _ = flatten_metrics(metrics)
     _check_nonempty(leaves)
+    wide = not _gathers(size)
     if provenance:
         axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
         rank, onehot, holders = _shard_place(shard_tables(axes, mesh, caller))
@@ -731,7 +804,8 @@ def distributed_stats_collective(
     issue = _collective_issue(axis_name)
     # Leaves of one shape are stacked and reduced locally as one array; the local
     # partials of every shape are then joined per accumulation dtype, so each dtype
-    # costs one pmax and one psum.
+    # costs one pmax and one psum (and a second pmax, of the lowest ranks, for
+    # provenance on more than GATHER_DEVICES shards).
     by_dtype: dict[Any, dict[tuple, list[int]]] = {}
     for i, leaf in enumerate(leaves):
         acc = acc_dtype(leaf.value.dtype)
@@ -743,7 +817,7 @@ def distributed_stats_collective(
             jnp.stack([leaves[i].value.astype(acc) for i in group])
             for group in shapes.values()
         ]
-        if set(shapes) == {()}:  # one value per shard: gathered in one psum
+        if set(shapes) == {()} and (qs or not wide):  # gathered in one psum
             table, where, _ = _gathered(xs[0], issue, onehot, holders, qs)
         else:
             counts = [
@@ -751,7 +825,11 @@ def distributed_stats_collective(
             ]
             place = None
             if provenance:
-                place = (rank.astype(acc), onehot.astype(acc), holders)
+                place = (
+                    rank.astype(acc),
+                    None if wide else onehot.astype(acc),
+                    holders,
+                )
             table, where, _ = _two_pass(
                 xs,
                 issue,

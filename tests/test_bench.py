@@ -170,3 +170,24 @@ def test_bench_stall_quick(tmp_path):
         r"^\| none \| 0% \| never \| 0 \(all processes\) \|$", text, re.M
     ), text
     assert "`HangWatch.beat`" in text
+
+
+def test_bench_pod_quick(tmp_path):
+    _, text = run_quick("bench_pod.py", tmp_path)
+    rows = re.findall(
+        r"^\| 10 \| (\d+) \| ([^|]+) \| (gather|O\(K\)) \| (\d) \| ([\d, ]+) \| "
+        r"([\d,]+) \|$",
+        text,
+        re.M,
+    )
+    assert len(rows) == 8, text  # 2 device counts x 2 kinds of metric x 2 forms
+    ok = {(d, kind): total for d, kind, form, _, _, total in rows if form == "O(K)"}
+    # O(K): at most three all-reduces whose bytes do not grow with the devices
+    assert all(int(n) <= 3 for *_, n, _, _ in rows), rows
+    assert len(set(ok.values())) == 1, ok
+    gather = {(d, k): t for d, k, form, _, _, t in rows if form == "gather"}
+    assert gather[("16", "1 per device")] == "640", gather
+    timed = re.findall(
+        r"^\| 10 \| (8|16) \| [^|]+ \| (\d+) \| (\d+) \| ([\d.]+) \|$", text, re.M
+    )
+    assert len(timed) == 4 and all(float(r) > 0 for *_, r in timed), text
