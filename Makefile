@@ -19,15 +19,16 @@ test: $(STAMP)
 	$(BIN)/python -m pytest tests
 
 docs: $(STAMP)
+	$(BIN)/python docs/make_images.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 lint: $(STAMP)
-	$(BIN)/ruff check jaxhistory tests benchmarks examples
-	$(BIN)/ruff format --check jaxhistory tests benchmarks examples
+	$(BIN)/ruff check jaxhistory tests benchmarks examples docs
+	$(BIN)/ruff format --check jaxhistory tests benchmarks examples docs
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix jaxhistory tests benchmarks examples
-	$(BIN)/ruff format jaxhistory tests benchmarks examples
+	$(BIN)/ruff check --fix jaxhistory tests benchmarks examples docs
+	$(BIN)/ruff format jaxhistory tests benchmarks examples docs
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_reducers.py --out benchmarks/results/reducers.md

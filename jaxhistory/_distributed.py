@@ -29,7 +29,6 @@ from jaxhistory._tree import flatten_metrics
 __all__ = [
     "ARRIVAL",
     "BATCH_MAX",
-    "DISTRIBUTED_LIMIT",
     "SAME",
     "STRAGGLER",
     "Reducer",
@@ -40,7 +39,6 @@ __all__ = [
     "mesh_of",
 ]
 
-DISTRIBUTED_LIMIT = 384  # devices; above this the per-update all-reduce is off
 NAMES_TIMEOUT_S = 120.0  # how long processes wait for each other's metric names
 RUN_ID_TIMEOUT_S = 30.0  # how long a process waits to read the job's run id
 _RUN_IDS: dict[str | None, int] = {}  # run name -> Histories made with it here
@@ -67,17 +65,16 @@ def distributed_default() -> bool:
     """Whether distributed history is on when not set explicitly.
 
     Off when ``JAXHISTORY_NO_DISTRIBUTED_HISTORY`` or ``JAXHISTORY_LOCAL_HISTORY``
-    is 1/true/yes, or when there are more than 384 devices (the all-reduce per
-    update costs too much there); on otherwise.
+    is 1/true/yes; on otherwise, on any number of devices (above
+    ``GATHER_DEVICES`` holder devices the reduction's all-reduce bytes no longer
+    grow with the device count).
 
     Examples:
         >>> import jaxhistory as jh
         >>> jh.distributed_default()  # 8 devices here, no variable set
         True
     """
-    if any(env_flag(v) for v in _OFF_VARS):
-        return False
-    return jax.device_count() <= DISTRIBUTED_LIMIT
+    return not any(env_flag(v) for v in _OFF_VARS)
 
 
 def is_per_device(value: Any) -> bool:

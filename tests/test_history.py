@@ -116,9 +116,11 @@ def test_unclear_environment_value_is_an_error(monkeypatch):
         jh.distributed_default()
 
 
-def test_more_than_384_devices_turn_it_off(monkeypatch):
-    monkeypatch.setattr(jax, "device_count", lambda: 385)
-    assert jh.distributed_default() is False
+def test_any_number_of_devices_keeps_it_on(monkeypatch):
+    for name in ("JAXHISTORY_NO_DISTRIBUTED_HISTORY", "JAXHISTORY_LOCAL_HISTORY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(jax, "device_count", lambda: 4096)
+    assert jh.distributed_default() is True
 
 
 def test_bad_settings_and_input():

@@ -521,9 +521,9 @@ def test_threads_start_only_in_the_thread_modules():
     )
 
 
-def _readme_layers() -> dict[str, set[str]]:
-    """Layer name -> the modules the README's layer table lists for it."""
-    text = (ROOT / "README.md").read_text()
+def _documented_layers() -> dict[str, set[str]]:
+    """Layer name -> the modules the architecture page's layer table lists."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
     out: dict[str, set[str]] = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -532,9 +532,9 @@ def _readme_layers() -> dict[str, set[str]]:
     return out
 
 
-def test_the_readme_layer_table_matches_the_layout():
-    """The README's table of layers lists every module in the layer this test
-    puts it in (a module inside ``export``/``sinks`` as the package)."""
+def test_the_documented_layer_table_matches_the_layout():
+    """The architecture page's table of layers lists every module in the layer
+    this test puts it in (a module inside ``export``/``sinks`` as the package)."""
     expected: dict[str, set[str]] = {}
     for name in find_modules(ROOT / PACKAGE):
         if name in (PACKAGE, f"{PACKAGE}.__main__"):
@@ -548,4 +548,4 @@ def test_the_readme_layer_table_matches_the_layout():
         if shown.endswith("/"):
             layer = EFFECTS
         expected.setdefault(LAYER_NAMES[layer], set()).add(shown)
-    assert _readme_layers() == expected
+    assert _documented_layers() == expected
