@@ -11,6 +11,7 @@ processes that form one job, their output prefixed with ``[process i]``.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -269,6 +270,27 @@ def _main(args) -> int:
     return 0
 
 
+def _recorded(attrs: dict, name: str, source: Path) -> dict | None:
+    """The config or env_info recorded with a run (JSON text in the dataset
+    attribute ``name``); None where there is none, or where it is not a JSON
+    object (with a note on stderr: the report leaves it out)."""
+    text = attrs.get(name)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        print(
+            f"jaxhistory: the {name} recorded in {printable(source)} is not a JSON "
+            "object; the report leaves it out",
+            file=sys.stderr,
+        )
+        return None
+    return value
+
+
 def _report(args, state, attrs) -> None:
     source = run_file(args.run)
     outdir = Path(args.outdir)
@@ -295,6 +317,8 @@ def _report(args, state, attrs) -> None:
         max_plots=args.max_plots,
         echo=False,
         jsonl=log,
+        config=_recorded(attrs, "config", source),
+        env_info=_recorded(attrs, "env_info", source),
     )
 
 

@@ -9,7 +9,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,15 @@ import jax
 
 from jaxhistory._codec import read_stamps
 from jaxhistory._dtypes import warmup_count
-from jaxhistory._env import MAX_RUN_ID, check_run_name, netcdf_attrs, new_run_id
+from jaxhistory._env import (
+    MAX_RUN_ID,
+    check_run_name,
+    environment_info,
+    metadata_json,
+    netcdf_attrs,
+    new_run_id,
+    plain_metadata,
+)
 from jaxhistory._env import environment as run_environment
 from jaxhistory._files import (
     NotAFile,
@@ -33,7 +41,7 @@ from jaxhistory.export._netcdf import to_netcdf
 from jaxhistory.export._tplot import summary_choice, write_all, write_layers
 from jaxhistory.export._units import MAX_PLOTS, capped, layer_families, plot_units
 
-__all__ = ["Progress", "finalize"]
+__all__ = ["Progress", "checked_metadata", "finalize"]
 
 
 class Progress:
@@ -100,6 +108,26 @@ def replace_folder(new: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def checked_metadata(config: Any, env_info: Any, mesh: Any = None) -> tuple:
+    """``(config, env_info)`` as plain JSON data (None where not given):
+    ``env_info=True`` collects :func:`~jaxhistory._env.environment_info`,
+    False is None. Raises TypeError or ValueError naming what is wrong."""
+    if config is not None:
+        config = plain_metadata(config, "config")
+    if env_info is True:
+        env_info = environment_info(mesh)
+    elif env_info is False:
+        env_info = None
+    if env_info is not None:
+        if not isinstance(env_info, Mapping):
+            raise TypeError(
+                "env_info must be a dict, True (collect it) or None, got "
+                f"{type(env_info).__name__}"
+            )
+        env_info = plain_metadata(env_info, "env_info")
+    return config, env_info
+
+
 def finalize(
     state: HistoryState,
     outdir: str | os.PathLike,
@@ -118,6 +146,8 @@ def finalize(
     written: list[Path] | None = None,
     max_plots: int | None = MAX_PLOTS,
     events: Sequence[Any] = (),
+    config: Any = None,
+    env_info: Any = None,
 ):
     """Writes the outputs of a run into ``outdir``; returns its ``xarray.Dataset``.
 
@@ -145,8 +175,20 @@ def finalize(
     recording order. The report names the rest, whose statistics it holds
     like every metric's. ``events``: what the run's sentinels found
     (:class:`~jaxhistory.sentinels.Event`), listed in the report.
+
+    ``config``: the run's configuration (a dict, a dataclass instance or a
+    namespace, nested; see :class:`~jaxhistory.History`), recorded as JSON in
+    the dataset attribute ``config`` and as a table in the report's "Config"
+    section. ``env_info``: more about the environment (a dict, nested dicts
+    allowed), or True to collect it (versions of jax, jaxlib, flax, optax,
+    NumPy; devices, processes, host, Python, platform), recorded as JSON in the
+    dataset attribute ``env_info`` and as rows of the report's "Environment"
+    section (names and values escaped like metric names). Both are checked
+    before anything is written: a value that is not plain data is a TypeError
+    naming its path.
     """
     check_run_name(run_name)
+    config, env_info = checked_metadata(config, env_info, mesh)
     if run_id is None:
         run_id = new_run_id(run_name)
     check_run_name(run_id, "run_id", MAX_RUN_ID)  # the limit resume= reads with
@@ -154,6 +196,10 @@ def finalize(
     attrs = {"run_id": run_id, **env}
     if run_name:
         attrs["run_name"] = run_name
+    if config is not None:
+        attrs["config"] = metadata_json(config)
+    if env_info is not None:
+        attrs["env_info"] = metadata_json(env_info)
     attrs["warmup_steps"] = warmup_count(warmup, len(state.all_steps()))
     families = layer_families(state.keys) if plot else []
     # A watch family's entries are drawn in its heatmap; its total keeps a plot.
@@ -296,6 +342,8 @@ def finalize(
             unplotted=[(u.title, max_plots) for u in unplotted],
             events=events,
             per_layer=per_layer,
+            config=config,
+            env_info=env_info,
         )
     if written is not None:
         written.extend(files)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import math
 import os
 import re
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 
 from jaxhistory._dtypes import warmup_count
-from jaxhistory._env import ENV_LABELS
+from jaxhistory._env import ENV_LABELS, INFO_LABELS
 from jaxhistory._files import atomic_write
 from jaxhistory._names import PROVENANCE, aggregated_names, grouped
 from jaxhistory._provenance import device_label
@@ -24,10 +25,58 @@ from jaxhistory.export._units import printable, same_value
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState
 
-__all__ = ["devices_section", "md_escape", "stats_table", "to_markdown"]
+__all__ = [
+    "MAX_CELL",
+    "devices_section",
+    "environment_section",
+    "md_escape",
+    "metadata_rows",
+    "stats_table",
+    "to_markdown",
+]
 
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]|<>~#&])")
 TABLE_STATS = ("mean", "std", "median", "min", "max", "last", "nonfinite", "count")
+MAX_CELL = 200  # characters of a config or env_info value shown in the report
+
+
+def metadata_rows(value: Any, prefix: str = "") -> list[tuple[str, str]]:
+    """``(key, text)`` rows of a config or env_info (plain JSON data): nested
+    dicts give dotted keys (``optimizer.lr``), a list or an empty dict is one
+    value as JSON text, a string itself; a text over :data:`MAX_CELL`
+    characters is cut there with an ellipsis (the dataset holds it whole).
+    Neither is escaped: :func:`md_escape` them for a table."""
+    rows: list[tuple[str, str]] = []
+    for key, item in value.items():
+        name = f"{prefix}{key}"
+        if isinstance(item, dict) and item:
+            rows += metadata_rows(item, f"{name}.")
+            continue
+        text = item if isinstance(item, str) else json.dumps(item, ensure_ascii=False)
+        if len(text) > MAX_CELL:
+            text = text[: MAX_CELL - 1] + "\u2026"
+        rows.append((name, text))
+    return rows
+
+
+def environment_section(
+    environment: dict[str, Any] | None, env_info: dict[str, Any] | None = None
+) -> list[str]:
+    """The report's "Environment" table: the environment recorded with every
+    run (:data:`~jaxhistory._env.ENV_LABELS`), then the rows of ``env_info``
+    that it does not already show with the same value. Names and values are
+    escaped."""
+    env = environment or {}
+    rows = [(label, env[key]) for key, label in ENV_LABELS.items() if key in env]
+    for key, text in metadata_rows(env_info or {}):
+        if key in ENV_LABELS and str(env.get(key)) == text:
+            continue  # shown above
+        rows.append((ENV_LABELS.get(key) or INFO_LABELS.get(key) or key, text))
+    if not rows:
+        return ["Not recorded."]
+    lines = ["| | |", "|---|---|"]
+    lines += [f"| {md_escape(label)} | {md_escape(value)} |" for label, value in rows]
+    return lines
 
 
 def sentinel_section(events: Sequence[Any]) -> list[str]:
@@ -243,6 +292,8 @@ def to_markdown(
     run_name: str | None = None,
     events: Sequence[Any] = (),
     per_layer: Sequence[tuple] = (),
+    config: dict[str, Any] | None = None,
+    env_info: dict[str, Any] | None = None,
 ) -> Path:
     """Writes the run's markdown report to ``path``; returns it.
 
@@ -256,6 +307,12 @@ def to_markdown(
     plots in fenced blocks, the metrics left out of the plots (``unplotted``:
     ``(title, cap)`` pairs), and the list of output ``files``. Names are escaped
     so ``|`` or ``*`` in a metric name cannot break the markdown.
+
+    ``env_info`` (plain JSON data) adds rows to the environment table; a
+    ``config`` (plain JSON data, see
+    :func:`~jaxhistory._env.plain_metadata`) gets a "Config" section after it,
+    one row per value (``optimizer.lr``); keys and values are escaped like
+    metric names.
     """
     path = Path(path)
     here = path.parent
@@ -275,14 +332,15 @@ def to_markdown(
     lines.append(f"- metrics: {len(state.keys)}")
     lines.append(f"- warmup: first {dropped} step(s) left out of the statistics")
     lines += ["", "## Environment", ""]
-    env = environment or {}
-    if env:
-        lines += ["| | |", "|---|---|"]
-        for key, label in ENV_LABELS.items():
-            if key in env:
-                lines.append(f"| {label} | {md_escape(env[key])} |")
-    else:
-        lines.append("Not recorded.")
+    lines += environment_section(environment, env_info)
+    if config is not None:
+        lines += ["", "## Config", ""]
+        rows = metadata_rows(config)
+        if rows:
+            lines += ["| key | value |", "|---|---|"]
+            lines += [f"| {md_escape(k)} | {md_escape(v)} |" for k, v in rows]
+        else:
+            lines.append("Empty.")
     lines += ["", "## Metrics", ""]
     summary = state.summary(warmup)  # once, for the table and the plots
     lines += stats_table(state, warmup, summary)
