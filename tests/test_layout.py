@@ -101,6 +101,9 @@ LAYERS = {
     "jaxhistory._trace_merge": EFFECTS,  # merge_traces: one clock, one file
     "jaxhistory.publish": EFFECTS,
     "jaxhistory.sinks": EFFECTS,
+    "jaxhistory.sinks._csv": EFFECTS,  # CSV rows, widened by an atomic rewrite
+    "jaxhistory.sinks._named": EFFECTS,  # sinks by name, JAXHISTORY_SINKS
+    "jaxhistory.sinks._training_history": EFFECTS,  # the table sinks log at finalize
     "jaxhistory.export": EFFECTS,
     "jaxhistory.cli": EFFECTS,
     "jaxhistory.__main__": EFFECTS,

@@ -10,9 +10,13 @@ process 0 only unless they have ``all_processes = True``. A sink may also define
 ``write_batch(batch)`` to take many records at once (:class:`JsonlSink` does).
 
 Built in: :class:`ConsoleSink`, :class:`NullSink`, :class:`JsonlSink`,
-:class:`TensorBoardSink` (``pip install 'jaxhistory[tensorboard]'``, no
-TensorFlow) and :class:`WandbSink` (``pip install 'jaxhistory[wandb]'``); the
-last two import their package only when created.
+:class:`CsvSink`, :class:`TensorBoardSink` (``pip install
+'jaxhistory[tensorboard]'``, no TensorFlow) and :class:`WandbSink` (``pip
+install 'jaxhistory[wandb]'``); the last two import their package only when
+created. ``History(sinks="console,csv")``, or the ``JAXHISTORY_SINKS``
+environment variable when History is given no ``sinks``, makes them by name.
+A sink may also define ``log_table(key, columns, rows)``: ``finalize`` hands
+it the run's :func:`training_history` table.
 
 Examples:
     >>> import io
@@ -27,12 +31,18 @@ from jaxhistory._record import Record
 from jaxhistory.sinks._base import Sink, scalars, values
 from jaxhistory.sinks._base import moved_name as __getattr__  # noqa: F401
 from jaxhistory.sinks._console import ConsoleSink, NullSink
+from jaxhistory.sinks._csv import CsvSink
 from jaxhistory.sinks._jsonl import JsonlSink
+from jaxhistory.sinks._named import SINK_NAMES, SINKS_VARIABLE
 from jaxhistory.sinks._tensorboard import TensorBoardSink
+from jaxhistory.sinks._training_history import training_history
 from jaxhistory.sinks._wandb import WandbSink
 
 __all__ = [
+    "SINKS_VARIABLE",
+    "SINK_NAMES",
     "ConsoleSink",
+    "CsvSink",
     "JsonlSink",
     "NullSink",
     "Record",
@@ -40,5 +50,6 @@ __all__ = [
     "TensorBoardSink",
     "WandbSink",
     "scalars",
+    "training_history",
     "values",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import warnings
@@ -13,6 +14,7 @@ import numpy as np
 
 from jaxhistory._optional import import_optional
 from jaxhistory.sinks._base import values
+from jaxhistory.sinks._training_history import training_history
 
 __all__ = ["WandbSink", "wandb_run"]
 
@@ -72,23 +74,12 @@ class WandbSink:
 
     def log_outputs(self, state: Any, images: Sequence[str | os.PathLike] = ()) -> None:
         """Logs ``state`` (a HistoryState) as a ``wandb.Table`` named ``history``
-        (a ``step`` column and one per scalar metric, None where not recorded)
-        and each PNG as a ``wandb.Image`` under ``plots/{file stem}``."""
-        names = [k for k in state.keys if state.shape(k) == ()]
-        steps = state.all_steps()
-        columns = {}
-        for name in names:
-            column = np.full(len(steps), np.nan)
-            idx = np.searchsorted(steps, state.steps(name))
-            column[idx] = np.asarray(state.values(name), np.float64)
-            columns[name] = column
-        rows = [
-            [int(step), *(_cell(columns[n][i]) for n in names)]
-            for i, step in enumerate(steps.tolist())
-        ]
-        data: dict[str, Any] = {
-            "history": self.wandb.Table(columns=["step", *names], data=rows)
-        }
+        (:func:`~jaxhistory.sinks.training_history`: a ``step`` column and one
+        per scalar metric, None where not recorded or NaN) and each PNG as a
+        ``wandb.Image`` under ``plots/{file stem}``."""
+        columns, table = training_history(state)
+        rows = [[_cell(v) for v in row] for row in table]
+        data: dict[str, Any] = {"history": self.wandb.Table(columns=columns, data=rows)}
         for path in images:
             data[f"plots/{Path(path).stem}"] = self.wandb.Image(os.fspath(path))
         self.run.log(data)
@@ -100,5 +91,6 @@ class WandbSink:
         return None  # the run belongs to the caller: wandb.finish() ends it
 
 
-def _cell(value: float) -> float | None:
-    return None if np.isnan(value) else float(value)
+def _cell(value: Any) -> Any:
+    """A table cell for W&B: NaN as None (W&B tables hold no NaN)."""
+    return None if isinstance(value, float) and math.isnan(value) else value
