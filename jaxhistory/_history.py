@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
@@ -23,9 +24,10 @@ from jaxhistory._distributed import (
     is_per_device,
     mesh_of,
 )
-from jaxhistory._env import check_run_name
+from jaxhistory._env import check_run_name, metadata_json, plain_metadata
 from jaxhistory._hang import HANG_TIMEOUT_S, HangWatch, check_hang_timeout, hang_key
 from jaxhistory._history_state import Appender, HistoryState
+from jaxhistory._names import aggregated_names
 from jaxhistory._progress import Progress
 from jaxhistory._row import Row, RowKind, parse_row
 from jaxhistory._run_log import RunLog, log_target
@@ -39,11 +41,155 @@ from jaxhistory._run_setup import (
 from jaxhistory._side_values import SideValues
 from jaxhistory._stragglers import StragglerScores, check_window
 from jaxhistory._summary import NonfiniteWatch, SummaryLine, memory_token
+from jaxhistory.export._finalize import checked_metadata
 from jaxhistory.export._finalize import finalize as write_outputs
 from jaxhistory.export._units import MAX_PLOTS
 from jaxhistory.sentinels import Guard, SentinelError
+from jaxhistory.sinks._feed import sink_name
+from jaxhistory.sinks._named import SINKS_VARIABLE
+from jaxhistory.sinks._training_history import TRAINING_HISTORY, training_history
+from jaxhistory.sinks._wandb import WandbSink
 
-__all__ = ["History", "distributed_default", "memory_token"]
+__all__ = [
+    "GroupsView",
+    "History",
+    "MetricsView",
+    "distributed_default",
+    "memory_token",
+]
+
+
+class MetricsView(Mapping):
+    """A read-only ``{name: values}`` mapping over one
+    :class:`~jaxhistory.HistoryState`: ``History.data`` and each group of
+    ``History.groups``.
+
+    Names come in the order first recorded; each value is the metric's values,
+    one per record (a read-only NumPy array, read when asked for: only that
+    metric waits for its device values). :attr:`state` is the state it views,
+    for the steps (``view.state.steps(view.name(key))``). Later updates do not
+    change a view: read ``History.data`` again for them.
+
+    Examples:
+        >>> import jaxhistory as jh
+        >>> h = jh.History(distributed_history=False)
+        >>> _ = h.update({"train": {"loss": 0.5}, "lr": 0.1}, step=0)
+        >>> list(h.data), h.data["train/loss"].tolist()
+        (['train/loss', 'lr'], [0.5])
+    """
+
+    __slots__ = ("_names", "_state", "_what")
+
+    def __init__(
+        self,
+        state: HistoryState,
+        names: Mapping[str, str] | None = None,
+        what: str = "History.data",
+    ):
+        self._state = state
+        self._names = dict(names) if names is not None else {k: k for k in state.keys}
+        self._what = what
+
+    @property
+    def state(self) -> HistoryState:
+        """The state this view reads."""
+        return self._state
+
+    def name(self, key: str) -> str:
+        """The full metric name of ``key`` (``"loss"`` in the group ``train``:
+        ``"train/loss"``)."""
+        return self._names[key]
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self._state.values(self._names[key])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._names
+
+    def __setitem__(self, key: str, value: Any) -> NoReturn:
+        _read_only(self._what)
+
+    def __delitem__(self, key: str) -> NoReturn:
+        _read_only(self._what)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self._names)!r})"
+
+
+class GroupsView(Mapping):
+    """``History.groups``: the metrics by group, ``{group: MetricsView}``, as
+    ezpz's ``History.groups`` holds them.
+
+    A metric's group is the first part of its name (``train/loss`` is ``loss``
+    in the group ``train``); a name without ``/`` (or one starting with it) is
+    in the group ``""`` under its whole name. Cross-device statistics stay with
+    their metric: ``loss/mean`` of a metric ``loss`` is ``loss/mean`` in the
+    group ``""``, and ``train/loss/mean`` is ``loss/mean`` in ``train``. Groups
+    come in the order first recorded.
+
+    Examples:
+        >>> import jaxhistory as jh
+        >>> h = jh.History(distributed_history=False)
+        >>> _ = h.update({"train": {"loss": 0.5}, "eval/acc": 0.9, "lr": 0.1}, step=0)
+        >>> {group: list(view) for group, view in h.groups.items()}
+        {'train': ['loss'], 'eval': ['acc'], '': ['lr']}
+    """
+
+    __slots__ = ("_groups", "_state")
+
+    def __init__(self, state: HistoryState):
+        self._state = state
+        groups: dict[str, dict[str, str]] = {}
+        family = aggregated_names(state.keys)
+        for name in state.keys:
+            base = name.rpartition("/")[0] if name in family else name
+            head, slash, _ = base.partition("/")
+            group = head if slash and head else ""
+            key = name[len(group) + 1 :] if group else name
+            groups.setdefault(group, {})[key] = name
+        self._groups = groups
+
+    @property
+    def state(self) -> HistoryState:
+        """The state this view reads."""
+        return self._state
+
+    def __getitem__(self, group: str) -> MetricsView:
+        return MetricsView(
+            self._state, self._groups[group], f"History.groups[{group!r}]"
+        )
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._groups)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __contains__(self, group: object) -> bool:
+        return group in self._groups
+
+    def __setitem__(self, key: str, value: Any) -> NoReturn:
+        _read_only("History.groups")
+
+    def __delitem__(self, key: str) -> NoReturn:
+        _read_only("History.groups")
+
+    def __repr__(self) -> str:
+        groups = {g: list(names) for g, names in self._groups.items()}
+        return f"{type(self).__name__}({groups!r})"
+
+
+def _read_only(what: str) -> NoReturn:
+    raise TypeError(
+        f"{what} is a read-only view of the recorded history: record with "
+        "History.update (or set History.state to a HistoryState)"
+    )
 
 
 class History:
@@ -84,7 +230,17 @@ class History:
             runtime's key-value store). A name, never a path: separators,
             ``..`` and control characters raise ValueError.
         sinks: more places each update goes (:mod:`jaxhistory.sinks`: console,
-            JSONL, TensorBoard, W&B, or anything with ``write``/``flush``/``close``).
+            JSONL, CSV, TensorBoard, W&B, or anything with
+            ``write``/``flush``/``close``), or their names,
+            ``"console,csv,tensorboard,wandb"`` (``csv`` writes
+            ``{report_dir}/{run_id}.csv``, ``tensorboard``
+            ``{report_dir}/tensorboard/{run_id}``; without ``report_dir``, the
+            JSONL log's folder). None (the default): the names in the
+            ``JAXHISTORY_SINKS`` environment variable, else none. Names are
+            the whole list: W&B is used when ``wandb`` is among them, not for
+            an active run alone. An unknown name is a ValueError naming it, a
+            sink whose package is missing an ImportError naming the
+            ``pip install``.
             Each gets every update as a :class:`~jaxhistory.sinks.Record` of its
             own (changing it changes nothing another sink sees) once its device
             values are on the host, from a thread of its own: ``update`` and the
@@ -147,6 +303,15 @@ class History:
             p90 arrival lag (``straggler/median_lag``, ``straggler/p90_lag``),
             the slowest process and its score, and a warning for a process
             consistently slower.
+        config: the run's configuration (hyperparameters): a dict, a dataclass
+            instance or an ``argparse``/``types`` namespace, nested. Copied at
+            once as plain JSON data (:attr:`config`; later changes to the
+            object are not recorded), and written by :meth:`finalize` into the
+            dataset (attribute ``config``, JSON) and the report (a "Config"
+            table, one row per value, ``optimizer.lr``, escaped). A value that
+            is not plain data (a function, an object) is a TypeError naming its
+            path (``config['optimizer']['schedule']``), before anything is
+            recorded.
 
     With several processes and distributed history, each update that reduces
     something also records ``straggler/process`` (the process that reached the
@@ -177,7 +342,7 @@ class History:
         log_every: int = 1,
         run_name: str | None = None,
         memory: bool | int = False,
-        sinks: Sequence[Any] = (),
+        sinks: Sequence[Any] | str | None = None,
         use_wandb: bool | None = None,
         provenance: bool = True,
         resume: str | os.PathLike | HistoryState | None = None,
@@ -188,8 +353,12 @@ class History:
         sentinels: Sequence[Any] = (),
         hang_timeout: float | None = HANG_TIMEOUT_S,
         straggler_window: int = 100,
+        config: Any = None,
     ):
         memory = check_options(keys, log_every, memory)
+        # the run config, as JSON text: every read of .config gets a new copy
+        self._config = None if config is None else metadata_json(plain_metadata(config))
+        self._use_wandb_warned = False
         self.hang_timeout = check_hang_timeout(hang_timeout)
         self._guard = Guard(sentinels) if sentinels else None
         self.memory_every = memory  # 0: off
@@ -197,7 +366,6 @@ class History:
         # on several threads at once (attach takes only the side values' lock).
         self._lock = threading.Lock()
         self._side = SideValues(memory)
-        self.sinks = sinks_here(sinks, use_wandb)
         self.keys = tuple(keys or ())
         self.distributed_history = (
             distributed_default()
@@ -240,9 +408,27 @@ class History:
         self._watch = NonfiniteWatch()  # one warning per metric gone NaN/inf
         self._line = SummaryLine(self.keys, self._watch)
         log_path = log_target(self.jsonl_path, self.report_dir, self.run_id)
-        self._out = RunLog(
-            log_path, self.jsonl_overwrite, self.run_id, self.sinks, self._watch.check
+        folder = self.report_dir
+        if folder is None and self.jsonl_path is not None:
+            folder = self.jsonl_path.parent
+        self.sinks = sinks_here(
+            sinks, use_wandb, folder, self.run_id, self.jsonl_overwrite
         )
+        given = () if sinks is None or isinstance(sinks, str) else tuple(sinks)
+        try:
+            self._out = RunLog(
+                log_path,
+                self.jsonl_overwrite,
+                self.run_id,
+                self.sinks,
+                self._watch.check,
+            )
+        except BaseException:
+            for sink in self.sinks:  # the ones made here from names
+                if not any(sink is s for s in given):
+                    with contextlib.suppress(Exception):
+                        sink.close()
+            raise
 
     def update(
         self,
@@ -250,6 +436,7 @@ class History:
         precision: int = 6,
         step: int | None = None,
         summarize: bool = True,
+        use_wandb: bool | None = None,
     ) -> str:
         """Records ``metrics`` and returns the summary line for this step.
 
@@ -261,6 +448,11 @@ class History:
             summarize: build the summary line. It needs the values, so it waits for
                 device values of this step; with False (or between ``log_every``
                 updates) nothing waits and ``""`` is returned.
+            use_wandb: accepted for code written for ezpz, and ignored, with
+                one warning per History: every update goes to every sink, W&B
+                included. Whether W&B is used is decided once, by
+                ``History(use_wandb=...)`` or ``sinks``. Anything but
+                None/True/False is a ValueError (nothing recorded).
 
         Returns:
             ``"step=42 loss=0.123457 lr=0.001000"``: counters (``step``, ``epoch``,
@@ -281,6 +473,8 @@ class History:
         """
         if type(precision) is not int or precision < 0:
             raise ValueError(f"precision must be a non-negative int, got {precision!r}")
+        if use_wandb is not None:
+            self._ignore_use_wandb(use_wandb)
         with self._lock:
             now = time.time()
             row = self._recorded(metrics, step, now, summarize)
@@ -316,6 +510,26 @@ class History:
             return ""
         line = self._line.format(row, precision)
         return f"{line} {token}" if token else line
+
+    def _ignore_use_wandb(self, use_wandb: Any) -> None:
+        """Checks ``update(use_wandb=...)`` and warns, once, that it is ignored."""
+        if use_wandb not in (True, False):
+            raise ValueError(
+                f"use_wandb must be True, False or None, got {use_wandb!r}"
+            )
+        with self._lock:
+            first, self._use_wandb_warned = not self._use_wandb_warned, True
+        if first:
+            has = any(isinstance(s, WandbSink) for s in self.sinks)
+            now = "every update goes to" if has else "this History has no"
+            warnings.warn(
+                f"update(use_wandb={use_wandb}) is ignored ({now} W&B sink): "
+                "jaxhistory decides W&B once, with History(use_wandb=...) or "
+                f"sinks= ({SINKS_VARIABLE}=wandb), and sends every update to "
+                "every sink; this warning is given once per History",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _recorded(
         self, metrics: Any, step: Any, now: float, summarize: bool = True
@@ -557,6 +771,38 @@ class History:
         state = self.state
         return {name: state.values(name) for name in state.keys}
 
+    @property
+    def data(self) -> MetricsView:
+        """Every metric's values so far, by full name, as a read-only mapping
+        (:class:`MetricsView`; ezpz's ``History.data``, an alias of its
+        ``history``): the same names and arrays as :attr:`history`, each read
+        when asked for (only that metric waits for its device values). A view
+        of the state when read; read it again for later updates."""
+        return MetricsView(self.state)
+
+    @data.setter
+    def data(self, value: Any) -> NoReturn:
+        _read_only("History.data")
+
+    @property
+    def groups(self) -> GroupsView:
+        """The metrics by group, ``{group: {name: values}}`` (read-only,
+        :class:`GroupsView`; ezpz's ``History.groups``): ``train/loss`` is
+        ``groups["train"]["loss"]``, a name without ``/`` is in the group
+        ``""``, and cross-device statistics stay with their metric
+        (``groups[""]["loss/mean"]``, ``groups["train"]["loss/mean"]``)."""
+        return GroupsView(self.state)
+
+    @groups.setter
+    def groups(self, value: Any) -> NoReturn:
+        _read_only("History.groups")
+
+    @property
+    def config(self) -> dict[str, Any] | None:
+        """The run config given as ``History(config=...)``, as plain JSON data
+        (a new copy at each read), or None."""
+        return None if self._config is None else json.loads(self._config)
+
     def flush(self) -> None:
         """Writes the queued JSONL lines and sink records now (waiting for their
         device values), then flushes the sinks, waiting for them at most
@@ -608,6 +854,7 @@ class History:
         plot: bool = True,
         save: bool = True,
         max_plots: int | None = MAX_PLOTS,
+        env_info: Mapping[str, Any] | bool | None = None,
     ):
         """Writes every output of the run into ``outdir``; returns the dataset.
 
@@ -615,7 +862,23 @@ class History:
         multi-process run only process 0 writes; every process returns the
         dataset. ``outdir`` defaults to ``report_dir``. Called on another
         thread while updates run, it writes the steps recorded when it began.
+
+        The run config (``History(config=...)``) goes into the dataset
+        attribute ``config`` and the report's "Config" table. ``env_info``: more
+        about where the run ran, a dict (nested dicts allowed, as ezpz's
+        sections), or True to collect it (jax, jaxlib, flax, optax, NumPy and
+        jaxhistory versions; backend, device kind and count, processes, host,
+        Python, platform, working folder; no environment variables), recorded
+        in the dataset attribute ``env_info`` (JSON) and as rows of the
+        report's environment table (escaped like metric names). A bad
+        ``env_info`` is a TypeError or ValueError naming it, raised before
+        anything is written or flushed.
+
+        Every sink with ``log_table(key, columns, rows)`` then gets the run's
+        ``training_history`` table (:func:`~jaxhistory.sinks.training_history`);
+        one that raises gets a warning naming it.
         """
+        config, env_info = checked_metadata(self.config, env_info, self.mesh)
         if outdir is None:
             if self.report_dir is None:
                 raise ValueError("finalize needs an outdir (or a History report_dir)")
@@ -670,10 +933,33 @@ class History:
             mesh=self.mesh,
             written=files,
             events=list(guard.events) if guard is not None else (),
+            config=config,
+            env_info=env_info,
         )
         images = [p for p in files if p.suffix == ".png"]
         for sink in self.sinks:  # e.g. W&B: the history table and the plots
             log_outputs = getattr(sink, "log_outputs", None)
             if log_outputs is not None:
                 log_outputs(state, images)
+        self._log_tables(state)
         return ds
+
+    def _log_tables(self, state: HistoryState) -> None:
+        """Hands ``training_history`` to every sink that takes tables; one that
+        raises gets a warning naming it (the outputs are written already)."""
+        takers = [s for s in self.sinks if callable(getattr(s, "log_table", None))]
+        if not takers:
+            return
+        columns, rows = training_history(state)
+        many = len(self.sinks) > 1
+        for sink in takers:
+            try:
+                sink.log_table(TRAINING_HISTORY, columns, rows)
+            except Exception as err:
+                index = next(i for i, s in enumerate(self.sinks) if s is sink)
+                name = sink_name(sink, index if many else None)
+                warnings.warn(
+                    f"sink {name}: log_table({TRAINING_HISTORY!r}) failed: {err!r}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )

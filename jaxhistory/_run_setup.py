@@ -16,6 +16,13 @@ from jaxhistory._history_state import HistoryState
 from jaxhistory.export._load import load_run, run_file
 from jaxhistory.sinks import WandbSink
 from jaxhistory.sinks._base import is_sink, writes_here
+from jaxhistory.sinks._named import (
+    SINKS_VARIABLE,
+    check_folder,
+    env_sink_names,
+    named_sinks,
+    sink_names,
+)
 from jaxhistory.sinks._wandb import wandb_run
 
 __all__ = [
@@ -105,10 +112,34 @@ def resumed(resume: Any, resume_step: int | None, run_name: str | None):
     return state, run_id, log
 
 
-def sinks_here(sinks: Sequence[Any], use_wandb: bool | None) -> tuple:
+def sinks_here(
+    sinks: Sequence[Any] | str | None,
+    use_wandb: bool | None,
+    folder: Path | None = None,
+    run_id: str = "run",
+    overwrite: bool = False,
+) -> tuple:
     """The sinks this process writes to (process 0 only, unless a sink says
-    ``all_processes``), with a W&B sink added when ``use_wandb`` asks for one."""
-    if isinstance(sinks, str) or not isinstance(sinks, Sequence):
+    ``all_processes``), with a W&B sink added when ``use_wandb`` asks for one.
+
+    ``sinks``: sinks; or sink names, ``"console,csv,tensorboard,wandb"``
+    (:mod:`jaxhistory.sinks._named`: files go into ``folder``, named after
+    ``run_id``, a CSV file appended to unless ``overwrite``); or None: the
+    names in ``JAXHISTORY_SINKS``, else none. Names are the whole list: a W&B
+    sink is added for ``wandb`` among them (unless ``use_wandb`` is False or
+    ``WANDB_DISABLED`` is set), not for an active run alone. Names are checked
+    on every process (so every process raises the same error), sinks made on
+    process 0."""
+    names = None
+    if sinks is None:
+        names = env_sink_names()
+        source = f"{SINKS_VARIABLE}={os.environ.get(SINKS_VARIABLE)!r}"
+        sinks = ()
+    elif isinstance(sinks, str):
+        source = f"sinks={sinks!r}"
+        names = sink_names(sinks, source)
+        sinks = ()
+    if not isinstance(sinks, Sequence):
         raise TypeError(f"sinks must be a sequence of sinks, got {sinks!r}")
     for sink in sinks:
         if not is_sink(sink):
@@ -117,11 +148,25 @@ def sinks_here(sinks: Sequence[Any], use_wandb: bool | None) -> tuple:
             )
     if use_wandb not in (None, True, False):
         raise ValueError(f"use_wandb must be True, False or None, got {use_wandb!r}")
+    if names is not None:
+        check_folder(names, folder, source)
+    if use_wandb is None:
+        if names is None:
+            wanted = wandb_run() is not None and not env_flag("WANDB_DISABLED")
+        else:
+            wanted = "wandb" in names and not env_flag("WANDB_DISABLED")
+    else:
+        wanted = use_wandb
     out = list(sinks)
-    first = jax.process_index() == 0
-    wanted = use_wandb is True or (
-        use_wandb is None and wandb_run() is not None and not env_flag("WANDB_DISABLED")
-    )
-    if wanted and first and not any(isinstance(s, WandbSink) for s in out):
-        out.append(WandbSink())  # on process 0, where the run is
+    if jax.process_index() != 0:
+        return tuple(s for s in out if writes_here(s))
+    made = named_sinks(names or (), folder, run_id, overwrite, wandb=False)
+    out += made
+    if wanted and not any(isinstance(s, WandbSink) for s in out):
+        try:
+            out.append(WandbSink())  # on process 0, where the run is
+        except BaseException:
+            for sink in made:
+                sink.close()
+            raise
     return tuple(s for s in out if writes_here(s))

@@ -41,6 +41,9 @@ class StopWatch:
     keeps the later value), or at ``step`` if given; it never moves the
     history's step counter.
 
+    :attr:`data` holds what it timed so far, with the keys ezpz's
+    ``StopWatch.data`` uses (``{wbtag}/dt``, ...), with or without a history.
+
     Examples:
         >>> import jax.numpy as jnp, jaxhistory as jh
         >>> h = jh.History(distributed_history=False)
@@ -74,6 +77,46 @@ class StopWatch:
         self.step = step
         self.seconds: float | None = None  # of the latest finished span
         self._local = threading.local()
+        # what .data reports: ezpz's keys are the wbtag as given
+        self._key = wbtag if wbtag is not None else self.name
+        self._lock = threading.Lock()
+        self._spans = 0  # spans finished (not those that raised)
+        self._total = 0.0  # their seconds
+
+    @property
+    def data(self) -> dict[str, float | int]:
+        """What this stop watch timed so far, as ezpz's ``StopWatch.data``
+        (a new dict at each read; empty before the first span ends):
+        ``{key}/dt``, the seconds of the latest span, ``{key}/count`` the spans
+        timed, ``{key}/total`` their seconds together, and ``{key}/iter``,
+        the ``step`` given, if one was. ``key`` is ``wbtag`` as given (ezpz's
+        spelling: ``wbtag="timing/fwd"`` gives ``timing/fwd/dt``), else the
+        metric name (``timing/<tag>``). A span that raised is not counted.
+        Consistent under threads: the four values are of the same spans.
+
+        Examples:
+            >>> import jaxhistory as jh
+            >>> sw = jh.StopWatch("forward", wbtag="timing/fwd", step=3)
+            >>> for _ in range(2):
+            ...     with sw:
+            ...         pass
+            >>> sorted(sw.data)
+            ['timing/fwd/count', 'timing/fwd/dt', 'timing/fwd/iter', 'timing/fwd/total']
+            >>> sw.data["timing/fwd/count"], sw.data["timing/fwd/iter"]
+            (2, 3)
+        """
+        with self._lock:
+            if not self._spans:
+                return {}
+            key = self._key
+            out: dict[str, float | int] = {
+                f"{key}/dt": self.seconds,
+                f"{key}/count": self._spans,
+                f"{key}/total": self._total,
+            }
+        if self.step is not None:
+            out[f"{key}/iter"] = self.step
+        return out
 
     @property
     def name(self) -> str:
@@ -115,7 +158,13 @@ class StopWatch:
         finally:
             end_ns = time.perf_counter_ns()
             annotation.__exit__(exc_type, exc, tb)
-        self.seconds = (end_ns - start_ns) / 1e9
+        seconds = (end_ns - start_ns) / 1e9
+        self.seconds = seconds
+        if exc_type is None:
+            with self._lock:
+                self.seconds = seconds  # with the count: .data reads them together
+                self._spans += 1
+                self._total += seconds
         handler = _trace_state.active()
         if handler is not None:
             # The span's duration is its time: no per-span arguments, so
@@ -128,7 +177,7 @@ class StopWatch:
         if self.history is not None:
             # This process alone, never reduced across processes (only some may
             # time a block): at the next update's step, or at ``step``.
-            self.history.attach({self.name: self.seconds}, step=self.step)
+            self.history.attach({self.name: seconds}, step=self.step)
 
     def __call__(self, fn: Callable) -> Callable:
         """As a decorator: a fresh stop watch times each call of ``fn``."""
