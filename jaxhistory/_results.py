@@ -25,14 +25,29 @@ _MIB = 2**20
 
 
 def _scalar(value: Any) -> Any:
-    """NumPy and JAX scalars (and 0-d arrays) as Python numbers; others unchanged."""
+    """NumPy and JAX scalars (and 0-d arrays) as Python numbers; others unchanged.
+
+    A float narrower than float64 becomes the shortest Python float that rounds
+    back to it: ``np.float32(0.2113)`` is ``0.2113``, not ``0.21130000054836273``.
+    """
     if isinstance(value, jax.Array | np.ndarray | np.generic):
         arr = np.asarray(value)
         if arr.ndim == 0:
+            if arr.dtype.kind in "fV" and arr.dtype.itemsize < 8:
+                return _short_float(arr[()])
             if arr.dtype.kind not in "biuf":  # bfloat16 and other ml_dtypes
                 return float(arr) if arr.dtype.kind == "V" else arr.item()
             return arr.item()
     return value
+
+
+def _short_float(x: Any) -> float:
+    """A narrow float (float32, float16, bfloat16) as the shortest Python float
+    that reads back as the same narrow value (NumPy's repr is the shortest)."""
+    as_float = float(x)
+    if not math.isfinite(as_float):
+        return as_float
+    return float(str(x))
 
 
 def _on_host(metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -68,6 +83,8 @@ def _format(key: str, value: Any) -> Any:
         return f"{value / _MIB:.1f}MiB"
     if key.endswith("_runtime"):
         return _runtime(value)
+    if key.endswith("_flos"):  # floating-point operations, shown in 2**30 units
+        return f"{int(value) >> 30}GF"
     if isinstance(value, float):
         return round(value, 4)
     return value
@@ -77,7 +94,9 @@ def metrics_format(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of ``metrics`` with values made readable for a log.
 
     Keys containing ``_mem_`` (bytes) become MiB with one decimal, keys ending in
-    ``_runtime`` (seconds) become ``H:MM:SS.cc``, other floats are rounded to 4
+    ``_runtime`` (seconds) become ``H:MM:SS.cc``, keys ending in ``_flos``
+    (``total_flos``) whole multiples of 2**30 floating-point operations
+    (``"12GF"``), other floats are rounded to 4
     decimals and ints stay as they are. NumPy and JAX scalars count as numbers.
     NaN and infinities become ``"nan"``/``"inf"``/``"-inf"``, None becomes
     ``"n/a"``, and anything else (a string such as ``"Not available"``, a list) is
@@ -134,6 +153,10 @@ def _json_value(key: str, value: Any) -> Any:
     value = _scalar(value)
     if isinstance(value, jax.Array | np.ndarray):
         arr = np.asarray(value)
+        if arr.dtype.kind not in "biu" and arr.dtype.itemsize < 8:
+            if arr.ndim == 1:
+                return [_json_value(key, _short_float(v)) for v in arr]
+            return [_json_value(key, row) for row in arr]
         if arr.dtype.kind not in "biuf":
             arr = arr.astype(np.float64)
         return [_json_value(key, v) for v in arr.tolist()]

@@ -164,12 +164,24 @@ def merge_traces(
             ``merge_traces(out, inp)`` in the wrong order), a merged trace of a
             run the inputs do not hold, another existing file, or not a plain
             file (a device, a link). Nothing is written then.
+        FileNotFoundError: an input that does not exist (naming it, and the
+            argument order when ``out_path`` exists: Composer's
+            ``merge_traces(output, *inputs)`` is the other way round).
     """
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
     paths = [Path(p) for p in paths]
     if not paths:
         raise ValueError("merge_traces needs at least one trace file")
+    for path in paths:
+        if not os.path.lexists(path):
+            order = (
+                "; the inputs come first and the output second: "
+                "merge_traces(paths, out_path)"
+                if os.path.lexists(out_path)
+                else ""
+            )
+            raise FileNotFoundError(f"{path}: no such trace file{order}")
     loaded = []
     for path in paths:
         events = load_trace(path)

@@ -40,8 +40,9 @@ integers beyond int32 without x64, or beyond the exact integers of the float sta
 naming the metric and the value; complex inputs raise a ``TypeError``. Integers
 already on device (int32 arrays, traced values) are not read back to be checked.
 A count that passes 2**31 - 1 without x64 reads -1 (an ``Accuracy`` over it NaN),
-never a wrapped number. An output named ``weights``, ``weight`` or
-``sample_weight`` that no metric reads raises a ``ValueError`` (declare
+never a wrapped number. An output named ``weights``, ``weight``,
+``sample_weight`` or ``sample_weights`` that no metric reads raises a
+``ValueError`` (declare
 ``Average.from_output("loss", weights="weights")``) instead of being ignored.
 """
 
@@ -80,7 +81,7 @@ __all__ = [
 ]
 
 # Outputs that hold per-example weights: refused by a metric that reads none.
-WEIGHT_NAMES = ("weights", "weight", "sample_weight")
+WEIGHT_NAMES = ("weights", "weight", "sample_weight", "sample_weights")
 
 
 def _float() -> jnp.dtype:
@@ -137,6 +138,9 @@ class Metric:
         super().__init_subclass__(**kwargs)
         if "__annotations__" in cls.__dict__ or not dataclasses.is_dataclass(cls):
             dataclasses.dataclass(frozen=True)(cls)
+        # Already a frozen dataclass and a pytree: flax.struct.dataclass, which
+        # CLU users keep on their classes, leaves a class so marked as it is.
+        cls._flax_dataclass = True
         cls._fields = tuple(f.name for f in dataclasses.fields(cls))
         jax.tree_util.register_dataclass(
             cls, data_fields=list(cls._fields), meta_fields=[]
@@ -168,8 +172,9 @@ class Metric:
         ``num_shards``: see the module notes (read from the sharding if omitted).
 
         Raises:
-            ValueError: an output of per-example weights (``weights``, ``weight``
-                or ``sample_weight``) that this metric does not read.
+            ValueError: an output of per-example weights (``weights``, ``weight``,
+                ``sample_weight`` or ``sample_weights``) that this metric does
+                not read.
             TypeError: a positional value given twice, more than one, or to a
                 metric that reads several outputs by name.
         """
@@ -994,6 +999,7 @@ class Collection:
         _check_metrics(metrics)
         cls._metrics = {**cls._metrics, **metrics}
         dataclasses.dataclass(frozen=True, repr=False, eq=False)(cls)
+        cls._flax_dataclass = True  # see Metric.__init_subclass__
         jax.tree_util.register_dataclass(
             cls, data_fields=list(cls._metrics), meta_fields=[]
         )

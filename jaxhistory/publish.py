@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import dataclasses
 import functools
 import logging
 import sys
 import threading
 import time
+import typing
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,9 +52,12 @@ __all__ = [
 DEFAULT_GROUP = "jaxhistory"
 
 
-@dataclasses.dataclass(frozen=True)
-class MetricData:
-    """One published value: wall-clock ``timestamp`` (seconds), its group, name."""
+class MetricData(typing.NamedTuple):
+    """One published value: wall-clock ``timestamp`` (seconds), its group, name.
+
+    A named tuple, as torchelastic's is: a handler may read its fields by name
+    or unpack it (``timestamp, group, name, value = metric_data``).
+    """
 
     timestamp: float
     group_name: str

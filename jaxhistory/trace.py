@@ -198,6 +198,7 @@ class JSONTraceHandler:
         given = {"epoch": epoch, "batch": batch, "step": step}
         names = self._vars | {k: v for k, v in given.items() if v is not None}
         path = self._path(names)  # raises before anything is finished
+        _trace_state.drain()  # counters History has queued reach this file first
         self._writer.flush()  # the events so far go to the finished file
         with self._lock, self._out.lock:  # no new thread's metadata between
             self._out.finish()

@@ -566,7 +566,7 @@ def test_weights_given_to_a_metric_that_reads_none_are_refused():
     x = np.array([0.1, 0.5, 0.3], np.float32)
     w = np.array([1.0, 3.0, 0.0], np.float32)
     m = M.Average.empty().update(values=x)
-    for name in ("weights", "weight", "sample_weight"):
+    for name in ("weights", "weight", "sample_weight", "sample_weights"):
         with pytest.raises(ValueError, match=rf"ignores {name}=.*weights='{name}'"):
             m.update(values=x, **{name: w})
         with pytest.raises(ValueError, match=rf"Sum ignores {name}="):
@@ -896,3 +896,33 @@ def test_a_positional_value_that_cannot_be_placed_is_refused_naming_why():
         jh.metrics.Average.from_model_output(v, v)
     with pytest.raises(TypeError, match="by name.*logits.*labels"):
         jh.metrics.Accuracy.from_model_output(v)
+
+
+def test_metrax_spelling_of_weights_is_not_silently_ignored():
+    """metrax writes sample_weights=: refused, never an unweighted mean."""
+    x = np.array([1.0, 4.0], np.float32)
+    with pytest.raises(ValueError, match="sample_weights"):
+        M.Average.from_model_output(x, sample_weights=np.array([1.0, 0.0], np.float32))
+    weighted = M.Average.from_output("values", weights="sample_weights")
+    got = weighted.from_model_output(x, sample_weights=np.array([1.0, 0.0], np.float32))
+    assert float(got.compute()) == 1.0
+
+
+def test_flax_struct_dataclass_on_a_metric_or_collection_is_accepted():
+    """CLU users keep @flax.struct.dataclass on their classes: it changes nothing."""
+    from flax import struct
+
+    @struct.dataclass
+    class Metrics(M.Collection):
+        loss: M.Average.from_output("loss")
+
+    @struct.dataclass
+    class Top(M.Sum):
+        pass
+
+    m = Metrics.empty().update(loss=np.array([1.0, 3.0], np.float32))
+    assert float(m.compute()["loss"]) == 2.0
+    assert (
+        float(Top.from_model_output(np.array([2.0, 5.0], np.float32)).compute()) == 7.0
+    )
+    assert jax.tree.structure(m) == jax.tree.structure(Metrics.empty())

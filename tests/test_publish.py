@@ -284,3 +284,12 @@ def test_metric_stream_in_torchelastics_form_and_getstream():
         publish.MetricStream("", Keep())
     with pytest.raises(ValueError, match="metric name must be a non-empty str"):
         stream.add_value(3, 1)
+
+
+def test_metric_data_unpacks_like_torchelastic_s_named_tuple():
+    data = publish.MetricData(1.5, "g", "n", 7)
+    timestamp, group, name, value = data
+    assert (timestamp, group, name, value) == (1.5, "g", "n", 7)
+    assert data[2] == "n" and data.value == 7
+    with pytest.raises(AttributeError):
+        data.value = 8

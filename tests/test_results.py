@@ -246,3 +246,31 @@ def test_results_are_never_written_through_a_link(tmp_path):
                 jh.save_metrics("eval", {"eval_loss": 0.5}, other)
         assert victim.read_text() == "keep"
         assert [p.name for p in other.iterdir()] == [name]  # nothing written
+
+
+def test_total_flos_is_shown_in_gigaflop_units():
+    out = jh.metrics_format({"total_flos": 3.5e12, "train_flos": 2**31, "x": 2**31})
+    assert out == {"total_flos": "3259GF", "train_flos": "2GF", "x": 2**31}
+
+
+def test_float32_results_are_saved_as_the_number_shown(tmp_path):
+    """A float32 0.2113 is written 0.2113, not 0.21130000054836273."""
+    metrics = {
+        "loss": np.float32(0.2113),
+        "acc": jnp.float32(0.8),
+        "half": np.float16(0.3),
+        "curve": np.array([[0.1, 0.7]], np.float32),
+        "bad": np.float32("nan"),
+        "exact": 0.21130000054836273,
+    }
+    jh.save_metrics("eval", metrics, tmp_path)
+    saved = json.loads((tmp_path / "eval_results.json").read_text())
+    assert saved == {
+        "loss": 0.2113,
+        "acc": 0.8,
+        "half": 0.3,
+        "curve": [[0.1, 0.7]],
+        "bad": None,
+        "exact": 0.21130000054836273,
+    }
+    assert np.float32(saved["loss"]) == np.float32(0.2113)

@@ -925,3 +925,34 @@ def test_merged_runs_are_labelled_by_run_name_and_spans_group_by_name(tmp_path):
         1 / 0  # noqa: B018
     failed = [e for e in trace.load_trace(t.paths[0]) if e["ph"] == "X"]
     assert failed[0]["args"] == {"error": "ZeroDivisionError"}
+
+
+def test_history_counters_before_a_rotate_are_in_the_file_it_finishes(tmp_path):
+    """rotate, like close, first writes the counters History has queued."""
+    with trace.JSONTraceHandler(folder=str(tmp_path), merged_trace_filename=None) as t:
+        h = jh.History(distributed_history=False)
+        for epoch in range(1, 4):
+            for i in range(5):
+                h.update(
+                    {"step": epoch * 10 + i, "loss": float(epoch)}, summarize=False
+                )
+            t.rotate(epoch=epoch)
+        h.close()
+    per_file = [
+        sorted({e["args"]["loss"] for e in trace.load_trace(p) if e["ph"] == "C"})
+        for p in t.paths
+    ]
+    assert per_file[:3] == [[1.0], [2.0], [3.0]]
+
+
+def test_merge_traces_in_composer_s_argument_order_names_the_order(tmp_path):
+    with trace.JSONTraceHandler(folder=str(tmp_path), merged_trace_filename=None) as t:
+        t.instant("x")
+    made = t.paths[0]
+    new = tmp_path / "merged.json"
+    with pytest.raises(FileNotFoundError, match="inputs come first.*out_path"):
+        trace.merge_traces(new, made)  # Composer's order: output first
+    assert not new.exists()
+    with pytest.raises(FileNotFoundError, match="nope.json: no such trace file$"):
+        trace.merge_traces([tmp_path / "nope.json"], tmp_path / "other.json")
+    assert trace.merge_traces([made], new) == new
