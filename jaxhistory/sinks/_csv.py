@@ -124,6 +124,22 @@ def _read_header(path: Path) -> tuple[list[str], int]:
     return header, end
 
 
+def _numbers(record: Record):
+    """``(name, number, None)`` for each scalar of ``record``: at once where
+    every value is a Python number (as History hands them over), else through
+    :func:`~jaxhistory.sinks.values` (arrays left out)."""
+    if record.group is None:
+        out = []
+        for part in (record.metrics, record.aggregated):
+            for name, value in part.items():
+                kind = type(value)
+                if kind is not float and kind is not int and kind is not bool:
+                    return [v for v in values(record) if v[1] is not None]
+                out.append((name, value, None))
+        return out
+    return [v for v in values(record) if v[1] is not None]
+
+
 class CsvSink:
     """Appends one CSV row per record: ``step``, ``timestamp``, then a column
     per scalar value (metrics, then cross-device statistics; published metrics
@@ -192,6 +208,7 @@ class CsvSink:
         self._file: BinaryIO = open_log(self.path, overwrite)
         self._columns, self._header_end = columns, end
         self._index = {name: k for k, name in enumerate(self._columns)}
+        self._column_of: dict[str, str] = {}  # metric name -> its column
         self._lock = threading.Lock()
         self._broken = False  # the last write may have stopped mid-row
         self._warned: set[str] = set()
@@ -212,20 +229,16 @@ class CsvSink:
     def write_batch(self, batch: Batch) -> None:
         """Writes one row per record of ``batch`` (widening the header first
         where they bring new names), in one write."""
-        parsed = []
-        for record in batch.records():
-            cells = {}
-            for name, number, _ in values(record):
-                if number is not None:
-                    cells[csv_column(name)] = number
-            parsed.append((record.step, record.timestamp, cells))
+        parsed = [
+            (record.step, record.timestamp, self._cells(record))
+            for record in batch.records()
+        ]
         with self._lock:
             if self._file.closed:
                 return
-            new = list(dict.fromkeys(c for *_, cells in parsed for c in cells))
-            new = [c for c in new if c not in self._index]
             head = b""
-            if new:
+            rows, new = self._rows(parsed)
+            if new or not self._columns:
                 room = self.MAX_COLUMNS - max(len(self._columns), len(FIRST))
                 if len(new) > room:
                     self._warn(
@@ -235,24 +248,44 @@ class CsvSink:
                         "them)",
                     )
                     new = new[: max(room, 0)]
-            if not self._columns:
-                head = self._start(new)
-            elif new:
-                self._widen(new)
-            rows = []
-            width = len(self._columns)
-            for step, stamp, cells in parsed:
-                row: list[Any] = [
-                    "" if step is None else step,
-                    "" if stamp is None else stamp,
-                ]
-                row += [""] * (width - len(FIRST))
-                for column, number in cells.items():
-                    k = self._index.get(column)
-                    if k is not None:
-                        row[k] = number
-                rows.append(row)
+                if not self._columns:
+                    head = self._start(new)
+                elif new:
+                    self._widen(new)
+                rows, _ = self._rows(parsed)  # with the columns they have now
             self._append(head + _row_text(rows), len(parsed))
+
+    def _cells(self, record: Record) -> list[tuple[str, Any]]:
+        """``(column, number)`` for each scalar of ``record``."""
+        column_of = self._column_of
+        cells = []
+        for name, number, _ in _numbers(record):
+            column = column_of.get(name)
+            if column is None:
+                column = column_of[name] = csv_column(name)
+            cells.append((column, number))
+        return cells
+
+    def _rows(self, parsed: list) -> tuple[list[list[Any]], list[str]]:
+        """The rows of ``parsed`` records in the current columns, and the
+        columns they name that the file lacks, in order (the caller holds the
+        lock)."""
+        index, blank = self._index, [""] * (len(self._columns) - len(FIRST))
+        rows, new = [], {}
+        for step, stamp, cells in parsed:
+            row: list[Any] = [
+                "" if step is None else step,
+                "" if stamp is None else stamp,
+                *blank,
+            ]
+            for column, number in cells:
+                k = index.get(column)
+                if k is None:
+                    new[column] = None
+                else:
+                    row[k] = number
+            rows.append(row)
+        return rows, list(new)
 
     def _start(self, names: list[str]) -> bytes:
         """The header of a new file (the caller holds the lock)."""
