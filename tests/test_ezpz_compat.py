@@ -507,3 +507,39 @@ def test_finalize_hands_training_history_to_sinks_that_take_tables(
         ("training_history", ["step", "loss", "acc"], [[0, 1.0, None], [5, 0.5, 0.9]])
     ]
     assert (tmp_path / "out" / "report.md").is_file()
+
+
+def test_named_sinks_are_checked_everywhere_and_made_on_process_zero(
+    no_env_sinks, tmp_path
+):
+    from unittest import mock
+
+    with mock.patch.object(jax, "process_index", return_value=1):
+        h = jh.History(
+            distributed_history=False, sinks="console,csv", report_dir=tmp_path
+        )
+        assert h.sinks == ()
+        with pytest.raises(ValueError, match="unknown sink 'cvs'"):
+            jh.History(distributed_history=False, sinks="cvs", report_dir=tmp_path)
+        with pytest.raises(ValueError, match="the csv sink writes into"):
+            jh.History(distributed_history=False, sinks="csv")
+    assert not list(tmp_path.glob("*.csv"))
+
+
+def test_a_resumed_run_appends_to_its_csv(no_env_sinks, tmp_path):
+    h = jh.History(distributed_history=False, sinks="csv", report_dir=tmp_path)
+    for step in range(3):
+        h.update({"loss": float(step)}, summarize=False)
+    h.close()
+    log, csv_file = h.log_path, tmp_path / f"{h.run_id}.csv"
+    again = jh.History(
+        distributed_history=False, sinks="csv", resume=log, resume_step=2
+    )
+    assert again.run_id == h.run_id and again.sinks[0].path == csv_file
+    for step in range(2, 4):
+        again.update({"loss": 10.0 + step, "acc": 0.5}, step=step, summarize=False)
+    again.close()
+    rows = csv_file.read_text().splitlines()
+    assert rows[0] == "step,timestamp,loss,acc"
+    assert [r.split(",")[0] for r in rows[1:]] == ["0", "1", "2", "2", "3"]
+    assert rows[-1].endswith(",13.0,0.5") and rows[1].endswith(",0.0,")

@@ -161,7 +161,8 @@ class CsvSink:
     Crash-safe like :class:`~jaxhistory.sinks.JsonlSink`: each batch goes to the
     operating system at once, so a process killed with SIGKILL leaves every
     complete row; appending to a file (``overwrite=False``, the default, so a
-    resumed run continues its file) first removes a row a killed run cut off,
+    resumed run continues its file, where a step recorded again gets a second
+    row: the later one holds), first removes a row a killed run cut off,
     and reads the columns from the file's header, which must start with
     ``step,timestamp`` (else ValueError, nothing written). A file a live
     writer holds is refused (:class:`~jaxhistory._files.LogInUse`). Writing
