@@ -1,5 +1,6 @@
 """Every notebook runs headless in a Jupyter kernel (nbclient), committed without
-outputs; the analysis notebook runs on two freshly generated demo runs."""
+outputs; the analysis notebook runs on four freshly generated demo runs (two
+learning rates, two seeds each)."""
 
 import json
 import os
@@ -31,30 +32,38 @@ def test_notebook_is_committed_without_outputs(path):
 
 @pytest.fixture(scope="module")
 def demo_runs(tmp_path_factory):
-    """Two demo runs (two learning rates), as `make demo` writes them."""
+    """Four demo runs, as `make demo` writes them: two learning rates (the
+    first two runs, seed 0), then the same two with seed 1; trained at once."""
     base = tmp_path_factory.mktemp("runs")
-    runs = [base / "a", base / "b"]
+    configs = {
+        "a": ["--lr", "3e-3"],
+        "b": ["--lr", "1e-3"],
+        "a-seed1": ["--lr", "3e-3", "--seed", "1"],
+        "b-seed1": ["--lr", "1e-3", "--seed", "1"],
+    }
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="8")
-    for run, lr in zip(runs, ("3e-3", "1e-3"), strict=True):
-        subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "examples" / "demo.py"),
-                "--steps",
-                "80",
-                "--log-every",
-                "40",
-                "--outdir",
-                str(run),
-                "--lr",
-                lr,
-            ],
-            env=env,
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
-    return runs
+    demo = [sys.executable, str(ROOT / "examples" / "demo.py")]
+    demo += ["--steps", "80", "--log-every", "40"]
+    procs = {}
+    try:
+        for name, extra in configs.items():
+            with open(base / f"{name}.log", "w") as log:  # the child keeps it open
+                procs[name] = subprocess.Popen(
+                    [*demo, "--outdir", str(base / name), *extra],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+        for name, proc in procs.items():
+            proc.wait(timeout=300)
+            log = (base / f"{name}.log").read_text()
+            assert proc.returncode == 0, log[-3000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [base / name for name in configs]
 
 
 @pytest.mark.slow
@@ -88,6 +97,8 @@ def test_notebook_runs_headless(path, demo_runs, monkeypatch):
         )
         assert "smoothed final loss" in text and "lower:" in text
         assert "eval/loss at steps" in text and "steps/s" in text
+        assert "seeds per lr: {0.001: 2, 0.003: 2}" in text
+        assert text.count("over seeds") == 2
         # the file in plain xarray: the notebook never calls jaxhistory
         code = "".join(c.source for c in nb.cells if c.cell_type == "code")
         assert "jaxhistory" not in code and "jh." not in code
