@@ -16,19 +16,19 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile tests
 
 docs: $(STAMP)
 	$(BIN)/python docs/make_images.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 lint: $(STAMP)
-	$(BIN)/ruff check jaxhistory tests benchmarks examples docs
-	$(BIN)/ruff format --check jaxhistory tests benchmarks examples docs
+	$(BIN)/ruff check jaxhistory tests benchmarks examples docs/make_images.py
+	$(BIN)/ruff format --check jaxhistory tests benchmarks examples docs/make_images.py
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix jaxhistory tests benchmarks examples docs
-	$(BIN)/ruff format jaxhistory tests benchmarks examples docs
+	$(BIN)/ruff check --fix jaxhistory tests benchmarks examples docs/make_images.py
+	$(BIN)/ruff format jaxhistory tests benchmarks examples docs/make_images.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_reducers.py --out benchmarks/results/reducers.md

@@ -1009,10 +1009,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 0:
         parser.error("--repeats must be at least 1")
     if args.quick:
-        host, memory, traced, loop = (2_000, 20_000), 100_000, 50_000, (24, 16)
+        host, memory, traced, loop = (1_000, 10_000), 50_000, 20_000, (16, 16)
         host_repeats, loop_repeats = args.repeats or 2, args.repeats or 3
         thread_updates, thread_repeats = 2_000, args.repeats or 1
-        kill_seconds, kill_runs = 3.0, 1
+        kill_seconds, kill_runs = 2.0, 1
     else:
         host, memory, traced, loop = (20_000, 200_000), 1_000_000, 200_000, (48, 16)
         host_repeats, loop_repeats = args.repeats or 5, args.repeats or 48

@@ -9,9 +9,9 @@ table measured side by side in one run:
    ``JSONTraceHandler`` (the span written as an ``X`` event); a trace
    ``counter`` event.
 3. ``History.update`` of 10 Python floats on the training thread with no sinks,
-   with a ``JsonlSink``, and with a ``TensorBoardSink`` (the sinks are written by
-   History's background thread; the table also gives the time until every record
-   has been written and flushed, per record).
+   with a ``JsonlSink``, with a ``TensorBoardSink`` and with a ``CsvSink`` (the
+   sinks are written by History's background thread; the table also gives the
+   time until every record has been written and flushed, per record).
 4. Untrusted sinks beside the crash-safe log: 12,000 updates into a History that
    streams its JSONL log, with no user sink, with a sink that takes 2 ms a record,
    and with a sink whose ``write`` never returns. For each: the time per update
@@ -114,6 +114,7 @@ def bench_history(steps: int, repeats: int, folder: Path) -> list[str]:
         "none": lambda i: [],
         "`JsonlSink`": lambda i: [sinks.JsonlSink(folder / f"s{i}.jsonl")],
         "`TensorBoardSink`": lambda i: [sinks.TensorBoardSink(folder / f"tb{i}")],
+        "`CsvSink`": lambda i: [sinks.CsvSink(folder / f"c{i}.csv")],
     }
     results = {name: ([], []) for name in makers}
     for r in range(repeats):

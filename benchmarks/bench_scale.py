@@ -17,7 +17,7 @@ Each figure is the median of ``--repeats`` runs (default 3), with the time to
 record the updates beside it.
 
 Run: ``make bench`` or ``python benchmarks/bench_scale.py [--out PATH]``;
-``--quick`` is a smoke run (100 metrics, 1,000 key sets, one repeat).
+``--quick`` is a smoke run (50 metrics, 1,000 key sets, one repeat).
 """
 
 import argparse
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    sizes = (100, 1000, 1) if args.quick else (1000, 10000, args.repeats)
+    sizes = (50, 1000, 1) if args.quick else (1000, 10000, args.repeats)
     table = bench(*sizes)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _common import machine_info, report

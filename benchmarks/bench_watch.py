@@ -30,7 +30,7 @@ turn), sharded over the 8 devices, per dtype (float32, bfloat16), for the 1st,
 
 Run: ``make bench`` or
 ``python benchmarks/bench_watch.py [--out PATH] [--layers L] [--repeats R]``;
-``--quick`` is a smoke run with 50 layers, 3 repeats and 10 arrays.
+``--quick`` is a smoke run with 20 layers, 3 repeats and 3 arrays.
 """
 
 import os
@@ -240,12 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(
             f"error: this benchmark needs 8 devices, JAX sees {jax.device_count()}"
         )
-    layers = args.layers or (50 if args.quick else 500)
+    layers = args.layers or (20 if args.quick else 500)
     repeats = args.repeats or (3 if args.quick else 15)
     sections = ["## watch(grads) in a train step\n"]
     for fsdp in (False, True):
         sections.append(bench(layers, repeats, fsdp))
-    sections.append(bench_quantiles(10 if args.quick else 100))
+    sections.append(bench_quantiles(3 if args.quick else 100))
     report(machine_info(), args.quick, sections, args.out)
     return 0
 

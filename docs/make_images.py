@@ -1,7 +1,7 @@
 """Makes the images the docs pages show (run by ``make docs`` before the build).
 
 * ``images/demo_*.png``: plots of a short run of ``examples/demo.py`` (the train
-  vs eval loss, the gradient norm per layer, the loss statistics across devices);
+  vs eval loss, the gradient norm per layer);
 * ``images/bench_reducers.png``: time per call against the number of metrics,
   from ``benchmarks/results/reducers.md`` (written by ``make bench``).
 
@@ -23,8 +23,10 @@ IMAGES = ROOT / "docs" / "images"
 DEMO_PLOTS = {
     "loss_train_vs_eval.png": "demo_train_vs_eval.png",
     "grads_norm.layers.png": "demo_grads_norm_layers.png",
-    "train_loss.png": "demo_train_loss.png",
 }
+
+
+MADE = [*DEMO_PLOTS.values(), "bench_reducers.png"]  # every image made here
 
 
 def demo_images(steps: int) -> None:

@@ -509,7 +509,7 @@ def hang_run(how: str, timeout: float) -> dict:
                 if how == "sleep":
                     time.sleep(timeout + 4)
                 else:  # after a post of the watch (every timeout / 5 s)
-                    time.sleep(timeout / 2)
+                    time.sleep(1.5 * timeout / 5)
                     client.key_value_set("test/pid", str(os.getpid()))
                     os.kill(os.getpid(), signal.SIGSTOP)
         history.update({"loss": float(step)})

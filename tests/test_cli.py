@@ -49,7 +49,11 @@ def saved_run(tmp_path, warmup=0.0):
 
 
 def test_summary_piped_to_head_ends_quietly(tmp_path):
-    s = jh.HistoryState().update({f"metric_{i:04d}": float(i) for i in range(3000)})
+    # More output than a pipe holds (1,000 rows of 100-character names), so the
+    # command is still writing when head has gone.
+    s = jh.HistoryState().update(
+        {f"metric_{i:04d}_{'x' * 88}": float(i) for i in range(1000)}
+    )
     export.to_netcdf(s, tmp_path / "big.nc")
     done = subprocess.run(
         f"{sys.executable} -m jaxhistory summary {tmp_path / 'big.nc'} | head -2",

@@ -174,7 +174,10 @@ def test_the_others_name_a_process_that_sleeps_or_is_stopped(how):
     """Three processes; process 1 sleeps (or is SIGSTOPped) at step 3, the
     others wait for it in their next update. Both others name it, with its
     host, step and open span, within hang_timeout + 5 s."""
-    timeout = 2.0
+    # Stopped, it is "not responding" once its posts are 2 periods + 0.5 s old
+    # (1.3 s at hang_timeout=2, 2.1 s at 4): it stops 1.5 periods into the
+    # others' wait, so 4 s leaves 0.7 s to spare on a loaded machine.
+    timeout = 2.0 if how == "sleep" else 4.0
     results = jh.launch_local(
         "mp_workers:hang_run", 3, 1, args=(how, timeout), timeout=120
     )

@@ -340,7 +340,7 @@ def test_an_absolute_resumed_run_id_never_truncates_an_unrelated_file(tmp_path):
     report_dir = tmp_path / "rd"
     report_dir.mkdir()
     for overwrite in (True, False):
-        with pytest.raises(ValueError, match="precious"):
+        with pytest.raises(ValueError, match=r"is not a name \(it contains '/'\)"):
             jh.History(
                 resume=log,
                 report_dir=report_dir,

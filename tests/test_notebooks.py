@@ -43,7 +43,7 @@ def demo_runs(tmp_path_factory):
     }
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="8")
     demo = [sys.executable, str(ROOT / "examples" / "demo.py")]
-    demo += ["--steps", "80", "--log-every", "40"]
+    demo += ["--steps", "40", "--log-every", "20", "--eval-every", "20"]
     procs = {}
     try:
         for name, extra in configs.items():

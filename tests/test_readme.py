@@ -45,3 +45,26 @@ def test_docs_site_builds_from_the_pages_the_readme_links():
     nav = (ROOT / "mkdocs.yml").read_text()
     for page in re.findall(r"\]\(docs/([^)#]+\.md)", readme):
         assert page in nav, page
+
+
+def test_every_image_a_page_shows_is_made_by_the_docs_build():
+    """Images are drawn by docs/make_images.py (run by make docs), never pasted."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "make_images", ROOT / "docs" / "make_images.py"
+    )
+    make_images = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_images)
+    shown = set()
+    for page in (ROOT / "docs").rglob("*.md"):
+        shown |= set(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page.read_text()))
+    assert shown
+    for target in shown:
+        assert target.startswith(("images/", "../images/")), target
+        assert target.rsplit("/", 1)[1] in make_images.MADE, target
+    pasted = [
+        p for p in (ROOT / "docs").rglob("*") if p.suffix in (".png", ".svg", ".jpg")
+    ]
+    tracked = {p for p in pasted if "images" not in p.parts}
+    assert not tracked, tracked
