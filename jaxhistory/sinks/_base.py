@@ -11,7 +11,42 @@ import numpy as np
 from jaxhistory._moved import moved
 from jaxhistory._record import Record
 
-__all__ = ["Sink", "is_sink", "moved_name", "scalars", "values", "writes_here"]
+__all__ = [
+    "FileSink",
+    "Sink",
+    "is_sink",
+    "moved_name",
+    "scalars",
+    "values",
+    "writes_here",
+]
+
+
+class FileSink:
+    """flush and close of a sink that appends to one open file under ``_lock``:
+    an error marks it broken (``error``; later writes are skipped) instead of
+    reaching the thread that feeds it."""
+
+    _lock: Any
+    _file: Any
+    _broken: bool
+    error: BaseException | None
+
+    def flush(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                try:
+                    self._file.flush()
+                except Exception as err:
+                    self._broken, self.error = True, err
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                try:
+                    self._file.close()
+                except Exception as err:
+                    self.error = err
 
 
 @runtime_checkable

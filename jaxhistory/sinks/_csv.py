@@ -15,7 +15,7 @@ from typing import Any, BinaryIO
 from jaxhistory._env import not_a_name
 from jaxhistory._files import LogInUse, atomic_write, check_target, in_use, open_log
 from jaxhistory._record import Batch, Record
-from jaxhistory.sinks._base import values
+from jaxhistory.sinks._base import FileSink, values
 
 __all__ = ["CsvSink", "csv_column"]
 
@@ -140,7 +140,7 @@ def _numbers(record: Record):
     return [v for v in values(record) if v[1] is not None]
 
 
-class CsvSink:
+class CsvSink(FileSink):
     """Appends one CSV row per record: ``step``, ``timestamp``, then a column
     per scalar value (metrics, then cross-device statistics; published metrics
     as ``{group}/{name}`` with an empty step).
@@ -379,19 +379,3 @@ class CsvSink:
         )
         atomic_write(path, lambda tmp: tmp.write_bytes(text))
         return path
-
-    def flush(self) -> None:
-        with self._lock:
-            if not self._file.closed:
-                try:
-                    self._file.flush()
-                except Exception as err:
-                    self._broken, self.error = True, err
-
-    def close(self) -> None:
-        with self._lock:
-            if not self._file.closed:
-                try:
-                    self._file.close()
-                except Exception as err:
-                    self.error = err

@@ -10,11 +10,12 @@ from pathlib import Path
 from jaxhistory._codec import encode_records
 from jaxhistory._files import open_log
 from jaxhistory._record import Batch, Record
+from jaxhistory.sinks._base import FileSink
 
 __all__ = ["JsonlSink"]
 
 
-class JsonlSink:
+class JsonlSink(FileSink):
     """Appends one JSONL line per record, in the format of History's log
     (``step``, ``timestamp``, ``process_index``, ``metrics``, ``aggregated``;
     ``group`` too for published metrics; NaN and infinities as strings).
@@ -100,19 +101,3 @@ class JsonlSink:
                         stacklevel=3,
                     )
         return b"".join(parts)
-
-    def flush(self) -> None:
-        with self._lock:
-            if not self._file.closed:
-                try:
-                    self._file.flush()
-                except Exception as err:
-                    self._broken, self.error = True, err
-
-    def close(self) -> None:
-        with self._lock:
-            if not self._file.closed:
-                try:
-                    self._file.close()
-                except Exception as err:
-                    self.error = err
