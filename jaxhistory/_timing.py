@@ -159,10 +159,9 @@ class StopWatch:
             end_ns = time.perf_counter_ns()
             annotation.__exit__(exc_type, exc, tb)
         seconds = (end_ns - start_ns) / 1e9
-        self.seconds = seconds
-        if exc_type is None:
-            with self._lock:
-                self.seconds = seconds  # with the count: .data reads them together
+        with self._lock:  # with the count: .data reads them together
+            self.seconds = seconds
+            if exc_type is None:
                 self._spans += 1
                 self._total += seconds
         handler = _trace_state.active()
