@@ -33,6 +33,7 @@ __all__ = [
     "STRAGGLER",
     "Reducer",
     "agreed_run_id",
+    "client_is_current",
     "distributed_client",
     "distributed_default",
     "is_per_device",
@@ -563,6 +564,12 @@ def _all_devices_mesh() -> jax.sharding.Mesh:
 def distributed_client() -> Any:
     """The distributed runtime's client with several processes, else None."""
     return _client() if jax.process_count() > 1 else None
+
+
+def client_is_current(client: Any) -> bool:
+    """Whether ``client`` is still the runtime's (False after
+    ``jax.distributed.shutdown()``: a shut-down client must not be called)."""
+    return client is not None and _client() is client
 
 
 def _client() -> Any:

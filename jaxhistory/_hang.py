@@ -19,6 +19,7 @@ one read per process and period.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import json
@@ -27,17 +28,43 @@ import socket
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from jaxhistory import _trace_state
 
-__all__ = ["HANG_TIMEOUT_S", "HangWatch", "Stalled", "check_hang_timeout", "hang_key"]
+__all__ = [
+    "HANG_TIMEOUT_S",
+    "HangWatch",
+    "Stalled",
+    "check_hang_timeout",
+    "hang_key",
+    "stop_all",
+]
 
 HANG_TIMEOUT_S = 300.0  # the default in multi-process runs
 logger = logging.getLogger("jaxhistory")
 _KEYS = itertools.count()  # alike in every process that makes its Histories alike
+_LIVE: weakref.WeakSet[HangWatch] = weakref.WeakSet()  # watches not stopped yet
+_LIVE_LOCK = threading.Lock()
+_AT_EXIT = False  # whether stop_all is registered to run at exit
+
+
+def stop_all() -> None:
+    """Stops every watch still running (a History never closed), each posting
+    that its process is done.
+
+    Runs at exit, before the interpreter ends its daemon threads: a watch
+    thread ended while inside the distributed runtime's client (native code)
+    aborts the process. Call it before ``jax.distributed.shutdown()`` to have
+    the posts arrive.
+    """
+    with _LIVE_LOCK:
+        watches = list(_LIVE)
+    for watch in watches:
+        watch.stop()
 
 
 def hang_key() -> str:
@@ -105,6 +132,8 @@ class HangWatch:
             step the others are at, after the warning and the logger record.
         every_period: called on the watch thread every period; a text it
             returns is a problem to tell (a warning and a logger record).
+        alive: whether ``client`` may still be used (False once the runtime
+            is shut down); the watch ends itself when it is not.
     """
 
     def __init__(
@@ -116,7 +145,9 @@ class HangWatch:
         count: int,
         report: Callable[[list[Stalled], int], None] | None = None,
         every_period: Callable[[], str | None] | None = None,
+        alive: Callable[[], bool] = lambda: True,
     ):
+        global _AT_EXIT
         self.timeout = timeout
         self.period = min(max(timeout / 5, 0.1), 5.0)
         self.step = -1  # the training thread's latest step
@@ -126,6 +157,7 @@ class HangWatch:
         self._me, self._count = me, count
         self._report = report
         self._every_period = every_period
+        self._alive = alive
         self._host = socket.gethostname()
         self._seen: dict[int, _Seen] = {}
         self._reported: tuple | None = None
@@ -134,6 +166,13 @@ class HangWatch:
         self._thread = threading.Thread(
             target=self._run, name="jaxhistory-hang-watch", daemon=True
         )
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+            if not _AT_EXIT:
+                # Registered after jax.distributed.initialize: runs before
+                # anything registered earlier, and before daemon threads end.
+                atexit.register(stop_all)
+                _AT_EXIT = True
         self._thread.start()
 
     def beat(self, step: int) -> None:
@@ -143,8 +182,13 @@ class HangWatch:
 
     def stop(self) -> None:
         """Posts that this process is done (never reported as behind) and ends
-        the thread, waiting for it at most one period."""
-        self._stop.set()
+        the thread, waiting for it at most one period. Stopping again does
+        nothing."""
+        with _LIVE_LOCK:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+            _LIVE.discard(self)
         self._thread.join(self.period + 1.0)
         self._post(done=True)
 
@@ -153,13 +197,23 @@ class HangWatch:
         tid = self.thread_id
         span = None if tid is None else _trace_state.innermost_span(tid)
         value = json.dumps([self.step, self._seq, self._host, span, done])
+        if not self._safe_alive():
+            return
         with contextlib.suppress(Exception):  # slow or gone: next period
             self._client.key_value_set(
                 self._prefix + str(self._me), value, allow_overwrite=True
             )
 
+    def _safe_alive(self) -> bool:
+        try:
+            return bool(self._alive())
+        except Exception:
+            return False
+
     def _run(self) -> None:
         while not self._stop.wait(self.period):
+            if not self._safe_alive():
+                return  # the runtime was shut down: nobody left to tell
             self._post()
             if self._every_period is not None:
                 try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -19,6 +20,7 @@ from jaxhistory import _trace_state
 from jaxhistory._distributed import (
     Reducer,
     agreed_run_id,
+    client_is_current,
     distributed_client,
     distributed_default,
     is_per_device,
@@ -576,6 +578,7 @@ class History:
                 jax.process_count(),
                 self._hang_report,
                 self._reducer.answer_names,
+                functools.partial(client_is_current, client),
             )
         hang.beat(step)
 

@@ -7,6 +7,7 @@ target and pickles its return value (or the exception) for the launcher.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import pickle
@@ -38,6 +39,11 @@ def main(spec_path: str) -> int:
         process_id=spec["process_id"],
         initialization_timeout=int(spec["timeout"]),
     )
+    # At exit, after what the target registered there (last in, first out): a
+    # History the target never closed stops watching for hangs (its thread
+    # inside the runtime's client would abort the process) before the runtime
+    # shuts down.
+    atexit.register(jax.distributed.shutdown)
     try:
         fn = _resolve(spec["target"])
         result = ("ok", fn(*spec["args"], **spec["kwargs"]))
@@ -57,8 +63,7 @@ def main(spec_path: str) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    jax.distributed.shutdown()
-    return 0
+    return 0  # jax.distributed.shutdown() runs at exit
 
 
 if __name__ == "__main__":

@@ -666,3 +666,24 @@ def host_scalars_in_float64() -> dict:
         k: float(state.values(k)[0])
         for k in ("x/mean", "x/max", "x/min", "lr/mean", "lr/std")
     }
+
+
+def unclosed_histories(count: int, shutdown: bool) -> int:
+    """Makes ``count`` Histories watching for hangs every 0.1 s, records 3
+    steps in each and leaves them open; with ``shutdown`` ends the runtime
+    itself, as many scripts do. The process must then exit cleanly."""
+    import jax
+
+    import jaxhistory as jh
+
+    histories = []
+    for k in range(count):
+        history = jh.History(
+            distributed_history=True, hang_timeout=0.1, run_name=f"open{k}"
+        )
+        for step in range(3):
+            history.update({"loss": float(step)}, step=step)
+        histories.append(history)
+    if shutdown:
+        jax.distributed.shutdown()
+    return len(histories)

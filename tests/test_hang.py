@@ -7,7 +7,7 @@ import time
 import pytest
 
 import jaxhistory as jh
-from jaxhistory._hang import HangWatch, check_hang_timeout
+from jaxhistory._hang import HangWatch, check_hang_timeout, stop_all
 
 pytestmark = pytest.mark.filterwarnings("ignore:processes may hang")
 
@@ -192,3 +192,64 @@ def test_the_others_name_a_process_that_sleeps_or_is_stopped(how):
             assert "not responding" in text, text
         assert r["logged"] == [1, 2]  # process 1 at step 2, in the log
     assert results[1]["reports"] == []  # nobody waited long for the others
+
+
+def test_a_watch_whose_runtime_is_gone_stops_calling_it():
+    calls = []
+
+    class Counting(Store):
+        def key_value_set(self, key, value, allow_overwrite=False):
+            calls.append(key)
+            super().key_value_set(key, value, allow_overwrite)
+
+    alive = [True]
+    w = HangWatch(0.5, Counting(), "k", me=0, count=2, alive=lambda: alive[0])
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert calls, "the watch never posted"
+    alive[0] = False
+    w._thread.join(5)
+    assert not w._thread.is_alive()  # ended itself at its next period
+    seen = len(calls)
+    w.stop()  # nothing posted to a runtime that is gone
+    assert len(calls) == seen
+
+
+def test_alive_that_raises_counts_as_gone():
+    def alive():
+        raise RuntimeError("runtime torn down")
+
+    w = HangWatch(0.5, Store(), "k", me=0, count=2, alive=alive)
+    w._thread.join(5)
+    assert not w._thread.is_alive()
+    w.stop()
+
+
+def test_stop_all_stops_every_watch_once_and_posts_done():
+    stores = [Store(), Store()]
+    watches = [HangWatch(10.0, s, "k", me=0, count=2) for s in stores]
+    for w in watches:
+        w.beat(7)
+    stop_all()
+    for w, s in zip(watches, stores, strict=True):
+        assert not w._thread.is_alive()
+        step, seq, _, _, done = json.loads(s.data["jaxhistory/hang/k/0"])
+        assert (step, done) == (7, True)
+        w.stop()  # again: nothing more posted
+        assert json.loads(s.data["jaxhistory/hang/k/0"])[1] == seq
+    stop_all()  # none left: nothing to do
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shutdown", [False, True], ids=["exit", "shutdown"])
+def test_a_process_leaving_histories_open_exits_cleanly(shutdown):
+    """A watch thread still inside the runtime's client when the interpreter
+    ends aborts the process ("terminate called after throwing an instance of
+    ''"): each launch left 8 watches posting every 0.1 s; before the fix most
+    launches lost a process that way."""
+    for _ in range(3):
+        got = jh.launch_local(
+            "mp_workers:unclosed_histories", 2, 1, args=(8, shutdown), timeout=120
+        )
+        assert got == [8, 8]
