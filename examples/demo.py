@@ -164,6 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--eval-every", type=int, default=50, help="steps between evaluations"
     )
+    parser.add_argument(
+        "--no-plots",
+        dest="plots",
+        action="store_false",
+        help="skip the PNG and terminal plots (dataset, log and report only)",
+    )
     args = parser.parse_args(argv)
 
     n = jax.device_count()
@@ -266,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{elapsed:.2f} s wall time"
     )
     # Dataset, JSONL log, plots and report; prints the terminal summary plot.
-    history.finalize(args.outdir, warmup=0.05)
+    history.finalize(args.outdir, warmup=0.05, plot=args.plots)
     # End-of-training table and train_results.json / all_results.json.
     results = {
         "train_runtime": elapsed,

@@ -128,7 +128,7 @@ def test_bench_multihost_quick(tmp_path):
 
 def test_bench_scale_quick(tmp_path):
     _, text = run_quick("bench_scale.py", tmp_path)
-    for label in ("50 metrics x 200 steps, with plots", "1,000 key sets, no plots"):
+    for label in ("30 metrics x 200 steps, with plots", "1,000 key sets, no plots"):
         row = re.search(rf"^\| {re.escape(label)} \| [\d.]+ \| ([\d.]+) \|", text, re.M)
         assert row and float(row.group(1)) > 0, f"no figure for {label}:\n{text}"
 
