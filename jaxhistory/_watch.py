@@ -277,19 +277,12 @@ def _tables(
         stacks.append((idx, x2, keep))
     ext = {}
     if max_cols:
-        maxed: list[Any] = [None] * len(blocks)
+        maxed = []
         low = -jnp.inf
         for idx, x2, keep in stacks:
-            nan = jnp.isnan(x2)
-            cols = []
-            if "abs" in max_cols:
-                cols.append(jnp.max(jnp.where(nan, 0, jnp.abs(x2)), axis=1, initial=0))
-            if "max" in max_cols:  # the midrange, for the shifted sums
-                cols.append(jnp.max(jnp.where(nan, low, x2), axis=1, initial=low))
-                cols.append(jnp.max(jnp.where(nan, low, -x2), axis=1, initial=low))
-            rows = jnp.where(keep > 0, jnp.stack(cols, axis=1), low)
-            _scatter(maxed, idx, rows, rows_of)
-        table = pmax(_columns(maxed, plan, "max"))  # all-reduce 1
+            rows = _maxima(x2, max_cols)
+            maxed.append((idx, jnp.where(keep > 0, rows, low)))
+        table = pmax(_table_of(maxed, plan, "max", rows_of))  # all-reduce 1
         ext = {name: table[:, j] for j, name in enumerate(max_cols)}
     centre = None
     if "max" in ext:
@@ -297,7 +290,7 @@ def _tables(
         centre = jnp.where(jnp.isfinite(mid), mid, 0)
     if not sum_cols:
         return ext, {}
-    summed: list[Any] = [None] * len(blocks)
+    summed = []
     for idx, x2, keep in stacks:
         cols = {}
         if "sq" in sum_cols:
@@ -316,10 +309,37 @@ def _tables(
                 starts.append(lax.dynamic_slice(centre, (start,), (k,)))
             d = x2 - jnp.concatenate(starts).reshape(-1, 1)
             cols["d1"], cols["d2"] = jnp.sum(d, axis=1), jnp.sum(jnp.square(d), axis=1)
-        rows = jnp.stack([cols[c] for c in sum_cols], axis=1) * keep
-        _scatter(summed, idx, rows, rows_of)
-    table = psum(_columns(summed, plan, "add"))  # all-reduce 2
+        summed.append((idx, jnp.stack([cols[c] for c in sum_cols], axis=1) * keep))
+    table = psum(_table_of(summed, plan, "add", rows_of))  # all-reduce 2
     return ext, {name: table[:, j] for j, name in enumerate(sum_cols)}
+
+
+def _maxima(x2: jax.Array, max_cols: tuple[str, ...]) -> jax.Array:
+    """The max-table columns of each row, NaN left out (``abs``: the largest
+    magnitude, 0 for none; ``max``, ``negmin``: -inf for none).
+
+    A max propagates NaN, so the plain maxima show whether a row holds one:
+    only then are they taken again with the NaNs masked, which costs a pass
+    over the values per column and is skipped otherwise."""
+
+    def maxima(nan_out: bool) -> jax.Array:
+        low = -jnp.inf
+        nan = jnp.isnan(x2) if nan_out else None
+
+        def top(v, fill):
+            if nan is not None:
+                v = jnp.where(nan, fill, v)
+            return jnp.max(v, axis=1, initial=fill)
+
+        cols = []
+        if "abs" in max_cols:
+            cols.append(top(jnp.abs(x2), 0))
+        if "max" in max_cols:  # the midrange, for the shifted sums
+            cols += [top(x2, low), top(-x2, low)]
+        return jnp.stack(cols, axis=1)
+
+    plain = maxima(False)
+    return lax.cond(jnp.any(jnp.isnan(plain)), lambda: maxima(True), lambda: plain)
 
 
 def _nonfinite(x2: jax.Array, sq: jax.Array | None) -> jax.Array:
@@ -332,6 +352,40 @@ def _nonfinite(x2: jax.Array, sq: jax.Array | None) -> jax.Array:
     if sq is None:
         return count()
     return lax.cond(jnp.all(jnp.isfinite(sq)), lambda: jnp.zeros_like(sq), count)
+
+
+def _table_of(
+    stacked: list[tuple[list[int], jax.Array]], plan: _Plan, how: str, rows_of: list
+) -> jax.Array:
+    """The reduced rows of every stack (the parts ``idx``, in order) as one
+    table of the plan's columns, combined by max or by add.
+
+    One concatenation and at most one reordering or segment reduction,
+    whatever the number of parts: splitting the stacks back into one slice
+    per part would be a small operation per leaf. Parts whose layers are
+    split over devices are placed at their offset part by part."""
+    if any(plan.parts[i].lead_axes for idx, _ in stacked for i in idx):
+        pieces: list[Any] = [None] * len(plan.parts)
+        for idx, rows in stacked:
+            _scatter(pieces, idx, rows, rows_of)
+        return _columns(pieces, plan, how)
+    c = len(plan.names) - 1
+    ids = np.concatenate(
+        [
+            plan.parts[i].column + np.arange(rows_of[i].shape[0])
+            for idx, _ in stacked
+            for i in idx
+        ]
+    )
+    rows = (
+        jnp.concatenate([r for _, r in stacked]) if len(stacked) > 1 else stacked[0][1]
+    )
+    if np.array_equal(ids, np.arange(c)):  # a column per row, in order
+        return rows
+    if np.array_equal(np.sort(ids), np.arange(c)):  # a column per row
+        return rows[np.argsort(ids)]
+    segment = jax.ops.segment_max if how == "max" else jax.ops.segment_sum
+    return segment(rows, jnp.asarray(ids), num_segments=c)
 
 
 def _scatter(out: list, idx: list[int], rows: jax.Array, rows_of: list) -> None:
