@@ -197,6 +197,20 @@ def _check_mixing(state: HistoryState, keys, values, dtypes, found) -> None:
             common_dtype(name, [np.asarray(state.values(name)), np.asarray(value)])
 
 
+def _continues(state: HistoryState, names: tuple, step: int) -> bool:
+    """Whether a packed row of ``names`` at ``step`` only continues their
+    table: it has rows, all before ``step``, and no other table holds any of
+    the names. Its first row was checked (unique names, each a scalar
+    everywhere), so nothing is left to check: a packed row of thousands of
+    statistics each step skips a pass over every table here."""
+    data = state.data
+    entry = data.tables.get(names)
+    if entry is None or not entry[1] or not entry[0].step_at(entry[1]) < step:
+        return False
+    index = data.index()
+    return set(map(len, map(index.__getitem__, names))) == {1}
+
+
 def packed(state: HistoryState, names: Any, vector: Any, step: Any):
     """:meth:`HistoryState.update_packed`'s checks and append: (the key set,
     its table, its row count, the step)."""
@@ -209,16 +223,17 @@ def packed(state: HistoryState, names: Any, vector: Any, step: Any):
             f"a packed row for {len(names)} metrics needs {len(names)} values "
             f"(read in C order), got shape {shape}"
         )
-    if len(set(names)) != len(names):
-        raise ValueError("packed metric names must be unique")
     step = as_step("step", state.next_step if step is None else step)
+    if not _continues(state, names, step):
+        if len(set(names)) != len(names):
+            raise ValueError("packed metric names must be unique")
+        check_append(state, names, [()] * len(names), step)
     on_device = isinstance(vector, jax.Array)
     label = names[0] if names else "<packed>"
     if on_device:  # replicated statistics may span processes: read locally
         dtype = device_storage_dtype(label, vector.dtype, 4)
     else:
         vector, dtype, _ = host_value(label, np.asarray(vector))
-    check_append(state, names, [()] * len(names), step)
     table, n = writable(state, names, (dtype,) * len(names), ((),) * len(names))
     table.ptypes = None
     if on_device:

@@ -387,6 +387,34 @@ def test_packed_rows_check_their_size():
     assert s.values("b").tolist() == [2.0]
 
 
+def test_packed_rows_that_continue_their_table_are_still_checked_where_needed():
+    watched = jh.watch({"a": jnp.ones(2), "b": jnp.ones(2)}, stats=("norm",))
+    s = jh.HistoryState()
+    for step in range(3):
+        s = s.update({"loss": 1.0, "g": watched}, step=step)
+        s = s.update_packed(("x", "y"), jnp.arange(2.0) + step, step=step)
+    assert s.steps("x").tolist() == [0, 1, 2] and s.values("y").tolist() == [1, 2, 3]
+    assert s.values("g/a/norm").tolist() == pytest.approx([2**0.5] * 3)
+    with pytest.raises(ValueError, match="'x' was already recorded at step 2"):
+        s.update_packed(("x", "y"), jnp.zeros(2), step=2)  # not past its table
+    # "y" recorded by another table at a later step: the next packed row of
+    # ("x", "y") at an earlier step must not pass as a continuation
+    later = s.update({"y": 5.0}, step=9)
+    with pytest.raises(ValueError, match="'y' was already recorded at step 9"):
+        later.update_packed(("x", "y"), jnp.zeros(2), step=4)
+    assert later.update_packed(("x", "y"), jnp.zeros(2), step=10).steps(
+        "y"
+    ).tolist() == [
+        0,
+        1,
+        2,
+        9,
+        10,
+    ]
+    with pytest.raises(ValueError, match="unique"):
+        s.update_packed(("x", "x"), jnp.zeros(2), step=7)
+
+
 def test_python_ints_outside_int64_are_refused_and_nothing_breaks():
     s = jh.HistoryState().update({"t": 1})
     with pytest.raises(ValueError, match="'t' is 9223372036854775808, outside int64"):
