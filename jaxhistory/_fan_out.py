@@ -98,14 +98,15 @@ class FanOut:
         and their statistics as aggregated values."""
         kinds = set(map(_KIND, rows))
         if _VALUES not in kinds:  # Python numbers only: built at C speed
-            batch = Batch(
-                list(map(_STEP, rows)),
-                list(map(_STAMP, rows)),
-                list(map(dict, map(zip, map(_NAMES, rows), map(_VALUES_OF, rows)))),
-                None,
-                None,
-                self.process_index,
-            )
+            steps, stamps = list(map(_STEP, rows)), list(map(_STAMP, rows))
+            names = rows[0].names
+            all_names = list(map(_NAMES, rows))
+            if all_names.count(names) == len(rows):  # one set of names
+                values = list(map(_VALUES_OF, rows))
+                batch = Batch.of_rows(steps, stamps, names, values, self.process_index)
+            else:
+                metrics = list(map(dict, map(zip, all_names, map(_VALUES_OF, rows))))
+                batch = Batch(steps, stamps, metrics, None, None, self.process_index)
             batch.finite = kinds == _ALL_FINITE
             batch.run_id = self.run_id
             return batch
@@ -239,14 +240,24 @@ def _joined(a: Batch, b: Batch) -> Batch:
         aggregated = (a.aggregated or [{}] * len(a.steps)) + (
             b.aggregated or [{}] * len(b.steps)
         )
-    out = Batch(
-        a.steps + b.steps,
-        a.stamps + b.stamps,
-        a.metrics + b.metrics,
-        aggregated,
-        None,
-        a.process_index,
-    )
+    ua, ub = a.uniform(), b.uniform()
+    if aggregated is None and ua is not None and ub is not None and ua[0] == ub[0]:
+        out = Batch.of_rows(
+            a.steps + b.steps,
+            a.stamps + b.stamps,
+            ua[0],
+            ua[1] + ub[1],
+            a.process_index,
+        )
+    else:
+        out = Batch(
+            a.steps + b.steps,
+            a.stamps + b.stamps,
+            a.metrics + b.metrics,
+            aggregated,
+            None,
+            a.process_index,
+        )
     out.finite, out.run_id = a.finite and b.finite, a.run_id
     return out
 
@@ -297,6 +308,17 @@ def _hold_last(batch: Batch | None, seconds: float) -> tuple:
 
 
 def _slice(batch: Batch, a: int, b: int) -> Batch:
+    uniform = batch.uniform()
+    if uniform is not None and batch.aggregated is None:
+        out = Batch.of_rows(
+            batch.steps[a:b],
+            batch.stamps[a:b],
+            uniform[0],
+            uniform[1][a:b],
+            batch.process_index,
+        )
+        out.finite, out.run_id = batch.finite, batch.run_id
+        return out
     out = Batch(
         batch.steps[a:b],
         batch.stamps[a:b],

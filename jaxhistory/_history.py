@@ -479,39 +479,73 @@ class History:
             self._ignore_use_wandb(use_wandb)
         with self._lock:
             now = time.time()
-            row = self._recorded(metrics, step, now, summarize)
-            self._updates += 1
-            out = self._out
-            out.stamp(row.step, now)
-            token, logged = "", row
-            if self._side.due:
-                rec = self._rec
-                state, token, side, earlier = self._side.at_update(
-                    rec.state, row.step, self._updates
+            # A dict like the last one, of finite floats, with nothing else due:
+            # parsed and appended in one call, then queued for the log.
+            row = self._rec.take(metrics, now) if step is None else None
+            if row is not None and not self._side.due and self._guard is None:
+                self._updates += 1
+                out = self._out
+                out.stamp_steps.append(row.step)
+                out.stamp_times.append(now)
+                if out.writing or _trace_state.active() is not None:
+                    writer = out.writer
+                    if writer is not None:
+                        writer.add(row)
+                    else:
+                        out.add(row)  # (starts the writer)
+                if not summarize or row.step % self.log_every:
+                    return ""
+                line = self._line.format_floats  # (out of the lock)
+            else:
+                row, token, found = self._update_locked(
+                    row, metrics, step, now, summarize
                 )
-                rec.set(state)
-                self._emit(earlier)
-                if side:
-                    names, values = zip(*side, strict=True)
-                    logged = row._replace(
-                        names=row.names + names,
-                        values=row.values + values,
-                        kind=RowKind.VALUES,
-                    )
-            if out.writing or _trace_state.active() is not None:
-                out.add(logged)
-            found = self._checked(row) if self._guard is not None else None
-            if self._pending_found:  # from earlier rows reduced in a batch
-                found = [*self._pending_found, *(found or [])]
-                self._pending_found = []
-            if self._reduce_host:
-                self._same_everywhere()
+                line = None
+        if line is not None:
+            return line(row, precision)
         if found:
             self._act(found)
         if not summarize or row.step % self.log_every:
             return ""
         line = self._line.format(row, precision)
         return f"{line} {token}" if token else line
+
+    def _update_locked(
+        self, row: Row | None, metrics: Any, step: Any, now: float, summarize: bool
+    ) -> tuple[Row, str, list | None]:
+        """:meth:`update` under the lock, for everything but a repeated dict of
+        floats with nothing else due: records ``metrics`` (``row``: recorded
+        already), its side values, logs it and runs the sentinels. Returns the
+        row, the memory token and the sentinels' events."""
+        if row is None:
+            row = self._recorded(metrics, step, now, summarize)
+        self._updates += 1
+        out = self._out
+        out.stamp(row.step, now)
+        token, logged = "", row
+        if self._side.due:
+            rec = self._rec
+            state, token, side, earlier = self._side.at_update(
+                rec.state, row.step, self._updates
+            )
+            rec.set(state)
+            self._emit(earlier)
+            if side:
+                names, values = zip(*side, strict=True)
+                logged = row._replace(
+                    names=row.names + names,
+                    values=row.values + values,
+                    kind=RowKind.VALUES,
+                )
+        if out.writing or _trace_state.active() is not None:
+            out.add(logged)
+        found = self._checked(row) if self._guard is not None else None
+        if self._pending_found:  # from earlier rows reduced in a batch
+            found = [*self._pending_found, *(found or [])]
+            self._pending_found = []
+        if self._reduce_host:
+            self._same_everywhere()
+        return row, token, found
 
     def _ignore_use_wandb(self, use_wandb: Any) -> None:
         """Checks ``update(use_wandb=...)`` and warns, once, that it is ignored."""
@@ -556,6 +590,13 @@ class History:
             if earlier:
                 self._record_reduced(earlier)
         rec.append(row)
+        if (
+            step is None
+            and self._progress is None
+            and self._hang_key is None
+            and not self._reduce_host
+        ):
+            rec.remember(metrics, row)  # the next dict like it takes rec.take
         self._take_lags()
         if row.kind is RowKind.VALUES and self.mesh is None:
             self.mesh = mesh_of(row.values)

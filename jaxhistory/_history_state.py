@@ -19,7 +19,7 @@ from jaxhistory._dtypes import (
     check_ints,
     warmup_count,
 )
-from jaxhistory._row import Row, RowKind, parse_row
+from jaxhistory._row import Repeat, Row, RowKind, parse_row, repeat_of
 from jaxhistory._run_stats import column_summary
 from jaxhistory._stats import Stats
 from jaxhistory._table import (
@@ -454,7 +454,9 @@ _EXACT_F = float(2**53)  # beyond this magnitude not every integer is a float64
 
 _new_state = functools.partial(object.__new__, HistoryState)
 _set = object.__setattr__  # how a frozen dataclass sets its fields
-_FLOATS = RowKind.FLOATS
+_FLOATS, _FINITE = RowKind.FLOATS, RowKind.FINITE_FLOATS
+_PY_FLOAT = frozenset({float})
+_new_row = tuple.__new__
 
 
 class Appender:
@@ -467,9 +469,13 @@ class Appender:
     :class:`HistoryState` holding it is made when :attr:`state` is read: one
     object per read rather than one per update. Anything else goes through
     :meth:`HistoryState.append`. Not thread-safe: its owner holds a lock.
+
+    :meth:`take` is the one-call form for a dict with the keys of the last one
+    (:meth:`remember`): it parses and appends it without making a
+    :class:`Row` first, or declines.
     """
 
-    __slots__ = ("_n", "_names", "_state", "_table", "next_step")
+    __slots__ = ("_n", "_names", "_repeat", "_state", "_table", "next_step")
 
     def __init__(self, state: HistoryState | None = None):
         self.set(HistoryState() if state is None else state)
@@ -480,6 +486,7 @@ class Appender:
         self.next_step = state.next_step
         self._names = None  # the names of the last row appended
         self._table = None  # nothing appended since `state`
+        self._repeat: Repeat | None = None  # how the dict of that row looked
 
     @property
     def state(self) -> HistoryState:
@@ -506,6 +513,7 @@ class Appender:
             self._names, self._n = names, entry[1]
         else:
             self._names = None
+        self._repeat = None
 
     def append_floats(self, names: tuple, values: tuple, step: int) -> bool:
         """Appends a row of Python floats to the table of the last row appended;
@@ -520,3 +528,44 @@ class Appender:
         table = _appending.append_row(table, self._n, step, values)
         self._table, self._n, self.next_step = table, self._n + 1, step + 1
         return True
+
+    def remember(self, metrics: Any, row: Row) -> None:
+        """Notes how ``metrics``, just parsed (with no explicit step) into
+        ``row`` and appended, looked, for :meth:`take`."""
+        if self._names is not None and row.names == self._names:
+            self._repeat = repeat_of(metrics, row)
+
+    def take(self, metrics: Any, timestamp: float) -> Row | None:
+        """Parses and appends ``metrics`` (with no explicit step) where it has
+        the keys of the dict :meth:`remember` saw, finite Python floats as
+        values and no step (or a step past everything recorded) and
+        returns its row, the one :func:`~jaxhistory._row.parse_row` makes;
+        None (nothing done) for anything else: then parse and
+        :meth:`append` it."""
+        repeat = self._repeat
+        if repeat is None or type(metrics) is not dict:
+            return None
+        if tuple(metrics) != repeat.keys:
+            return None
+        values = tuple(metrics.values())
+        at = repeat.step_at
+        step = self.next_step
+        if at is not None:
+            given = values[at]
+            if type(given) is not int or not step <= given <= INT64_MAX:
+                return None
+            step = given
+            values = values[1:] if at == 0 else values[:-1]
+        if set(map(type, values)) != _PY_FLOAT:
+            return None
+        total = sum(values, 0.0)  # inf or NaN anywhere makes total - total NaN
+        if total - total != 0.0:
+            return None
+        names = repeat.names
+        table = self._table
+        if table is None:
+            table = self._state.data.tables[names][0]
+        # in place, unless another state appended to it first: then a copy
+        table = _appending.append_row(table, self._n, step, values)
+        self._table, self._n, self.next_step = table, self._n + 1, step + 1
+        return _new_row(Row, (step, names, values, _FINITE, timestamp, "step"))

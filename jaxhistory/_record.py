@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,37 +36,78 @@ class Batch:
     record until :meth:`records` asks for them): steps, timestamps, metrics and
     aggregated dicts (values on the host), and groups (None: no record has one).
 
+    A batch made by :meth:`of_rows` (records of one set of names) keeps each
+    record's values as a tuple beside the one tuple of names, and makes the
+    metric dicts only when :attr:`metrics` is first read: the JSONL log writes
+    it from the tuples (:meth:`uniform`).
+
     Sinks that define ``write_batch(batch)`` take it whole (the JSONL sink writes
     it with one encoder call); the others get :meth:`records`.
     """
 
     __slots__ = (
+        "_metrics",
         "_records",
         "aggregated",
         "finite",
         "groups",
-        "metrics",
+        "names",
         "process_index",
         "run_id",
         "stamps",
         "steps",
+        "values",
     )
 
     def __init__(
         self,
         steps: list,
         stamps: list,
-        metrics: list,
+        metrics: list | None,
         aggregated: list | None = None,
         groups: list | None = None,
         process_index: int = 0,
     ):
-        self.steps, self.stamps, self.metrics = steps, stamps, metrics
+        self.steps, self.stamps, self._metrics = steps, stamps, metrics
         self.aggregated, self.groups = aggregated, groups
         self.process_index = process_index
         self.finite = False  # every metric value is known to be a finite float
         self.run_id: str | None = None  # written on every JSONL line, where set
         self._records: list[Record] | None = None
+        self.names: tuple | None = None  # (of_rows) every record's names
+        self.values: list | None = None  # (of_rows) every record's values
+
+    @classmethod
+    def of_rows(
+        cls,
+        steps: list,
+        stamps: list,
+        names: tuple,
+        values: list,
+        process_index: int = 0,
+    ) -> Batch:
+        """A batch of records that all have ``names``, the k-th record's values
+        the tuple ``values[k]`` (host numbers) in the order of ``names``."""
+        batch = cls(steps, stamps, None, None, None, process_index)
+        batch.names, batch.values = names, values
+        return batch
+
+    @property
+    def metrics(self) -> list:
+        """Each record's metrics as a dict (made on first read for a batch
+        of :meth:`of_rows`)."""
+        metrics = self._metrics
+        if metrics is None:
+            names = itertools.repeat(self.names)
+            metrics = self._metrics = list(map(dict, map(zip, names, self.values)))
+        return metrics
+
+    def uniform(self) -> tuple[tuple, list] | None:
+        """(the names, each record's values) of a batch of :meth:`of_rows`
+        whose dicts were never made; None for any other."""
+        if self.values is None or self._metrics is not None:
+            return None
+        return self.names, self.values
 
     @classmethod
     def of(cls, records: list[Record]) -> Batch:

@@ -189,6 +189,27 @@ class SummaryLine:
         self._templates: dict[tuple, tuple[str, tuple[int, ...] | None] | None] = {}
         # ((label, precision, kinds), names, template) of the last host row
         self._last: tuple = (None, None, None)
+        # (names, precision, template) of the last row of finite floats at a
+        # "step" whose values are shown in their order
+        self._floats: tuple = (None, None, None)
+
+    def format_floats(self, row: Row, precision: int) -> str:
+        """:meth:`format` for a row of finite floats (``FINITE_FLOATS``) at a
+        ``step``; the template of the last such row is reused while the names
+        (the same tuple) and ``precision`` stay."""
+        names, cached, template = self._floats
+        if row[1] is names and precision == cached:
+            return template % (row[0], *row[2])
+        line = self.format(row, precision)
+        head, last_names, entry = self._last  # (one read: other threads format)
+        if (
+            head == ("step", precision, True)
+            and last_names == row[1]
+            and entry is not None
+            and entry[1] is None
+        ):
+            self._floats = (row[1], precision, entry[0])
+        return line
 
     def format(self, row: Row, precision: int) -> str:
         """The summary line of ``row`` with ``precision`` decimals."""

@@ -85,7 +85,9 @@ class Writer:
         queue.append(item)
         n = len(queue)
         lock.release()
-        if n >= self.WAKE_AT:
+        if n == self.WAKE_AT:  # (the thread then takes every item queued)
+            self._wake.set()
+        elif n >= self.MAX_PENDING:
             self._backpressure()
 
     def pending(self) -> int:
@@ -93,10 +95,7 @@ class Writer:
         return len(self._queue)
 
     def _backpressure(self) -> None:
-        if not self._wake.is_set():
-            self._wake.set()
-        if self.pending() < self.MAX_PENDING:
-            return
+        self._wake.set()
         deadline = time.monotonic() + self.MAX_WAIT
         with self._space:
             while self.pending() >= self.MAX_PENDING and not self._closed:

@@ -2,6 +2,7 @@
 not logs refused, empty and cut-off logs; the run id and the times read back."""
 
 import numpy as np
+import orjson
 import pytest
 from test_export import _cli as run_cli  # the command in a fresh process
 
@@ -146,3 +147,62 @@ def test_the_times_of_a_log_mixing_its_lines_with_others(tmp_path):
         '{"step":2,"timestamp":null,"process_index":0,"metrics":{}}\n'
     )
     assert read_stamps(path) == {0: 10.0, 1: 11.0}
+
+
+# ----- records of one set of names, written from their value tuples -----------------
+
+
+def _both_ways(names, values, steps, stamps, run_id="run-1", index=0):
+    """A batch of value tuples and the same records as dicts, both finite."""
+    from jaxhistory._record import Batch
+
+    tuples = Batch.of_rows(list(steps), list(stamps), names, list(values), index)
+    dicts = Batch(
+        list(steps),
+        list(stamps),
+        [dict(zip(names, v, strict=True)) for v in values],
+        None,
+        None,
+        index,
+    )
+    for batch in (tuples, dicts):
+        batch.finite, batch.run_id = True, run_id
+    return tuples, dicts
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4096, 4097, 9000])
+def test_records_of_one_set_of_names_are_written_as_their_dicts_are(rows):
+    from jaxhistory._codec import encode_records
+
+    rng = np.random.default_rng(rows)
+    names = ("loss", "a/b", 'q"%s%%', "\u00e9\x01", "x y", "lr")
+    scale = 10.0 ** rng.integers(-300, 300, size=(rows, len(names)))
+    values = [tuple(map(float, r)) for r in rng.normal(size=(rows, len(names))) * scale]
+    values[0] = (0.0, -0.0, 5e-324, 1.7976931348623157e308, -1.0, 1e16)
+    steps = range(10, 10 + rows)
+    stamps = [1.7e9 + i / 7 if i % 5 else None for i in range(rows)]
+    tuples, dicts = _both_ways(names, values, steps, stamps, run_id='r%d"')
+    text = encode_records(tuples)
+    assert text == encode_records(dicts)
+    lines = text.splitlines()
+    assert len(lines) == rows
+    for k in (0, rows // 2, rows - 1):
+        got = orjson.loads(lines[k])
+        assert got["metrics"] == dict(zip(names, values[k], strict=True))
+        assert got["step"] == steps[k] and got["timestamp"] == stamps[k]
+        assert list(got["metrics"]) == list(names)  # in the order recorded
+
+
+def test_a_batch_of_value_tuples_gives_sinks_its_dicts():
+    from jaxhistory._codec import encode_records
+
+    names = ("loss", "lr")
+    tuples, dicts = _both_ways(names, [(1.0, 2.0), (3.0, 4.0)], [0, 1], [None] * 2)
+    assert tuples.uniform() == (names, [(1.0, 2.0), (3.0, 4.0)])
+    assert [r.metrics for r in tuples.records()] == [r.metrics for r in dicts.records()]
+    assert tuples.uniform() is None  # its dicts are made: they are what is written
+    tuples.metrics[0]["loss"] = 9.0
+    assert orjson.loads(encode_records(tuples).splitlines()[0])["metrics"] == {
+        "loss": 9.0,
+        "lr": 2.0,
+    }

@@ -1,6 +1,7 @@
 """History: summary lines, distributed history, settings, attach, run names and
 the log each run owns, the dict view, resume, progress (steps/s, ETA, MFU)."""
 
+import threading
 import time
 import warnings
 from unittest import mock
@@ -8,6 +9,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orjson
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -877,3 +879,158 @@ def test_host_scalars_are_reduced_in_float64_where_jax_allows_it():
     assert got["x/max"] == 1234567.891 + 1e-6 and got["x/min"] == 1234567.891
     assert got["x/mean"] == pytest.approx(1234567.891 + 0.5e-6, abs=1e-9)
     assert got["lr/mean"] == 0.003 and got["lr/std"] == 0.0
+
+
+# ----- a dict like the last one: the one-call path -----------------------------------
+
+
+def _updates_of_every_kind(rng):
+    """A mixed run: repeated dicts of floats (the one-call path), and, between
+    them, everything that must leave it (other values, steps, names, attach,
+    bad input, state read and set, precision, summarize)."""
+    keys = ("loss", "lr", "a/b", 'q"%s')
+    base = dict.fromkeys(keys, 0.5)
+    # each right after a dict that the one-call path can follow
+    ops = [("update", {**base, "loss": v}) for v in (1.0, 2.0, 3.0)]
+    for odd in (float("nan"), float("inf"), -float("inf"), 3, True, np.float32(2)):
+        ops += [("update", base), ("update", {**base, "loss": odd}), ("flush",)]
+    ops += [("update", {"step": s, **base}) for s in (20, 21, 21, 19, 2**63, 22)]
+    ops += [("update", {**base, "step": s}) for s in (30, 31, 31.0, 29, "x", 32)]
+    step = 40
+    for i in range(400):
+        values = {k: float(rng.normal()) for k in keys}
+        r = rng.integers(40)
+        if r == 0:
+            values["loss"] = float("nan")
+        elif r == 1:
+            values["lr"] = 3  # an int: no longer all floats
+        elif r == 2:
+            values["loss"] = np.float32(0.5)
+        elif r == 3:
+            values["extra"] = 1.0  # another set of names
+        elif r == 4:
+            del values["lr"]
+        elif r == 5:
+            values = dict(reversed(values.items()))
+        elif r == 6:
+            ops.append(("attach", {"t/x": float(i)}))
+        elif r == 7:
+            ops.append(("bad", {**values, "loss": "oops"}))
+        elif r == 8:
+            ops.append(("read_and_set", None))
+        elif r == 9:
+            values["loss"] = float("inf")
+        elif r == 10:
+            values["lr"] = jnp.float32(0.25)
+        elif r < 14:
+            ops.append(("flush",))  # the log's batches end anywhere
+        form = rng.integers(6)
+        kwargs = {}
+        if form == 1:
+            values = {"step": step, **values}
+        elif form == 2:
+            values = {**values, "step": step}
+        elif form == 3:
+            kwargs["step"] = step
+        elif form == 4 and i > 50:
+            values = {"step": step - 3, **values}  # a step already recorded
+        if rng.integers(10) == 0:
+            kwargs["precision"] = int(rng.integers(0, 9))
+        if rng.integers(7) == 0:
+            kwargs["summarize"] = False
+        ops.append(("update", values, kwargs))
+        step += 1 + int(rng.integers(2))
+    return ops
+
+
+def _run(ops, tmp_path, name, one_call):
+    log = tmp_path / f"{name}.jsonl"
+    h = jh.History(distributed_history=False, jsonl_path=log, log_every=3)
+    lines, errors = [], []
+    with mock.patch.object(
+        jh._history_state.Appender,
+        "take",
+        jh._history_state.Appender.take if one_call else lambda *a: None,
+    ):
+        for op in ops:
+            if op[0] == "attach":
+                h.attach(op[1])
+            elif op[0] == "flush":
+                h.flush()
+            elif op[0] == "read_and_set":
+                state = h.state
+                state.update({"branch": 1.0})  # another branch of it, not seen
+                h.state = state
+            else:
+                metrics = op[1]
+                kwargs = op[2] if len(op) > 2 else {}
+                try:
+                    lines.append(h.update(metrics, **kwargs))
+                except (TypeError, ValueError) as err:
+                    errors.append(type(err).__name__)
+        h.close()
+    rows = [orjson.loads(line) for line in log.read_bytes().splitlines()]
+    for row in rows:
+        row.pop("timestamp"), row.pop("run_id")
+    return h.state, lines, errors, rows
+
+
+def test_a_dict_like_the_last_records_logs_and_shows_what_the_full_parse_does(
+    tmp_path,
+):
+    """Every update of a mixed run, through the one-call path where it applies,
+    gives the same summary lines, errors, state and log lines as with every
+    update fully parsed."""
+    ops = _updates_of_every_kind(np.random.default_rng(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        fast = _run(ops, tmp_path, "fast", True)
+        full = _run(ops, tmp_path, "full", False)
+    (state, lines, errors, rows), (state0, lines0, errors0, rows0) = fast, full
+    assert lines == lines0 and errors == errors0 and rows == rows0
+    assert len(errors) > 5 and sum(bool(line) for line in lines) > 50
+    assert state.keys == state0.keys
+    for key in state.keys:
+        np.testing.assert_array_equal(state.steps(key), state0.steps(key))
+        np.testing.assert_array_equal(state.values(key), state0.values(key))
+        assert state.values(key).dtype == state0.values(key).dtype
+
+
+def test_the_one_call_path_is_taken_by_repeated_dicts():
+    h = jh.History(distributed_history=False)
+    taken = []
+    take = jh._history_state.Appender.take
+
+    def counting(self, metrics, now):
+        row = take(self, metrics, now)
+        taken.append(row is not None)
+        return row
+
+    with mock.patch.object(jh._history_state.Appender, "take", counting):
+        for s in range(5):
+            h.update({"loss": 1.0 / (s + 1), "lr": 0.1})
+        for s in range(5, 10):
+            h.update({"step": s, "loss": 0.5, "lr": 0.1})
+    assert taken == [False] + [True] * 4 + [False] + [True] * 4
+    assert h.state.steps("loss").tolist() == list(range(10))
+
+
+def test_repeated_dicts_from_threads_are_all_recorded_and_logged(tmp_path):
+    log = tmp_path / "t.jsonl"
+    h = jh.History(distributed_history=False, jsonl_path=log)
+    n, k = 2_000, 4
+
+    def work(t):
+        for i in range(n):
+            h.update({f"t{t}/loss": float(i), f"t{t}/lr": 0.5}, summarize=i % 2 == 0)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(k)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    h.close()
+    state = h.state
+    for t in range(k):
+        assert state.values(f"t{t}/loss").tolist() == [float(i) for i in range(n)]
+    assert len(log.read_bytes().splitlines()) == n * k
