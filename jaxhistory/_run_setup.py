@@ -3,8 +3,9 @@ resume and the sinks this process writes to."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import jax
 from jaxhistory._dtypes import as_step
 from jaxhistory._env import check_run_id, env_flag, new_run_id
 from jaxhistory._history_state import HistoryState
+from jaxhistory._run_log import RunLog, log_target
 from jaxhistory.export._load import load_run, run_file
 from jaxhistory.sinks import WandbSink
 from jaxhistory.sinks._base import is_sink, writes_here
@@ -28,9 +30,11 @@ from jaxhistory.sinks._wandb import wandb_run
 __all__ = [
     "check_not_erased",
     "check_options",
+    "open_outputs",
     "resumed",
     "run_id_for",
     "sinks_here",
+    "use_wandb_ignored",
 ]
 
 
@@ -170,3 +174,47 @@ def sinks_here(
                 sink.close()
             raise
     return tuple(s for s in out if writes_here(s))
+
+
+def open_outputs(
+    sinks: Sequence[Any] | str | None,
+    use_wandb: bool | None,
+    jsonl_path: Path | None,
+    report_dir: Path | None,
+    run_id: str,
+    overwrite: bool,
+    on_stats: Callable,
+) -> tuple[tuple, RunLog]:
+    """The sinks of this process (:func:`sinks_here`, named sinks writing into
+    ``report_dir``, else the log's folder) and the :class:`RunLog` that feeds
+    them and streams the JSONL log (:func:`log_target`). Where the log cannot
+    be made, the sinks made here from names are closed again."""
+    folder = report_dir
+    if folder is None and jsonl_path is not None:
+        folder = jsonl_path.parent
+    made = sinks_here(sinks, use_wandb, folder, run_id, overwrite)
+    given = () if sinks is None or isinstance(sinks, str) else tuple(sinks)
+    try:
+        log_path = log_target(jsonl_path, report_dir, run_id)
+        return made, RunLog(log_path, overwrite, run_id, made, on_stats)
+    except BaseException:
+        for sink in made:  # the ones made here from names
+            if not any(sink is s for s in given):
+                with contextlib.suppress(Exception):
+                    sink.close()
+        raise
+
+
+def use_wandb_ignored(use_wandb: Any, sinks: Sequence[Any]) -> str:
+    """The warning that ``update(use_wandb=...)`` is ignored; a ValueError for
+    anything but True/False."""
+    if use_wandb not in (True, False):
+        raise ValueError(f"use_wandb must be True, False or None, got {use_wandb!r}")
+    has = any(isinstance(s, WandbSink) for s in sinks)
+    now = "every update goes to" if has else "this History has no"
+    return (
+        f"update(use_wandb={use_wandb}) is ignored ({now} W&B sink): "
+        "jaxhistory decides W&B once, with History(use_wandb=...) or "
+        f"sinks= ({SINKS_VARIABLE}=wandb), and sends every update to "
+        "every sink; this warning is given once per History"
+    )

@@ -106,7 +106,7 @@ def distributed_history_run(steps: int) -> dict:
     # several processes, the two arrival scalars, beside the per-device loss.
     from jaxhistory._distributed import _per_process_rows
 
-    (fn,) = history._reducer._fns.values()
+    (fn,) = history._recorder.job.reducer._fns.values()
     packed = None  # one process: host scalars are recorded as they are
     if jax.process_count() > 1:
         packed = _per_process_rows([(str(i), 0.0) for i in range(4)], mesh)

@@ -561,7 +561,8 @@ def test_a_log_written_again_keeps_the_streamed_timestamps(tmp_path):
         h.update({"x": float(k)}, summarize=False)
     h.flush()
     streamed = [json.loads(x)["timestamp"] for x in _log_path(h).read_text().split()]
-    h._out.failed = True  # as after a failed write: finalize writes the log again
+    # as after a failed write: finalize writes the log again
+    h._recorder.out.failed = True
     h.finalize(tmp_path / "out", plot=False)
     log = tmp_path / "out" / f"{h.run_id}.jsonl"
     again = [json.loads(x)["timestamp"] for x in log.read_text().split()]

@@ -316,7 +316,7 @@ def test_history_jsonl_per_process_path_and_report_dir_default(tmp_path):
     assert h2.run_id.startswith("exp-")
     h3 = jh.History(distributed_history=False)  # nowhere to stream: no file
     h3.update({"a": 1.0})
-    assert h3._out.writer is None
+    assert h3._recorder.out.writer is None
 
 
 def test_history_jsonl_holds_distributed_stats(tmp_path, mesh):

@@ -80,6 +80,7 @@ LAYERS = {
     "jaxhistory._appending": DATA,  # the checks and bulk appends of a state
     "jaxhistory._combining": DATA,  # states made from whole states
     "jaxhistory._xarray": DATA,
+    "jaxhistory._views": DATA,  # History.history, .data and .groups, read-only
     # Effects: files, threads, processes, sinks, the command line.
     "jaxhistory._writer": EFFECTS,  # the one background thread, any target
     "jaxhistory._fan_out": EFFECTS,  # rows -> the JSONL log, traces, sinks
@@ -92,6 +93,8 @@ LAYERS = {
     "jaxhistory._hang": EFFECTS,  # the hang report of a multi-process History
     "jaxhistory._stragglers": EFFECTS,  # per-process arrival lags over windows
     "jaxhistory._history": EFFECTS,
+    "jaxhistory._recorder": EFFECTS,  # what History does with each update
+    "jaxhistory._job": EFFECTS,  # what a History shares with the other processes
     "jaxhistory._results": EFFECTS,
     "jaxhistory._timing": EFFECTS,
     "jaxhistory.trace": EFFECTS,

@@ -3,11 +3,15 @@ take tables (``log_table``) at ``finalize``."""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["TRAINING_HISTORY", "training_history"]
+from jaxhistory.sinks._feed import sink_name
+
+__all__ = ["TRAINING_HISTORY", "log_tables", "training_history"]
 
 TRAINING_HISTORY = "training_history"  # the table's name, as ezpz calls it
 
@@ -53,3 +57,25 @@ def training_history(state: Any) -> tuple[list[str], list[list[Any]]]:
     by_step = zip(steps.tolist(), *columns, strict=True)
     rows = [list(row) for row in by_step]
     return ["step", *names], rows
+
+
+def log_tables(sinks: Sequence[Any], state: Any) -> None:
+    """Hands :func:`training_history` of ``state`` to every sink of ``sinks``
+    that takes tables; one that raises gets a warning naming it (finalize has
+    written the outputs already)."""
+    takers = [s for s in sinks if callable(getattr(s, "log_table", None))]
+    if not takers:
+        return
+    columns, rows = training_history(state)
+    many = len(sinks) > 1
+    for sink in takers:
+        try:
+            sink.log_table(TRAINING_HISTORY, columns, rows)
+        except Exception as err:
+            index = next(i for i, s in enumerate(sinks) if s is sink)
+            name = sink_name(sink, index if many else None)
+            warnings.warn(
+                f"sink {name}: log_table({TRAINING_HISTORY!r}) failed: {err!r}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
