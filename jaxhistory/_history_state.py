@@ -531,8 +531,10 @@ class Appender:
 
     def remember(self, metrics: Any, row: Row) -> None:
         """Notes how ``metrics``, just parsed (with no explicit step) into
-        ``row`` and appended, looked, for :meth:`take`."""
-        if self._names is not None and row.names == self._names:
+        ``row`` and appended, looked, for :meth:`take`: where it went onto the
+        end of the table of the row before it (the names repeat; a run whose
+        names change at every update never pays for :meth:`take`)."""
+        if self._table is not None and row.names == self._names:
             self._repeat = repeat_of(metrics, row)
 
     def take(self, metrics: Any, timestamp: float) -> Row | None:

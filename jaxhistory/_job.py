@@ -74,6 +74,11 @@ class JobSync:
         watch, nothing reduced across processes)."""
         return self._hang_key is None and not self.reduce_host
 
+    @property
+    def watching(self) -> bool:
+        """Whether :meth:`beat` has anything to do."""
+        return self._hang_key is not None
+
     def beat(self, step: int) -> None:
         """Tells the hang watch this process reached ``step`` (started here
         the first time), before a reduction that may wait."""

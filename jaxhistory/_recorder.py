@@ -147,7 +147,8 @@ class Recorder:
         caller holds the lock)."""
         rec, job = self.rec, self.job
         row = parse_row(metrics, step, rec.next_step, now)
-        job.beat(row.step)  # before the reduction, which may wait
+        if job.watching:
+            job.beat(row.step)  # before the reduction, which may wait
         if self.progress is not None:
             row = self.progress.add(row, self.log_every)
         if self.distributed_history and (
@@ -162,7 +163,8 @@ class Recorder:
         rec.append(row)
         if step is None and self.progress is None and job.plain:
             rec.remember(metrics, row)  # the next dict like it takes rec.take
-        self._record_scores(job.scores())
+        if job.reduce_host:
+            self._record_scores(job.scores())
         if row.kind is RowKind.VALUES and self.mesh is None:
             self.mesh = mesh_of(row.values)
         return row

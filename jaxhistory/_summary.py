@@ -97,6 +97,11 @@ def _format(value: Any, precision: int, counter: bool) -> str:
     if type(value) is int:
         return str(value)
     arr = np.asarray(value)
+    if arr.dtype == object:  # adds like a float, yet is none: stored as NaN
+        try:
+            arr = np.asarray(arr, np.float64)
+        except (TypeError, ValueError):
+            return "nan"
     if arr.ndim:
         if arr.size <= 4:
             return "[" + ",".join(_format(v, precision, counter) for v in arr) + "]"

@@ -1009,7 +1009,9 @@ def test_the_one_call_path_is_taken_by_repeated_dicts():
             h.update({"loss": 1.0 / (s + 1), "lr": 0.1})
         for s in range(5, 10):
             h.update({"step": s, "loss": 0.5, "lr": 0.1})
-    assert taken == [False] + [True] * 4 + [False] + [True] * 4
+    # the second dict goes onto the end of the first's table, then each takes
+    # one call (a step entry first is another form of dict: once more)
+    assert taken == [False] * 2 + [True] * 3 + [False] + [True] * 4
     assert h.state.steps("loss").tolist() == list(range(10))
 
 
@@ -1032,3 +1034,23 @@ def test_repeated_dicts_from_threads_are_all_recorded_and_logged(tmp_path):
     for t in range(k):
         assert state.values(f"t{t}/loss").tolist() == [float(i) for i in range(n)]
     assert len(log.read_bytes().splitlines()) == n * k
+
+
+def test_a_value_that_only_adds_like_a_float_is_recorded_and_shown_as_nan():
+    """A dict like the last one takes the fast path, which accepts what adds
+    like a float (stored as NaN with a warning when it cannot be converted,
+    as for HistoryState.update): its summary line shows what is stored
+    instead of raising after the value was recorded."""
+
+    class AddsLikeAFloat:
+        def __radd__(self, other):
+            return other + 1.0
+
+    h = jh.History(distributed_history=False)
+    for v in (1.0, 2.0, 3.0):
+        h.update({"a": v, "b": v})
+    line = h.update({"a": AddsLikeAFloat(), "b": 4.0})
+    assert line == "step=3 a=nan b=4.000000"
+    with pytest.warns(RuntimeWarning, match="'a'.*recorded as NaN"):
+        values = h.state.values("a")
+    assert values[:3].tolist() == [1.0, 2.0, 3.0] and np.isnan(values[3])
