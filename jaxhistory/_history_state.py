@@ -19,7 +19,7 @@ from jaxhistory._dtypes import (
     check_ints,
     warmup_count,
 )
-from jaxhistory._row import Repeat, Row, RowKind, parse_row, repeat_of
+from jaxhistory._row import Repeat, Row, RowKind, parse_row, repeat_of, repeated
 from jaxhistory._run_stats import column_summary
 from jaxhistory._stats import Stats
 from jaxhistory._table import (
@@ -454,9 +454,7 @@ _EXACT_F = float(2**53)  # beyond this magnitude not every integer is a float64
 
 _new_state = functools.partial(object.__new__, HistoryState)
 _set = object.__setattr__  # how a frozen dataclass sets its fields
-_FLOATS, _FINITE = RowKind.FLOATS, RowKind.FINITE_FLOATS
-_PY_FLOAT = frozenset({float})
-_new_row = tuple.__new__
+_FLOATS = RowKind.FLOATS
 
 
 class Appender:
@@ -545,29 +543,16 @@ class Appender:
         None (nothing done) for anything else: then parse and
         :meth:`append` it."""
         repeat = self._repeat
-        if repeat is None or type(metrics) is not dict:
+        if repeat is None:
             return None
-        if tuple(metrics) != repeat.keys:
+        row = repeated(repeat, metrics, self.next_step, timestamp)
+        if row is None:
             return None
-        values = tuple(metrics.values())
-        at = repeat.step_at
-        step = self.next_step
-        if at is not None:
-            given = values[at]
-            if type(given) is not int or not step <= given <= INT64_MAX:
-                return None
-            step = given
-            values = values[1:] if at == 0 else values[:-1]
-        if set(map(type, values)) != _PY_FLOAT:
-            return None
-        total = sum(values, 0.0)  # inf or NaN anywhere makes total - total NaN
-        if total - total != 0.0:
-            return None
-        names = repeat.names
+        step = row.step
         table = self._table
         if table is None:
-            table = self._state.data.tables[names][0]
+            table = self._state.data.tables[repeat.names][0]
         # in place, unless another state appended to it first: then a copy
-        table = _appending.append_row(table, self._n, step, values)
+        table = _appending.append_row(table, self._n, step, row.values)
         self._table, self._n, self.next_step = table, self._n + 1, step + 1
-        return _new_row(Row, (step, names, values, _FINITE, timestamp, "step"))
+        return row
