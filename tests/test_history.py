@@ -1054,3 +1054,23 @@ def test_a_value_that_only_adds_like_a_float_is_recorded_and_shown_as_nan():
     with pytest.warns(RuntimeWarning, match="'a'.*recorded as NaN"):
         values = h.state.values("a")
     assert values[:3].tolist() == [1.0, 2.0, 3.0] and np.isnan(values[3])
+
+
+def test_a_state_read_and_updated_aside_does_not_share_rows_with_the_history():
+    """The one-call path appends in place to the table the last state read from
+    the History also ends with; a branch made from that state (updated with the
+    same names) and the History's later rows never see each other."""
+    h = jh.History(distributed_history=False)
+    for s in range(4):
+        h.update({"loss": float(s), "lr": 0.5})
+    snapshot = h.state
+    branch = snapshot.update({"loss": 100.0, "lr": 0.25})  # same table, step 4
+    for s in range(4, 7):
+        h.update({"loss": float(s), "lr": 0.5})
+    assert h.state.values("loss").tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert branch.values("loss").tolist() == [0.0, 1.0, 2.0, 3.0, 100.0]
+    assert branch.values("lr").tolist()[-1] == 0.25
+    assert snapshot.values("loss").tolist() == [0.0, 1.0, 2.0, 3.0]
+    more = branch.update({"loss": 200.0, "lr": 0.25})
+    assert more.steps("loss").tolist() == [0, 1, 2, 3, 4, 5]
+    assert h.state.steps("loss").tolist() == list(range(7))
