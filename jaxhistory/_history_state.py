@@ -23,7 +23,6 @@ from jaxhistory._row import Repeat, Row, RowKind, parse_row, repeat_of, repeated
 from jaxhistory._run_stats import column_summary
 from jaxhistory._stats import Stats
 from jaxhistory._table import (
-    STAGE,
     InFlight,
     Table,
     Tables,
@@ -249,17 +248,8 @@ class HistoryState:
         if step > INT64_MAX:
             raise ValueError(f"'step' is {step}, outside the int64 range of steps")
         table, n = entry
-        with table.lock:
-            if table.length == n:  # this state owns the table's end: append in place
-                table.rows.append(values)  # Table.append, inlined
-                table.row_steps.append(step)
-                table.last_step = step
-                table.length = n + 1
-                if len(table.rows) >= STAGE:
-                    table.move_stage()
-                appended = True
-            else:
-                appended = False
+        # in place where this state owns the table's end
+        appended = table.append_at(n, step, values)
         if not appended:  # an older state updated again, or another thread first
             table = _appending.append_row(table, n, step, values)
         tables = self.data.tables.copy()
@@ -553,6 +543,7 @@ class Appender:
         if table is None:
             table = self._state.data.tables[repeat.names][0]
         # in place, unless another state appended to it first: then a copy
-        table = _appending.append_row(table, self._n, step, row.values)
+        if not table.append_at(self._n, step, row.values):
+            table = _appending.append_row(table, self._n, step, row.values)
         self._table, self._n, self.next_step = table, self._n + 1, step + 1
         return row

@@ -143,6 +143,22 @@ class Table:
         if len(self.rows) >= STAGE:
             self.move_stage()
 
+    def append_at(self, n: int, step: int, row: tuple) -> bool:
+        """Stages one row of host values after the first ``n`` rows, where the
+        table has exactly ``n`` (the caller's state owns its end); False, and
+        nothing done, where another state appended first (then copy: see
+        :func:`~jaxhistory._appending.append_row`). Takes :attr:`lock`."""
+        with self.lock:
+            if self.length != n:
+                return False
+            self.rows.append(row)
+            self.row_steps.append(step)
+            self.last_step = step
+            self.length = n + 1
+            if len(self.rows) >= STAGE:
+                self.move_stage()
+            return True
+
     def extend(self, steps: np.ndarray, columns: list[np.ndarray]) -> None:
         """Appends many rows at once from host arrays, one per key (the caller
         holds :attr:`lock`)."""

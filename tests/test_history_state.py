@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jaxhistory as jh
-from jaxhistory import _history_state
+from jaxhistory import _history_state, _table
 from jaxhistory._history_state import Appender
 from jaxhistory._row import parse_row
 
@@ -545,7 +545,7 @@ def test_an_iter_metric_stored_with_an_explicit_step_stays_a_step_entry_later():
 
 def test_many_fast_path_rows_cross_the_staging_flush():
     s = jh.HistoryState()
-    n = 3 * _history_state.STAGE + 5
+    n = 3 * _table.STAGE + 5
     for i in range(n):
         s = s.update({"a": float(i), "b": i % 2})
     assert s.values("a").tolist() == [float(i) for i in range(n)]
@@ -616,7 +616,7 @@ def _device_rows(n, mesh=None):
 
 
 def test_device_rows_past_the_staging_flush_keep_every_value_and_dtype():
-    outs = _device_rows(_history_state.STAGE + 40)
+    outs = _device_rows(_table.STAGE + 40)
     s = jh.HistoryState()
     for out in outs:
         s = s.update(out)
