@@ -459,8 +459,8 @@ class Appender:
     :meth:`HistoryState.append`. Not thread-safe: its owner holds a lock.
 
     :meth:`take` is the one-call form for a dict with the keys of the last one
-    (:meth:`remember`): it parses and appends it without making a
-    :class:`Row` first, or declines.
+    (:meth:`remember`): it parses it (:func:`~jaxhistory._row.repeated`) and
+    appends it in place, or declines.
     """
 
     __slots__ = ("_n", "_names", "_repeat", "_state", "_table", "next_step")

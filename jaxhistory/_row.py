@@ -271,6 +271,8 @@ def repeated(
     at = repeat.step_at
     if at is None:
         step = next_step
+        if step > INT64_MAX:  # past the last step int64 holds: refused there
+            return None
     else:
         step = values[at]
         if type(step) is not int or not next_step <= step <= INT64_MAX:

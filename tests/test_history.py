@@ -1074,3 +1074,18 @@ def test_a_state_read_and_updated_aside_does_not_share_rows_with_the_history():
     more = branch.update({"loss": 200.0, "lr": 0.25})
     assert more.steps("loss").tolist() == [0, 1, 2, 3, 4, 5]
     assert h.state.steps("loss").tolist() == list(range(7))
+
+
+def test_a_repeated_dict_after_the_last_int64_step_is_refused_and_nothing_is_lost():
+    h = jh.History(distributed_history=False)
+    for _ in range(3):
+        h.update({"a": 1.0, "b": 2.0})
+    h.update({"a": 1.0, "b": 2.0}, step=2**63 - 1)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="int64"):
+            h.update({"a": 1.0, "b": 2.0})
+    assert h.state.steps("a").tolist() == [0, 1, 2, 2**63 - 1]
+    state = h.state
+    with pytest.raises(ValueError, match="int64"):
+        state.update({"a": 1.0, "b": 2.0})
+    assert state.count("a") == 4

@@ -176,6 +176,13 @@ def test_a_repeated_dict_keeps_its_own_step_below_the_next():
     assert row.step == 3
 
 
+def test_a_repeated_dict_past_the_last_int64_step_is_the_full_parses_to_refuse():
+    first = parse_row({"loss": 0.5}, None, 0)
+    repeat = repeat_of({"loss": 0.5}, first)
+    assert repeated(repeat, {"loss": 0.25}, 2**63 - 1, 0.0).step == 2**63 - 1
+    assert repeated(repeat, {"loss": 0.25}, 2**63, 0.0) is None
+
+
 def test_the_same_keys_in_another_order_are_another_row():
     parse_row({"a": 1.0, "b": 2.0})
     row = parse_row({"b": 2.0, "a": 1.0})
