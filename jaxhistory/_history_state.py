@@ -513,7 +513,8 @@ class Appender:
         if table is None:
             table = self._state.data.tables[names][0]
         # in place, unless another state appended to it first: then a copy
-        table = _appending.append_row(table, self._n, step, values)
+        if not table.append_at(self._n, step, values):
+            table = _appending.append_row(table, self._n, step, values)
         self._table, self._n, self.next_step = table, self._n + 1, step + 1
         return True
 
@@ -536,14 +537,6 @@ class Appender:
         if repeat is None:
             return None
         row = repeated(repeat, metrics, self.next_step, timestamp)
-        if row is None:
+        if row is None or not self.append_floats(repeat.names, row[2], row[0]):
             return None
-        step = row.step
-        table = self._table
-        if table is None:
-            table = self._state.data.tables[repeat.names][0]
-        # in place, unless another state appended to it first: then a copy
-        if not table.append_at(self._n, step, row.values):
-            table = _appending.append_row(table, self._n, step, row.values)
-        self._table, self._n, self.next_step = table, self._n + 1, step + 1
         return row
