@@ -242,6 +242,111 @@ def bench(procs: list[int], steps: int, warmup: int, repeats: int) -> str:
     return "\n".join([TITLE, "", settings, "", *rows])
 
 
+LAUNCH_TITLE = "## How long launching a program takes right after a step"
+
+
+def _launch_wait(repeats: int) -> dict:
+    """Runs in every process (via launch_local), plain JAX, no jaxhistory in
+    the timed code: a data-parallel step (about a hundred ms here) is
+    launched, and right after it a tiny program whose inputs were computed
+    long before; the time its launch call takes, per kind of program. Then
+    the same call with the devices idle."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    rows, repl = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    rng = np.random.default_rng(0)
+    w = jax.device_put(rng.normal(size=(512, 512)).astype(np.float32) / 23, repl)
+    x_np = rng.normal(size=(2048, 512)).astype(np.float32)
+    x = jax.make_array_from_callback(x_np.shape, rows, lambda i: x_np[i])
+
+    @jax.jit
+    def step(w, x):
+        def loss(w):
+            h = x
+            for _ in range(4):
+                h = jnp.tanh(h @ w)
+            return jnp.mean(h**2)
+
+        return w - 1e-3 * jax.grad(loss)(w)
+
+    v_np = np.arange(n, dtype=np.float32)
+    v = jax.make_array_from_callback((n,), rows, lambda i: v_np[i])
+    w0 = jax.device_put(np.ones((8, 8), np.float32), repl)
+    z = jax.device_put(np.ones(4, np.float32), jax.local_devices()[0])
+    programs = {
+        "every device, a cross-process all-reduce": (
+            jax.jit(jnp.sum, out_shardings=repl),
+            v,
+        ),
+        "every device, no collective": (jax.jit(lambda a: a * 2.0), w0),
+        "one device": (jax.jit(lambda a: a * 2.0), z),
+    }
+    for fn, arg in programs.values():
+        jax.block_until_ready(fn(arg))
+    w = step(w, x)
+    w.block_until_ready()
+    out: dict[str, tuple[float, float]] = {}
+    steps = []
+    for label, (fn, arg) in programs.items():
+        busy, idle = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            w = step(w, x)
+            t1 = time.perf_counter()
+            r = fn(arg)  # the devices still run the step
+            t2 = time.perf_counter()
+            w.block_until_ready()
+            steps.append(time.perf_counter() - t0)
+            jax.block_until_ready(r)
+            t3 = time.perf_counter()
+            r = fn(arg)  # the devices idle
+            idle.append(time.perf_counter() - t3)
+            jax.block_until_ready(r)
+            busy.append(t2 - t1)
+        out[label] = (statistics.median(busy), statistics.median(idle))
+    return {"programs": out, "step": statistics.median(steps)}
+
+
+def bench_launch(procs: int, repeats: int) -> str:
+    import jaxhistory as jh
+
+    results = jh.launch_local(
+        "bench_multihost:_launch_wait",
+        num_processes=procs,
+        devices_per_process=2,
+        args=(repeats,),
+        timeout=600,
+    )
+    rows = [
+        "| program launched | launch call, devices busy with the step (ms) "
+        "| launch call, devices idle (ms) |",
+        "|---|---:|---:|",
+    ]
+    for label in results[0]["programs"]:
+        busy = [r["programs"][label][0] * 1e3 for r in results]
+        idle = [r["programs"][label][1] * 1e3 for r in results]
+        rows.append(
+            f"| {label} | {min(busy):.2f}-{max(busy):.2f} "
+            f"| {min(idle):.2f}-{max(idle):.2f} |"
+        )
+    step_ms = [r["step"] * 1e3 for r in results]
+    settings = (
+        f"{procs} processes x 2 CPU devices, plain JAX (no jaxhistory in the "
+        "timed code). A data-parallel step (4 tanh layers of 512, batch 2,048 "
+        f"sharded over the devices; {min(step_ms):.0f}-{max(step_ms):.0f} ms "
+        "from launch to done) is launched, then at once a tiny program whose "
+        "inputs were computed long before: the time its launch call takes; "
+        f"then the same call with the devices idle. Median of {repeats} per "
+        "process; the range over the processes."
+    )
+    return "\n".join([LAUNCH_TITLE, "", settings, "", *rows])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None)
@@ -250,13 +355,15 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # for the workers
     if args.quick:
         table = bench([2], steps=16, warmup=8, repeats=3)
+        launch = bench_launch(2, repeats=3)
     else:
         table = bench([2, 4], steps=48, warmup=16, repeats=16)
+        launch = bench_launch(2, repeats=15)
     import jax
     from _common import report
 
     info = f"jax {jax.__version__}, launch_local processes x 2 CPU devices"
-    report(info, args.quick, [table], args.out)
+    report(info, args.quick, [table, "", launch], args.out)
     return 0
 
 

@@ -124,6 +124,10 @@ def test_bench_multihost_quick(tmp_path):
     ):
         row = re.search(rf"^\| 2 \S 2 \| `{variant}` \| ([\d.]+) \|", text, re.M)
         assert row and float(row.group(1)) > 0, f"no ms/step for {variant}:\n{text}"
+    launches = re.findall(
+        r"^\| (every device|one device)[^|]* \| ([\d.]+)-", text, re.M
+    )
+    assert len(launches) == 3 and all(float(ms) > 0 for _, ms in launches), text
 
 
 def test_bench_scale_quick(tmp_path):
