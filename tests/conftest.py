@@ -2,9 +2,18 @@
 
 Every reducer is tested on a real 8-device mesh; a run that ends up with a different
 device count stops here instead of passing vacuously on one device.
+
+Each test process keeps JAX's compiled programs in a compilation cache of its
+own for the session: many tests build the same programs anew (a new closure
+under ``jax.jit``), and reading them back costs a fraction of compiling them.
+The cache is this process's alone (processes the tests start do not inherit
+it) and is removed at exit.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["JAX_NUM_CPU_DEVICES"] = "8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -13,6 +22,13 @@ import jax
 import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+if os.environ.get("JAX_COMPILATION_CACHE_DIR") is None:
+    _CACHE = tempfile.mkdtemp(prefix="jaxhistory-tests-jax-cache-")
+    atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 if jax.device_count() != 8:
     raise RuntimeError(
