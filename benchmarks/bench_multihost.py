@@ -299,7 +299,7 @@ def _launch_wait(repeats: int) -> dict:
             w = step(w, x)
             t1 = time.perf_counter()
             r = fn(arg)  # the devices still run the step
-            t2 = time.perf_counter()
+            busy.append(time.perf_counter() - t1)
             w.block_until_ready()
             steps.append(time.perf_counter() - t0)
             jax.block_until_ready(r)
@@ -307,7 +307,6 @@ def _launch_wait(repeats: int) -> dict:
             r = fn(arg)  # the devices idle
             idle.append(time.perf_counter() - t3)
             jax.block_until_ready(r)
-            busy.append(t2 - t1)
         out[label] = (statistics.median(busy), statistics.median(idle))
     return {"programs": out, "step": statistics.median(steps)}
 
