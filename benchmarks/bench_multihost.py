@@ -23,8 +23,9 @@ and a second pair, where History does the reduction:
   per-shard loss and the host scalar across all devices and processes (with
   device provenance and the straggler fields) in one jitted call per update;
 * ``history + host, log_every=16``: the same with ``History(log_every=16)``:
-  what needs reducing waits in a batch, reduced in one program every 16 steps
-  (and recorded at each update's own step).
+  what needs reducing waits in a batch, reduced every 16 steps on the host
+  through the distributed runtime's key-value store (no device program), and
+  recorded at each update's own step.
 
 Every variant waits on its latest step output every 8 steps (simulated CPU devices
 deadlock when too many collective steps are queued). The figure is the paired
@@ -48,8 +49,8 @@ LOOP_TARGET = 0.97
 IN_FEATURES, HIDDEN, BATCH = 64, 256, 1024
 MAX_STEPS_IN_FLIGHT = 8
 TITLE = "## Distributed History in a multi-process train loop"
-BATCH = 16
-BATCHED = f"history + host, log_every={BATCH}"
+LOG_EVERY = 16
+BATCHED = f"history + host, log_every={LOG_EVERY}"
 HEADER = (
     "| processes x devices | variant | ms/step (median repeat) | paired ratio, median "
     "(IQR) | host µs/update in `update` | target |"
@@ -112,7 +113,7 @@ def _loop(steps: int, warmup: int, repeats: int) -> dict:
         "history + host": (False, jh.History(distributed_history=True), {"lr": 0.01}),
         BATCHED: (
             False,
-            jh.History(distributed_history=True, log_every=BATCH),
+            jh.History(distributed_history=True, log_every=LOG_EVERY),
             {"lr": 0.01},
         ),
     }

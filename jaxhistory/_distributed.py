@@ -1,6 +1,8 @@
 """History's distributed reduction: per-device values (and, with several
 processes, per-process host scalars) become ``name/{mean,max,min,std}`` across
-all devices or processes, in one fused jitted call per update."""
+all devices or processes, in one fused jitted call per update (with several
+processes and ``log_every`` > 1: per batch of updates, on the host, in
+:mod:`jaxhistory._host_batches`)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhistory._env import env_flag
+from jaxhistory._host_batches import Combined, HostBatch, combine, result_dtype
 from jaxhistory._names import COUNTER_KEYS
 from jaxhistory._provenance import Layout, check_provenance, concrete_layout
 from jaxhistory._row import Row, RowKind
@@ -130,7 +133,9 @@ class Reducer:
         self.lags: list[tuple[int, float, Any, tuple[int, ...]]] = []
         self._batch: list[tuple[int, float, list]] = []  # (step, time, items)
         self._batch_names: tuple[str, ...] = ()
-        self._inflight: list[tuple] = []  # batches dispatched, not yet fetched
+        self._inflight: list[tuple] = []  # batches started, not yet fetched
+        self._batches = itertools.count()  # numbers batches alike in every process
+        self._last: HostBatch | None = None  # the latest batch started
         # reductions (one per update, or per batch) so far: when checksums are due
         self._clock = 0
 
@@ -193,19 +198,15 @@ class Reducer:
             self.latest = (len(self._agreed), names, step)
         return items, now
 
-    def _program(
-        self, updates: list[tuple[int, float, list]], prefixes: tuple[str, ...]
-    ) -> tuple[tuple, Any, bool]:
-        """Runs one reduction of ``updates`` (``(step, time, items)`` each, their
-        names prefixed with ``prefixes``): its outputs, the mesh, and whether
+    def _program(self, items: list[tuple[str, Any]]) -> tuple[tuple, Any, bool]:
+        """Runs one reduction of ``items``: its outputs, the mesh, and whether
         there were per-device values."""
         arrays, host = {}, []
-        for prefix, (_, _, items) in zip(prefixes, updates, strict=True):
-            for n, v in items:
-                if isinstance(v, jax.Array):
-                    arrays[prefix + n] = v
-                else:
-                    host.append((prefix + n, v))
+        for n, v in items:
+            if isinstance(v, jax.Array):
+                arrays[n] = v
+            else:
+                host.append((n, v))
         meshes = [v.sharding.mesh for v in arrays.values()]
         mesh = meshes[0] if meshes else _all_devices_mesh()
         # All host scalars in one global array: one transfer per local device.
@@ -221,10 +222,10 @@ class Reducer:
             layouts.update(
                 dict.fromkeys(host_names, concrete_layout(column, (mesh.size,)))
             )
-        key = (prefixes, host_names, tuple((n, lay.key) for n, lay in layouts.items()))
+        key = (host_names, tuple((n, lay.key) for n, lay in layouts.items()))
         fn = self._fns.get(key)
         if fn is None:
-            if len(self._fns) >= 64:  # bounded: batches of varying length
+            if len(self._fns) >= 64:  # bounded: name sets that come and go
                 self._fns.clear()
             fn = self._fns[key] = jax.jit(
                 functools.partial(
@@ -232,7 +233,6 @@ class Reducer:
                     host_names=host_names,
                     layouts=layouts,
                     provenance=self.provenance,
-                    prefixes=prefixes,
                 )
             )
         return fn(arrays, packed), mesh, bool(meshes)
@@ -268,14 +268,12 @@ class Reducer:
         (``{}`` with one process) and the mesh of the per-device values (None
         if there were none)."""
         items, now = self._arrived(items, step)
-        (stats, stragglers, differs), mesh, has = self._program(
-            [(step, now, items)], ("",)
-        )
+        (stats, straggler, differs), mesh, has = self._program(items)
         names = tuple(sorted(n for n, _ in items))
         self._clock += 1
         due = self._clock + SAME_WINDOW
         stats, straggler = self._finish(
-            step, now, stats, stragglers[0], differs[0], mesh, names, due
+            step, now, stats, straggler, differs, mesh, names, due
         )
         return stats, straggler, (mesh if has else None)
 
@@ -289,11 +287,12 @@ class Reducer:
         none).
 
         With several processes and ``every`` > 1, what needs reducing waits in
-        a batch, reduced in one program at steps that are multiples of
+        a batch, reduced on the host (through the key-value store, on a
+        background thread, no device program) at steps that are multiples of
         ``every``, after :data:`BATCH_MAX` updates, or when the names change
         (the same updates on every process). A batch's results are fetched at
-        the next batch, when the devices are done with them, so the host keeps
-        running ahead; with ``now_wanted`` (a summary line at this update) the
+        the next batch, long computed by then, so the host keeps running
+        ahead; with ``now_wanted`` (a summary line at this update) the
         batch this update closes is fetched at once and this update's values go
         into ``row``. Each update's values are recorded at its own step.
         """
@@ -333,42 +332,59 @@ class Reducer:
         return row, rows, mesh
 
     def run_batch(self) -> None:
-        """Dispatches the reduction of the waiting batch (one program; not
-        waited for: :meth:`collect` fetches it)."""
+        """Starts the reduction of the waiting batch (on the host, through the
+        distributed runtime's key-value store, on a background thread: no
+        device program; :meth:`collect` fetches it)."""
         batch, self._batch = self._batch, []
-        if batch:
-            prefixes = tuple(f"{i}\x01" for i in range(len(batch)))
-            out, mesh, has = self._program(batch, prefixes)
-            self._inflight.append(
-                (batch, prefixes, out, mesh, has, self._batch_names, self._clock + 1)
-            )
+        if not batch:
+            return
+        updates, arrays = [], []
+        for step, now, items in batch:
+            items = sorted(items, key=lambda item: item[0])
+            for name, value in items:
+                if isinstance(value, jax.Array):
+                    arrays.append(value)
+                elif np.asarray(value).dtype.kind not in "biuf":
+                    raise TypeError(
+                        f"metric {name!r} is not numeric ({type(value).__name__})"
+                    )
+            updates.append((step, now, items))
+        mesh = getattr(arrays[0].sharding, "mesh", None) if arrays else None
+        if not isinstance(mesh, jax.sharding.Mesh):
+            mesh = _all_devices_mesh()
+        client = _client()
+        handle = HostBatch(
+            updates,
+            f"jaxhistory/reducer{self._id}/batch{next(self._batches)}",
+            self._last,
+            client,
+            functools.partial(client_is_current, client),
+            _combine_update,
+            mesh,
+        )
+        self._last = handle
+        self._inflight.append(
+            (batch, handle, mesh, bool(arrays), self._batch_names, self._clock + 1)
+        )
 
     def collect(self, everything: bool = False) -> tuple[list[Row], Any]:
-        """Fetches the batches dispatched before the newest (all of them with
+        """Fetches the batches started before the newest (all of them with
         ``everything``): one row of each update's statistics and straggler
         values at its step; and the mesh of the per-device values (None if
         there were none)."""
         rows, found = [], None
         keep = 0 if everything else 1
         while len(self._inflight) > keep:
-            batch, prefixes, out, mesh, has, names, due = self._inflight.pop(0)
+            batch, handle, mesh, has, names, due = self._inflight.pop(0)
             found = mesh if has else found
-            stats, stragglers, differs = jax.device_get(out)
-            for i, (prefix, (step, now, _)) in enumerate(
-                zip(prefixes, batch, strict=True)
+            results = handle.result()
+            for (step, now, _), (stats, straggler, differs) in zip(
+                batch, results, strict=True
             ):
-                cols = [j for j, n in enumerate(stats.names) if n.startswith(prefix)]
-                where = None if stats.where is None else stats.where[:, cols]
-                part = Stats(
-                    tuple(stats.names[j][len(prefix) :] for j in cols),
-                    stats.table[:, cols],
-                    where,
-                    stats.rows,
+                stats, straggler = self._finish(
+                    step, now, stats, straggler, differs, mesh, names, due
                 )
-                part, straggler = self._finish(
-                    step, now, part, stragglers[i], differs[i], mesh, names, due
-                )
-                values = (part, *straggler.values())
+                values = (stats, *straggler.values())
                 rows.append(Row(step, ("", *straggler), values, RowKind.VALUES))
         return rows, found
 
@@ -456,66 +472,67 @@ def _reduce(
     host_names: tuple[str, ...],
     layouts: dict[str, Layout],
     provenance: bool = True,
-    prefixes: tuple[str, ...] = ("",),
-) -> tuple[Stats, tuple, tuple]:
-    """The jitted reduction of the per-device ``arrays`` and the host scalars
-    (the columns of ``packed``, named ``host_names``) of one or more updates
-    (their names start with one of ``prefixes``): statistics (with provenance
-    when ``layouts`` are given); per update, when its two arrival scalars are
-    among the host scalars, the last process to arrive, its lag behind the
+) -> tuple[Stats, dict, Any]:
+    """The jitted reduction of one update's per-device ``arrays`` and host
+    scalars (the columns of ``packed``, named ``host_names``): statistics
+    (with provenance when ``layouts`` are given); when its two arrival scalars
+    are among the host scalars, the last process to arrive, its lag behind the
     median process and every process's lag (``{}`` without), at no extra
-    collective; and per update whether each checksum of a value recorded as
-    it is (names ``{prefix}{SAME}...``) differs across processes (None
-    without checksums)."""
+    collective; and whether each checksum of a value recorded as it is (names
+    ``{SAME}...``) differs across processes (None without checksums)."""
     metrics = dict(arrays)
     for j, name in enumerate(host_names):
         metrics[name] = packed[:, j]
     leaves, _ = flatten_metrics(metrics)
     lays = [layouts[lf.name] for lf in leaves]
     index = {lf.name: i for i, lf in enumerate(leaves)}
-    pairs = [
-        (index[p + ARRIVAL[0]], index[p + ARRIVAL[1]])
-        if p + ARRIVAL[0] in index
-        else None
-        for p in prefixes
-    ]
-    picks = frozenset(i for pair in pairs if pair for i in pair)
+    pair = (index[ARRIVAL[0]], index[ARRIVAL[1]]) if ARRIVAL[0] in index else None
+    picks = frozenset(pair or ())
     stats, gathered = global_stats(leaves, lays, picks, provenance=provenance)
     stats = _constants_stay(stats)
-    checks = [[index[n] for n in index if n.startswith(p + SAME)] for p in prefixes]
+    checks = [index[n] for n in index if n.startswith(SAME)]
     # a checksum's max and min differ: so did the value
-    differs = tuple(
-        stats.table[1, c] != stats.table[2, c] if c else None for c in checks
-    )
-    dropped = picks | {i for c in checks for i in c}
+    differs = stats.table[1, checks] != stats.table[2, checks] if checks else None
+    dropped = picks | set(checks)
     if dropped:
         keep = [i for i in range(len(leaves)) if i not in dropped]
         where = None if stats.where is None else stats.where[:, keep]
         stats = Stats(tuple(stats.names[i] for i in keep), stats.table[:, keep], where)
-    stragglers = []
-    for pair in pairs:
-        if pair is None:
-            stragglers.append({})
-            continue
-        devices = jax.devices()
-        first: dict[int, int] = {}  # process -> the slot of its first device
-        for slot, holder in enumerate(lays[pair[0]].holders.tolist()):
-            first.setdefault(devices[holder].process_index, slot)
-        procs = sorted(first)
-        slots = np.asarray([first[p] for p in procs])
-        hi, lo = gathered[pair[0]][slots], gathered[pair[1]][slots]
-        # Relative to the earliest whole unit: small, so exact enough in float32.
-        arrival = (hi - jnp.min(hi)) * ARRIVAL_UNIT + lo
-        last = jnp.argmax(arrival)
-        lags = arrival - jnp.median(arrival)
-        stragglers.append(
-            {
-                STRAGGLER[0]: jnp.asarray(procs, jnp.int32)[last],
-                STRAGGLER[1]: lags[last],
-                LAGS: lags,
-            }
-        )
-    return stats, tuple(stragglers), differs
+    if pair is None:
+        return stats, {}, differs
+    devices = jax.devices()
+    first: dict[int, int] = {}  # process -> the slot of its first device
+    for slot, holder in enumerate(lays[pair[0]].holders.tolist()):
+        first.setdefault(devices[holder].process_index, slot)
+    procs = sorted(first)
+    slots = np.asarray([first[p] for p in procs])
+    hi, lo = gathered[pair[0]][slots], gathered[pair[1]][slots]
+    # Relative to the earliest whole unit: small, so exact enough in float32.
+    arrival = (hi - jnp.min(hi)) * ARRIVAL_UNIT + lo
+    last = jnp.argmax(arrival)
+    lags = arrival - jnp.median(arrival)
+    straggler = {
+        STRAGGLER[0]: jnp.asarray(procs, jnp.int32)[last],
+        STRAGGLER[1]: lags[last],
+        LAGS: lags,
+    }
+    return stats, straggler, differs
+
+
+def _combine_update(items: list[tuple[str, Any]], everyone: dict) -> Combined:
+    """One update of a batch reduced on the host (``items`` sorted by name,
+    ``everyone`` each process's partials of them)."""
+    names = tuple(n for n, _ in items)
+    return combine(
+        names,
+        tuple(result_dtype(v) for _, v in items),
+        everyone,
+        ARRIVAL if ARRIVAL[0] in names else None,
+        ARRIVAL_UNIT,
+        SAME,
+        LAGS,
+        STRAGGLER,
+    )
 
 
 def _constants_stay(stats: Stats) -> Stats:

@@ -73,9 +73,11 @@ class History(RunViews):
         log_every: summarize (and so wait for device values) only at steps that
             are multiples of N (N, 2N, ...; and step 0); the others record without
             waiting and return ``""``. With several processes and N > 1, the
-            values to reduce across processes also wait, reduced in one program
-            per batch at those steps (each recorded at its own step); then
-            :meth:`close` and :meth:`finalize` are collective.
+            values to reduce across processes also wait, reduced per batch at
+            those steps on the host, through the distributed runtime's
+            key-value store from a background thread, with no device program
+            (each recorded at its own step); then :meth:`close` and
+            :meth:`finalize` are collective.
         run_name: the first part of ``run_id`` (``{run_name}-{YYYYmmdd-HHMMSS}``,
             with ``-2``, ``-3``, ... where that id is taken), which names the
             JSONL log and is recorded in the outputs. Every process of a

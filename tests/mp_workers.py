@@ -608,7 +608,8 @@ def straggler_scores_run(slow: int, outdir: str) -> dict:
 
 def batched_run(log_every: int, steps: int, summarize: str = "all") -> dict:
     """A per-shard loss and a host scalar recorded with ``log_every``: the
-    programs run, the summary lines and the records."""
+    device programs run, the batches reduced on the host, the summary lines
+    and the records."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -620,14 +621,20 @@ def batched_run(log_every: int, steps: int, summarize: str = "all") -> dict:
     mesh = jax.make_mesh((n,), ("data",))
     sharding = NamedSharding(mesh, P("data"))
     history = jh.History(distributed_history=True, log_every=log_every)
-    programs = []
+    programs, batches = [], []  # device programs; batches reduced on the host
     run = _distributed.Reducer._program
 
-    def counted(self, updates, prefixes):
-        programs.append(len(updates))
-        return run(self, updates, prefixes)
+    def counted(self, items):
+        programs.append(1)
+        return run(self, items)
+
+    class Counted(_distributed.HostBatch):
+        def __init__(self, updates, *args):
+            batches.append(len(updates))
+            super().__init__(updates, *args)
 
     _distributed.Reducer._program = counted
+    _distributed.HostBatch = Counted
     lines = []
     for step in range(steps):
         data = global_data(step, 1, n)["m0"]
@@ -645,6 +652,7 @@ def batched_run(log_every: int, steps: int, summarize: str = "all") -> dict:
     state = history.state
     return {
         "programs": programs,
+        "batches": batches,
         "lines": lines,
         "records": {k: np.asarray(state.values(k)).tolist() for k in state.keys},
         "steps": {k: np.asarray(state.steps(k)).tolist() for k in state.keys},

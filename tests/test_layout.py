@@ -90,6 +90,7 @@ LAYERS = {
     "jaxhistory._summary": EFFECTS,
     "jaxhistory.sentinels": EFFECTS,  # checks that act on recorded values
     "jaxhistory._distributed": EFFECTS,
+    "jaxhistory._host_batches": EFFECTS,  # batches reduced through the store
     "jaxhistory._hang": EFFECTS,  # the hang report of a multi-process History
     "jaxhistory._stragglers": EFFECTS,  # per-process arrival lags over windows
     "jaxhistory._history": EFFECTS,
@@ -494,12 +495,14 @@ def test_no_private_name_crosses_a_module():
 
 # The only modules that start threads: the writer (and its per-sink fan-out,
 # which keeps one slow sink from holding the others back), the memory sampler,
-# the hang watch (apart from the writer: it must speak when the log is stuck)
-# and the launcher's output readers.
+# the hang watch (apart from the writer: it must speak when the log is stuck),
+# the host reduction of a multi-process History's batches (it waits for the
+# other processes) and the launcher's output readers.
 THREAD_MODULES = {
     "jaxhistory._writer",
     "jaxhistory.sinks._feed",
     "jaxhistory._memory",
+    "jaxhistory._host_batches",
     "jaxhistory._hang",
     "jaxhistory.launch",
 }

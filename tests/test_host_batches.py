@@ -1,0 +1,267 @@
+"""Batches of a multi-process History reduced on the host: each process's
+partials, combined, give what the device reduction gives (in float64, rounded
+once); the thread, the store and its keys (the multi-process runs are in
+test_history.py)."""
+
+import json
+import threading
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxhistory as jh
+from jaxhistory import _distributed, _host_batches
+from jaxhistory._host_batches import HostBatch, combine, partials
+from jaxhistory._provenance import global_index
+
+NO_ARRIVAL = dict(
+    arrival=None,
+    unit=1024.0,
+    same_prefix="\x00same/",
+    lags_key="lags",
+    straggler=("s/p", "s/l"),
+)
+
+
+def _combine(items, everyone, **kw):
+    names = tuple(n for n, _ in items)
+    dtypes = tuple(_host_batches.result_dtype(v) for _, v in items)
+    return combine(names, dtypes, everyone, **{**NO_ARRIVAL, **kw})
+
+
+def _device_stats(metrics, mesh):
+    return jax.device_get(
+        jax.jit(lambda m: jh.distributed_stats(m, provenance=True, mesh=mesh))(metrics)
+    )
+
+
+def _arrays(mesh, mesh2d, rng):
+    vec = rng.normal(size=8).astype(np.float32)
+    vec[[2, 5]] = vec.max() + 1  # a tie for the max: the lowest device wins
+    block = rng.normal(size=(8, 3)).astype(np.float32)
+    with_nan = rng.normal(size=8).astype(np.float32)
+    with_nan[[6, 3]] = np.nan
+    return {
+        "a_vec": jax.device_put(vec, NamedSharding(mesh, P("data"))),
+        "b_block": jax.device_put(block, NamedSharding(mesh, P("data"))),
+        # held twice (replicated over the second axis): each element counts once
+        "c_rows": jax.device_put(block, NamedSharding(mesh2d, P("data"))),
+        "d_int": jax.device_put(
+            np.arange(8, dtype=np.int32) % 3, NamedSharding(mesh, P("data"))
+        ),
+        "e_bf16": jax.device_put(
+            vec.astype(ml_dtypes.bfloat16), NamedSharding(mesh, P("data"))
+        ),
+        "f_nan": jax.device_put(with_nan, NamedSharding(mesh, P("data"))),
+        "g_const": jax.device_put(
+            np.full(8, 0.003, np.float32), NamedSharding(mesh, P("data"))
+        ),
+        "h_inf": jax.device_put(
+            np.where(np.arange(8) == 4, np.inf, vec), NamedSharding(mesh, P("data"))
+        ),
+    }
+
+
+def test_one_process_gives_the_device_reductions_statistics(mesh, mesh2d):
+    arrays = _arrays(mesh, mesh2d, np.random.default_rng(0))
+    items = sorted(arrays.items())
+    stats, straggler, differs = _combine(
+        items, {0: partials(items, 8, 0, global_index())}
+    )
+    assert stats.names == tuple(arrays) and straggler == {} and differs is None
+    assert stats.table.dtype == np.float32
+    for j, (name, value) in enumerate(items):  # one mesh per device call
+        device = _device_stats({name: value}, value.sharding.mesh)
+        np.testing.assert_array_equal(stats.where[:, j], device.where[:, 0], name)
+        np.testing.assert_allclose(
+            stats.table[:, j], device.table[:, 0], rtol=3e-7, atol=1e-7, err_msg=name
+        )
+    # NaN, inf, constants and ties as the device reduction has them
+    s = dict(stats)
+    assert np.isnan(s["f_nan/max"]) and s["f_nan/nan_device"] == 3
+    assert s["f_nan/argmax"] == s["f_nan/argmin"] == 3
+    assert s["h_inf/max"] == np.inf and s["h_inf/mean"] == np.inf
+    assert np.isnan(s["h_inf/std"])
+    assert s["g_const/mean"] == np.float32(0.003) and s["g_const/std"] == 0
+    assert s["a_vec/argmax"] == 2
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_partials_combine_to_the_statistics_of_all_values(seed):
+    """Values split among processes in any way: the same statistics, in
+    float64, as NumPy's over all of them, and the lowest device holding each."""
+    rng = np.random.default_rng(seed)
+    x = np.round(rng.normal(3.0, 2.0, size=40), 1)  # ties among the values
+    devices = rng.integers(0, 16, size=40)
+    cuts = np.sort(rng.choice(np.arange(1, 40), size=3, replace=False))
+    parts = {
+        p: [_host_batches.of_values(x[idx], devices[idx])]
+        for p, idx in enumerate(np.split(np.arange(40), cuts))
+    }
+    parts[9] = [None]  # a process holding none of it
+    stats, _, _ = combine(("v",), (np.dtype(np.float64),), parts, **NO_ARRIVAL)
+    assert stats.table.dtype == np.float64
+    np.testing.assert_allclose(
+        stats.table[:, 0], [x.mean(), x.max(), x.min(), x.std()], rtol=1e-13
+    )
+    assert stats.where[:, 0].tolist() == [
+        devices[x == x.max()].min(),
+        devices[x == x.min()].min(),
+        -1,
+    ]
+
+
+def test_host_scalars_count_each_process_by_its_devices():
+    """Process 0 holds 3 devices of the mesh (from device 0), process 1 one
+    (device 3): the mean weighs them so, as one value per device does."""
+    index = {0: 0}
+    mine = partials([("x", 1.0), ("y", 5.0)], 3, 0, index)
+    theirs = partials([("x", 5.0), ("y", 5.0)], 1, 3, index)
+    stats, _, _ = combine(
+        ("x", "y"), (np.dtype(np.float32),) * 2, {0: mine, 1: theirs}, **NO_ARRIVAL
+    )
+    s = dict(stats)
+    assert s["x/mean"] == 2.0 and s["x/argmax"] == 3 and s["x/argmin"] == 0
+    assert s["x/std"] == pytest.approx(np.std([1.0, 1.0, 1.0, 5.0]))
+    assert s["y/mean"] == 5.0 and s["y/std"] == 0.0 and s["y/argmax"] == 0
+    nan = partials([("x", float("nan"))], 1, 3, index)
+    s = dict(
+        combine(("x",), (np.dtype(np.float32),), {0: mine[:1], 1: nan}, **NO_ARRIVAL)[0]
+    )
+    assert np.isnan(s["x/mean"]) and s["x/nan_device"] == s["x/argmax"] == 3
+
+
+def test_a_constant_stays_exactly_a_constant():
+    """0.003 on 3 processes of unequal weight: mean 0.003 and std 0 exactly."""
+    parts = {p: partials([("lr", 0.003)], p + 1, 2 * p, {}) for p in range(3)}
+    s = dict(combine(("lr",), (np.dtype(np.float64),), parts, **NO_ARRIVAL)[0])
+    assert s["lr/mean"] == 0.003 and s["lr/std"] == 0.0
+
+
+def test_arrival_times_and_checksums_are_read_not_recorded():
+    names = ("\x00same/w", "hi", "lo", "loss")
+    rows = {  # process -> (checksum, arrival hi, arrival lo, loss)
+        0: (7.0, 100.0, 1000.5, 1.0),
+        1: (7.0, 101.0, 0.25, 2.0),
+        2: (8.0, 100.0, 1023.0, 3.0),
+    }
+    everyone = {
+        p: partials(list(zip(names, row, strict=True)), 1, p, {})
+        for p, row in rows.items()
+    }
+    stats, straggler, differs = combine(
+        names,
+        (np.dtype(np.float32),) * 4,
+        everyone,
+        arrival=("hi", "lo"),
+        unit=1024.0,
+        same_prefix="\x00same/",
+        lags_key="lags",
+        straggler=("s/p", "s/l"),
+    )
+    assert stats.names == ("loss",) and dict(stats)["loss/mean"] == 2.0
+    assert differs.tolist() == [True]
+    times = np.asarray([1000.5, 1024.25, 1023.0])
+    assert straggler["s/p"] == 1 and straggler["s/p"].dtype == np.int32
+    np.testing.assert_allclose(straggler["lags"], times - np.median(times))
+    assert straggler["s/l"] == np.float32(1024.25 - 1023.0)
+
+
+class Store:
+    """The distributed runtime's key-value store, in memory."""
+
+    def __init__(self, fail_set: bool = False):
+        self.data, self.deleted = {}, []
+        self.cond = threading.Condition()
+        self.fail_set = fail_set
+        self.timeouts = 0
+
+    def key_value_set(self, key, value):
+        if self.fail_set:
+            raise RuntimeError("UNAVAILABLE: the store is gone")
+        with self.cond:
+            self.data[key] = value
+            self.cond.notify_all()
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        with self.cond:
+            if not self.cond.wait_for(lambda: key in self.data, timeout_ms / 1000):
+                self.timeouts += 1
+                raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() {key}")
+            return self.data[key]
+
+    def key_value_delete(self, key):
+        self.deleted.append(key)
+        self.data.pop(key, None)
+
+
+def _batch(store, key, previous=None, mesh=None, updates=None, current=lambda: True):
+    if updates is None:
+        updates = [(0, 0.0, [("loss", 1.5), ("x", 2.0)])]
+    return HostBatch(
+        updates,
+        key,
+        previous,
+        store,
+        current,
+        _distributed._combine_update,
+        mesh if mesh is not None else jax.sharding.Mesh(jax.devices(), ("d",)),
+    )
+
+
+def test_a_batch_posts_reads_and_deletes_its_post_two_batches_on(mesh):
+    store = Store()
+    loss = jax.device_put(
+        np.arange(8, dtype=np.float32), NamedSharding(mesh, P("data"))
+    )
+    first = _batch(store, "k/batch0", updates=[(3, 0.0, [("loss", loss)])])
+    second = _batch(store, "k/batch1", previous=first)
+    [(stats, straggler, differs)] = first.result()
+    assert dict(stats)["loss/mean"] == 3.5 and dict(stats)["loss/argmax"] == 7
+    assert straggler == {} and differs is None
+    [(stats, _, _)] = second.result()
+    assert dict(stats)["x/mean"] == 2.0 and dict(stats)["loss/max"] == 1.5
+    posted = json.loads(store.data["k/batch1/0"])
+    assert len(posted) == 1 and len(posted[0]) == 2  # one update, two values
+    assert store.deleted == ["k/batch0/0"] and "k/batch0/0" not in store.data
+
+
+def test_what_the_thread_meets_is_raised_at_result():
+    batch = _batch(Store(fail_set=True), "k/batch0")
+    with pytest.raises(RuntimeError, match="the store is gone"):
+        batch.result()
+
+
+def test_a_read_waits_past_deadlines_and_stops_when_the_runtime_is_shut_down(
+    monkeypatch,
+):
+    monkeypatch.setattr(_host_batches, "POLL_S", 0.01)
+    store = Store()
+    live = [True]
+    batch = _batch(store, "k/batch0", current=lambda: live[0])
+    batch.result()
+    found = []
+    reader = threading.Thread(target=lambda: found.append(batch._read("k/other")))
+    reader.start()
+    while store.timeouts < 3:  # polls again after each deadline
+        threading.Event().wait(0.01)
+    store.key_value_set("k/other", "late")
+    reader.join(5)
+    assert found == ["late"]
+    live[0] = False
+    with pytest.raises(RuntimeError, match="shut down before every process"):
+        batch._read("k/never")
+
+
+def test_a_value_of_a_narrow_dtype_reduces_in_float32(mesh):
+    x = jnp.asarray(np.linspace(-1, 1, 8), jnp.bfloat16)
+    x = jax.device_put(x, NamedSharding(mesh, P("data")))
+    [(stats, _, _)] = _batch(Store(), "k/b", updates=[(0, 0.0, [("x", x)])]).result()
+    assert stats.table.dtype == np.float32
+    expected = np.asarray(x, np.float64)
+    assert dict(stats)["x/mean"] == np.float32(expected.mean())
