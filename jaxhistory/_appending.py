@@ -9,6 +9,7 @@ its table, its row count, the latest step); the state builds the new state.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -361,4 +362,53 @@ def with_stats(state: HistoryState, row: Row) -> HistoryState:
             if stats.where is not None:  # provenance: device indices
                 names = stat_names(stats.names, prefix, PROVENANCE)
                 out = out.update_packed(names, stats.where, step=step)
+    return out
+
+
+def _layout(row: Row) -> tuple | None:
+    """What makes rows extend the same tables in one call: a row of one
+    host :class:`~jaxhistory.Stats` (named ``""``) and NumPy scalars, as a
+    batch reduced on the host gives; None for any other row."""
+    values = row.values
+    if row.kind is not RowKind.VALUES or not row.names or row.names[0] != "":
+        return None
+    stats = values[0]
+    if type(stats) is not Stats or not isinstance(stats.table, np.ndarray):
+        return None
+    if not all(type(v) is not Stats and isinstance(v, np.generic) for v in values[1:]):
+        return None
+    where = stats.where
+    if where is not None and not isinstance(where, np.ndarray):
+        return None
+    return (row.names, stats.names, stats.rows, where is not None)
+
+
+def rows_extended(state: HistoryState, rows: list[Row]) -> HistoryState | None:
+    """``state`` with ``rows`` appended in one :meth:`HistoryState.extend` per
+    table (the tables, dtypes and records that appending them one by one
+    gives); None (nothing done) unless they share one :func:`_layout` and
+    their steps increase."""
+    layout = _layout(rows[0])
+    steps = [r.step for r in rows]
+    if layout is None or any(b <= a for a, b in itertools.pairwise(steps)):
+        return None
+    if any(_layout(r) != layout for r in rows[1:]):
+        return None
+    names, metrics, stat_rows, provenance = layout
+    out = state
+    if len(names) > 1:  # first, as with_stats records them
+        plain = {
+            name: np.asarray([r.values[i] for r in rows])
+            for i, name in enumerate(names[1:], 1)
+        }
+        out = out.extend(steps, plain)
+    blocks = [(stat_names(metrics, "", stat_rows), [r.values[0].table for r in rows])]
+    if provenance:
+        blocks.append(
+            (stat_names(metrics, "", PROVENANCE), [r.values[0].where for r in rows])
+        )
+    for keys, tables in blocks:
+        columns = np.stack(tables).astype(np.result_type(*tables), copy=False)
+        columns = columns.reshape(len(rows), -1)
+        out = out.extend(steps, dict(zip(keys, columns.T, strict=True)))
     return out

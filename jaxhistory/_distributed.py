@@ -359,7 +359,7 @@ class Reducer:
             self._last,
             client,
             functools.partial(client_is_current, client),
-            _combine_update,
+            _combine_batch,
             mesh,
         )
         self._last = handle
@@ -519,9 +519,10 @@ def _reduce(
     return stats, straggler, differs
 
 
-def _combine_update(items: list[tuple[str, Any]], everyone: dict) -> Combined:
-    """One update of a batch reduced on the host (``items`` sorted by name,
-    ``everyone`` each process's partials of them)."""
+def _combine_batch(items: list[tuple[str, Any]], everyone: dict) -> list[Combined]:
+    """The updates of a batch reduced on the host (``items`` the first
+    update's, sorted by name: every update of a batch has the same names;
+    ``everyone`` each process's partials)."""
     names = tuple(n for n, _ in items)
     return combine(
         names,

@@ -503,6 +503,19 @@ class Appender:
             self._names = None
         self._repeat = None
 
+    def append_rows(self, rows: list[Row]) -> None:
+        """Records ``rows``: those of one layout (a batch reduced on the host)
+        in one extend per table, others one by one (raises as :meth:`append`
+        does)."""
+        if len(rows) > 1:
+            state = _appending.rows_extended(self.state, rows)
+            if state is not None:
+                self._state, self.next_step = state, state.next_step
+                self._names = self._repeat = None
+                return
+        for row in rows:
+            self.append(row)
+
     def append_floats(self, names: tuple, values: tuple, step: int) -> bool:
         """Appends a row of Python floats to the table of the last row appended;
         False (nothing done) where it must take :meth:`append`: other names, or

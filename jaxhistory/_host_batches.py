@@ -26,8 +26,6 @@ process stay in the store). The caller keeps at most two batches in flight.
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import queue
 import threading
 import time
@@ -37,16 +35,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxhistory._names import PROVENANCE, STATS
 from jaxhistory._provenance import concrete_layout, global_index
 from jaxhistory._stats import Stats
 from jaxhistory._tree import acc_dtype
 
 __all__ = [
+    "FIELDS",
     "Combined",
     "HostBatch",
-    "Partial",
     "combine",
+    "of_rows",
     "of_values",
     "partials",
     "result_dtype",
@@ -55,162 +53,208 @@ __all__ = [
 YIELD_S = 5e-5  # the pause between pieces of work (see _let_others_run)
 POLL_S = 5.0  # how long one read of the store waits before checking for shutdown
 
-# What one process holds of one value:
-# (count, mean, sum of squared deviations, max, lowest device with it,
-#  min, lowest device with it, lowest device with a NaN or -1)
-Partial = tuple[float, float, float, float, int, float, int, int]
+# What one process holds of one value at each of a batch's U updates: a
+# float64 (8, U) array, in this order (device indices as floats, exact):
+FIELDS = ("count", "mean", "m2", "max", "argmax", "min", "argmin", "nan_device")
+COUNT, MEAN, M2, MAX, ARGMAX, MIN, ARGMIN, NAN_DEVICE = range(len(FIELDS))
 # One update combined: its statistics, its straggler values, and whether each
 # checksum differs across processes (None without checksums)
 Combined = tuple[Stats, dict, Any]
-_NONE = 2**31 - 1  # no device: larger than any device index
+NO_DEVICE = float(2**31 - 1)  # larger than any device index
 
 
-def of_values(x: np.ndarray, devices: np.ndarray) -> Partial | None:
-    """The partial of values ``x`` (float64) held by ``devices`` (one each)."""
-    if x.size == 0:
-        return None
+def _empty(updates: int) -> np.ndarray:
+    """The partial of nothing held (it changes no combination)."""
+    part = np.zeros((len(FIELDS), updates))
+    part[MAX], part[MIN] = -np.inf, np.inf
+    part[[ARGMAX, ARGMIN]] = NO_DEVICE
+    part[NAN_DEVICE] = -1
+    return part
+
+
+def of_rows(x: np.ndarray, devices: np.ndarray) -> np.ndarray:
+    """The ``(8, U)`` partial of ``U`` rows of values ``x`` (``(U, m)``,
+    float64), the ``m`` values of each row held by ``devices`` (``(m,)``)."""
+    updates, m = x.shape
+    if m == 0:
+        return _empty(updates)
+    part = np.empty((len(FIELDS), updates))
+    held = devices.astype(np.float64)[None]
     with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf pass on
-        mean = float(np.mean(x))
-        m2 = float(np.sum(np.square(x - mean)))
-    nan = np.isnan(x)
-    nan_device = int(devices[nan].min()) if nan.any() else -1
-    clean, held = x[~nan], devices[~nan]
-    if clean.size == 0:
-        return (x.size, mean, m2, -np.inf, _NONE, np.inf, _NONE, nan_device)
-    mx, mn = clean.max(), clean.min()
-    return (
-        x.size,
-        mean,
-        m2,
-        float(mx),
-        int(held[clean == mx].min()),
-        float(mn),
-        int(held[clean == mn].min()),
-        nan_device,
-    )
+        part[COUNT] = m
+        part[MEAN] = mean = x.mean(axis=1)
+        part[M2] = np.square(x - mean[:, None]).sum(axis=1)
+        nan = np.isnan(x)
+        part[NAN_DEVICE] = np.where(
+            nan.any(axis=1), np.where(nan, held, NO_DEVICE).min(axis=1), -1
+        )
+        high = np.where(nan, -np.inf, x)
+        part[MAX] = top = high.max(axis=1)
+        part[ARGMAX] = np.where(high == top[:, None], held, NO_DEVICE).min(axis=1)
+        low = np.where(nan, np.inf, x)
+        part[MIN] = bottom = low.min(axis=1)
+        part[ARGMIN] = np.where(low == bottom[:, None], held, NO_DEVICE).min(axis=1)
+    return part
 
 
-def _of_array(value: jax.Array, index: dict[int, int]) -> Partial | None:
-    """The partial of the elements of ``value`` whose lowest holding device
-    is one of this process's (waits for the array to be computed)."""
+def of_values(x: np.ndarray, devices: np.ndarray) -> np.ndarray:
+    """The ``(8, 1)`` partial of values ``x`` held by ``devices`` (one each)."""
+    return of_rows(np.asarray(x, np.float64)[None], np.asarray(devices))
+
+
+def _owned(value: jax.Array, index: dict[int, int]) -> list[tuple[Any, Any, int]]:
+    """For each of this process's shards of ``value``: which of its elements
+    count here (those whose lowest holding device is the shard's) and that
+    device."""
     layout = concrete_layout(value.sharding, value.shape)
-    xs, devices = [], []
-    for shard in value.addressable_shards:
+    out = []
+    for k, shard in enumerate(value.addressable_shards):
         device = index[shard.device.id]
         owned = layout.holders[layout.rank[shard.index]] == device
         if owned.any():
-            x = np.asarray(shard.data)[owned].astype(np.float64)
-            xs.append(x)
-            devices.append(np.full(x.shape, device, np.int64))
-    if not xs:
-        return None
-    return of_values(np.concatenate(xs), np.concatenate(devices))
-
-
-def partials(
-    items: list[tuple[str, Any]], weight: int, holder: int, index: dict[int, int]
-) -> list[Partial | None]:
-    """This process's partial of each of ``items`` (sorted by name): a JAX
-    array's from its own devices' shards, a host scalar as ``weight`` values
-    (this process's devices in the mesh) held by device ``holder``."""
-    out = []
-    for _, value in items:
-        if isinstance(value, jax.Array):
-            out.append(_of_array(value, index))
-        elif weight == 0:
-            out.append(None)
-        else:
-            v = float(value)
-            nan = v != v
-            out.append(
-                (
-                    weight,
-                    v,
-                    0.0 if v - v == 0 else np.nan,  # inf: as the device sum gives
-                    -np.inf if nan else v,
-                    _NONE if nan else holder,
-                    np.inf if nan else v,
-                    _NONE if nan else holder,
-                    holder if nan else -1,
-                )
-            )
+            out.append((k, owned, device))
     return out
 
 
-def _combined(parts: list[Partial]) -> tuple[list[float], list[int]]:
-    """The statistics (STATS order) and provenance (PROVENANCE order) of one
-    value from every process's partial (Python floats: float64, a handful of
-    them, faster than NumPy; ``d * d``, not ``** 2``, overflows to inf)."""
-    nan_devices = [p[7] for p in parts if p[7] >= 0]
-    if nan_devices:
-        return [math.nan] * 4, [min(nan_devices)] * 3
-    total = sum(p[0] for p in parts)
-    mean = sum(p[0] * p[1] for p in parts) / total
-    m2 = sum(p[2] for p in parts)
-    for p in parts:
-        d = p[1] - mean
-        m2 += p[0] * (d * d)
-    std = math.sqrt(max(m2 / total, 0.0)) if m2 == m2 else math.nan
-    mx = max(p[3] for p in parts)
-    mn = min(p[5] for p in parts)
-    argmax = min(p[4] for p in parts if p[3] == mx)
-    argmin = min(p[6] for p in parts if p[5] == mn)
-    if mx == mn:  # a constant stays a constant, exactly
-        mean, std = mx, 0.0
-    return [mean, mx, mn, std], [argmax, argmin, -1]
+def _of_arrays(values: list[jax.Array], index: dict[int, int]) -> np.ndarray:
+    """The partial of a batch's arrays of one name (each waited for): the
+    elements of each whose lowest holding device is one of this process's."""
+    first = values[0]
+    if all(
+        v.shape == first.shape and v.sharding == first.sharding for v in values[1:]
+    ):  # one layout: all rows at once
+        owned = _owned(first, index)
+        if not owned:
+            return _empty(len(values))
+        rows = []
+        for v in values:
+            shards = v.addressable_shards
+            rows.append(
+                np.concatenate([np.asarray(shards[k].data)[m] for k, m, _ in owned])
+            )
+        devices = np.concatenate([np.full(int(m.sum()), d) for _, m, d in owned])
+        return of_rows(np.stack(rows).astype(np.float64), devices)
+    return np.concatenate([_of_arrays([v], index) for v in values], axis=1)
+
+
+def partials(
+    updates: list[list[tuple[str, Any]]],
+    weight: int,
+    holder: int,
+    index: dict[int, int],
+) -> np.ndarray:
+    """This process's ``(K, 8, U)`` partials of a batch's ``U`` updates, whose
+    items are ``K`` values under the same names (sorted): a JAX array's from
+    its own devices' shards, a host scalar as ``weight`` values (this
+    process's devices in the mesh) held by device ``holder``."""
+    count = len(updates)
+    out = np.empty((len(updates[0]), len(FIELDS), count))
+    for j, (_, first) in enumerate(updates[0]):
+        if isinstance(first, jax.Array):
+            out[j] = _of_arrays([items[j][1] for items in updates], index)
+            continue
+        if weight == 0:
+            out[j] = _empty(count)
+            continue
+        v = np.asarray([float(items[j][1]) for items in updates])
+        nan = np.isnan(v)
+        part = out[j]
+        part[COUNT] = weight
+        part[MEAN] = v
+        part[M2] = np.where(np.isinf(v), np.nan, 0.0)  # inf: as the device sum gives
+        part[MAX] = np.where(nan, -np.inf, v)
+        part[MIN] = np.where(nan, np.inf, v)
+        part[[ARGMAX, ARGMIN]] = np.where(nan, NO_DEVICE, holder)
+        part[NAN_DEVICE] = np.where(nan, holder, -1)
+    return out
+
+
+def _combined(parts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(K, 4, U)`` statistics (STATS order) and ``(K, 3, U)`` provenance
+    (PROVENANCE order) from every process's partials, ``(P, K, 8, U)``."""
+    n, means = parts[:, :, COUNT], parts[:, :, MEAN]
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        total = n.sum(axis=0)
+        mean = np.where(n > 0, n * means, 0).sum(axis=0) / total
+        spread = np.where(n > 0, n * np.square(means - mean), 0).sum(axis=0)
+        std = np.sqrt(np.maximum((parts[:, :, M2].sum(axis=0) + spread) / total, 0))
+    top, bottom = parts[:, :, MAX].max(axis=0), parts[:, :, MIN].min(axis=0)
+    argmax = np.where(parts[:, :, MAX] == top, parts[:, :, ARGMAX], NO_DEVICE)
+    argmin = np.where(parts[:, :, MIN] == bottom, parts[:, :, ARGMIN], NO_DEVICE)
+    nans = parts[:, :, NAN_DEVICE]
+    nan_device = np.where(nans >= 0, nans, NO_DEVICE).min(axis=0)
+    has_nan = nan_device < NO_DEVICE
+    same = top == bottom  # a constant stays a constant, exactly
+    stats = np.stack(
+        [np.where(same, top, mean), top, bottom, np.where(same, 0.0, std)], axis=1
+    )
+    stats[np.broadcast_to(has_nan[:, None], stats.shape)] = np.nan
+    nan_device = np.where(has_nan, nan_device, -1)
+    where = np.stack(
+        [
+            np.where(has_nan, nan_device, argmax.min(axis=0)),
+            np.where(has_nan, nan_device, argmin.min(axis=0)),
+            nan_device,
+        ],
+        axis=1,
+    )
+    return stats, where.astype(np.int32)
 
 
 def combine(
     names: tuple[str, ...],
     dtypes: tuple[Any, ...],
-    everyone: dict[int, list[Partial | None]],
+    everyone: dict[int, np.ndarray],
     arrival: tuple[str, str] | None,
     unit: float,
     same_prefix: str,
     lags_key: str,
     straggler: tuple[str, str],
-) -> Combined:
-    """One update's statistics from every process's partials of ``names``
-    (sorted; ``dtypes`` the dtype each statistic comes in): the statistics of
-    every name but the arrival times and checksums, the straggler values
-    (``{}`` without ``arrival``) and whether each checksum differs."""
-    columns, where, checks, arrivals = [], [], [], {}
-    kept = []
-    for j, name in enumerate(names):
-        parts = [ps[j] for ps in everyone.values() if ps[j] is not None]
-        if arrival is not None and name in arrival:
-            for process, ps in everyone.items():
-                if ps[j] is not None:
-                    arrivals.setdefault(process, [0.0, 0.0])[arrival.index(name)] = ps[
-                        j
-                    ][1]
-            continue
-        stats, devices = _combined(parts)
-        if name.startswith(same_prefix):
-            checks.append(stats[1] != stats[2])
-            continue
-        kept.append(j)
-        columns.append(stats)
-        where.append(devices)
+) -> list[Combined]:
+    """Each update's statistics from every process's ``(K, 8, U)`` partials
+    of ``names`` (sorted; ``dtypes`` the dtype each statistic comes in): the
+    statistics of every name but the arrival times and checksums, the
+    straggler values (``{}`` without ``arrival``) and whether each checksum
+    differs."""
+    procs = sorted(everyone)
+    parts = np.stack([everyone[p] for p in procs])
+    stats, where = _combined(parts)
+    picks = {names.index(a) for a in arrival} if arrival is not None else set()
+    checks = [j for j, n in enumerate(names) if n.startswith(same_prefix)]
+    kept = [j for j in range(len(names)) if j not in picks and j not in checks]
     dtype = np.result_type(np.float32, *(dtypes[j] for j in kept))
-    table = np.asarray(columns, np.float64).reshape(-1, len(STATS)).T.astype(dtype)
-    provenance = np.asarray(where, np.int32).reshape(-1, len(PROVENANCE)).T
-    stats = Stats(tuple(names[j] for j in kept), table, provenance)
-    found = {}
-    if arrivals:
-        procs = sorted(arrivals)
-        hi = np.asarray([arrivals[p][0] for p in procs])
-        lo = np.asarray([arrivals[p][1] for p in procs])
-        times = (hi - hi.min()) * unit + lo
-        lags = (times - np.median(times)).astype(np.result_type(np.float32, *dtypes))
-        last = int(np.argmax(times))
-        found = {
-            straggler[0]: np.int32(procs[last]),
-            straggler[1]: lags[last],
-            lags_key: lags,
-        }
-    differs = np.asarray(checks, bool) if checks else None
-    return stats, found, differs
+    table = stats[kept].transpose(2, 1, 0).astype(dtype)  # (U, 4, K)
+    found = where[kept].transpose(2, 1, 0)
+    kept_names = tuple(names[j] for j in kept)
+    differs = stats[checks, 1] != stats[checks, 2] if checks else None  # (C, U)
+    lags = None
+    if arrival is not None:
+        hi, lo = (parts[:, names.index(a)] for a in arrival)
+        holds = hi[:, COUNT, 0] > 0  # the processes in the mesh
+        hi, lo = hi[holds, MEAN], lo[holds, MEAN]  # (P', U)
+        times = (hi - hi.min(axis=0)) * unit + lo
+        lags = (times - np.median(times, axis=0)).astype(
+            np.result_type(np.float32, *dtypes)
+        )
+        last = np.argmax(times, axis=0)
+        ids = np.asarray(procs, np.int32)[holds]
+    out = []
+    for u in range(table.shape[0]):
+        extra = {}
+        if lags is not None:
+            extra = {
+                straggler[0]: ids[last[u]],
+                straggler[1]: lags[last[u], u],
+                lags_key: lags[:, u],
+            }
+        out.append(
+            (
+                Stats(kept_names, table[u], found[u]),
+                extra,
+                None if differs is None else differs[:, u],
+            )
+        )
+    return out
 
 
 def result_dtype(value: Any) -> Any:
@@ -239,8 +283,9 @@ class HostBatch:
         client: the distributed runtime's client.
         current: whether ``client`` is still the runtime's (False once it
             was shut down: the thread stops waiting then).
-        combine_update: ``combine_update(items, everyone)`` -> the update's
-            :data:`Combined`.
+        combine_batch: ``combine_batch(items, everyone)`` -> each update's
+            :data:`Combined`, from the first update's items and every
+            process's partials.
         mesh: the mesh whose devices count a host scalar.
 
     Batches go to one thread per process, which starts with the first and
@@ -256,7 +301,7 @@ class HostBatch:
         previous: HostBatch | None,
         client: Any,
         current: Callable[[], bool],
-        combine_update: Callable[[list, dict], Combined],
+        combine_batch: Callable[[list, dict], list[Combined]],
         mesh: jax.sharding.Mesh,
     ):
         self.updates = updates
@@ -264,7 +309,7 @@ class HostBatch:
         self._previous = previous
         self._client = client
         self._current = current
-        self._combine = combine_update
+        self._combine = combine_batch
         self._mesh = mesh
         self._done = threading.Event()
         self._result: list[Combined] | None = None
@@ -296,29 +341,24 @@ class HostBatch:
         me, index = jax.process_index(), global_index()
         mine = [d for d in self._mesh.devices.flat if d.process_index == me]
         holder = min((index[d.id] for d in mine), default=-1)
-        posts = []
-        for _, _, items in self.updates:
-            posts.append(partials(items, len(mine), holder, index))
-            _let_others_run()
+        items = [items for _, _, items in self.updates]
+        posted = partials(items, len(mine), holder, index)
         client = self._client
-        client.key_value_set(f"{self.key}/{me}", json.dumps(posts))
-        everyone = {me: posts}
+        client.key_value_set_bytes(f"{self.key}/{me}", posted.tobytes())
+        everyone = {me: posted}
         for other in sorted({d.process_index for d in self._mesh.devices.flat}):
             if other != me:
-                everyone[other] = json.loads(self._read(f"{self.key}/{other}"))
+                _let_others_run()
+                raw = self._read(f"{self.key}/{other}")
+                everyone[other] = np.frombuffer(raw, np.float64).reshape(posted.shape)
         if previous is not None:  # every process has read it: posted this one
             # a store that refuses keeps two posts per process: harmless
             with contextlib.suppress(Exception):
                 client.key_value_delete(f"{previous.key}/{me}")
-        results = []
-        for u, (_, _, items) in enumerate(self.updates):
-            results.append(
-                self._combine(items, {p: ps[u] for p, ps in everyone.items()})
-            )
-            _let_others_run()
-        return results
+        _let_others_run()
+        return self._combine(items[0], everyone)
 
-    def _read(self, key: str) -> str:
+    def _read(self, key: str) -> bytes:
         """Waits for ``key`` while the runtime lasts (a process left behind
         is the hang watch's to name, as a device reduction would wait too)."""
         while True:
@@ -328,7 +368,9 @@ class HostBatch:
                     f"sent its values for History's batch ({key})"
                 )
             try:
-                return self._client.blocking_key_value_get(key, int(POLL_S * 1000))
+                return self._client.blocking_key_value_get_bytes(
+                    key, int(POLL_S * 1000)
+                )
             except Exception as err:
                 if "DEADLINE_EXCEEDED" not in str(err) and "eadline" not in str(err):
                     raise

@@ -214,9 +214,11 @@ class Recorder:
     def _record_reduced(self, rows: list[Row]) -> None:
         """Records, logs and checks rows of earlier updates reduced in a batch
         (the caller holds the lock)."""
-        for r in rows:
-            self.rec.append(r)
-            if self.guard is not None:
+        if self.guard is None:
+            self.rec.append_rows(rows)
+        else:
+            for r in rows:
+                self.rec.append(r)
                 self.pending_found += self._checked(r)
         self._emit([(r.step, list(zip(r.names, r.values, strict=True))) for r in rows])
 

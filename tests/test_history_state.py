@@ -12,7 +12,9 @@ import pytest
 import jaxhistory as jh
 from jaxhistory import _history_state, _table
 from jaxhistory._history_state import Appender
-from jaxhistory._row import parse_row
+from jaxhistory._row import Row, RowKind, parse_row
+
+VALUES = RowKind.VALUES
 
 
 def test_empty_state():
@@ -1009,3 +1011,73 @@ def test_the_appender_interleaves_key_sets_and_value_kinds():
     for name, values in expect.items():
         np.testing.assert_array_equal(state.values(name), values)
     assert state.values("b").dtype == np.int64
+
+
+def _reduced_rows(steps, rng, names=("loss", "lr"), where=True):
+    """Rows as a batch reduced on the host gives them: one Stats and the
+    straggler fields, NumPy scalars."""
+    rows = []
+    for s in steps:
+        table = rng.normal(size=(4, len(names))).astype(np.float32)
+        found = rng.integers(-1, 4, (3, len(names))).astype(np.int32)
+        stats = jh.Stats(names, table, found if where else None)
+        values = (stats, np.int32(s % 3), np.float32(s / 100))
+        rows.append(Row(s, ("", "straggler/process", "straggler/lag"), values, VALUES))
+    return rows
+
+
+def _same_states(a, b):
+    assert a.keys == b.keys and a.next_step == b.next_step
+    for k in a.keys:
+        assert a.dtype(k) == b.dtype(k), k
+        np.testing.assert_array_equal(a.steps(k), b.steps(k), err_msg=k)
+        np.testing.assert_array_equal(a.values(k), b.values(k), err_msg=k)
+
+
+def test_the_appender_takes_a_batch_of_reduced_rows_in_one_call():
+    """What a batch reduced on the host gives, appended in one extend per
+    table: the state appending the rows one by one makes, plain values
+    recorded between batches and read states included."""
+    rng = np.random.default_rng(0)
+    one, bulk = Appender(), Appender()
+    for start in range(0, 96, 16):
+        rows = _reduced_rows(range(start, start + 16), rng)
+        for r in rows:
+            one.append(r)
+        bulk.append_rows(rows)
+        for rec in (one, bulk):  # the plain values of later updates
+            rec.append(parse_row({"x": 1.0}, start + 100))
+        if start == 48:
+            _same_states(one.state, bulk.state)
+    _same_states(one.state, bulk.state)
+    assert bulk.state.values("loss/argmax").dtype == np.int32
+
+
+@pytest.mark.parametrize("case", ["steps", "layouts", "device", "plain", "no-where"])
+def test_rows_that_do_not_share_a_layout_are_appended_one_by_one(case):
+    rng = np.random.default_rng(1)
+    rows = _reduced_rows(range(10, 14), rng, where=case != "no-where")
+    if case == "steps":  # not increasing: the per-row checks decide
+        rows[2] = rows[2]._replace(step=11)
+    elif case == "layouts":  # another metric in one row
+        rows[1:2] = _reduced_rows([11], rng, names=("loss", "lr", "acc"))
+    elif case == "device":  # a Stats still on the device
+        stats = rows[0].values[0]
+        device = jh.Stats(stats.names, jnp.asarray(stats.table), stats.where)
+        rows[0] = rows[0]._replace(values=(device, *rows[0].values[1:]))
+    elif case == "plain":  # a Python value among the plain ones
+        rows[3] = rows[3]._replace(values=(*rows[3].values[:2], 0.5))
+    one, bulk = Appender(), Appender()
+    if case == "steps":
+        with pytest.raises(ValueError, match="already recorded"):
+            for r in rows:
+                one.append(r)
+        with pytest.raises(ValueError, match="already recorded"):
+            bulk.append_rows(rows)
+    else:
+        for r in rows:
+            one.append(r)
+        bulk.append_rows(rows)
+    _same_states(one.state, bulk.state)
+    if case == "no-where":
+        assert "loss/argmax" not in bulk.state and bulk.state.count("loss/mean") == 4

@@ -3,7 +3,6 @@ partials, combined, give what the device reduction gives (in float64, rounded
 once); the thread, the store and its keys (the multi-process runs are in
 test_history.py)."""
 
-import json
 import threading
 
 import jax
@@ -28,10 +27,19 @@ NO_ARRIVAL = dict(
 )
 
 
-def _combine(items, everyone, **kw):
-    names = tuple(n for n, _ in items)
-    dtypes = tuple(_host_batches.result_dtype(v) for _, v in items)
+def _combine(updates, everyone, **kw):
+    """``updates``: each update's items (the same names); the combined
+    statistics of each update."""
+    names = tuple(n for n, _ in updates[0])
+    dtypes = tuple(_host_batches.result_dtype(v) for _, v in updates[0])
     return combine(names, dtypes, everyone, **{**NO_ARRIVAL, **kw})
+
+
+def _one(everyone, names=("v",), dtype=np.float64, **kw):
+    """The one update's combination of partials of ``names``."""
+    dtypes = (np.dtype(dtype),) * len(names)
+    [got] = combine(names, dtypes, everyone, **{**NO_ARRIVAL, **kw})
+    return got
 
 
 def _device_stats(metrics, mesh):
@@ -70,8 +78,8 @@ def _arrays(mesh, mesh2d, rng):
 def test_one_process_gives_the_device_reductions_statistics(mesh, mesh2d):
     arrays = _arrays(mesh, mesh2d, np.random.default_rng(0))
     items = sorted(arrays.items())
-    stats, straggler, differs = _combine(
-        items, {0: partials(items, 8, 0, global_index())}
+    [(stats, straggler, differs)] = _combine(
+        [items], {0: partials([items], 8, 0, global_index())}
     )
     assert stats.names == tuple(arrays) and straggler == {} and differs is None
     assert stats.table.dtype == np.float32
@@ -100,11 +108,11 @@ def test_partials_combine_to_the_statistics_of_all_values(seed):
     devices = rng.integers(0, 16, size=40)
     cuts = np.sort(rng.choice(np.arange(1, 40), size=3, replace=False))
     parts = {
-        p: [_host_batches.of_values(x[idx], devices[idx])]
+        p: _host_batches.of_values(x[idx], devices[idx])[None]
         for p, idx in enumerate(np.split(np.arange(40), cuts))
     }
-    parts[9] = [None]  # a process holding none of it
-    stats, _, _ = combine(("v",), (np.dtype(np.float64),), parts, **NO_ARRIVAL)
+    parts[9] = _host_batches.of_values(x[:0], devices[:0])[None]  # holds none
+    stats, _, _ = _one(parts)
     assert stats.table.dtype == np.float64
     np.testing.assert_allclose(
         stats.table[:, 0], [x.mean(), x.max(), x.min(), x.std()], rtol=1e-13
@@ -116,30 +124,58 @@ def test_partials_combine_to_the_statistics_of_all_values(seed):
     ]
 
 
+def test_rows_of_a_batch_are_reduced_each_on_its_own():
+    """A batch's updates at once: each row's statistics are its own."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(6, 10))
+    x[2, 3] = np.nan
+    x[4] = 1.5  # a constant row
+    devices = rng.integers(0, 4, size=10)
+    halves = {0: slice(0, 4), 1: slice(4, 10)}
+    parts = {
+        p: _host_batches.of_rows(x[:, cut], devices[cut])[None]
+        for p, cut in halves.items()
+    }
+    got = combine(("v",), (np.dtype(np.float64),), parts, **NO_ARRIVAL)
+    for u, (stats, _, _) in enumerate(got):
+        row = x[u]
+        if u == 2:
+            assert np.isnan(stats.table[:, 0]).all()
+            assert stats.where[:, 0].tolist() == [devices[3]] * 3
+            continue
+        np.testing.assert_allclose(
+            stats.table[:, 0], [row.mean(), row.max(), row.min(), row.std()]
+        )
+        assert stats.where[0, 0] == devices[row == row.max()].min()
+    assert got[4][0].table[3, 0] == 0.0 and got[4][0].table[0, 0] == 1.5
+
+
 def test_host_scalars_count_each_process_by_its_devices():
     """Process 0 holds 3 devices of the mesh (from device 0), process 1 one
     (device 3): the mean weighs them so, as one value per device does."""
     index = {0: 0}
-    mine = partials([("x", 1.0), ("y", 5.0)], 3, 0, index)
-    theirs = partials([("x", 5.0), ("y", 5.0)], 1, 3, index)
-    stats, _, _ = combine(
-        ("x", "y"), (np.dtype(np.float32),) * 2, {0: mine, 1: theirs}, **NO_ARRIVAL
-    )
-    s = dict(stats)
+    mine = partials([[("x", 1.0), ("y", 5.0)]], 3, 0, index)
+    theirs = partials([[("x", 5.0), ("y", 5.0)]], 1, 3, index)
+    s = dict(_one({0: mine, 1: theirs}, names=("x", "y"), dtype=np.float32)[0])
     assert s["x/mean"] == 2.0 and s["x/argmax"] == 3 and s["x/argmin"] == 0
     assert s["x/std"] == pytest.approx(np.std([1.0, 1.0, 1.0, 5.0]))
     assert s["y/mean"] == 5.0 and s["y/std"] == 0.0 and s["y/argmax"] == 0
-    nan = partials([("x", float("nan"))], 1, 3, index)
-    s = dict(
-        combine(("x",), (np.dtype(np.float32),), {0: mine[:1], 1: nan}, **NO_ARRIVAL)[0]
-    )
+    nan = partials([[("x", float("nan"))]], 1, 3, index)
+    s = dict(_one({0: mine[:1], 1: nan}, names=("x",), dtype=np.float32)[0])
     assert np.isnan(s["x/mean"]) and s["x/nan_device"] == s["x/argmax"] == 3
+    inf = partials([[("x", float("inf"))]], 1, 3, index)
+    s = dict(_one({0: mine[:1], 1: inf}, names=("x",))[0])
+    assert s["x/mean"] == s["x/max"] == np.inf and np.isnan(s["x/std"])
+    assert s["x/argmax"] == 3 and s["x/nan_device"] == -1
+    outside = partials([[("x", 9.0)]], 0, -1, index)  # no device in the mesh
+    s = dict(_one({0: mine[:1], 2: outside}, names=("x",))[0])
+    assert s["x/mean"] == 1.0 and s["x/max"] == 1.0
 
 
 def test_a_constant_stays_exactly_a_constant():
     """0.003 on 3 processes of unequal weight: mean 0.003 and std 0 exactly."""
-    parts = {p: partials([("lr", 0.003)], p + 1, 2 * p, {}) for p in range(3)}
-    s = dict(combine(("lr",), (np.dtype(np.float64),), parts, **NO_ARRIVAL)[0])
+    parts = {p: partials([[("lr", 0.003)]], p + 1, 2 * p, {}) for p in range(3)}
+    s = dict(_one(parts, names=("lr",))[0])
     assert s["lr/mean"] == 0.003 and s["lr/std"] == 0.0
 
 
@@ -151,18 +187,11 @@ def test_arrival_times_and_checksums_are_read_not_recorded():
         2: (8.0, 100.0, 1023.0, 3.0),
     }
     everyone = {
-        p: partials(list(zip(names, row, strict=True)), 1, p, {})
+        p: partials([list(zip(names, row, strict=True))], 1, p, {})
         for p, row in rows.items()
     }
-    stats, straggler, differs = combine(
-        names,
-        (np.dtype(np.float32),) * 4,
-        everyone,
-        arrival=("hi", "lo"),
-        unit=1024.0,
-        same_prefix="\x00same/",
-        lags_key="lags",
-        straggler=("s/p", "s/l"),
+    stats, straggler, differs = _one(
+        everyone, names=names, dtype=np.float32, arrival=("hi", "lo")
     )
     assert stats.names == ("loss",) and dict(stats)["loss/mean"] == 2.0
     assert differs.tolist() == [True]
@@ -181,14 +210,14 @@ class Store:
         self.fail_set = fail_set
         self.timeouts = 0
 
-    def key_value_set(self, key, value):
+    def key_value_set_bytes(self, key, value):
         if self.fail_set:
             raise RuntimeError("UNAVAILABLE: the store is gone")
         with self.cond:
             self.data[key] = value
             self.cond.notify_all()
 
-    def blocking_key_value_get(self, key, timeout_ms):
+    def blocking_key_value_get_bytes(self, key, timeout_ms):
         with self.cond:
             if not self.cond.wait_for(lambda: key in self.data, timeout_ms / 1000):
                 self.timeouts += 1
@@ -209,7 +238,7 @@ def _batch(store, key, previous=None, mesh=None, updates=None, current=lambda: T
         previous,
         store,
         current,
-        _distributed._combine_update,
+        _distributed._combine_batch,
         mesh if mesh is not None else jax.sharding.Mesh(jax.devices(), ("d",)),
     )
 
@@ -226,8 +255,8 @@ def test_a_batch_posts_reads_and_deletes_its_post_two_batches_on(mesh):
     assert straggler == {} and differs is None
     [(stats, _, _)] = second.result()
     assert dict(stats)["x/mean"] == 2.0 and dict(stats)["loss/max"] == 1.5
-    posted = json.loads(store.data["k/batch1/0"])
-    assert len(posted) == 1 and len(posted[0]) == 2  # one update, two values
+    posted = np.frombuffer(store.data["k/batch1/0"], np.float64)
+    assert posted.size == 2 * len(_host_batches.FIELDS)  # two values, one update
     assert store.deleted == ["k/batch0/0"] and "k/batch0/0" not in store.data
 
 
@@ -250,9 +279,9 @@ def test_a_read_waits_past_deadlines_and_stops_when_the_runtime_is_shut_down(
     reader.start()
     while store.timeouts < 3:  # polls again after each deadline
         threading.Event().wait(0.01)
-    store.key_value_set("k/other", "late")
+    store.key_value_set_bytes("k/other", b"late")
     reader.join(5)
-    assert found == ["late"]
+    assert found == [b"late"]
     live[0] = False
     with pytest.raises(RuntimeError, match="shut down before every process"):
         batch._read("k/never")
