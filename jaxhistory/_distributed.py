@@ -32,6 +32,7 @@ from jaxhistory._tree import flatten_metrics
 __all__ = [
     "ARRIVAL",
     "BATCH_MAX",
+    "BATCH_VALUES",
     "SAME",
     "STRAGGLER",
     "Reducer",
@@ -63,6 +64,9 @@ SAME = "\x00same/"
 LAGS = "\x00lags"  # each process's arrival lag (not recorded as such)
 SAME_WINDOW = 8  # updates later the checksums are read (all processes alike)
 BATCH_MAX = 64  # updates a batch of values to reduce holds at most
+# values (updates x names) a batch holds at most: each process posts 64 bytes
+# a value to the key-value store, so at most 1 MiB a batch
+BATCH_VALUES = 16_384
 
 
 def distributed_default() -> bool:
@@ -289,7 +293,8 @@ class Reducer:
         With several processes and ``every`` > 1, what needs reducing waits in
         a batch, reduced on the host (through the key-value store, on a
         background thread, no device program) at steps that are multiples of
-        ``every``, after :data:`BATCH_MAX` updates, or when the names change
+        ``every``, after :data:`BATCH_MAX` updates (or :data:`BATCH_VALUES`
+        values), or when the names change
         (the same updates on every process). A batch's results are fetched at
         the next batch, long computed by then, so the host keeps running
         ahead; with ``now_wanted`` (a summary line at this update) the
@@ -312,7 +317,9 @@ class Reducer:
             self._batch.append((row.step, now, arrived))
             self._batch_names = names
         closes = bool(self._batch) and (
-            row.step % every == 0 or len(self._batch) >= BATCH_MAX
+            row.step % every == 0
+            or len(self._batch) >= BATCH_MAX
+            or len(self._batch) * len(self._batch_names) >= BATCH_VALUES
         )
         if closes:  # batches close at the same updates everywhere
             self._clock += 1

@@ -606,7 +606,9 @@ def straggler_scores_run(slow: int, outdir: str) -> dict:
     }
 
 
-def batched_run(log_every: int, steps: int, summarize: str = "all") -> dict:
+def batched_run(
+    log_every: int, steps: int, summarize: str = "all", batch_values: int = 0
+) -> dict:
     """A per-shard loss and a host scalar recorded with ``log_every``: the
     device programs run, the batches reduced on the host, the summary lines
     and the records."""
@@ -635,6 +637,8 @@ def batched_run(log_every: int, steps: int, summarize: str = "all") -> dict:
 
     _distributed.Reducer._program = counted
     _distributed.HostBatch = Counted
+    if batch_values:
+        _distributed.BATCH_VALUES = batch_values
     lines = []
     for step in range(steps):
         data = global_data(step, 1, n)["m0"]

@@ -871,6 +871,25 @@ def test_batches_fetched_later_record_the_same(summarize):
 
 
 @pytest.mark.slow
+def test_a_batch_of_many_values_closes_early_and_records_the_same():
+    """A batch holds at most BATCH_VALUES values (what each process posts to
+    the key-value store): with 4 names (the loss, the host scalar, the two
+    arrival times) and a cap of 12, a batch closes after 3 updates, or at a
+    step that is a multiple of log_every=8 (steps 0 | 1-3 | 4-6 | 7-8 | 9)."""
+    each = jh.launch_local("mp_workers:batched_run", 2, 2, args=(1, 10), timeout=180)
+    capped = jh.launch_local(
+        "mp_workers:batched_run", 2, 2, args=(8, 10, "all", 12), timeout=180
+    )
+    for r in capped:
+        assert (r["programs"], r["batches"]) == ([], [1, 3, 3, 2, 1])
+        for name in ("loss/mean", "loss/argmax", "host/mean"):
+            assert r["steps"][name] == list(range(10)), name
+            np.testing.assert_allclose(
+                r["records"][name], each[0]["records"][name], rtol=2.5e-7, err_msg=name
+            )
+
+
+@pytest.mark.slow
 def test_in_batches_a_differing_value_raises_at_the_same_update_everywhere():
     results = jh.launch_local(
         "mp_workers:differing_plain_values", 2, 1, args=("np", 4), timeout=120
