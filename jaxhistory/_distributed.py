@@ -22,7 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhistory._env import env_flag
-from jaxhistory._host_batches import Combined, HostBatch, combine, result_dtype
+from jaxhistory._host_batches import (
+    Combined,
+    HostBatch,
+    combine,
+    result_dtype,
+    results,
+)
 from jaxhistory._names import COUNTER_KEYS
 from jaxhistory._provenance import Layout, check_provenance, concrete_layout
 from jaxhistory._row import Row, RowKind
@@ -367,6 +373,7 @@ class Reducer:
             client,
             functools.partial(client_is_current, client),
             _combine_batch,
+            _split_batch,
             mesh,
         )
         self._last = handle
@@ -526,8 +533,8 @@ def _reduce(
     return stats, straggler, differs
 
 
-def _combine_batch(items: list[tuple[str, Any]], everyone: dict) -> list[Combined]:
-    """The updates of a batch reduced on the host (``items`` the first
+def _combine_batch(items: list[tuple[str, Any]], everyone: dict) -> dict:
+    """The arrays of a batch reduced on the host (``items`` the first
     update's, sorted by name: every update of a batch has the same names;
     ``everyone`` each process's partials)."""
     names = tuple(n for n, _ in items)
@@ -538,9 +545,15 @@ def _combine_batch(items: list[tuple[str, Any]], everyone: dict) -> list[Combine
         ARRIVAL if ARRIVAL[0] in names else None,
         ARRIVAL_UNIT,
         SAME,
-        LAGS,
-        STRAGGLER,
     )
+
+
+def _split_batch(items: list[tuple[str, Any]], arrays: dict) -> list[Combined]:
+    """Each update's statistics, straggler values and checksum results from
+    :func:`_combine_batch`'s arrays."""
+    names = tuple(n for n, _ in items)
+    arrival = ARRIVAL if ARRIVAL[0] in names else None
+    return results(names, arrays, arrival, SAME, LAGS, STRAGGLER)
 
 
 def _constants_stay(stats: Stats) -> Stats:

@@ -9,23 +9,27 @@ it: the training thread would lose most of a step at every batch.
 So a batch is reduced here instead, on a background thread, with no device
 program. Each process sums up what its own devices hold of each value (count,
 mean, squared deviations, max and min with the lowest device holding them, the
-lowest device holding a NaN), posts that to the distributed runtime's
-key-value store, reads every other process's, and combines them, in float64,
-the same way on every process. The statistics and their provenance are those
-of :func:`jaxhistory._stats.global_stats` (where every element counts once, at
-the lowest device holding it); the statistics are float64 sums rounded to the
-result's dtype, not float32 sums, so they can differ from the device
-reduction's in the last bit.
+lowest device holding a NaN) and posts that to the distributed runtime's
+key-value store; process 0 reads every post, combines them in float64 and
+posts the result, which the others read (O(P) bytes through the store for P
+processes, and the same numbers on every process). The statistics and their
+provenance are those of :func:`jaxhistory._stats.global_stats` (where every
+element counts once, at the lowest device holding it); the statistics are
+float64 sums rounded to the result's dtype, not float32 sums, so they can
+differ from the device reduction's in the last bit.
 
-Batches are reduced one after another, on one thread per process (so a
-process posts batch ``n`` only after reading every process's batch ``n - 1``,
-and can then delete its own post of batch ``n - 2``: at most two posts per
-process stay in the store). The caller keeps at most two batches in flight.
+Batches are reduced one after another, on one thread per process: a process
+posts batch ``n`` only after reading the result of batch ``n - 1``, so process
+0, once it has read every post of batch ``n``, deletes the result of ``n - 1``;
+each process deletes its post once it has read the result (at most two
+results and one post per process stay in the store). The caller keeps at most
+two batches in flight.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import queue
 import threading
 import time
@@ -46,12 +50,16 @@ __all__ = [
     "combine",
     "of_rows",
     "of_values",
+    "pack",
     "partials",
     "result_dtype",
+    "results",
+    "unpack",
 ]
 
 YIELD_S = 5e-5  # the pause between pieces of work (see _let_others_run)
 POLL_S = 5.0  # how long one read of the store waits before checking for shutdown
+LEADER = 0  # the process that combines every batch
 
 # What one process holds of one value at each of a batch's U updates: a
 # float64 (8, U) array, in this order (device indices as floats, exact):
@@ -201,6 +209,21 @@ def _combined(parts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return stats, where.astype(np.int32)
 
 
+def _kept(
+    names: tuple[str, ...], arrival: tuple[str, str] | None, same_prefix: str
+) -> tuple[list[int], list[int]]:
+    """The positions among ``names`` of the values recorded (all but the
+    arrival times and checksums) and of the checksums."""
+    picks = set(arrival) if arrival is not None else set()
+    checks = [j for j, n in enumerate(names) if n.startswith(same_prefix)]
+    kept = [
+        j
+        for j, n in enumerate(names)
+        if n not in picks and not n.startswith(same_prefix)
+    ]
+    return kept, checks
+
+
 def combine(
     names: tuple[str, ...],
     dtypes: tuple[Any, ...],
@@ -208,53 +231,76 @@ def combine(
     arrival: tuple[str, str] | None,
     unit: float,
     same_prefix: str,
-    lags_key: str,
-    straggler: tuple[str, str],
-) -> list[Combined]:
-    """Each update's statistics from every process's ``(K, 8, U)`` partials
-    of ``names`` (sorted; ``dtypes`` the dtype each statistic comes in): the
-    statistics of every name but the arrival times and checksums, the
-    straggler values (``{}`` without ``arrival``) and whether each checksum
-    differs."""
+) -> dict[str, np.ndarray]:
+    """A batch's statistics from every process's ``(K, 8, U)`` partials of
+    ``names`` (sorted; ``dtypes`` the dtype each statistic comes in), as
+    arrays (what :func:`results` splits into updates): ``table`` (U, 4, K')
+    and ``where`` (U, 3, K') of every name but the arrival times and
+    checksums, ``differs`` (U, C) of the checksums, and with ``arrival``
+    ``lags`` (U, P') of the P' processes ``ids`` and the ``last`` (U,) to
+    arrive."""
     procs = sorted(everyone)
     parts = np.stack([everyone[p] for p in procs])
     stats, where = _combined(parts)
-    picks = {names.index(a) for a in arrival} if arrival is not None else set()
-    checks = [j for j, n in enumerate(names) if n.startswith(same_prefix)]
-    kept = [j for j in range(len(names)) if j not in picks and j not in checks]
+    kept, checks = _kept(names, arrival, same_prefix)
     dtype = np.result_type(np.float32, *(dtypes[j] for j in kept))
-    table = stats[kept].transpose(2, 1, 0).astype(dtype)  # (U, 4, K)
-    found = where[kept].transpose(2, 1, 0)
-    kept_names = tuple(names[j] for j in kept)
-    differs = stats[checks, 1] != stats[checks, 2] if checks else None  # (C, U)
-    lags = None
+    out = {
+        "table": stats[kept].transpose(2, 1, 0).astype(dtype),
+        "where": where[kept].transpose(2, 1, 0),
+        "differs": (stats[checks, 1] != stats[checks, 2]).T,
+    }
     if arrival is not None:
         hi, lo = (parts[:, names.index(a)] for a in arrival)
         holds = hi[:, COUNT, 0] > 0  # the processes in the mesh
         hi, lo = hi[holds, MEAN], lo[holds, MEAN]  # (P', U)
         times = (hi - hi.min(axis=0)) * unit + lo
-        lags = (times - np.median(times, axis=0)).astype(
-            np.result_type(np.float32, *dtypes)
-        )
-        last = np.argmax(times, axis=0)
-        ids = np.asarray(procs, np.int32)[holds]
+        lags = times - np.median(times, axis=0)
+        out["lags"] = lags.T.astype(np.result_type(np.float32, *dtypes))
+        out["ids"] = np.asarray(procs, np.int32)[holds]
+        out["last"] = np.argmax(times, axis=0)
+    return out
+
+
+def results(
+    names: tuple[str, ...],
+    arrays: dict[str, np.ndarray],
+    arrival: tuple[str, str] | None,
+    same_prefix: str,
+    lags_key: str,
+    straggler: tuple[str, str],
+) -> list[Combined]:
+    """Each update's statistics, straggler values (``{}`` without
+    ``arrival``) and checksum results (None without checksums) from what
+    :func:`combine` gave."""
+    kept, checks = _kept(names, arrival, same_prefix)
+    kept_names = tuple(names[j] for j in kept)
+    table, where, differs = arrays["table"], arrays["where"], arrays["differs"]
     out = []
     for u in range(table.shape[0]):
         extra = {}
-        if lags is not None:
+        if arrival is not None:
+            lags, last = arrays["lags"][u], int(arrays["last"][u])
             extra = {
-                straggler[0]: ids[last[u]],
-                straggler[1]: lags[last[u], u],
-                lags_key: lags[:, u],
+                straggler[0]: arrays["ids"][last],
+                straggler[1]: lags[last],
+                lags_key: lags,
             }
-        out.append(
-            (
-                Stats(kept_names, table[u], found[u]),
-                extra,
-                None if differs is None else differs[:, u],
-            )
-        )
+        found = differs[u] if checks else None
+        out.append((Stats(kept_names, table[u], where[u]), extra, found))
     return out
+
+
+def pack(arrays: dict[str, np.ndarray]) -> bytes:
+    """What :func:`combine` gave, as bytes for the key-value store."""
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def unpack(raw: bytes) -> dict[str, np.ndarray]:
+    """:func:`pack`'s arrays back (no pickles)."""
+    with np.load(io.BytesIO(raw), allow_pickle=False) as loaded:
+        return {k: loaded[k] for k in loaded.files}
 
 
 def result_dtype(value: Any) -> Any:
@@ -283,9 +329,11 @@ class HostBatch:
         client: the distributed runtime's client.
         current: whether ``client`` is still the runtime's (False once it
             was shut down: the thread stops waiting then).
-        combine_batch: ``combine_batch(items, everyone)`` -> each update's
-            :data:`Combined`, from the first update's items and every
-            process's partials.
+        combine_batch: ``combine_batch(items, everyone)`` -> the arrays of
+            :func:`combine`, from the first update's items and every
+            process's partials (run by process 0).
+        split_batch: ``split_batch(items, arrays)`` -> each update's
+            :data:`Combined` (:func:`results`).
         mesh: the mesh whose devices count a host scalar.
 
     Batches go to one thread per process, which starts with the first and
@@ -301,7 +349,8 @@ class HostBatch:
         previous: HostBatch | None,
         client: Any,
         current: Callable[[], bool],
-        combine_batch: Callable[[list, dict], list[Combined]],
+        combine_batch: Callable[[list, dict], dict],
+        split_batch: Callable[[list, dict], list[Combined]],
         mesh: jax.sharding.Mesh,
     ):
         self.updates = updates
@@ -310,6 +359,7 @@ class HostBatch:
         self._client = client
         self._current = current
         self._combine = combine_batch
+        self._results = split_batch
         self._mesh = mesh
         self._done = threading.Event()
         self._result: list[Combined] | None = None
@@ -338,25 +388,38 @@ class HostBatch:
             self._done.set()
 
     def _reduce(self, previous: HostBatch | None) -> list[Combined]:
+        """Process 0 reads every other process's partials, combines them and
+        posts the result; the others post theirs and read it: the store
+        carries O(P) bytes a batch, not every process's posts to every
+        process."""
         me, index = jax.process_index(), global_index()
         mine = [d for d in self._mesh.devices.flat if d.process_index == me]
         holder = min((index[d.id] for d in mine), default=-1)
         items = [items for _, _, items in self.updates]
         posted = partials(items, len(mine), holder, index)
-        client = self._client
-        client.key_value_set_bytes(f"{self.key}/{me}", posted.tobytes())
+        client, result = self._client, f"{self.key}/result"
+        if me != LEADER:
+            client.key_value_set_bytes(f"{self.key}/{me}", posted.tobytes())
+            _let_others_run()
+            arrays = unpack(self._read(result))
+            # the leader has read this process's post: it goes
+            with contextlib.suppress(Exception):
+                client.key_value_delete(f"{self.key}/{me}")
+            return self._results(items[0], arrays)
         everyone = {me: posted}
-        for other in sorted({d.process_index for d in self._mesh.devices.flat}):
+        for other in range(jax.process_count()):
             if other != me:
                 _let_others_run()
                 raw = self._read(f"{self.key}/{other}")
                 everyone[other] = np.frombuffer(raw, np.float64).reshape(posted.shape)
-        if previous is not None:  # every process has read it: posted this one
-            # a store that refuses keeps two posts per process: harmless
+        if previous is not None:  # every process posted this one: read that one
+            # a store that refuses keeps two results: harmless
             with contextlib.suppress(Exception):
-                client.key_value_delete(f"{previous.key}/{me}")
+                client.key_value_delete(f"{previous.key}/result")
         _let_others_run()
-        return self._combine(items[0], everyone)
+        arrays = self._combine(items[0], everyone)
+        client.key_value_set_bytes(result, pack(arrays))
+        return self._results(items[0], arrays)
 
     def _read(self, key: str) -> bytes:
         """Waits for ``key`` while the runtime lasts (a process left behind

@@ -787,9 +787,18 @@ def test_a_value_recorded_as_is_that_differs_across_processes_is_an_error(kind):
 
 
 @pytest.mark.slow
-def test_values_the_same_on_every_process_pass_and_a_constant_stays_constant():
+@pytest.mark.parametrize("log_every", [1, 4])
+def test_values_the_same_on_every_process_pass_and_a_constant_stays_constant(
+    log_every,
+):
+    """3 processes, each update reduced (log_every=1) or batches reduced on
+    the host, process 0 combining the other two's posts (log_every=4)."""
     results = jh.launch_local(
-        "mp_workers:differing_plain_values", 3, 2, args=("same",), timeout=120
+        "mp_workers:differing_plain_values",
+        3,
+        2,
+        args=("same", log_every),
+        timeout=120,
     )
     assert [r["raised"] for r in results] == [None] * 3
     lr = results[0]["lr"]

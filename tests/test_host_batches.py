@@ -15,30 +15,34 @@ from jax.sharding import PartitionSpec as P
 
 import jaxhistory as jh
 from jaxhistory import _distributed, _host_batches
-from jaxhistory._host_batches import HostBatch, combine, partials
+from jaxhistory._host_batches import (
+    HostBatch,
+    combine,
+    pack,
+    partials,
+    results,
+    unpack,
+)
 from jaxhistory._provenance import global_index
 
-NO_ARRIVAL = dict(
-    arrival=None,
-    unit=1024.0,
-    same_prefix="\x00same/",
-    lags_key="lags",
-    straggler=("s/p", "s/l"),
-)
+
+def _reduce(names, dtypes, everyone, arrival=None):
+    """Each update's combination (what every process gets) of partials."""
+    arrays = combine(names, dtypes, everyone, arrival, 1024.0, "\x00same/")
+    arrays = unpack(pack(arrays))  # through the store's bytes
+    return results(names, arrays, arrival, "\x00same/", "lags", ("s/p", "s/l"))
 
 
-def _combine(updates, everyone, **kw):
-    """``updates``: each update's items (the same names); the combined
-    statistics of each update."""
+def _combine(updates, everyone):
+    """``updates``: each update's items (the same names)."""
     names = tuple(n for n, _ in updates[0])
     dtypes = tuple(_host_batches.result_dtype(v) for _, v in updates[0])
-    return combine(names, dtypes, everyone, **{**NO_ARRIVAL, **kw})
+    return _reduce(names, dtypes, everyone)
 
 
-def _one(everyone, names=("v",), dtype=np.float64, **kw):
+def _one(everyone, names=("v",), dtype=np.float64, arrival=None):
     """The one update's combination of partials of ``names``."""
-    dtypes = (np.dtype(dtype),) * len(names)
-    [got] = combine(names, dtypes, everyone, **{**NO_ARRIVAL, **kw})
+    [got] = _reduce(names, (np.dtype(dtype),) * len(names), everyone, arrival)
     return got
 
 
@@ -136,7 +140,7 @@ def test_rows_of_a_batch_are_reduced_each_on_its_own():
         p: _host_batches.of_rows(x[:, cut], devices[cut])[None]
         for p, cut in halves.items()
     }
-    got = combine(("v",), (np.dtype(np.float64),), parts, **NO_ARRIVAL)
+    got = _reduce(("v",), (np.dtype(np.float64),), parts)
     for u, (stats, _, _) in enumerate(got):
         row = x[u]
         if u == 2:
@@ -239,11 +243,12 @@ def _batch(store, key, previous=None, mesh=None, updates=None, current=lambda: T
         store,
         current,
         _distributed._combine_batch,
+        _distributed._split_batch,
         mesh if mesh is not None else jax.sharding.Mesh(jax.devices(), ("d",)),
     )
 
 
-def test_a_batch_posts_reads_and_deletes_its_post_two_batches_on(mesh):
+def test_the_leader_combines_posts_the_result_and_deletes_the_one_before(mesh):
     store = Store()
     loss = jax.device_put(
         np.arange(8, dtype=np.float32), NamedSharding(mesh, P("data"))
@@ -255,9 +260,29 @@ def test_a_batch_posts_reads_and_deletes_its_post_two_batches_on(mesh):
     assert straggler == {} and differs is None
     [(stats, _, _)] = second.result()
     assert dict(stats)["x/mean"] == 2.0 and dict(stats)["loss/max"] == 1.5
-    posted = np.frombuffer(store.data["k/batch1/0"], np.float64)
-    assert posted.size == 2 * len(_host_batches.FIELDS)  # two values, one update
-    assert store.deleted == ["k/batch0/0"] and "k/batch0/0" not in store.data
+    posted = unpack(store.data["k/batch1/result"])
+    assert posted["table"].shape == (1, 4, 2)  # one update, two values
+    assert store.deleted == ["k/batch0/result"] and "k/batch0/result" not in store.data
+
+
+def test_another_process_posts_reads_the_leaders_result_and_deletes_its_post(
+    monkeypatch,
+):
+    """Process 0 playing a process other than the leader: it posts its
+    partials, waits for the leader's result and deletes its post."""
+    monkeypatch.setattr(_host_batches, "LEADER", 1)
+    store = Store()
+    items = [("loss", 1.5), ("x", 2.0)]
+    batch = _batch(store, "k/batch0", updates=[(0, 0.0, items)])
+    raw = store.blocking_key_value_get_bytes("k/batch0/0", 5000)
+    mine = np.frombuffer(raw, np.float64).reshape(2, len(_host_batches.FIELDS), 1)
+    theirs = partials([[("loss", 3.5), ("x", 2.0)]], 8, 8, {})
+    arrays = _distributed._combine_batch(items, {0: mine, 1: theirs})
+    store.key_value_set_bytes("k/batch0/result", pack(arrays))
+    [(stats, _, _)] = batch.result()
+    assert dict(stats)["loss/mean"] == 2.5 and dict(stats)["loss/argmax"] == 8
+    assert dict(stats)["x/std"] == 0.0
+    assert store.deleted == ["k/batch0/0"]
 
 
 def test_what_the_thread_meets_is_raised_at_result():
