@@ -28,6 +28,7 @@ two batches in flight.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import queue
@@ -46,6 +47,7 @@ from jaxhistory._tree import acc_dtype
 __all__ = [
     "FIELDS",
     "Combined",
+    "Exiting",
     "HostBatch",
     "combine",
     "of_rows",
@@ -54,11 +56,12 @@ __all__ = [
     "partials",
     "result_dtype",
     "results",
+    "stop_worker",
     "unpack",
 ]
 
 YIELD_S = 5e-5  # the pause between pieces of work (see _let_others_run)
-POLL_S = 5.0  # how long one read of the store waits before checking for shutdown
+POLL_S = 1.0  # how long one read of the store waits before checking for exit
 LEADER = 0  # the process that combines every batch
 
 # What one process holds of one value at each of a batch's U updates: a
@@ -376,6 +379,10 @@ class HostBatch:
         assert self._result is not None
         return self._result
 
+    def _fail(self, err: BaseException) -> None:
+        self._error = err
+        self._done.set()
+
     def _run(self) -> None:
         try:
             previous, self._previous = self._previous, None
@@ -425,6 +432,8 @@ class HostBatch:
         """Waits for ``key`` while the runtime lasts (a process left behind
         is the hang watch's to name, as a device reduction would wait too)."""
         while True:
+            if _EXITING.is_set():
+                raise Exiting(f"the process is exiting ({key})")
             if not self._current():
                 raise RuntimeError(
                     "the distributed runtime was shut down before every process "
@@ -442,32 +451,67 @@ class HostBatch:
 _QUEUE: queue.SimpleQueue[HostBatch] = queue.SimpleQueue()
 _WORKER: list[threading.Thread] = []  # the thread, while it runs
 _WORKER_LOCK = threading.Lock()
+_EXITING = threading.Event()  # set at interpreter exit: the thread ends
+_AT_EXIT: list[bool] = []  # whether stop_worker is registered
 IDLE_S = 30.0  # the thread ends after this long without a batch
+
+
+class Exiting(RuntimeError):
+    """What a batch raises when the process exits before it was reduced."""
 
 
 def _submit(batch: HostBatch) -> None:
     """Hands ``batch`` to the background thread (started if none runs)."""
     with _WORKER_LOCK:
+        if _EXITING.is_set():
+            batch._fail(Exiting("the process is exiting"))
+            return
         _QUEUE.put(batch)
         if not (_WORKER and _WORKER[0].is_alive()):
             thread = threading.Thread(
                 target=_work, name="jaxhistory-batches", daemon=True
             )
             _WORKER[:] = [thread]
+            if not _AT_EXIT:
+                # Registered after jax.distributed.initialize: runs before the
+                # runtime's own shutdown, and before daemon threads end.
+                atexit.register(stop_worker)
+                _AT_EXIT.append(True)
             thread.start()
+
+
+def stop_worker() -> None:
+    """Ends the background thread, waiting for it at most :data:`POLL_S` and
+    a second; batches not reduced yet fail with :class:`Exiting`.
+
+    Runs at exit, before the interpreter ends its daemon threads: a thread
+    ended while inside the distributed runtime's client (native code) aborts
+    the process ("exception not rethrown").
+    """
+    _EXITING.set()
+    with _WORKER_LOCK:
+        thread = _WORKER[0] if _WORKER else None
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(POLL_S + 1.0)
+    while True:
+        try:
+            _QUEUE.get_nowait()._fail(Exiting("the process is exiting"))
+        except queue.Empty:
+            return
 
 
 def _work() -> None:
     """The background thread: runs batches in the order they came."""
-    me = threading.current_thread()
-    while True:
+    me, last = threading.current_thread(), time.monotonic()
+    while not _EXITING.is_set():
         try:
-            batch = _QUEUE.get(timeout=IDLE_S)
+            batch = _QUEUE.get(timeout=POLL_S)  # short: sees the exit soon
         except queue.Empty:
-            with _WORKER_LOCK:  # nothing came: end, unless one comes now
-                if _QUEUE.empty():
+            with _WORKER_LOCK:  # nothing came for long: end, unless one comes now
+                if _QUEUE.empty() and time.monotonic() - last > IDLE_S:
                     if _WORKER and _WORKER[0] is me:
                         _WORKER.clear()
                     return
             continue
         batch._run()
+        last = time.monotonic()

@@ -699,3 +699,29 @@ def unclosed_histories(count: int, shutdown: bool) -> int:
     if shutdown:
         jax.distributed.shutdown()
     return len(histories)
+
+
+def exit_while_a_batch_waits() -> str:
+    """Leaves a batch waiting in the distributed runtime's client (native
+    code) for a result that never comes, and returns: the process must exit
+    cleanly, not abort when the interpreter ends its threads."""
+    import time
+
+    import jax
+
+    from jaxhistory import _distributed, _host_batches
+    from jaxhistory._distributed import distributed_client
+
+    _host_batches.LEADER = 99  # every process waits for a leader that never posts
+    batch = _host_batches.HostBatch(
+        [(0, 0.0, [("x", 1.0)])],
+        "jaxhistory-test/waits",
+        None,
+        distributed_client() or _distributed._client(),
+        lambda: True,
+        _distributed._combine_batch,
+        _distributed._split_batch,
+        jax.sharding.Mesh(jax.devices(), ("d",)),
+    )
+    time.sleep(0.5)  # the thread is inside the blocking read now
+    return "waiting" if not batch._done.is_set() else "done"

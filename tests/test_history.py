@@ -899,6 +899,15 @@ def test_a_batch_of_many_values_closes_early_and_records_the_same():
 
 
 @pytest.mark.slow
+def test_a_process_exits_cleanly_while_a_batch_waits_in_the_store():
+    """The batch thread blocked in the runtime's client at exit: stopped at
+    exit (within a poll of the store), not ended inside native code, which
+    aborts the process ("exception not rethrown")."""
+    got = jh.launch_local("mp_workers:exit_while_a_batch_waits", 2, 1, timeout=60)
+    assert got == ["waiting", "waiting"]
+
+
+@pytest.mark.slow
 def test_in_batches_a_differing_value_raises_at_the_same_update_everywhere():
     results = jh.launch_local(
         "mp_workers:differing_plain_values", 2, 1, args=("np", 4), timeout=120
