@@ -316,6 +316,9 @@ class Reducer:
             stats, straggler, mesh = self.reduce(reduce, row.step)
             return _placed(row, items, plain, reduce, stats, straggler), [], mesh
         if reduce:
+            for name, value in reduce:  # now: a batch never fails at its end
+                if not isinstance(value, jax.Array):
+                    _numeric(name, value)
             arrived, now = self._arrived(reduce, row.step)
             names = self.latest[1]
             if self._batch and names != self._batch_names:
@@ -352,15 +355,9 @@ class Reducer:
         if not batch:
             return
         updates, arrays = [], []
-        for step, now, items in batch:
+        for step, now, items in batch:  # host scalars checked at their update
             items = sorted(items, key=lambda item: item[0])
-            for name, value in items:
-                if isinstance(value, jax.Array):
-                    arrays.append(value)
-                elif np.asarray(value).dtype.kind not in "biuf":
-                    raise TypeError(
-                        f"metric {name!r} is not numeric ({type(value).__name__})"
-                    )
+            arrays += [v for _, v in items if isinstance(v, jax.Array)]
             updates.append((step, now, items))
         mesh = getattr(arrays[0].sharding, "mesh", None) if arrays else None
         if not isinstance(mesh, jax.sharding.Mesh):
@@ -699,6 +696,14 @@ def _shown(names: Any) -> list[str]:
     return sorted(set(shown))
 
 
+def _numeric(name: str, value: Any) -> np.ndarray:
+    """A host scalar as an array; TypeError naming it unless it is a number."""
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(f"metric {name!r} is not numeric ({type(value).__name__})")
+    return arr
+
+
 def _per_process_rows(
     host: list[tuple[str, Any]], mesh: jax.sharding.Mesh
 ) -> jax.Array:
@@ -709,12 +714,7 @@ def _per_process_rows(
     statistics over processes. Sharing the per-device metrics' mesh keeps one
     fused call; one array for all scalars keeps one transfer per device.
     """
-    row = []
-    for name, value in host:
-        arr = np.asarray(value)
-        if arr.dtype.kind not in "biuf":
-            raise TypeError(f"metric {name!r} is not numeric ({type(value).__name__})")
-        row.append(arr)
+    row = [_numeric(name, value) for name, value in host]
     # float64 where JAX computes in it (jax_enable_x64), float32 otherwise
     dtype = np.float64 if jax.config.jax_enable_x64 else np.float32
     values = np.asarray(row, dtype)

@@ -725,3 +725,20 @@ def exit_while_a_batch_waits() -> str:
     )
     time.sleep(0.5)  # the thread is inside the blocking read now
     return "waiting" if not batch._done.is_set() else "done"
+
+
+def bad_host_value_in_a_batch() -> dict:
+    """log_every=4, 8 updates; at step 5 the host scalar is a string on every
+    process: that update raises at once, and every other update is recorded."""
+    import jaxhistory as jh
+
+    history = jh.History(distributed_history=True, log_every=4)
+    raised = []
+    for step in range(8):
+        host = "x" if step == 5 else float(step)
+        try:
+            history.update({"host": host}, step=step, summarize=False)
+        except TypeError as err:
+            raised.append((step, str(err)))
+    history.close()
+    return {"raised": raised, "steps": history.state.steps("host/mean").tolist()}

@@ -909,6 +909,14 @@ def test_a_process_exits_cleanly_while_a_batch_waits_in_the_store():
 
 
 @pytest.mark.slow
+def test_in_batches_a_value_that_is_no_number_raises_at_its_update_and_costs_nothing():
+    for got in jh.launch_local("mp_workers:bad_host_value_in_a_batch", 2, 1):
+        [(step, text)] = got["raised"]
+        assert step == 5 and "'host' is not numeric (str)" in text
+        assert got["steps"] == [0, 1, 2, 3, 4, 6, 7]
+
+
+@pytest.mark.slow
 def test_in_batches_a_differing_value_raises_at_the_same_update_everywhere():
     results = jh.launch_local(
         "mp_workers:differing_plain_values", 2, 1, args=("np", 4), timeout=120
