@@ -328,7 +328,9 @@ class HostBatch:
     Args:
         updates: ``(step, time, items)`` per update, ``items`` sorted by name.
         key: the batch's key prefix in the store, the same on every process.
-        previous: the batch before (this one waits for it), or None.
+        previous: the batch before (process 0 deletes its result once every
+            process has posted this one), or None. Batches run in order, on
+            one thread.
         client: the distributed runtime's client.
         current: whether ``client`` is still the runtime's (False once it
             was shut down: the thread stops waiting then).
@@ -358,7 +360,7 @@ class HostBatch:
     ):
         self.updates = updates
         self.key = key
-        self._previous = previous
+        self._previous_key = None if previous is None else previous.key
         self._client = client
         self._current = current
         self._combine = combine_batch
@@ -385,16 +387,13 @@ class HostBatch:
 
     def _run(self) -> None:
         try:
-            previous, self._previous = self._previous, None
-            if previous is not None:
-                previous._done.wait()
-            self._result = self._reduce(previous)
+            self._result = self._reduce()
         except BaseException as err:  # the training thread raises it at collect
             self._error = err
         finally:
             self._done.set()
 
-    def _reduce(self, previous: HostBatch | None) -> list[Combined]:
+    def _reduce(self) -> list[Combined]:
         """Process 0 reads every other process's partials, combines them and
         posts the result; the others post theirs and read it: the store
         carries O(P) bytes a batch, not every process's posts to every
@@ -419,10 +418,10 @@ class HostBatch:
                 _let_others_run()
                 raw = self._read(f"{self.key}/{other}")
                 everyone[other] = np.frombuffer(raw, np.float64).reshape(posted.shape)
-        if previous is not None:  # every process posted this one: read that one
+        if self._previous_key is not None:  # all posted this one: read that one
             # a store that refuses keeps two results: harmless
             with contextlib.suppress(Exception):
-                client.key_value_delete(f"{previous.key}/result")
+                client.key_value_delete(f"{self._previous_key}/result")
         _let_others_run()
         arrays = self._combine(items[0], everyone)
         client.key_value_set_bytes(result, pack(arrays))
