@@ -92,11 +92,19 @@ def distributed_default() -> bool:
 
 
 def is_per_device(value: Any) -> bool:
-    """A JAX array that holds different values on different devices."""
+    """A JAX array that holds different values on different devices; on a mesh
+    of one device, one whose sharding names a mesh axis (``per_shard``'s
+    ``(1,)``), so that a run on one device records the names it records on
+    many."""
+    if not isinstance(value, jax.Array) or value.ndim < 1:
+        return False
+    sharding = value.sharding
+    if not sharding.is_fully_replicated:
+        return True
     return (
-        isinstance(value, jax.Array)
-        and value.ndim >= 1
-        and not value.sharding.is_fully_replicated
+        isinstance(sharding, jax.sharding.NamedSharding)
+        and sharding.mesh.size == 1
+        and any(axes is not None for axes in sharding.spec)
     )
 
 

@@ -891,6 +891,9 @@ def per_shard(
     ``(num_shards, B // num_shards, ...)`` and reduced over everything but the first
     axis, which stays sharded like the batch: no data moves between devices. The
     result, shape ``(num_shards,)``, is what :func:`distributed_stats` expects.
+    On a mesh of one device it keeps the batch's mesh axis in its sharding too
+    (``P("data")``), which is how History tells it is per device there: one
+    device and many record the same names.
 
     Args:
         x: per-example values, batch first.
@@ -924,6 +927,7 @@ def per_shard(
             "per_shard needs an array with the batch on axis 0, got a scalar"
         )
     known = shard_count(x)
+    kept = _one_device_batch_sharding(x) if known == 1 else None
     if num_shards is None:
         if known is None:
             raise ValueError(
@@ -950,4 +954,32 @@ def per_shard(
         x = x.astype(acc_dtype(x.dtype))
     num_shards = int(num_shards)
     grouped = x.reshape((num_shards, batch // num_shards, *x.shape[1:]))
-    return fns[reduce](grouped, axis=tuple(range(1, grouped.ndim)))
+    out = fns[reduce](grouped, axis=tuple(range(1, grouped.ndim)))
+    if kept is not None:  # a mesh of one device: keep the axis the reshape drops
+        if _explicit(kept.mesh):
+            return jax.sharding.reshard(out, kept)
+        return jax.lax.with_sharding_constraint(out, kept)
+    return out
+
+
+def _one_device_batch_sharding(x: jax.Array) -> Any:
+    """The sharding of ``x``'s batch axis alone (``P(axes)`` on its mesh),
+    where that mesh has one device; else None. The reshape in
+    :func:`per_shard` drops a mesh axis of size 1, which tells History that
+    the value is per device (on one device as on many)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if not isinstance(x, jax.core.Tracer) and isinstance(
+        getattr(x, "sharding", None), jax.sharding.NamedSharding
+    ):
+        sharding = x.sharding
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.size != 1 or not getattr(sharding, "spec", None):
+        return None
+    return jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(sharding.spec[0])
+    )
+
+
+def _explicit(mesh: Any) -> bool:
+    types = getattr(mesh, "axis_types", ())
+    return bool(types) and all(t == jax.sharding.AxisType.Explicit for t in types)

@@ -67,6 +67,37 @@ def test_replicated_arrays_and_scalars_are_recorded_as_they_are(mesh):
     assert h.state.shape("acc") == (3,) and "lr" in h.state
 
 
+def test_a_mesh_of_one_device_records_the_names_of_many(mesh):
+    """A value sharded over a mesh axis is per device on a mesh of one device
+    too: a run on one GPU records the names it records on eight."""
+    one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    per_example = jax.device_put(
+        np.arange(4.0, dtype=np.float32), NamedSharding(one, P("data"))
+    )
+    loss = jax.jit(jh.per_shard)(per_example)
+    assert loss.shape == (1,) and loss.sharding.is_fully_replicated
+    assert loss.sharding.spec == P("data")  # the batch's axis, kept
+    assert jh.per_shard(per_example).sharding.spec == P("data")
+    h1 = jh.History(distributed_history=True)
+    line = h1.update({"loss": loss, "lr": 0.5})
+    assert line == "step=0 loss=1.500000(±0.000000) lr=0.500000"
+    h8 = jh.History(distributed_history=True)
+    h8.update({"loss": per_device(mesh, np.arange(8.0)), "lr": 0.5})
+    assert set(h1.state.keys) == set(h8.state.keys)
+    assert h1.state.values("loss/max").tolist() == [1.5]
+    assert h1.state.values("loss/argmax").tolist() == [0]
+    # Not sharded over an axis: recorded as it is, on one device or many.
+    h = jh.History(distributed_history=True)
+    h.update(
+        {
+            "replicated": jax.device_put(np.ones(3), NamedSharding(one, P())),
+            "plain": jnp.ones(3),
+        }
+    )
+    assert set(h.state.keys) == {"replicated", "plain"}
+    assert h.state.shape("replicated") == (3,)
+
+
 def test_distributed_history_off_records_per_device_arrays_whole(mesh):
     h = jh.History(distributed_history=False)
     line = h.update({"loss": per_device(mesh, np.arange(8.0))})
