@@ -208,8 +208,13 @@ def _continues(state: HistoryState, names: tuple, step: int) -> bool:
     entry = data.tables.get(names)
     if entry is None or not entry[1] or not entry[0].step_at(entry[1]) < step:
         return False
-    index = data.index()
-    return set(map(len, map(index.__getitem__, names))) == {1}
+    table, index = entry[0], data.index()
+    if table.exclusive is index:  # checked against this very index before
+        return True
+    if set(map(len, map(index.__getitem__, names))) != {1}:
+        return False
+    table.exclusive = index
+    return True
 
 
 def packed(state: HistoryState, names: Any, vector: Any, step: Any):

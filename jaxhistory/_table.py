@@ -69,6 +69,7 @@ class Table:
         "device_rows",
         "dsig",
         "dtypes",
+        "exclusive",
         "fill",
         "keys",
         "last_step",
@@ -111,6 +112,10 @@ class Table:
         self.dsig: tuple | None = None
         self.async_copy = True  # start copies to the host (not on CPU devices)
         self.scalar_dtype = _scalar_dtype(self.dtypes, shapes)
+        # The name index (Tables.index) in which no other table held any of
+        # these keys, when that was last checked: an index is never changed
+        # once built, so the same object needs no second check.
+        self.exclusive: dict | None = None
 
     @classmethod
     def from_arrays(
@@ -126,7 +131,7 @@ class Table:
         table.fill = table.length = len(steps)
         table.rows, table.row_steps, table.device_rows = [], [], []
         table.last_step = int(steps[-1]) if len(steps) else None
-        table.ptypes = table.dsig = None
+        table.ptypes = table.dsig = table.exclusive = None
         table.async_copy = True
         table.scalar_dtype = _scalar_dtype(table.dtypes, table.shapes)
         return table

@@ -417,7 +417,24 @@ def test_packed_rows_that_continue_their_table_are_still_checked_where_needed():
         s.update_packed(("x", "x"), jnp.zeros(2), step=7)
 
 
-def test_python_ints_outside_int64_are_refused_and_nothing_breaks():
+def test_a_continued_packed_row_checks_its_names_once_per_set_of_tables():
+    names = ("x", "y")
+    s = jh.HistoryState().update({"loss": 1.0}, step=0)
+    for step in range(3):
+        s = s.update_packed(names, jnp.arange(2.0) + step, step=step)
+    table = s.data.tables[names][0]
+    assert table.exclusive is s.data.index()  # checked, kept for this index
+    # A new table holding "y" makes a new index: the check runs again.
+    later = s.update({"y": 5.0}, step=9)
+    assert later.data.index() is not table.exclusive
+    with pytest.raises(ValueError, match="'y' was already recorded at step 9"):
+        later.update_packed(names, jnp.zeros(2), step=4)
+    # The first state is unchanged and still continues its table.
+    s = s.update_packed(names, jnp.zeros(2), step=3)
+    assert s.steps("x").tolist() == [0, 1, 2, 3]
+
+
+
     s = jh.HistoryState().update({"t": 1})
     with pytest.raises(ValueError, match="'t' is 9223372036854775808, outside int64"):
         s.update({"t": 2**63})
