@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def run_quick(script: str, tmp_path: Path) -> tuple[str, str]:
-    """Runs ``benchmarks/{script} --quick --out FILE``; returns (stdout, FILE text)."""
+def run_quick(script: str, tmp_path: Path, *extra: str) -> tuple[str, str]:
+    """Runs ``benchmarks/{script} --quick --out FILE`` (and ``extra``); returns
+    (stdout, FILE text)."""
     env = dict(os.environ)
     env["JAX_NUM_CPU_DEVICES"] = "8"  # the subprocess starts its own JAX
     env["JAX_PLATFORMS"] = "cpu"
@@ -29,6 +30,7 @@ def run_quick(script: str, tmp_path: Path) -> tuple[str, str]:
             "--quick",
             "--out",
             out_file,
+            *extra,
         ],
         cwd=ROOT,
         env=env,
@@ -195,3 +197,40 @@ def test_bench_pod_quick(tmp_path):
         r"^\| 10 \| (8|16) \| [^|]+ \| (\d+) \| (\d+) \| ([\d.]+) \|$", text, re.M
     )
     assert len(timed) == 4 and all(float(r) > 0 for *_, r in timed), text
+
+
+def test_bench_gpu_quick_on_cpu_devices(tmp_path):
+    """The accelerator checks run their code on CPU devices with --allow-cpu."""
+    _, text = run_quick("bench_gpu.py", tmp_path, "--allow-cpu")
+    # | dtype | elements | mean err | std err | exact | ms | norm err | rms err | ms |
+    rows = re.findall(
+        r"^\| (float32|bfloat16) \| [\d,]+ \| ([\d.e+-]+) \| ([\d.e+-]+) \| "
+        r"(\S+) \| [\d.]+ \| ([\d.e+-]+) \| ([\d.e+-]+) \| [\d.]+ \|",
+        text,
+        re.M,
+    )
+    assert len(rows) == 4, text
+    for _, mean, std, exact, norm, rms in rows:
+        assert exact == "yes", text
+        assert max(map(float, (mean, std, norm, rms))) < 1e-6, text
+    assert re.search(r"^\| watch \| \d+ \| [\d.]+ \| [\d.]+ \|", text, re.M), text
+    assert "| `history` | " in text, text
+    assert "| alloc: a 1 GiB array made | 1,024.0 |" in text, text
+    loops = re.findall(r"^\| [^|]+ \| ([\d.]+) \| ([\d.]+) \|$", text, re.M)
+    assert len(loops) == 3 and float(loops[1][0]) > 0, text  # bare, copies, none
+    assert "| `History.update(m, summarize=False)` | " in text, text
+
+
+def test_bench_gpu_stops_without_an_accelerator(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "no accelerator" in proc.stderr, proc.stderr

@@ -1,0 +1,331 @@
+"""Benchmark: the checks that need an accelerator (run it on a GPU or TPU machine).
+
+Four sections, in one process, on the default backend's devices:
+
+1. **Reducers on the device against float64 NumPy**: ``distributed_stats`` of
+   float32 and bfloat16 arrays of 10^4 to 10^7 elements (values drawn around 1.0
+   with std 3, one array per size) and ``watch`` of a tree of such arrays,
+   compared with NumPy's float64 statistics of the same (rounded) values: the
+   largest relative error of mean and std, whether max and min are exact, and
+   the jitted call's median time.
+2. **Per-layer watch in a train step**: ``bench_watch``'s model (500 dense layers,
+   1,000 parameter leaves, replicated), bare step against ``watch(grads)`` and
+   the hand-written per-leaf norms, paired ratios.
+3. **The train loop of** ``bench_history``: an NNX MLP trained with ``nnx.jit``,
+   recorded four ways; the host time spent in the recording call per step.
+4. **Memory**: ``History(memory=...)`` per update (device memory read from
+   ``memory_stats()``, not from the live arrays as on CPU), and a
+   ``MemoryTracker`` stage around the allocation of a 1 GiB array: its
+   ``{stage}_mem_device_alloc_delta`` and ``{stage}_mem_device_peaked_delta``.
+
+Run: ``python benchmarks/bench_gpu.py [--out PATH]`` on a machine with an
+accelerator (it stops on CPU unless ``--allow-cpu``, which the smoke test uses);
+``--quick`` is a smoke run with small sizes.
+"""
+
+import os
+
+# The other benchmarks this one imports default to CPU devices: keep JAX's own
+# choice (the accelerator) unless the caller names a platform.
+os.environ.setdefault("JAX_PLATFORMS", "")
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxhistory as jh
+from jaxhistory import _appending
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_history
+import bench_memory
+import bench_watch
+from _common import machine_info
+
+GIB = 2**30
+SCALARS = 10
+
+
+def _timed(fn, *args, calls: int) -> float:
+    """Median seconds of ``calls`` calls of ``fn`` (each waited for)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _rel(got: float, want: float) -> float:
+    return abs(got - want) / max(abs(want), 1e-30)
+
+
+def bench_reducers(sizes: tuple[int, ...], calls: int) -> str:
+    """Device statistics against NumPy's float64 ones of the same values."""
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    spread = NamedSharding(mesh, P("data"))
+    stats_fn = jax.jit(lambda x: jh.distributed_stats({"x": x}))
+    watch_fn = jax.jit(lambda tree: jh.watch(tree, stats=("norm", "max_abs", "rms")))
+    rng = np.random.default_rng(0)
+    rows = [
+        "| dtype | elements | mean rel. error | std rel. error | max, min exact "
+        "| `distributed_stats` ms | watch norm rel. error | watch rms rel. error "
+        "| `watch` ms |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for n in sizes:
+            n -= n % jax.device_count()
+            host = (1.0 + 3.0 * rng.standard_normal(n)).astype(dtype)
+            exact = np.asarray(host, np.float64)  # the values the device holds
+            x = jax.device_put(host, spread)
+            got = jax.device_get(stats_fn(x))
+            mean_err = _rel(float(got["x/mean"]), exact.mean())
+            std_err = _rel(float(got["x/std"]), exact.std())
+            extremes = (
+                float(got["x/max"]) == exact.max()
+                and float(got["x/min"]) == exact.min()
+            )
+            # watch: three leaves of different sizes and layouts
+            half = jax.device_put(host[: n // 2], NamedSharding(mesh, P()))
+            tree = {"all": x, "half": half, "neg": -x}
+            w = jax.device_get(watch_fn(tree))
+            norm_err = _rel(float(w["all/norm"]), float(np.sqrt(np.sum(exact**2))))
+            rms_err = _rel(float(w["neg/rms"]), float(np.sqrt(np.mean(exact**2))))
+            if float(w["all/max_abs"]) != np.abs(exact).max():
+                raise AssertionError(f"watch max_abs is not exact ({dtype}, {n})")
+            rows.append(
+                f"| {jnp.dtype(dtype).name} | {n:,} | {mean_err:.1e} | "
+                f"{std_err:.1e} | {'yes' if extremes else '**no**'} | "
+                f"{_timed(stats_fn, x, calls=calls) * 1e3:.3f} | {norm_err:.1e} | "
+                f"{rms_err:.1e} | {_timed(watch_fn, tree, calls=calls) * 1e3:.3f} |"
+            )
+    return "\n".join(
+        [
+            "## Reducers on the device against float64 NumPy",
+            "",
+            f"Values 1 + 3 N(0, 1), spread over the {jax.device_count()} "
+            "device(s); NumPy's float64 statistics of the same rounded values "
+            f"are the reference. Times: median of {calls} jitted calls, each "
+            "waited for. `watch` of three leaves (the array, its first half "
+            "replicated, its negation), statistics norm, max_abs and rms.",
+            "",
+            *rows,
+        ]
+    )
+
+
+def bench_memory_section(steps: int, repeats: int) -> str:
+    """History(memory=...) per update, and a stage around a 1 GiB allocation."""
+    tracker = jh.MemoryTracker()
+    with tracker.stage("alloc"):
+        big = jnp.ones((GIB // 4,), jnp.float32)  # 1 GiB
+        big.block_until_ready()
+    with tracker.stage("free"):
+        del big
+    m = tracker.metrics()
+    source = jh.device_memory().source
+    lines = [
+        "## Memory reports on the device",
+        "",
+        f"Device memory source: `{source}`.",
+        "",
+        *bench_memory.bench_history(steps, repeats),
+        "",
+        "| stage | `_mem_device_alloc_delta` MiB | `_mem_device_peaked_delta` MiB |",
+        "|---|---:|---:|",
+    ]
+    for stage, what in (("alloc", "a 1 GiB array made"), ("free", "that array freed")):
+        alloc = m[f"{stage}_mem_device_alloc_delta"]
+        peak = m[f"{stage}_mem_device_peaked_delta"]
+        peak_text = "None" if peak is None else f"{peak / 2**20:,.1f}"
+        lines.append(f"| {stage}: {what} | {alloc / 2**20:,.1f} | {peak_text} |")
+    return "\n".join(lines)
+
+
+def _scalar_step():
+    """A jitted step over a (512, 512) array returning 10 device scalars."""
+    return jax.jit(
+        lambda x: (
+            x * 0.999 + 0.001,
+            {f"m{i}": jnp.sum(x) * (i + 1) for i in range(SCALARS)},
+        )
+    )
+
+
+def _median_us(step, x, what, calls: int) -> tuple[float, Any]:
+    """Median µs of ``what(metrics)`` right after each step is launched
+    (waiting for the step every 8 steps, as a training loop must)."""
+    times = []
+    for i in range(calls):
+        x, m = step(x)
+        start = time.perf_counter()
+        what(m)
+        times.append(time.perf_counter() - start)
+        if i % 8 == 7:
+            x.block_until_ready()
+    x.block_until_ready()
+    return statistics.median(times) * 1e6, x
+
+
+def _loop_us(step, x, mode: str, steps: int) -> tuple[float, float, Any]:
+    """µs per step of a loop that records every step's scalars (``mode``:
+    "bare" records nothing, "copies" is History as it is, "no copies" starts
+    no copy to the host at update), and µs per step to read them all after."""
+    started = _appending.needs_host_copy
+    if mode == "no copies":
+        _appending.needs_host_copy = lambda arrays: False
+    try:
+        history = None if mode == "bare" else jh.History(distributed_history=False)
+        start = time.perf_counter()
+        for i in range(steps):
+            x, m = step(x)
+            if history is not None:
+                history.update(m, summarize=False)
+            if i % 8 == 7:
+                x.block_until_ready()
+        x.block_until_ready()
+        looped = time.perf_counter()
+        if history is not None:
+            if len(history.state.values(f"m{SCALARS - 1}")) != steps:
+                raise AssertionError("History lost steps")
+            history.close()
+        read = time.perf_counter() - looped if history is not None else 0.0
+    finally:
+        _appending.needs_host_copy = started
+    return (looped - start) / steps * 1e6, read / steps * 1e6, x
+
+
+def bench_device_scalars(calls: int, steps: int, repeats: int) -> str:
+    """The host cost of recording 10 device scalars per step, and of its parts."""
+    step = _scalar_step()
+    stack = jax.jit(lambda d: jnp.stack(list(d.values())))
+    x = jnp.ones((512, 512))
+    x, m = step(x)
+    jax.block_until_ready(stack(m))
+    parts = {
+        "`copy_to_host_async()` of each of the 10": lambda m: [
+            a.copy_to_host_async() for a in m.values()
+        ],
+        "a jitted `jnp.stack` of the 10, then one `copy_to_host_async()`": lambda m: (
+            stack(m).copy_to_host_async()
+        ),
+        "`History.update(m, summarize=False)`": None,
+        "`float()` of each of the 10 (waits for the step)": lambda m: [
+            float(a) for a in m.values()
+        ],
+    }
+    rows = [
+        "| host work right after the step's launch | µs per step (median) |",
+        "|---|---:|",
+    ]
+    for label, what in parts.items():
+        history = None
+        if what is None:
+            history = jh.History(distributed_history=False)
+            what = functools.partial(history.update, summarize=False)
+        us, x = _median_us(step, x, what, calls)
+        if history is not None:
+            history.close()
+        rows.append(f"| {label} | {us:.1f} |")
+    modes = ("bare", "copies", "no copies")
+    for mode in modes:  # warm up
+        _, _, x = _loop_us(step, x, mode, 40)
+    loops = {mode: [] for mode in modes}
+    for _ in range(repeats):
+        for mode in modes:
+            looped, read, x = _loop_us(step, x, mode, steps)
+            loops[mode].append((looped, read))
+    labels = {
+        "bare": "nothing recorded",
+        "copies": "`History.update` (copies to the host started at update)",
+        "no copies": "`History.update` with no copy started at update",
+    }
+    rows += [
+        "",
+        "| loop of steps, recording every step | µs per step (median) | reading "
+        "the values afterwards, µs per step |",
+        "|---|---:|---:|",
+    ]
+    for mode in modes:
+        looped = statistics.median(a for a, _ in loops[mode])
+        read = statistics.median(b for _, b in loops[mode])
+        rows.append(f"| {labels[mode]} | {looped:.1f} | {read:.1f} |")
+    return "\n".join(
+        [
+            "## Recording device scalars",
+            "",
+            f"A jitted step over a (512, 512) array returning {SCALARS} device "
+            f"scalars; medians of {calls} steps (first table) and of {repeats} "
+            f"loops of {steps} steps (second table); every loop waits for its "
+            "step every 8 steps.",
+            "",
+            *rows,
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="also write the report here")
+    parser.add_argument("--quick", action="store_true", help="smoke run")
+    parser.add_argument(
+        "--allow-cpu", action="store_true", help="run on CPU devices too (smoke test)"
+    )
+    args = parser.parse_args(argv)
+    if jax.default_backend() == "cpu" and not args.allow_cpu:
+        sys.exit("error: no accelerator: JAX's default backend is cpu")
+    device = jax.devices()[0]
+    info = f"{machine_info()}, device {device.device_kind}"
+    print(info, flush=True)
+    if args.quick:
+        sizes, calls, layers, watch_repeats = (10_000, 100_000), 3, 20, 3
+        loop, loop_repeats, mem_steps, mem_repeats = (8, 8), 2, 200, 2
+        scalar_calls, scalar_steps, scalar_repeats = 40, 40, 2
+    else:
+        sizes, calls, layers, watch_repeats = (
+            (10_000, 1_000_000, 10_000_000),
+            20,
+            500,
+            15,
+        )
+        loop, loop_repeats, mem_steps, mem_repeats = (48, 16), 24, 2_000, 5
+        scalar_calls, scalar_steps, scalar_repeats = 300, 400, 5
+    start = time.perf_counter()
+    sections = [bench_reducers(sizes, calls)]
+    print(sections[-1], flush=True)
+    sections.append(
+        "## Per-layer watch in a train step\n\n"
+        + bench_watch.bench(layers, watch_repeats, fsdp=False)
+    )
+    print(sections[-1], flush=True)
+    sections.append(bench_history.bench_loop(*loop, loop_repeats))
+    print(sections[-1], flush=True)
+    sections.append(bench_memory_section(mem_steps, mem_repeats))
+    print(sections[-1], flush=True)
+    sections.append(bench_device_scalars(scalar_calls, scalar_steps, scalar_repeats))
+    total = time.perf_counter() - start
+    mode = "--quick" if args.quick else "full run"
+    text = f"{info}\n{mode}, {total:.0f} s in all\n\n" + "\n\n".join(sections) + "\n"
+    print()
+    print(text, end="", flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
