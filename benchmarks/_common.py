@@ -16,9 +16,19 @@ def machine_info() -> str:
     )
 
 
-def report(info: str, quick: bool, sections: list[str], out: Path | None) -> str:
-    """Prints the report (machine line, mode, sections) and writes it to ``out``."""
-    text = f"{info}\n{'--quick' if quick else 'full run'}\n\n" + "\n".join(sections)
+def report(
+    info: str,
+    quick: bool,
+    sections: list[str],
+    out: Path | None,
+    seconds: float | None = None,
+) -> str:
+    """Prints the report (machine line, mode and how long it took, sections)
+    and writes it to ``out``."""
+    mode = "--quick" if quick else "full run"
+    if seconds is not None:
+        mode += f", {seconds:.0f} s in all"
+    text = f"{info}\n{mode}\n\n" + "\n".join(sections)
     print(text, flush=True)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_history
 import bench_memory
 import bench_watch
-from _common import machine_info
+from _common import machine_info, report
 
 GIB = 2**30
 SCALARS = 10
@@ -315,15 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     sections.append(bench_memory_section(mem_steps, mem_repeats))
     print(sections[-1], flush=True)
     sections.append(bench_device_scalars(scalar_calls, scalar_steps, scalar_repeats))
+    print(flush=True)
     total = time.perf_counter() - start
-    mode = "--quick" if args.quick else "full run"
-    text = f"{info}\n{mode}, {total:.0f} s in all\n\n" + "\n\n".join(sections) + "\n"
-    print()
-    print(text, end="", flush=True)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-        print(f"\nwrote {args.out}")
+    report(info, args.quick, ["\n\n".join(sections)], args.out, total)
     return 0
 
 
