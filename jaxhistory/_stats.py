@@ -865,15 +865,21 @@ def _shard_place(tables) -> tuple[jax.Array, jax.Array, jax.Array]:
     return rank, onehot, holders
 
 
+def _sharding_of(x: jax.Array) -> Any:
+    """``x``'s sharding: from its type under jit, the real one of a concrete
+    array (Auto axes included)."""
+    if not isinstance(x, jax.core.Tracer) and isinstance(
+        getattr(x, "sharding", None), jax.sharding.NamedSharding
+    ):
+        return x.sharding
+    return getattr(jax.typeof(x), "sharding", None)
+
+
 def shard_count(x: jax.Array) -> int | None:
     """How many devices ``x``'s first axis is split over (the product of the
     mesh axes its sharding names for that axis), or None when that is unknown
     (no named sharding, or a first axis that is not sharded)."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    if not isinstance(x, jax.core.Tracer) and isinstance(
-        getattr(x, "sharding", None), jax.sharding.NamedSharding
-    ):
-        sharding = x.sharding  # concrete: the real sharding, Auto axes included
+    sharding = _sharding_of(x)
     spec = getattr(sharding, "spec", None)
     mesh = getattr(sharding, "mesh", None)
     if spec is None or mesh is None or len(spec) == 0 or spec[0] is None:
@@ -967,11 +973,7 @@ def _one_device_batch_sharding(x: jax.Array) -> Any:
     where that mesh has one device; else None. The reshape in
     :func:`per_shard` drops a mesh axis of size 1, which tells History that
     the value is per device (on one device as on many)."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    if not isinstance(x, jax.core.Tracer) and isinstance(
-        getattr(x, "sharding", None), jax.sharding.NamedSharding
-    ):
-        sharding = x.sharding
+    sharding = _sharding_of(x)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or mesh.size != 1 or not getattr(sharding, "spec", None):
         return None
