@@ -433,8 +433,6 @@ def test_a_continued_packed_row_checks_its_names_once_per_set_of_tables():
     s = s.update_packed(names, jnp.zeros(2), step=3)
     assert s.steps("x").tolist() == [0, 1, 2, 3]
 
-
-
     s = jh.HistoryState().update({"t": 1})
     with pytest.raises(ValueError, match="'t' is 9223372036854775808, outside int64"):
         s.update({"t": 2**63})
