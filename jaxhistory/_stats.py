@@ -899,7 +899,9 @@ def per_shard(
     result, shape ``(num_shards,)``, is what :func:`distributed_stats` expects.
     On a mesh of one device it keeps the batch's mesh axis in its sharding too
     (``P("data")``), which is how History tells it is per device there: one
-    device and many record the same names.
+    device and many record the same names. (Not inside jit on an ``Auto``
+    mesh, whose axes are not part of the values' types: use Explicit axes,
+    ``jax.make_mesh``'s default, or ``distributed_stats`` in the step.)
 
     Args:
         x: per-example values, batch first.

@@ -222,6 +222,28 @@ class TestPerShard:
         out = jax.jit(lambda v: jh.per_shard(v, num_shards=8))(x)
         np.testing.assert_allclose(out, np.arange(32.0).reshape(8, 4).mean(1))
 
+    @pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+    def test_keeps_the_batch_axis_on_a_mesh_of_one_device(self, axis_type):
+        kind = getattr(jax.sharding.AxisType, axis_type)
+        one = jax.make_mesh((1,), ("data",), (kind,), devices=jax.devices()[:1])
+        x = jax.device_put(
+            jnp.arange(12.0).reshape(6, 2), NamedSharding(one, P("data", None))
+        )
+        eager = jh.per_shard(x, reduce="max")
+        np.testing.assert_allclose(eager, [11.0])
+        assert eager.sharding.spec == P("data")  # per device, as on 8 devices
+        with jax.set_mesh(one):
+            jitted = jax.jit(lambda v: jh.per_shard(v, num_shards=1))(x)
+        np.testing.assert_allclose(jitted, [5.5])
+        # Under jit an Auto mesh's axes are not in the types: the result has
+        # none (a documented limit); Explicit axes keep it.
+        assert jitted.sharding.spec == (P("data") if axis_type == "Explicit" else P())
+        # Not sharded over a mesh axis: nothing to keep.
+        plain = jh.per_shard(jnp.arange(4.0), num_shards=1)
+        assert not isinstance(plain.sharding, NamedSharding) or all(
+            a is None for a in plain.sharding.spec
+        )
+
     def test_feeds_distributed_stats(self, mesh):
         x = jax.device_put(jnp.arange(32.0), NamedSharding(mesh, P("data")))
         with jax.set_mesh(mesh):
