@@ -154,14 +154,15 @@ def bench_memory_section(steps: int, repeats: int) -> str:
     return "\n".join(lines)
 
 
-def _scalar_step():
-    """A jitted step over a (512, 512) array returning 10 device scalars."""
-    return jax.jit(
-        lambda x: (
-            x * 0.999 + 0.001,
-            {f"m{i}": jnp.sum(x) * (i + 1) for i in range(SCALARS)},
-        )
-    )
+def _scalar_step(packed: bool = False):
+    """A jitted step over a (512, 512) array returning 10 device scalars (one
+    ``Stats.of`` of them with ``packed``)."""
+
+    def step(x):
+        metrics = {f"m{i}": jnp.sum(x) * (i + 1) for i in range(SCALARS)}
+        return x * 0.999 + 0.001, jh.Stats.of(metrics) if packed else metrics
+
+    return jax.jit(step)
 
 
 def _median_us(step, x, what, calls: int) -> tuple[float, Any]:
@@ -239,6 +240,19 @@ def bench_device_scalars(calls: int, steps: int, repeats: int) -> str:
         if history is not None:
             history.close()
         rows.append(f"| {label} | {us:.1f} |")
+    history = jh.History(distributed_history=False)
+    packed = _scalar_step(packed=True)
+    _median_us(packed, x, functools.partial(history.update, summarize=False), 8)
+    us, x = _median_us(
+        packed, x, functools.partial(history.update, summarize=False), calls
+    )
+    if history.state.count("m0") != calls + 8:
+        raise AssertionError("Stats.of's values were not recorded")
+    history.close()
+    rows.append(
+        "| `History.update(m, summarize=False)`, the step returning "
+        f"`jh.Stats.of` of the 10 (one array) | {us:.1f} |"
+    )
     modes = ("bare", "copies", "no copies")
     for mode in modes:  # warm up
         _, _, x = _loop_us(step, x, mode, 40)

@@ -25,6 +25,7 @@ from jaxhistory._progress import Progress
 from jaxhistory._row import Row, RowKind, parse_row
 from jaxhistory._run_log import RunLog
 from jaxhistory._side_values import SideValues
+from jaxhistory._stats import Stats
 from jaxhistory._summary import SummaryLine
 from jaxhistory.sentinels import Guard, SentinelError
 
@@ -72,6 +73,8 @@ class Recorder:
     def update(self, metrics: Any, precision: int, step: Any, summarize: bool) -> str:
         """:meth:`History.update <jaxhistory.History.update>`, its arguments
         checked."""
+        if type(metrics) is Stats:  # one packed row, as HistoryState.update
+            metrics = {"": metrics}
         with self.lock:
             now = time.time()
             # A dict like the last one, of finite floats, with nothing else due:

@@ -1,6 +1,7 @@
 """distributed_stats (SPMD and collective), per_shard and collective counting."""
 
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -173,6 +174,52 @@ def test_collective_std_is_accurate_with_many_values_per_shard(mesh):
     out = jax.jit(body)(jax.device_put(x, NamedSharding(mesh, P("data"))))
     want = np.std(x.astype(np.float64))
     np.testing.assert_allclose(out["x/std"], want, rtol=1e-3)
+
+
+class TestStatsOf:
+    def test_many_scalars_become_one_array_under_their_names(self):
+        step = jax.jit(
+            lambda x: jh.Stats.of({"loss": x, "n": 3, "acc": {"top1": x / 2}})
+        )
+        out = step(jnp.float32(0.5))
+        assert len(jax.tree.leaves(out)) == 1  # one buffer to fetch
+        assert dict(jax.device_get(out)) == {"acc/top1": 0.25, "loss": 0.5, "n": 3.0}
+        assert out.table.dtype == jnp.float32  # the int joins the float32 values
+
+    def test_history_records_them_as_metrics(self):
+        packed = jh.Stats.of({"loss": jnp.float32(0.5), "acc": jnp.float32(0.25)})
+        h = jh.History(distributed_history=False)
+        line = h.update({"train": packed, "lr": 0.1})
+        assert line == "step=0 train/acc=0.250000 train/loss=0.500000 lr=0.100000"
+        h.update(packed)
+        assert set(h.state.keys) == {"lr", "train/acc", "train/loss", "acc", "loss"}
+        assert h.state.values("train/loss").tolist() == [0.5]
+        assert h.state.steps("acc").tolist() == [1]
+
+    def test_history_records_a_stats_passed_alone_as_one_packed_row(self):
+        """History.update(stats) takes the packed path, as HistoryState.update
+        does: no value is sliced out of the table on the device."""
+        step = jax.jit(lambda x: jh.Stats.of({"a": x, "b": x * 2}))
+        h = jh.History(distributed_history=False)
+        h.update(step(jnp.float32(1.0)), summarize=False)  # first: checked
+        with mock.patch.object(
+            jh.Stats, "__getitem__", side_effect=AssertionError("sliced")
+        ):
+            for _ in range(3):
+                h.update(step(jnp.float32(1.0)), summarize=False)
+        assert h.state.values("b").tolist() == [2.0] * 4
+
+    def test_bad_input_is_named(self):
+        with pytest.raises(ValueError, match="at least one metric"):
+            jh.Stats.of({})
+        with pytest.raises(ValueError, match="'x' has shape \\(2,\\)"):
+            jh.Stats.of({"x": jnp.ones(2)})
+        with pytest.raises(ValueError, match="dict of named scalars"):
+            jh.Stats.of(1.0)
+        with pytest.raises(TypeError, match="'x' is a str"):
+            jh.Stats.of({"x": "a"})
+        with pytest.raises(TypeError, match="'x' is None"):
+            jh.Stats.of({"x": None})
 
 
 class TestPerShard:
