@@ -352,6 +352,7 @@ class Reducer:
                 names=tuple(n for n, _ in plain),
                 values=tuple(v for _, v in plain),
                 kind=RowKind.VALUES,
+                metrics=None,
             )
         return row, rows, mesh
 
@@ -449,7 +450,10 @@ def _placed(
     kept = [(n, v) for n, v in items[:first] if n in record]
     record = {**dict(kept), "": stats, **record, **straggler}
     return row._replace(
-        names=tuple(record), values=tuple(record.values()), kind=RowKind.VALUES
+        names=tuple(record),
+        values=tuple(record.values()),
+        kind=RowKind.VALUES,
+        metrics=None,
     )
 
 

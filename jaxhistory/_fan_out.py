@@ -34,6 +34,7 @@ from jaxhistory._stats import Stats
 __all__ = ["FanOut", "merged"]
 
 _STEP, _NAMES, _VALUES_OF, _KIND, _STAMP = map(operator.itemgetter, range(5))
+_OWN_DICT = operator.itemgetter(6)  # Row.metrics
 _VALUES = RowKind.VALUES
 _ALL_FINITE = {RowKind.FINITE_FLOATS}
 
@@ -103,7 +104,15 @@ class FanOut:
             all_names = list(map(_NAMES, rows))
             if all_names.count(names) == len(rows):  # one set of names
                 values = list(map(_VALUES_OF, rows))
-                batch = Batch.of_rows(steps, stamps, names, values, self.process_index)
+                dicts = list(map(_OWN_DICT, rows))  # each row's own, or None
+                batch = Batch.of_rows(
+                    steps,
+                    stamps,
+                    names,
+                    values,
+                    self.process_index,
+                    metrics=dicts if all(dicts) else None,
+                )
             else:
                 metrics = list(map(dict, map(zip, all_names, map(_VALUES_OF, rows))))
                 batch = Batch(steps, stamps, metrics, None, None, self.process_index)

@@ -539,17 +539,17 @@ class Appender:
         if self._table is not None and row.names == self._names:
             self._repeat = repeat_of(metrics, row)
 
-    def take(self, metrics: Any, timestamp: float) -> Row | None:
+    def take(self, metrics: Any, timestamp: float, copy: bool = False) -> Row | None:
         """Parses and appends ``metrics`` (with no explicit step) where it has
         the keys of the dict :meth:`remember` saw, finite Python floats as
         values and no step (or a step past everything recorded) and
-        returns its row, the one :func:`~jaxhistory._row.parse_row` makes;
-        None (nothing done) for anything else: then parse and
-        :meth:`append` it."""
+        returns its row, the one :func:`~jaxhistory._row.parse_row` makes
+        (``copy``: with its metrics as a dict of its own, for the log); None
+        (nothing done) for anything else: then parse and :meth:`append` it."""
         repeat = self._repeat
         if repeat is None:
             return None
-        row = repeated(repeat, metrics, self.next_step, timestamp)
+        row = repeated(repeat, metrics, self.next_step, timestamp, copy)
         if row is None or not self.append_floats(repeat.names, row[2], row[0]):
             return None
         return row

@@ -77,15 +77,17 @@ class Recorder:
             metrics = {"": metrics}
         with self.lock:
             now = time.time()
+            out = self.out
+            logged = out.writing or _trace_state.active() is not None
             # A dict like the last one, of finite floats, with nothing else due:
-            # parsed and appended in one call, then queued for the log.
-            row = self.rec.take(metrics, now) if step is None else None
+            # parsed and appended in one call, then queued for the log (with a
+            # copy of the dict, which the log's encoder writes fastest).
+            row = self.rec.take(metrics, now, logged) if step is None else None
             if row is not None and not self.side.due and self.guard is None:
                 self.updates += 1
-                out = self.out
                 out.stamp_steps.append(row.step)
                 out.stamp_times.append(now)
-                if out.writing or _trace_state.active() is not None:
+                if logged:
                     writer = out.writer
                     if writer is not None:
                         writer.add(row)
@@ -134,6 +136,7 @@ class Recorder:
                     names=row.names + names,
                     values=row.values + values,
                     kind=RowKind.VALUES,
+                    metrics=None,
                 )
         if out.writing or _trace_state.active() is not None:
             out.add(logged)

@@ -1085,8 +1085,8 @@ def test_the_one_call_path_is_taken_by_repeated_dicts():
     taken = []
     take = jh._history_state.Appender.take
 
-    def counting(self, metrics, now):
-        row = take(self, metrics, now)
+    def counting(self, metrics, now, *copy):
+        row = take(self, metrics, now, *copy)
         taken.append(row is not None)
         return row
 
@@ -1175,3 +1175,30 @@ def test_a_repeated_dict_after_the_last_int64_step_is_refused_and_nothing_is_los
     with pytest.raises(ValueError, match="int64"):
         state.update({"a": 1.0, "b": 2.0})
     assert state.count("a") == 4
+
+
+def test_the_log_holds_a_repeated_dicts_values_at_its_update(tmp_path):
+    """The log is written later, from a copy: a dict the caller changes (or
+    reuses) after ``update`` is logged as it was at the update."""
+    log = tmp_path / "m.jsonl"
+    h = jh.History(distributed_history=False, jsonl_path=log)
+    m = {"loss": 0.0, "lr": 0.5}
+    stepped = {"step": 100, "loss": 0.0}
+    for s in range(6):
+        m["loss"] = float(s)
+        h.update(m, summarize=s % 2 == 0)
+    h.close()
+    h2 = jh.History(distributed_history=False, jsonl_path=tmp_path / "s.jsonl")
+    for s in range(100, 106):
+        stepped["step"], stepped["loss"] = s, s / 2
+        h2.update(stepped)
+    stepped.clear()
+    h2.close()
+    lines = [orjson.loads(x) for x in log.read_bytes().splitlines()]
+    assert [x["metrics"] for x in lines] == [
+        {"loss": float(s), "lr": 0.5} for s in range(6)
+    ]
+    lines = [orjson.loads(x) for x in (tmp_path / "s.jsonl").read_bytes().splitlines()]
+    assert [(x["step"], x["metrics"]) for x in lines] == [
+        (s, {"loss": s / 2}) for s in range(100, 106)
+    ]
