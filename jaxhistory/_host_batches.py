@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import io
+import json
+import math
 import queue
 import threading
 import time
@@ -72,6 +73,7 @@ COUNT, MEAN, M2, MAX, ARGMAX, MIN, ARGMIN, NAN_DEVICE = range(len(FIELDS))
 # checksum differs across processes (None without checksums)
 Combined = tuple[Stats, dict, Any]
 NO_DEVICE = float(2**31 - 1)  # larger than any device index
+_KINDS = "biuf"  # what a batch result holds: bools, integers, floats
 
 
 def _empty(updates: int) -> np.ndarray:
@@ -293,17 +295,49 @@ def results(
     return out
 
 
+_HEAD = 4  # bytes of the header's length, little-endian
+
+
 def pack(arrays: dict[str, np.ndarray]) -> bytes:
-    """What :func:`combine` gave, as bytes for the key-value store."""
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    return buffer.getvalue()
+    """What :func:`combine` gave, as bytes for the key-value store: a JSON
+    header (each array's name, dtype and shape), then the arrays' bytes in
+    that order. (``np.savez`` took 250 µs to write and 670 µs to read such a
+    result, a fifth of a batch's time on the thread.)"""
+    spec, parts = [], []
+    for name, value in arrays.items():
+        arr = np.asarray(value)
+        if arr.dtype.kind not in _KINDS:
+            raise TypeError(f"batch result {name!r} is not numeric ({arr.dtype})")
+        spec.append([name, arr.dtype.str, list(arr.shape)])
+        parts.append(arr.tobytes())
+    header = json.dumps(spec).encode()
+    return b"".join([len(header).to_bytes(_HEAD, "little"), header, *parts])
 
 
 def unpack(raw: bytes) -> dict[str, np.ndarray]:
-    """:func:`pack`'s arrays back (no pickles)."""
-    with np.load(io.BytesIO(raw), allow_pickle=False) as loaded:
-        return {k: loaded[k] for k in loaded.files}
+    """:func:`pack`'s arrays back (writable); ValueError for bytes that are
+    not a batch result."""
+    try:
+        n = int.from_bytes(raw[:_HEAD], "little")
+        spec = json.loads(raw[_HEAD : _HEAD + n]) if len(raw) >= _HEAD + n else None
+        at, out = _HEAD + n, {}
+        for name, dtype, shape in spec:
+            dtype = np.dtype(dtype)
+            if dtype.kind not in _KINDS or not all(d >= 0 for d in shape):
+                raise ValueError(f"{name!r}: {dtype}, shape {shape}")
+            size = dtype.itemsize * math.prod(shape)
+            if at + size > len(raw):
+                raise ValueError(f"{name!r} is cut off")
+            flat = np.frombuffer(raw, dtype, math.prod(shape), at)
+            out[name] = flat.reshape(shape).copy()
+            at += size
+        if at != len(raw):
+            raise ValueError(f"{len(raw) - at} bytes after the arrays")
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(
+            f"not a batch result from the key-value store: {err}"
+        ) from None
+    return out
 
 
 def result_dtype(value: Any) -> Any:

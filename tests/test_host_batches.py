@@ -319,3 +319,29 @@ def test_a_value_of_a_narrow_dtype_reduces_in_float32(mesh):
     assert stats.table.dtype == np.float32
     expected = np.asarray(x, np.float64)
     assert dict(stats)["x/mean"] == np.float32(expected.mean())
+
+
+def test_a_result_goes_through_the_store_as_it_was():
+    """Every dtype and shape a combined batch holds comes back equal, in its
+    dtype and writable; bytes that are not such a result are refused by name."""
+    arrays = {
+        "table": np.arange(48, dtype=np.float32).reshape(16, 3, 1),
+        "where": np.full((16, 3, 1), 7.0),
+        "differs": np.zeros((16, 0), bool),
+        "lags": np.array([[0.5, -np.inf], [np.nan, 1e-30]], np.float16),
+        "ids": np.arange(2, dtype=np.int32),
+        "last": np.array([1, 0], np.int64),
+        "scalar": np.float64(3.5),
+    }
+    back = unpack(pack(arrays))
+    assert list(back) == list(arrays)
+    for k, a in arrays.items():
+        assert back[k].dtype == np.asarray(a).dtype and back[k].shape == np.shape(a)
+        np.testing.assert_array_equal(back[k], a)
+        assert back[k].flags.writeable
+    raw = pack(arrays)
+    for bad in (b"", raw[:3], raw[:20], raw[:-1], raw + b"\x00", b"PK\x03\x04" + raw):
+        with pytest.raises(ValueError, match="batch result"):
+            unpack(bad)
+    with pytest.raises(TypeError, match="'names'"):
+        pack({"names": np.array(["a"])})  # not numbers
