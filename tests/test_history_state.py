@@ -1096,3 +1096,39 @@ def test_rows_that_do_not_share_a_layout_are_appended_one_by_one(case):
     _same_states(one.state, bulk.state)
     if case == "no-where":
         assert "loss/argmax" not in bulk.state and bulk.state.count("loss/mean") == 4
+
+
+def test_values_replicated_over_devices_are_read_exactly_and_a_deleted_one_is_nan(
+    mesh,
+):
+    """Device values replicated over 8 devices are read from one of them when
+    their rows move to NumPy: the same numbers and dtypes as a plain read; a
+    deleted one still becomes NaN (0 for integers) with the warning."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    repl = NamedSharding(mesh, P())
+    vals = [
+        {
+            "x": jax.device_put(jnp.float32(i / 3), repl),
+            "n": jax.device_put(jnp.int32(i), repl),
+            "v": jax.device_put(jnp.arange(3.0) * i, repl),
+            "h": float(i),
+        }
+        for i in range(5)
+    ]
+    s = jh.HistoryState()
+    for i, m in enumerate(vals):
+        s = s.update(m, step=i)
+    vals[2]["x"].delete()
+    vals[2]["n"].delete()
+    with pytest.warns(RuntimeWarning, match="step 2 could not be read"):
+        x = s.values("x")
+    assert x.dtype == np.float32 and np.isnan(x[2])
+    np.testing.assert_array_equal(x[[0, 1, 3, 4]], np.float32([0, 1, 3, 4]) / 3)
+    np.testing.assert_array_equal(
+        x[[0, 1, 3, 4]], [np.asarray(vals[i]["x"]) for i in (0, 1, 3, 4)]
+    )
+    assert s.values("n").tolist() == [0, 1, 0, 3, 4]
+    np.testing.assert_array_equal(s.values("v")[4], [0.0, 4.0, 8.0])
+    assert s.values("h").tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
