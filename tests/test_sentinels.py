@@ -123,6 +123,7 @@ def test_a_raise_comes_after_the_steps_line_is_in_the_log(tmp_path):
     assert h.state.values("loss")[-1] == 50.0  # and recorded
     h.update({"loss": 1.0}, step=31)  # recording goes on after the error
     assert h.state.last_step("loss") == 31
+    h.close()  # (its log file is not left for the garbage collector)
 
 
 def test_a_callable_action_that_raises_is_reported_and_recording_goes_on():
