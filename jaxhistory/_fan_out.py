@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from jaxhistory import _trace_state
+from jaxhistory._host_copies import to_host
 from jaxhistory._names import PROVENANCE, grouped, stat_names
 from jaxhistory._record import Batch
 from jaxhistory._row import Row, RowKind
@@ -42,7 +43,7 @@ _ALL_FINITE = {RowKind.FINITE_FLOATS}
 def _host(value: Any) -> Any:
     """A recorded value on the host: Python numbers stay, 0-d arrays become Python
     numbers, arrays NumPy arrays (this is where device values are waited for)."""
-    arr = np.asarray(value)
+    arr = to_host(value)
     if arr.ndim == 0:
         return arr.item() if arr.dtype.kind in "biuf" else float(arr)
     return arr

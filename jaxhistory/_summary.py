@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxhistory._host_copies import host_copies
 from jaxhistory._memory import MemorySample
 from jaxhistory._names import COUNTER_KEYS, STATS, printable
 from jaxhistory._provenance import device_label
@@ -142,7 +143,15 @@ def summary_line(
         device = [(n, v) for n, v in items if isinstance(v, jax.Array | Stats)]
         values = dict(items)
         if device:
-            values.update(jax.device_get(dict(device)))
+            rest = {}
+            for name, value in device:  # scalars sent in a stacked transfer
+                host = host_copies.read(value) if type(value) is not Stats else None
+                if host is None:
+                    rest[name] = value
+                else:
+                    values[name] = host
+            if rest:  # the others' copies started together, then read
+                values.update(jax.device_get(rest))
         for name, _ in items:
             value = values[name]
             if isinstance(value, Stats) and value.rows[:4] != STATS:

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxhistory._host_copies import to_host
 from jaxhistory._names import PROVENANCE, printable, stat_names
 from jaxhistory._stats import STATS, Stats
 from jaxhistory._summary import nonfinite_notes
@@ -367,7 +368,7 @@ class Guard:
                     flat_values += np.asarray(host.where).reshape(-1).tolist()
             else:
                 flat_names.append(name)
-                flat_values.append(value)
+                flat_values.append(value if type(value) is float else to_host(value))
         names = tuple(flat_names)
         events = []
         for i, who in self._targets(names):

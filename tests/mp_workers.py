@@ -742,3 +742,52 @@ def bad_host_value_in_a_batch() -> dict:
             raised.append((step, str(err)))
     history.close()
     return {"raised": raised, "steps": history.state.steps("host/mean").tolist()}
+
+
+def stacked_copies_run(steps: int) -> dict:
+    """A step on a mesh over every process's devices returns 10 replicated
+    scalars (global arrays, not fully addressable); History sends them to the
+    host in stacked transfers, as it does on an accelerator: each process
+    through its own copies, on its own schedule."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxhistory as jh
+    from jaxhistory import _appending
+    from jaxhistory._host_copies import host_copies
+
+    _appending.needs_host_copy = lambda arrays: True  # as on an accelerator
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("data",))
+    sharding = NamedSharding(mesh, P("data"))
+
+    @jax.jit
+    def step(x, k):
+        total = jnp.sum(x)
+        return {f"m{j}": total * (j + 1) + k for j in range(10)}
+
+    history = jh.History(distributed_history=True)
+    data = np.arange(4 * n, dtype=np.float32)
+    x = jax.make_array_from_callback(data.shape, sharding, lambda i: data[i])
+    lines = []
+    for k in range(steps):
+        out = step(x, jnp.float32(k))
+        line = history.update(out, step=k, summarize=k % 10 == 0)
+        if line:
+            lines.append(line)
+        if k % 8 == 7:
+            jax.block_until_ready(out)
+    history.flush()
+    state = history.state
+    records = {key: np.asarray(state.values(key)).tolist() for key in state.keys}
+    addressable = out["m0"].is_fully_addressable
+    history.close()
+    return {
+        "records": records,
+        "lines": lines,
+        "programs": host_copies.programs,
+        "fully_addressable": addressable,
+        "total": float(data.sum()),
+    }

@@ -75,6 +75,7 @@ LAYERS = {
     "jaxhistory._memory": DEVICE,
     "jaxhistory.metrics": DEVICE,  # accumulators: per-device state, jit and shard_map
     # Pure data: the history's tables and their conversions, no files or threads.
+    "jaxhistory._host_copies": DATA,  # device scalars to the host, stacked
     "jaxhistory._table": DATA,
     "jaxhistory._history_state": DATA,
     "jaxhistory._appending": DATA,  # the checks and bulk appends of a state
