@@ -1,6 +1,6 @@
 """Benchmark: the checks that need an accelerator (run it on a GPU or TPU machine).
 
-Four sections, in one process, on the default backend's devices:
+Five sections, in one process, on the default backend's devices:
 
 1. **Reducers on the device against float64 NumPy**: ``distributed_stats`` of
    float32 and bfloat16 arrays of 10^4 to 10^7 elements (values drawn around 1.0
@@ -17,10 +17,16 @@ Four sections, in one process, on the default backend's devices:
    ``memory_stats()``, not from the live arrays as on CPU), and a
    ``MemoryTracker`` stage around the allocation of a 1 GiB array: its
    ``{stage}_mem_device_alloc_delta`` and ``{stage}_mem_device_peaked_delta``.
+5. **Recording device scalars**: the host time of ``History.update`` of 10
+   device scalars right after the step's launch, and of its parts (starting
+   copies to the host, a jitted stack, reading); loops of steps recorded as
+   they are, with no copy started at update, and with the step returning one
+   ``Stats.of`` array of the 10.
 
 Run: ``python benchmarks/bench_gpu.py [--out PATH]`` on a machine with an
 accelerator (it stops on CPU unless ``--allow-cpu``, which the smoke test uses);
-``--quick`` is a smoke run with small sizes.
+``--quick`` is a smoke run with small sizes; ``--only scalars`` (or any of
+``reducers watch loop memory scalars``) runs only the sections named.
 """
 
 import os
@@ -30,6 +36,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "")
 
 import argparse
+import contextlib
 import functools
 import statistics
 import sys
@@ -45,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxhistory as jh
 from jaxhistory import _appending
+from jaxhistory._host_copies import host_copies
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_history
@@ -180,29 +188,49 @@ def _median_us(step, x, what, calls: int) -> tuple[float, Any]:
     return statistics.median(times) * 1e6, x
 
 
+@contextlib.contextmanager
+def _per_value_copies():
+    """History as it was before stacked transfers: each recorded device value
+    starts its own copy to the host at update."""
+
+    def stage(arrays):
+        for a in arrays:
+            a.copy_to_host_async()
+
+    host_copies.stage = stage  # (an attribute of the instance hides the method)
+    try:
+        yield
+    finally:
+        del host_copies.stage
+
+
 def _loop_us(step, x, mode: str, steps: int) -> tuple[float, float, Any]:
     """µs per step of a loop that records every step's scalars (``mode``:
-    "bare" records nothing, "copies" is History as it is, "no copies" starts
-    no copy to the host at update), and µs per step to read them all after."""
+    "bare" records nothing, "stacked" is History as it is, "per value" starts
+    each value's copy at update, "no copies" starts no copy to the host at
+    update, "packed" is History as it is with a step that returns
+    ``Stats.of`` of its scalars), and µs per step to read them all after."""
     started = _appending.needs_host_copy
     if mode == "no copies":
         _appending.needs_host_copy = lambda arrays: False
+    per_value = _per_value_copies() if mode == "per value" else contextlib.nullcontext()
     try:
-        history = None if mode == "bare" else jh.History(distributed_history=False)
-        start = time.perf_counter()
-        for i in range(steps):
-            x, m = step(x)
+        with per_value:
+            history = None if mode == "bare" else jh.History(distributed_history=False)
+            start = time.perf_counter()
+            for i in range(steps):
+                x, m = step(x)
+                if history is not None:
+                    history.update(m, summarize=False)
+                if i % 8 == 7:
+                    x.block_until_ready()
+            x.block_until_ready()
+            looped = time.perf_counter()
             if history is not None:
-                history.update(m, summarize=False)
-            if i % 8 == 7:
-                x.block_until_ready()
-        x.block_until_ready()
-        looped = time.perf_counter()
-        if history is not None:
-            if len(history.state.values(f"m{SCALARS - 1}")) != steps:
-                raise AssertionError("History lost steps")
-            history.close()
-        read = time.perf_counter() - looped if history is not None else 0.0
+                if len(history.state.values(f"m{SCALARS - 1}")) != steps:
+                    raise AssertionError("History lost steps")
+                history.close()
+            read = time.perf_counter() - looped if history is not None else 0.0
     finally:
         _appending.needs_host_copy = started
     return (looped - start) / steps * 1e6, read / steps * 1e6, x
@@ -223,6 +251,8 @@ def bench_device_scalars(calls: int, steps: int, repeats: int) -> str:
             stack(m).copy_to_host_async()
         ),
         "`History.update(m, summarize=False)`": None,
+        "`History.update(m, summarize=False)`, a copy started per value (the "
+        "previous version)": None,
         "`float()` of each of the 10 (waits for the step)": lambda m: [
             float(a) for a in m.values()
         ],
@@ -236,9 +266,11 @@ def bench_device_scalars(calls: int, steps: int, repeats: int) -> str:
         if what is None:
             history = jh.History(distributed_history=False)
             what = functools.partial(history.update, summarize=False)
-        us, x = _median_us(step, x, what, calls)
-        if history is not None:
-            history.close()
+        per_value = "per value" in label
+        with _per_value_copies() if per_value else contextlib.nullcontext():
+            us, x = _median_us(step, x, what, calls)
+            if history is not None:
+                history.close()
         rows.append(f"| {label} | {us:.1f} |")
     history = jh.History(distributed_history=False)
     packed = _scalar_step(packed=True)
@@ -253,18 +285,23 @@ def bench_device_scalars(calls: int, steps: int, repeats: int) -> str:
         "| `History.update(m, summarize=False)`, the step returning "
         f"`jh.Stats.of` of the 10 (one array) | {us:.1f} |"
     )
-    modes = ("bare", "copies", "no copies")
+    modes = ("bare", "per value", "stacked", "no copies", "packed")
+    steps_of = dict.fromkeys(modes, step) | {"packed": packed}
     for mode in modes:  # warm up
-        _, _, x = _loop_us(step, x, mode, 40)
+        _, _, x = _loop_us(steps_of[mode], x, mode, 40)
     loops = {mode: [] for mode in modes}
     for _ in range(repeats):
         for mode in modes:
-            looped, read, x = _loop_us(step, x, mode, steps)
+            looped, read, x = _loop_us(steps_of[mode], x, mode, steps)
             loops[mode].append((looped, read))
     labels = {
         "bare": "nothing recorded",
-        "copies": "`History.update` (copies to the host started at update)",
+        "per value": "`History.update`, a copy started per value at update (the "
+        "previous version)",
+        "stacked": "`History.update` (the scalars sent to the host in stacked "
+        "transfers)",
         "no copies": "`History.update` with no copy started at update",
+        "packed": "`History.update` of the step returning `jh.Stats.of` of the 10",
     }
     rows += [
         "",
@@ -297,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--allow-cpu", action="store_true", help="run on CPU devices too (smoke test)"
     )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=("reducers", "watch", "loop", "memory", "scalars"),
+        help="run only these sections (default: all, in this order)",
+    )
     args = parser.parse_args(argv)
     if jax.default_backend() == "cpu" and not args.allow_cpu:
         sys.exit("error: no accelerator: JAX's default backend is cpu")
@@ -317,18 +360,22 @@ def main(argv: list[str] | None = None) -> int:
         loop, loop_repeats, mem_steps, mem_repeats = (48, 16), 24, 2_000, 5
         scalar_calls, scalar_steps, scalar_repeats = 300, 400, 5
     start = time.perf_counter()
-    sections = [bench_reducers(sizes, calls)]
-    print(sections[-1], flush=True)
-    sections.append(
-        "## Per-layer watch in a train step\n\n"
-        + bench_watch.bench(layers, watch_repeats, fsdp=False)
-    )
-    print(sections[-1], flush=True)
-    sections.append(bench_history.bench_loop(*loop, loop_repeats))
-    print(sections[-1], flush=True)
-    sections.append(bench_memory_section(mem_steps, mem_repeats))
-    print(sections[-1], flush=True)
-    sections.append(bench_device_scalars(scalar_calls, scalar_steps, scalar_repeats))
+    runs = {
+        "reducers": lambda: bench_reducers(sizes, calls),
+        "watch": lambda: (
+            "## Per-layer watch in a train step\n\n"
+            + bench_watch.bench(layers, watch_repeats, fsdp=False)
+        ),
+        "loop": lambda: bench_history.bench_loop(*loop, loop_repeats),
+        "memory": lambda: bench_memory_section(mem_steps, mem_repeats),
+        "scalars": lambda: bench_device_scalars(
+            scalar_calls, scalar_steps, scalar_repeats
+        ),
+    }
+    sections = []
+    for name in args.only or list(runs):
+        sections.append(runs[name]())
+        print(sections[-1], flush=True)
     print(flush=True)
     total = time.perf_counter() - start
     report(info, args.quick, ["\n\n".join(sections)], args.out, total)

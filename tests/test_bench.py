@@ -217,8 +217,17 @@ def test_bench_gpu_quick_on_cpu_devices(tmp_path):
     assert "| `history` | " in text, text
     assert "| alloc: a 1 GiB array made | 1,024.0 |" in text, text
     loops = re.findall(r"^\| [^|]+ \| ([\d.]+) \| ([\d.]+) \|$", text, re.M)
-    assert len(loops) == 3 and float(loops[1][0]) > 0, text  # bare, copies, none
+    # bare, per value, stacked, none, packed
+    assert len(loops) == 5 and float(loops[2][0]) > 0, text
+    assert float(loops[4][0]) > 0, text
     assert "| `History.update(m, summarize=False)` | " in text, text
+
+
+def test_bench_gpu_runs_only_the_sections_named(tmp_path):
+    _, text = run_quick("bench_gpu.py", tmp_path, "--allow-cpu", "--only", "scalars")
+    assert "## Recording device scalars" in text, text
+    assert "`jh.Stats.of` of the 10" in text, text
+    assert "| `history` | " not in text and "float32" not in text, text
 
 
 def test_bench_gpu_stops_without_an_accelerator(tmp_path):
