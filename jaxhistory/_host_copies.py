@@ -15,20 +15,26 @@ Only scalars of a numeric dtype take this path, each through one device's copy
 of it (a scalar on several devices is replicated): the stacking program runs
 on one device of this process, never across processes, so each process sends
 its values on its own schedule. Anything else has its copy started at once, as
-before. A value is forgotten when the array itself is
-freed (a weak reference), so nothing here outlives what History keeps.
+before. A value is forgotten when the array itself is freed (a weak
+reference), so nothing here outlives what History keeps.
+
+``JAXHISTORY_NO_STACKED_COPIES=1`` (read when jaxhistory is imported) turns
+this off: every value's copy then starts at update.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+import warnings
 import weakref
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxhistory._env import env_flag
 
 __all__ = ["HostCopies", "host_copies", "to_host"]
 
@@ -82,6 +88,16 @@ def _local(value: Any) -> Any:
         return None
 
 
+def _flag(name: str) -> bool:
+    """An on/off variable; a value that is neither warns (naming it) and counts
+    as not set: this is read at import, which must not fail."""
+    try:
+        return env_flag(name)
+    except ValueError as err:
+        warnings.warn(f"{err}; ignored", RuntimeWarning, stacklevel=2)
+        return False
+
+
 def _start_copy(value: Any) -> None:
     try:  # noqa: SIM105 (no context manager per metric per step)
         value.copy_to_host_async()
@@ -94,8 +110,10 @@ class HostCopies:
     docstring). Every method may be called from any thread."""
 
     SEND_AT = 64  # scalars of one dtype and device that go in one program
+    OFF = "JAXHISTORY_NO_STACKED_COPIES"
 
     def __init__(self):
+        self.enabled = not _flag(self.OFF)
         self._lock = threading.Lock()
         # (dtype, the device's sharding) -> (array, its single-device copy)
         # pairs waiting, in order; and the arrays' ids
@@ -110,6 +128,10 @@ class HostCopies:
         """Queues the scalars among ``arrays`` for one transfer with others
         (sent once :attr:`SEND_AT` of one dtype and device wait), and starts
         the copy of every other array now."""
+        if not self.enabled:
+            for a in arrays:
+                _start_copy(a)
+            return
         with self._lock:
             groups, waiting = self._groups, self._waiting
             for a in arrays:

@@ -252,3 +252,20 @@ def test_replicated_scalars_of_several_processes_go_through_local_copies():
             np.testing.assert_array_equal(r["records"][f"m{j}"], want)
         assert r["lines"][1].startswith("step=10 ")
         assert f"m1={float(total * 2 + 10):.6f}" in r["lines"][1], r["lines"]
+
+
+def test_the_variable_turns_stacked_transfers_off(monkeypatch, as_accelerator):
+    monkeypatch.setenv(HostCopies.OFF, "1")
+    copies = HostCopies()
+    values = [jnp.float32(i) for i in range(70)]
+    copies.stage(values)
+    assert copies.waiting() == 0 and copies.programs == 0
+    assert copies.read(values[0]) is None
+    assert float(to_host(values[69])) == 69.0
+
+
+def test_a_bad_value_of_the_variable_warns_naming_it(monkeypatch):
+    monkeypatch.setenv(HostCopies.OFF, "maybe")
+    with pytest.warns(RuntimeWarning, match="JAXHISTORY_NO_STACKED_COPIES='maybe'"):
+        copies = HostCopies()
+    assert copies.enabled
