@@ -269,3 +269,23 @@ def test_a_bad_value_of_the_variable_warns_naming_it(monkeypatch):
     with pytest.warns(RuntimeWarning, match="JAXHISTORY_NO_STACKED_COPIES='maybe'"):
         copies = HostCopies()
     assert copies.enabled
+
+
+def test_a_state_and_the_finalized_dataset_hold_the_sent_values(
+    as_accelerator, tmp_path
+):
+    """HistoryState used on its own, and History.finalize, read the scalars
+    from their stacked transfers."""
+    state = jh.HistoryState()
+    for i in range(100):
+        state = state.update({"a": jnp.float32(i) * 0.5, "n": jnp.int32(i)}, step=i)
+    assert host_copies.waiting() > 0  # fewer than 64 of each kind: still waiting
+    np.testing.assert_array_equal(state.values("a"), np.arange(100) * 0.5)
+    np.testing.assert_array_equal(state.values("n"), np.arange(100))
+    assert host_copies.waiting() == 0
+
+    history = jh.History(distributed_history=False)
+    for i in range(30):
+        history.update({"loss": jnp.float32(i) + 0.25}, step=i, summarize=False)
+    ds = history.finalize(tmp_path, plot=False)
+    np.testing.assert_array_equal(ds["loss"].values, np.arange(30) + 0.25)
