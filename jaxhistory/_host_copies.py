@@ -14,9 +14,17 @@ line, the sentinels) asks :func:`to_host`, which answers from that one array
 Only scalars of a numeric dtype take this path, each through one device's copy
 of it (a scalar on several devices is replicated): the stacking program runs
 on one device of this process, never across processes, so each process sends
-its values on its own schedule. Anything else has its copy started at once, as
-before. A value is forgotten when the array itself is freed (a weak
-reference), so nothing here outlives what History keeps.
+its values on its own schedule. Anything else (an array of more values, a
+scalar held as partial sums on several devices) has its copy started at once,
+as before. A value sent is forgotten when the array itself is freed (a weak
+reference); at most :attr:`HostCopies.SEND_AT` ``- 1`` scalars of one kind
+wait unsent, until the next send (a read, :meth:`HostCopies.send`, or
+``History.close``).
+
+Nothing here may hang a thread: the lock is taken with a timeout, and a
+thread that cannot take it (another one holds it, or this one does, deep in a
+garbage-collection callback that closes a History) copies or reads its values
+alone, as before.
 
 ``JAXHISTORY_NO_STACKED_COPIES=1`` (read when jaxhistory is imported) turns
 this off: every value's copy then starts at update.
@@ -39,11 +47,19 @@ from jaxhistory._env import env_flag
 __all__ = ["HostCopies", "host_copies", "to_host"]
 
 _BUCKETS = (8, 16, 32, 64)  # stacked lengths: few programs to compile
+_WAIT = 0.05  # seconds to wait for the lock before going alone
 
 
 @jax.jit
 def _stack(*values):
     return jnp.stack(values)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_mesh(device: Any) -> jax.sharding.Mesh:
+    """A mesh of ``device`` alone: the stacking program runs under it, since
+    under a user's ``jax.set_mesh`` jit refuses single-device inputs."""
+    return jax.sharding.Mesh(np.array([device]), ("stacked",))
 
 
 class _Sent:
@@ -56,13 +72,22 @@ class _Sent:
         self.stacked, self.host = stacked, None
 
     def fetch(self) -> np.ndarray:
+        """The host copy (read once); raises where the stacked array cannot be
+        read (then every value in it is read alone)."""
         host = self.host
         if host is not None:
             return host
         stacked = self.stacked
-        if stacked is None:  # fetched meanwhile on another thread (host first)
+        if stacked is None:  # read meanwhile on another thread (host first)
+            if self.host is None:
+                raise RuntimeError("the stacked transfer could not be read")
             return self.host
-        host = self.host = np.asarray(stacked)
+        try:
+            host = np.asarray(stacked)
+        except Exception:
+            self.stacked = None
+            raise
+        self.host = host
         self.stacked = None  # the device array is not needed any more
         return host
 
@@ -75,17 +100,28 @@ def _numeric(dtype: np.dtype) -> bool:
 
 def _local(value: Any) -> Any:
     """The single-device array to stack for ``value``: itself where it lives on
-    one device, else (a scalar is replicated) this process's first copy of
-    it; None where ``value`` cannot go in a stacked transfer (not a scalar of
-    a numeric dtype, deleted, a tracer, or with no copy on this process)."""
+    one device, else (replicated) this process's first copy of it; None where
+    ``value`` cannot go in a stacked transfer (not a scalar of a numeric
+    dtype, deleted, held as different values on its devices, a tracer, or
+    with no copy on this process)."""
     try:
         if value.ndim != 0 or not _numeric(value.dtype) or value.is_deleted():
             return None
-        if len(value.sharding.device_set) == 1:
+        sharding = value.sharding
+        if len(sharding.device_set) == 1:
             return value if value.is_fully_addressable else None
-        return value.addressable_data(0)  # (replicated: every copy is the same)
+        if not sharding.is_fully_replicated:  # (partial sums: read as a whole)
+            return None
+        return value.addressable_data(0)  # every copy is the same
     except Exception:  # a tracer, or anything else that is not a plain array
         return None
+
+
+def _key(local: Any) -> tuple:
+    """What one stacking program takes alike: a program is compiled per dtype,
+    weak type, placement and device."""
+    committed = getattr(local, "_committed", True)
+    return (local.dtype, local.weak_type, committed, local.sharding)
 
 
 def _flag(name: str) -> bool:
@@ -109,37 +145,38 @@ class HostCopies:
     """Device scalars waiting to go to the host together (see the module
     docstring). Every method may be called from any thread."""
 
-    SEND_AT = 64  # scalars of one dtype and device that go in one program
+    SEND_AT = 64  # scalars of one kind that go in one program
     OFF = "JAXHISTORY_NO_STACKED_COPIES"
 
     def __init__(self):
         self.enabled = not _flag(self.OFF)
         self._lock = threading.Lock()
-        # (dtype, the device's sharding) -> (array, its single-device copy)
-        # pairs waiting, in order; and the arrays' ids
+        # _key -> (array, its single-device copy) pairs waiting, in order;
+        # and the arrays' ids
         self._groups: dict[tuple, list] = {}
         self._waiting: set[int] = set()
         # id -> (the stacked array it went out in, its index, a weak reference
         # whose callback forgets it when the array is freed)
         self._sent: dict[int, tuple[_Sent, int, Any]] = {}
+        self._failed: set[tuple] = set()  # kinds whose program cannot run
         self.programs = 0  # stacking programs launched (for tests and benchmarks)
 
     def stage(self, arrays: list) -> None:
         """Queues the scalars among ``arrays`` for one transfer with others
-        (sent once :attr:`SEND_AT` of one dtype and device wait), and starts
-        the copy of every other array now."""
-        if not self.enabled:
+        (sent once :attr:`SEND_AT` of one kind wait), and starts the copy of
+        every other array now."""
+        if not self.enabled or not self._lock.acquire(timeout=_WAIT):
             for a in arrays:
                 _start_copy(a)
             return
-        with self._lock:
-            groups, waiting = self._groups, self._waiting
+        try:
+            groups, waiting, failed = self._groups, self._waiting, self._failed
             for a in arrays:
                 local = _local(a)
-                if local is None:
+                key = None if local is None else _key(local)
+                if key is None or key in failed:
                     _start_copy(a)
                     continue
-                key = (local.dtype, local.sharding)
                 group = groups.get(key)
                 if group is None:
                     group = groups[key] = []
@@ -147,21 +184,52 @@ class HostCopies:
                 waiting.add(id(a))
                 if len(group) >= self.SEND_AT:
                     del groups[key]
-                    self._send_group(group)
+                    self._send_group(key, group)
+        finally:
+            self._lock.release()
 
     def send(self) -> None:
-        """Launches the stacking of every scalar waiting (one program per
-        dtype and device and :attr:`SEND_AT` scalars) and starts its copy."""
-        with self._lock:
-            groups, self._groups = self._groups, {}
-            for group in groups.values():
-                for start in range(0, len(group), self.SEND_AT):
-                    self._send_group(group[start : start + self.SEND_AT])
+        """Launches the stacking of every scalar waiting and starts its copy."""
+        if self._lock.acquire(timeout=_WAIT):
+            try:
+                self._send_all()
+            finally:
+                self._lock.release()
 
-    def _send_group(self, group: list) -> None:
+    def _send_all(self) -> None:
+        """:meth:`send` for a caller that holds the lock."""
+        groups, self._groups = self._groups, {}
+        for key, group in groups.items():
+            for start in range(0, len(group), self.SEND_AT):
+                self._send_group(key, group[start : start + self.SEND_AT])
+
+    def _send_older(self, key: int) -> None:
+        """Sends the scalar of id ``key``, those of its kind staged before it,
+        and those after it whose steps are done (the caller holds the lock):
+        reading this one must not wait for a step still running."""
+        for kind, group in self._groups.items():
+            i = next((i for i, (a, _) in enumerate(group) if id(a) == key), None)
+            if i is None:
+                continue
+            end = i + 1
+            for a, local in group[end:]:
+                # (is_ready() of a deleted array crashes: checked first)
+                if a.is_deleted() or local.is_deleted() or not local.is_ready():
+                    break
+                end += 1
+            if end < len(group):
+                self._groups[kind] = group[end:]
+            else:
+                del self._groups[kind]
+            for start in range(0, end, self.SEND_AT):
+                self._send_group(kind, group[start : min(start + self.SEND_AT, end)])
+            return
+
+    def _send_group(self, kind: tuple, group: list) -> None:
         """One stacking program for ``group`` (``(array, its single-device
-        copy)`` pairs; the caller holds the lock); where it cannot run, each
-        value's own copy is started instead."""
+        copy)`` pairs of one kind; the caller holds the lock); where it cannot
+        run, each value's own copy is started instead, and so for that kind
+        from then on."""
         waiting = self._waiting
         for a, _ in group:
             waiting.discard(id(a))
@@ -177,9 +245,12 @@ class HostCopies:
         values = [local for _, local in group]
         values += [values[-1]] * (size - len(values))
         try:
-            stacked = _stack(*values)
+            (device,) = values[0].sharding.device_set
+            with jax.set_mesh(_device_mesh(device)):
+                stacked = _stack(*values)
             stacked.copy_to_host_async()
-        except Exception:  # a layout the program refuses
+        except Exception:  # a layout or placement the program refuses
+            self._failed.add(kind)
             for a, _ in group:
                 _start_copy(a)
             return
@@ -191,22 +262,38 @@ class HostCopies:
             ref = weakref.ref(a, lambda _, key=key: table.pop(key, None))
             table[key] = (sent, i, ref)
 
-    def read(self, value: Any) -> np.ndarray | None:
+    def read(self, value: Any, older_only: bool = False) -> np.ndarray | None:
         """``value`` on the host (a 0-d array) where it went out in a stacked
-        array (sending it first if it still waits); None where it did not."""
+        array, sending it first if it still waits (with everything waiting,
+        or with ``older_only`` only what was staged before it); None where it
+        did not go (then read it alone)."""
         key = id(value)
         entry = self._sent.get(key)
         if entry is None:
-            if key not in self._waiting:
+            if key not in self._waiting or not self._lock.acquire(timeout=_WAIT):
                 return None
-            self.send()
+            try:
+                if older_only:
+                    self._send_older(key)
+                else:
+                    self._send_all()
+            finally:
+                self._lock.release()
             entry = self._sent.get(key)
             if entry is None:
                 return None
         sent, i, ref = entry
         if ref() is not value:
             return None
-        return sent.fetch()[i, ...]
+        try:
+            host = sent.fetch()
+        except Exception:  # one value of the stack failed: each is read alone
+            return None
+        return host[i, ...]
+
+    def waits(self, value: Any) -> bool:
+        """Whether ``value`` is staged and not yet sent."""
+        return id(value) in self._waiting
 
     def waiting(self) -> int:
         """Scalars staged and not yet sent."""
@@ -220,10 +307,10 @@ class HostCopies:
 host_copies = HostCopies()
 
 
-def to_host(value: Any) -> Any:
+def to_host(value: Any, older_only: bool = False) -> Any:
     """``value`` as a NumPy array: from its stacked transfer where it took one
-    (see :class:`HostCopies`), else ``np.asarray(value)``."""
+    (see :meth:`HostCopies.read`), else ``np.asarray(value)``."""
     if not isinstance(value, jax.Array):
         return np.asarray(value)
-    host = host_copies.read(value)
+    host = host_copies.read(value, older_only)
     return np.asarray(value) if host is None else host

@@ -20,6 +20,7 @@ from typing import Any
 from jaxhistory import _trace_state
 from jaxhistory._distributed import is_per_device, mesh_of
 from jaxhistory._history_state import Appender, HistoryState
+from jaxhistory._host_copies import host_copies
 from jaxhistory._job import JobSync
 from jaxhistory._progress import Progress
 from jaxhistory._row import Row, RowKind, parse_row
@@ -317,6 +318,7 @@ class Recorder:
             self._finish_batch()
             self._record_leftover()
             feed = self.out.close()
+        host_copies.send()  # device scalars left waiting: none stays behind
         if feed is not None:
             # Not under the lock: a sink that records or closes from its write
             # must not wait on it. Bounded; a stuck sink gets a warning.

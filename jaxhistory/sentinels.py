@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxhistory._host_copies import to_host
+from jaxhistory._host_copies import host_copies, to_host
 from jaxhistory._names import PROVENANCE, printable, stat_names
 from jaxhistory._stats import STATS, Stats
 from jaxhistory._summary import nonfinite_notes
@@ -109,7 +109,9 @@ class Sentinel(abc.ABC):
     @abc.abstractmethod
     def see(self, name: str, step: int, value: Any, note: str = "") -> Event | None:
         """Looks at ``value`` of metric ``name`` at ``step`` (``note``: where it
-        is, for a non-finite statistic with provenance); the event, or None."""
+        is, for a non-finite statistic with provenance); the event, or None.
+        ``value`` is a Python number or a NumPy array: device values arrive
+        read to the host."""
 
 
 class NonFinite(Sentinel):
@@ -368,12 +370,15 @@ class Guard:
                     flat_values += np.asarray(host.where).reshape(-1).tolist()
             else:
                 flat_names.append(name)
-                flat_values.append(value if type(value) is float else to_host(value))
+                flat_values.append(value)
         names = tuple(flat_names)
         events = []
         for i, who in self._targets(names):
+            value = flat_values[i]
+            if type(value) is not float:  # (of a step already done: no wait)
+                value = to_host(value, older_only=True)
             for s in who:
-                event = s.see(names[i], step, flat_values[i], notes.get(names[i], ""))
+                event = s.see(names[i], step, value, notes.get(names[i], ""))
                 if event is not None:
                     events.append((s, event))
         return events
@@ -419,11 +424,18 @@ class Guard:
 
 
 def _ready(values: tuple) -> bool:
+    """Whether the device values of a row can be read without waiting: done,
+    and sent to the host (not still waiting to go in a stacked transfer). A
+    deleted array counts as ready: reading it reports it."""
     for value in values:
         arrays = (value.table, value.where) if type(value) is Stats else (value,)
         for a in arrays:
             is_ready = getattr(a, "is_ready", None)
-            if is_ready is not None and not is_ready():
+            if is_ready is None:
+                continue
+            if a.is_deleted():  # (is_ready() of a deleted array crashes)
+                continue
+            if host_copies.waits(a) or not is_ready():
                 return False
     return True
 

@@ -7,8 +7,13 @@ every GPU and TPU run takes.
 
 import gc
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -289,3 +294,162 @@ def test_a_state_and_the_finalized_dataset_hold_the_sent_values(
         history.update({"loss": jnp.float32(i) + 0.25}, step=i, summarize=False)
     ds = history.finalize(tmp_path, plot=False)
     np.testing.assert_array_equal(ds["loss"].values, np.arange(30) + 0.25)
+
+
+def test_a_history_freed_by_the_garbage_collector_mid_stage_does_not_hang(tmp_path):
+    """A History dropped without close() is freed by the garbage collector,
+    whose finalizer closes its log; when that happens while this thread
+    stages values (holding the lock), every reader goes alone, nothing
+    waits for the lock, and nothing hangs."""
+    script = tmp_path / "gc_mid_stage.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import faulthandler, gc, sys, tempfile
+            import jax.numpy as jnp
+            import jaxhistory as jh
+            from jaxhistory import _appending, _host_copies
+            _appending.needs_host_copy = lambda arrays: True
+            faulthandler.dump_traceback_later(40, exit=True)
+            old = jh.History(distributed_history=False, report_dir=tempfile.mkdtemp())
+            for i in range(3):
+                old.update({"loss": jnp.float32(i) + 0}, step=i, summarize=False)
+            del old  # in a reference cycle: freed by the next collection
+            local = _host_copies._local
+            def collect_then_local(value):  # a collection at an allocation here
+                gc.collect()
+                return local(value)
+            _host_copies._local = collect_then_local
+            gc.disable()
+            new = jh.History(distributed_history=False)
+            new.update({"x": jnp.float32(1) + 0}, step=0, summarize=False)
+            print("recorded", new.state.values("x").tolist())
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "recorded [1.0]" in proc.stdout, proc.stdout
+
+
+def test_a_scalar_of_partial_sums_is_never_read_from_one_device(as_accelerator):
+    """A scalar held as different partial sums on its devices is not stacked
+    from one device's copy: it is read as a whole (here: NaN and a warning,
+    as JAX cannot read it), never recorded as one device's part."""
+    from jax.sharding import AxisType
+
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("d")))
+    with jax.set_mesh(mesh):
+        total = jax.jit(
+            lambda x: jnp.einsum("i->", x, out_sharding=P(unreduced={"d"}))
+        )(x)
+    copies = HostCopies()
+    copies.stage([total])
+    assert copies.waiting() == 0  # its own copy started, not stacked
+    history = jh.History(distributed_history=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history.update({"total": total}, step=0, summarize=False)
+        recorded = history.state.values("total")
+    assert recorded.tolist() != [0.0] and np.isnan(recorded[0]), recorded
+    assert any("could not be read" in str(w.message) for w in caught), caught
+    history.close()
+
+
+def test_scalars_are_stacked_under_a_users_mesh(as_accelerator):
+    """Under jax.set_mesh (Explicit axes), jit refuses single-device inputs:
+    the stacking program runs under a mesh of its own device."""
+    from jax.sharding import AxisType
+
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("d")))
+    copies = HostCopies()
+    with jax.set_mesh(mesh):
+        values = [jax.jit(lambda x, k=k: jnp.sum(x) * k)(x) for k in range(5)]
+        copies.stage(values)
+        copies.send()
+    assert copies.programs == 1
+    assert [float(copies.read(v)) for v in values] == [0.0, 28.0, 56.0, 84.0, 112.0]
+
+
+def test_a_value_that_fails_does_not_spoil_the_others_in_its_stack(as_accelerator):
+    """A value whose computation fails on the device goes in one stack with
+    other histories' values: each of them is then read alone, exactly."""
+
+    def boom(x):
+        raise ValueError("boom")
+
+    @jax.jit
+    def slow(x):  # so that the failure comes after the launch returns
+        return jax.lax.fori_loop(0, 40, lambda i, a: jnp.tanh(a @ a), x).sum()
+
+    @jax.jit
+    def bad(s):
+        return jax.pure_callback(boom, jax.ShapeDtypeStruct((), jnp.float32), s)
+
+    big = jnp.ones((1024, 1024), jnp.float32) * 1e-3
+    slow(big).block_until_ready()
+    good = jh.History(distributed_history=False)
+    for i in range(3):
+        good.update({"loss": jnp.float32(i) + 0.5}, step=i, summarize=False)
+    host_copies.stage([bad(slow(big))])  # fails later, on the device
+    line = good.update({"loss": jnp.float32(3) + 0.5}, step=3)
+    assert line == "step=3 loss=3.500000"
+    assert good.state.values("loss").tolist() == [0.5, 1.5, 2.5, 3.5]
+    good.close()
+
+
+def test_weak_and_strong_scalars_go_in_programs_of_their_own(as_accelerator):
+    """A weak-typed scalar (a schedule computed from Python numbers) and a
+    strong one would compile a stacking program per mix: they go apart."""
+    copies = HostCopies()
+    strong = [jnp.float32(i) + 0 for i in range(40)]
+    weak = [jnp.asarray(0.5) * i for i in range(40)]
+    assert weak[0].weak_type and not strong[0].weak_type
+    before = _host_copies._stack._cache_size()
+    rng = np.random.default_rng(0)
+    for order in range(6):  # staged in different mixes each time
+        mixed = list(zip(strong, weak, strict=True))
+        rng.shuffle(mixed)
+        copies.stage([v for pair in mixed for v in pair][: 10 + 10 * order])
+        copies.send()
+    assert _host_copies._stack._cache_size() - before <= 2 * len(_host_copies._BUCKETS)
+    assert float(copies.read(weak[7])) == 3.5 and float(copies.read(strong[7])) == 7.0
+
+
+def test_close_sends_what_still_waits(as_accelerator):
+    history = jh.History(distributed_history=False)
+    history.update({"a": jnp.float32(2.0) + 0}, step=0, summarize=False)
+    assert host_copies.waiting() >= 1
+    history.close()
+    assert host_copies.waiting() == 0
+
+
+def test_sentinels_survive_a_deleted_value():
+    """A recorded device value deleted (donated) before the sentinels read it
+    is reported, not read: asking whether it is ready would crash."""
+    from jaxhistory.sentinels import NonFinite
+
+    history = jh.History(
+        distributed_history=False, sentinels=[NonFinite("loss", action="warn")]
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(20):
+            loss = jnp.float32(jnp.nan if i == 5 else i) + 0
+            buf = jnp.arange(4.0) + i
+            history.update({"loss": loss, "buf": buf}, step=i, summarize=False)
+            buf.delete()
+        history.flush()
+    messages = [str(w.message) for w in caught]
+    assert any("step 5: 'loss' is NaN" in m for m in messages), messages
+    history.close()
