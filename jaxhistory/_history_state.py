@@ -29,9 +29,10 @@ from jaxhistory._table import (
 )
 
 __all__ = ["STEP_KEYS", "Appender", "HistoryState", "warmup_count"]
-# Updates whose device values may still be in flight; past this many the oldest are
-# waited for. This bounds how far the host runs ahead of the device (simulated CPU
-# devices deadlock when too many collective steps are queued).
+# Groups of device values (one per table an update writes: its plain values, each
+# Stats and its provenance) that may still be in flight; past this many the oldest
+# are waited for. This bounds how far the host runs ahead of the device (simulated
+# CPU devices deadlock when too many collective steps are queued).
 MAX_INFLIGHT = 8
 
 

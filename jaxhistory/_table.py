@@ -635,7 +635,8 @@ def needs_host_copy(arrays) -> bool:
 
 
 class InFlight:
-    """Bounds how many updates with device values may be unresolved at once."""
+    """Bounds how many groups of device values (one per table an update
+    writes) may be unresolved at once."""
 
     __slots__ = ("limit", "lock", "updates")
 
