@@ -3,13 +3,14 @@
 On an accelerator every transfer to the host costs tens of µs of host time
 (starting a copy took about 30 µs a value on an H100), so a step that returns
 10 scalars paid about 300 µs an update in copies alone. Instead, the scalars
-History records wait here (:meth:`HostCopies.stage`) and every
-:attr:`HostCopies.SEND_AT` of them, or as soon as one of them is read, one
-jitted program stacks those of one dtype and device into one array, whose
-copy to the host starts at once. Whoever reads a
-recorded value (the history's tables, the JSONL log's writer, the summary
-line, the sentinels) asks :func:`to_host`, which answers from that one array
-(fetched once) and falls back to reading the value itself.
+History records wait here (:meth:`HostCopies.stage`), and every
+:attr:`HostCopies.SEND_AT` of one kind (dtype, weak type, placement and
+device: what one compiled program takes), or as soon as one of them is read,
+one jitted program stacks them into one array, whose copy to the host starts
+at once. Whoever reads a recorded value (the history's tables, the JSONL
+log's writer, the summary line, the sentinels) asks :func:`to_host`, which
+answers from that one array (fetched once) and falls back to reading the
+value itself.
 
 Only scalars of a numeric dtype take this path, each through one device's copy
 of it (a scalar on several devices is replicated): the stacking program runs
