@@ -45,7 +45,7 @@ import numpy as np
 
 from jaxhistory._env import env_flag
 
-__all__ = ["HostCopies", "host_copies", "to_host"]
+__all__ = ["HostCopies", "host_copies", "is_done", "to_host"]
 
 _BUCKETS = (8, 16, 32, 64)  # stacked lengths: few programs to compile
 _WAIT = 0.05  # seconds to wait for the lock before going alone
@@ -135,6 +135,20 @@ def _flag(name: str) -> bool:
         return False
 
 
+def is_done(value: Any) -> bool:
+    """Whether reading ``value`` would not wait for the device: anything but
+    a JAX array, a deleted one (reading it reports it), or one computed.
+    ``is_ready()`` of a deleted array crashes the process: asked first."""
+    try:
+        if value.is_deleted():
+            return True
+        return value.is_ready()
+    except AttributeError:  # not a JAX array
+        return True
+    except Exception:  # anything else a value may raise: reading will say
+        return True
+
+
 def _start_copy(value: Any) -> None:
     try:  # noqa: SIM105 (no context manager per metric per step)
         value.copy_to_host_async()
@@ -214,8 +228,7 @@ class HostCopies:
                 continue
             end = i + 1
             for a, local in group[end:]:
-                # (is_ready() of a deleted array crashes: checked first)
-                if a.is_deleted() or local.is_deleted() or not local.is_ready():
+                if a.is_deleted() or not is_done(local):
                     break
                 end += 1
             if end < len(group):

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxhistory._host_copies import host_copies
+from jaxhistory._host_copies import host_copies, is_done
 
 __all__ = [
     "STAGE",
@@ -349,12 +349,8 @@ class Table:
                 break
             row = self.rows[i]
             for v in row if type(row) is tuple else (row,):
-                is_ready = getattr(v, "is_ready", None)
-                try:
-                    if is_ready is not None and not is_ready():
-                        return False
-                except Exception:  # deleted: reading it will say so, not block
-                    continue
+                if not is_done(v):  # (deleted: reading it will say so)
+                    return False
         return True
 
     def nbytes(self) -> int:

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxhistory._host_copies import host_copies, to_host
+from jaxhistory._host_copies import host_copies, is_done, to_host
 from jaxhistory._names import PROVENANCE, printable, stat_names
 from jaxhistory._stats import STATS, Stats
 from jaxhistory._summary import nonfinite_notes
@@ -430,12 +430,7 @@ def _ready(values: tuple) -> bool:
     for value in values:
         arrays = (value.table, value.where) if type(value) is Stats else (value,)
         for a in arrays:
-            is_ready = getattr(a, "is_ready", None)
-            if is_ready is None:
-                continue
-            if a.is_deleted():  # (is_ready() of a deleted array crashes)
-                continue
-            if host_copies.waits(a) or not is_ready():
+            if host_copies.waits(a) or not is_done(a):
                 return False
     return True
 

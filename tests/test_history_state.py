@@ -1132,3 +1132,39 @@ def test_values_replicated_over_devices_are_read_exactly_and_a_deleted_one_is_na
     assert s.values("n").tolist() == [0, 1, 0, 3, 4]
     np.testing.assert_array_equal(s.values("v")[4], [0.0, 4.0, 8.0])
     assert s.values("h").tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_state_holding_a_deleted_device_value_flattens_without_crashing():
+    """Flattening a state asks whether its staged device values are computed;
+    asking a deleted array crashes the process, so a deleted one counts as
+    done and is reported (NaN, with the warning) when read. In a child
+    process: a crash must fail this test, not the suite."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import warnings, jax, jax.numpy as jnp, jaxhistory as jh\n"
+        "a = jnp.float32(1) + 0\n"
+        "s = jh.HistoryState().update({'a': a, 'b': a * 2}, step=0)\n"
+        "a.delete()\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    leaves = jax.tree.leaves(s)\n"
+        "print(len(leaves), s.values('a').tolist(), s.values('b').tolist(),\n"
+        "      sum('could not be read' in str(w.message) for w in caught))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    # flattened; 'a' deleted: NaN and one warning; 'b' kept
+    leaves, *rest = proc.stdout.split()
+    assert int(leaves) >= 3 and rest == ["[nan]", "[2.0]", "1"], proc.stdout
