@@ -176,7 +176,29 @@ def bench(layers: int, repeats: int, fsdp: bool) -> str:
 
 
 QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
-DISTRIBUTIONS = ("normal", "lognormal", "uniform", "exponential", "student_t")
+DISTRIBUTIONS = (
+    "normal",
+    "lognormal",
+    "uniform",
+    "exponential",
+    "student_t",
+    "relu",
+    "decades",
+)
+
+
+def random_values(rng: np.random.Generator, kind: str, n: int) -> np.ndarray:
+    """``n`` values of one of :data:`DISTRIBUTIONS`: NumPy's generators, and
+    Student-t with 2 degrees of freedom (huge values both ways), ReLU-like
+    values (half exact zeros, the rest lognormal with sigma 3, spanning
+    decades), and magnitudes from 1e-10 to 1e10 of both signs."""
+    if kind == "student_t":
+        return rng.standard_t(2, size=n)
+    if kind == "relu":
+        return np.maximum(rng.normal(size=n), 0) * rng.lognormal(0, 3, size=n)
+    if kind == "decades":
+        return 10.0 ** rng.uniform(-10, 10, size=n) * rng.choice([-1, 1], size=n)
+    return getattr(rng, kind)(size=n)
 
 
 def rank_error(ordered: np.ndarray, value: float, q: float) -> float:
@@ -205,10 +227,7 @@ def bench_quantiles(arrays: int) -> str:
         for i in range(arrays):
             n = int(10 ** rng.uniform(4, 6)) // 8 * 8
             kind = DISTRIBUTIONS[i % len(DISTRIBUTIONS)]
-            if kind == "student_t":
-                values = rng.standard_t(2, size=n)
-            else:
-                values = getattr(rng, kind)(size=n)
+            values = random_values(rng, kind, n)
             x = jax.device_put(
                 jnp.asarray(values, dtype), NamedSharding(mesh, P("data"))
             )
@@ -250,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = ["## watch(grads) in a train step\n"]
     for fsdp in (False, True):
         sections.append(bench(layers, repeats, fsdp))
-    sections.append(bench_quantiles(3 if args.quick else 100))
+    sections.append(bench_quantiles(3 if args.quick else 140))
     report(machine_info(), args.quick, sections, args.out)
     return 0
 

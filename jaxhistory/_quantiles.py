@@ -5,13 +5,15 @@ Two ways, by what a leaf holds:
 * **One value per device** (the values are gathered whole already): the exact
   quantile of those values, NumPy's default (linear) rule, at no extra
   collective.
-* **More values**: a histogram of each leaf between its min and max (known
-  after the first all-reduce), its counts added up in the second (the sum)
-  all-reduce with the other sums; bins are log-spaced where a leaf's values are
-  positive and span more than three decades, and spaced by ``asinh`` where they
-  straddle zero. The quantile is read from the
-  cumulative counts, each bin's values taken as evenly spread within it; its
-  rank is off by at most the share of values in that bin.
+* **More values**: two histograms of each leaf between its smallest and
+  largest finite value (known after the first all-reduce), their counts added
+  up in the second (the sum) all-reduce with the other sums: one of equal
+  bins, one of bins equal in ``sign(x) log(1 + |x| / s)``, ``s`` the smallest
+  nonzero magnitude (logarithmic for values spanning decades, both signs
+  included). Zeros and infinities are counted apart. A quantile is read from
+  the cumulative counts of whichever histogram has fewer values in the bin
+  that holds it, that bin's values taken as evenly spread within it: its rank
+  is off by at most the share of values in that bin.
 """
 
 from __future__ import annotations
@@ -25,16 +27,18 @@ import jax.numpy as jnp
 
 __all__ = [
     "BINS",
+    "HALF",
+    "WIDTH",
     "check_quantiles",
     "exact_quantiles",
     "hist_block",
+    "hist_bounds",
     "hist_quantiles",
     "histogram",
     "histogram_collective",
 ]
 
 BINS = 2048  # histogram bins per leaf
-LOG_SPAN = 1e3  # max/min above this (all values positive): log-spaced bins
 
 
 def check_quantiles(quantiles: Any, caller: str) -> tuple[tuple[float, ...], tuple]:
@@ -69,73 +73,143 @@ def exact_quantiles(v: jax.Array, qs: Sequence[float]) -> jax.Array:
     return jnp.quantile(v, jnp.asarray(qs, v.dtype), axis=1)
 
 
-def _scale(x, mx, mn):
-    """(t, lo, hi, inverse): the values on the binning scale of each leaf and
-    the way back. Log where the values are positive and span more than three
-    decades; ``asinh(x / s)`` where they straddle zero (linear near zero,
-    logarithmic far from it, so a few huge values on either side do not
-    squeeze the rest into one bin; ``s`` is 1e-4 of the largest magnitude);
-    linear otherwise."""
-    positive = mn > 0
-    log = positive & (mx / jnp.where(positive, mn, 1) > LOG_SPAN)
-    straddle = (mn < 0) & (mx > 0)
-    s = jnp.maximum(jnp.abs(mn), jnp.abs(mx)) * 1e-4
-    s = jnp.where(s > 0, s, 1)
-
-    def forward(v):
-        safe = jnp.where(v > 0, v, 1)
-        return jnp.where(log, jnp.log(safe), jnp.where(straddle, jnp.arcsinh(v / s), v))
-
-    def inverse(t):
-        return jnp.where(log, jnp.exp(t), jnp.where(straddle, jnp.sinh(t) * s, t))
-
-    return forward(x), forward(mn), forward(mx), inverse
+HALF = BINS // 2  # bins of each of the two histograms of a leaf
+# a leaf's counts: both histograms (finite nonzero values), then how many
+# values are -inf, finite and negative, zero, +inf
+NEG_INF, NEGATIVE, ZERO, POS_INF = range(2 * HALF, 2 * HALF + 4)
+WIDTH = 2 * HALF + 4
 
 
-def hist_block(x: jax.Array, mx: jax.Array, mn: jax.Array, bins: int = BINS):
-    """``(k * bins, 1)``: this device's counts of the values of each of the
-    ``k`` leaves of ``x`` (``(k, ...)``) per bin between ``mn`` and ``mx``
-    (``(k,)``), NaN left out; a block for the sum all-reduce."""
+def hist_bounds(x: jax.Array) -> list[jax.Array]:
+    """Three blocks for the max all-reduce, ``(k, ...)`` each, of the leaves
+    of ``x`` (``(k, ...)``): the largest finite value, minus the smallest, and
+    minus the smallest nonzero finite magnitude (``-inf`` where there is none).
+    They bound the histograms of :func:`hist_block`."""
+    finite = jnp.isfinite(x)
+    return [
+        jnp.where(finite, x, -jnp.inf),
+        jnp.where(finite, -x, -jnp.inf),
+        jnp.where(finite & (x != 0), -jnp.abs(x), -jnp.inf),
+    ]
+
+
+class _Bins:
+    """The two binnings of each leaf, from its all-reduced bounds (``(k, 1)``
+    each): equal bins between the smallest and largest finite value, and bins
+    equal in ``t = sign(x) log(1 + |x| / s)``, ``s`` the smallest nonzero
+    finite magnitude (as fine near zero as the data are, logarithmic away from
+    it: values spanning decades, or exact zeros among them, are not squeezed
+    into one bin). A quantile is read from whichever of the two puts fewer
+    values in the bin that holds it."""
+
+    def __init__(self, fmx: jax.Array, neg_fmn: jax.Array, neg_tiny: jax.Array):
+        fmn = -neg_fmn
+        some = fmx >= fmn  # a finite value at all
+        self.lo = jnp.where(some, fmn, 0)
+        self.hi = jnp.where(some, fmx, 0)
+        tiny = jnp.where(jnp.isfinite(neg_tiny), -neg_tiny, 1)
+        normal = jnp.finfo(tiny.dtype).tiny  # (subnormals may read as zero)
+        self.log_s = jnp.log(jnp.maximum(tiny, normal))
+        self.s = jnp.exp(self.log_s)
+        self.t_lo, self.t_hi = self.forward(self.lo), self.forward(self.hi)
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        # log(s + |x|) - log(s), never overflowing
+        mag = jnp.logaddexp(self.log_s, jnp.log(jnp.abs(x))) - self.log_s
+        return jnp.where(x < 0, -mag, mag)
+
+    def inverse(self, t: jax.Array) -> jax.Array:
+        mag = jnp.exp(jnp.abs(t) + self.log_s) - self.s
+        return jnp.where(t < 0, -mag, mag)
+
+    @staticmethod
+    def index(v: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
+        """The bin (0 to HALF - 1) of ``v`` between ``lo`` and ``hi``."""
+        span = hi / 2 - lo / 2  # halves: no overflow between -max and max
+        frac = (v / 2 - lo / 2) / jnp.where(span > 0, span, 1)
+        return jnp.clip(jnp.floor(frac * HALF), 0, HALF - 1).astype(jnp.int32)
+
+
+def hist_block(x: jax.Array, bounds: jax.Array) -> jax.Array:
+    """``(k * WIDTH, 1)``: this device's counts of the values of each of the
+    ``k`` leaves of ``x`` (``(k, ...)``): the finite nonzero ones in both
+    histograms, then the counts of ``-inf``, finite negative values, zeros and
+    ``+inf`` (NaN left out); ``bounds`` is the all-reduced :func:`hist_bounds`
+    (``(3, k)``). A block for the sum all-reduce."""
     k = x.shape[0]
     flat = x.reshape(k, -1)
-    t, lo, hi, _ = _scale(flat, mx.reshape(k, 1), mn.reshape(k, 1))
-    width = jnp.where(hi > lo, hi - lo, 1)
-    idx = jnp.clip(jnp.floor((t - lo) / width * bins), 0, bins - 1).astype(jnp.int32)
-    keep = ~jnp.isnan(flat)
+    bins = _Bins(*(b.reshape(k, 1) for b in bounds))
+    finite = jnp.isfinite(flat)
+    binned = finite & (flat != 0)
+    linear = bins.index(flat, bins.lo, bins.hi)
+    logged = HALF + bins.index(bins.forward(flat), bins.t_lo, bins.t_hi)
+    other = jnp.where(flat == 0, ZERO, jnp.where(flat > 0, POS_INF, NEG_INF))
+    first = jnp.where(binned, linear, other)  # NaN: counted nowhere
     rows = jnp.broadcast_to(jnp.arange(k)[:, None], flat.shape)
-    counts = jnp.zeros((k, bins), x.dtype).at[rows, idx].add(keep.astype(x.dtype))
-    return counts.reshape(k * bins, 1)
+    counts = jnp.zeros((k, WIDTH), x.dtype)
+    counts = counts.at[rows, first].add((~jnp.isnan(flat)).astype(x.dtype))
+    counts = counts.at[rows, logged].add(binned.astype(x.dtype))
+    negative = jnp.sum(finite & (flat < 0), axis=1, dtype=x.dtype)
+    counts = counts.at[:, NEGATIVE].set(negative)
+    return counts.reshape(k * WIDTH, 1)
+
+
+def _read(counts: jax.Array, r: jax.Array, lo: jax.Array, hi: jax.Array):
+    """Where the ``r``-th (0-based) value falls in one histogram: its bin's
+    count, the bin's edges, and the value's place in it, the bin's values taken
+    as evenly spread."""
+    cum = jnp.cumsum(counts, axis=1)
+    b = jnp.minimum(jnp.sum(cum <= r, axis=1, keepdims=True), HALF - 1)
+    c = jnp.take_along_axis(counts, b, axis=1)
+    j = r - (jnp.take_along_axis(cum, b, axis=1) - c)
+    width = hi / HALF - lo / HALF  # (no overflow)
+    left = lo + b * width
+    pos = left + (j + 0.5) / jnp.where(c > 0, c, 1) * width
+    return c, left, left + width, pos
 
 
 def hist_quantiles(
-    counts: jax.Array, mx: jax.Array, mn: jax.Array, qs: Sequence[float]
+    counts: jax.Array, bounds: jax.Array, qs: Sequence[float]
 ) -> jax.Array:
     """``(Q, k)``: the quantiles read from the all-reduced ``counts`` (``(k,
-    bins)``), NumPy's linear rule on ranks, each bin's values evenly spread
-    within it; clipped to ``[mn, mx]``."""
-    k, bins = counts.shape
-    t_mx, t_mn = mx.reshape(k, 1), mn.reshape(k, 1)
-    _, lo, hi, inverse = _scale(t_mx, t_mx, t_mn)
-    n = jnp.sum(counts, axis=1, keepdims=True)
-    cum = jnp.cumsum(counts, axis=1)
-    before = cum - counts
-    width = (hi - lo) / bins
+    WIDTH)``, :func:`hist_block`), NumPy's linear rule on ranks; between a
+    finite value and an infinity, the infinity (as ``jnp.quantile``); NaN for a
+    leaf without values."""
+    k = counts.shape[0]
+    bins = _Bins(*(b.reshape(k, 1) for b in bounds))
+    linear, logged = counts[:, :HALF], counts[:, HALF : 2 * HALF]
+    neg_inf, negative, zeros, pos_inf = (
+        counts[:, i : i + 1] for i in (NEG_INF, NEGATIVE, ZERO, POS_INF)
+    )
+    n = jnp.sum(linear, axis=1, keepdims=True) + neg_inf + zeros + pos_inf
     out = []
     for q in qs:
         rank = q * (n - 1)  # 0-based position among the sorted values
-        # the two neighbours of the rank, each read where its bin puts it
-        values = []
+        ends = []
         for r in (jnp.floor(rank), jnp.ceil(rank)):
-            b = jnp.sum(cum <= r, axis=1, keepdims=True)
-            b = jnp.minimum(b, bins - 1)
-            c = jnp.take_along_axis(counts, b, axis=1)
-            j = r - jnp.take_along_axis(before, b, axis=1)
-            pos = lo + (b + (j + 0.5) / jnp.where(c > 0, c, 1)) * width
-            values.append(pos)
+            f = r - neg_inf  # among the finite values
+            zero = (f >= negative) & (f < negative + zeros)
+            b = jnp.where(f >= negative + zeros, f - zeros, f)  # among the binned
+            c1, a1, b1, e1 = _read(linear, b, bins.lo, bins.hi)
+            c2, a2, b2, t2 = _read(logged, b, bins.t_lo, bins.t_hi)
+            a2, b2, e2 = bins.inverse(a2), bins.inverse(b2), bins.inverse(t2)
+            # both bins hold the value: the estimate of the one with fewer
+            # values, within where the two bins overlap
+            v = jnp.where(c2 < c1, e2, e1)
+            v = jnp.clip(v, jnp.maximum(a1, a2), jnp.minimum(b1, b2))
+            v = jnp.clip(v, bins.lo, bins.hi)
+            v = jnp.where(zero, 0, v)
+            v = jnp.where(f < 0, -jnp.inf, jnp.where(r >= n - pos_inf, jnp.inf, v))
+            ends.append(v)
         frac = rank - jnp.floor(rank)
-        t = values[0] + frac * (values[1] - values[0])
-        value = inverse(t)
-        out.append(jnp.clip(value, t_mn, t_mx).reshape(k))
+        v0, v1 = ends
+        between = v0 + frac * (v1 - v0)
+        value = jnp.where(
+            (frac == 0) | (v0 == v1) | jnp.isinf(v0),
+            v0,
+            jnp.where(jnp.isinf(v1), v1, between),
+        )
+        out.append(jnp.where(n > 0, value, jnp.nan).reshape(k))
     return jnp.stack(out)
 
 

@@ -53,10 +53,11 @@ from jaxhistory._provenance import (
     shard_tables,
 )
 from jaxhistory._quantiles import (
-    BINS,
+    WIDTH,
     check_quantiles,
     exact_quantiles,
     hist_block,
+    hist_bounds,
     hist_quantiles,
 )
 from jaxhistory._tree import Leaf, acc_dtype, flatten_metrics
@@ -361,6 +362,9 @@ def _two_pass(
     if provenance is not None:
         rank = provenance[0]
         maxed += [jnp.where(isnan > 0, -rank, -jnp.inf) for *_, isnan in cleaned]
+    if quantiles:  # the histograms' bounds
+        bounds = [hist_bounds(x) for x in xs]
+        maxed += [b[i] for i in range(3) for b in bounds]
     ext = issue.max(maxed)  # all-reduce 1
     mx, mn = ext[:k], -ext[k : 2 * k]
     c = _shift(mx, mn)
@@ -379,37 +383,42 @@ def _two_pass(
         if ranked:
             lowest = -issue.max(lowest)  # all-reduce 3: the lowest ranks
     hist = []
-    if quantiles:  # each leaf's counts between its min and max
-        hist = [hist_block(x, mxs, mns) for x, mxs, mns in _per_leaf(xs, mx, mn)]
+    if quantiles:  # each leaf's counts within its finite values
+        bounds = ext[ext.shape[0] - 3 * k :].reshape(3, k)
+        hist = [hist_block(x, b) for x, b in _per_leaf(xs, bounds)]
     sums = issue.sum(summed + list(extra) + hist)  # all-reduce 2
     table = _finish(c, ext[: 2 * k], sums[: 3 * k], counts)
     if quantiles:
-        counted = sums[sums.shape[0] - k * BINS :].reshape(k, BINS)
-        found = hist_quantiles(counted, mx, mn, quantiles)
-        if source is not None and jnp.dtype(source) != found.dtype:
+        counted = sums[sums.shape[0] - k * WIDTH :].reshape(k, WIDTH)
+        found = hist_quantiles(counted, bounds, quantiles)
+        if (
+            source is not None
+            and jnp.issubdtype(source, jnp.floating)
+            and jnp.dtype(source) != found.dtype
+        ):  # rounded to a narrower float dtype (integers are not rounded)
             found = found.astype(source).astype(found.dtype)
         nan = jnp.isnan(table[1])  # a NaN anywhere: NaN, as NumPy gives
         table = jnp.concatenate([table, jnp.where(nan, jnp.nan, found)])
         if extra:
-            sums = sums[: sums.shape[0] - k * BINS]
+            sums = sums[: sums.shape[0] - k * WIDTH]
     where, end = None, 3 * k
     if ranked:
-        where = _where(ext[2 * k :], lowest[:k], lowest[k:], provenance[2])
+        where = _where(ext[2 * k : 3 * k], lowest[:k], lowest[k:], provenance[2])
     elif provenance is not None:
         holders = provenance[2]
         end += 2 * k * holders.shape[0]
         held = sums[3 * k : end].reshape(2, k, -1)
         first = [jnp.argmax(h > 0, axis=1) for h in held]  # the lowest holder
-        where = _where(ext[2 * k :], first[0], first[1], holders)
+        where = _where(ext[2 * k : 3 * k], first[0], first[1], holders)
     return table, where, sums[end:] if extra else None
 
 
-def _per_leaf(xs: list[jax.Array], mx: jax.Array, mn: jax.Array):
-    """Each stack with the max and min of its leaves."""
+def _per_leaf(xs: list[jax.Array], rows: jax.Array):
+    """Each stack with its leaves' columns of ``rows`` (``(r, k)``)."""
     offset = 0
     for x in xs:
         k = x.shape[0]
-        yield x, mx[offset : offset + k], mn[offset : offset + k]
+        yield x, rows[:, offset : offset + k]
         offset += k
 
 
@@ -565,13 +574,13 @@ def distributed_stats(
             the exact quantile of those values (NumPy's linear rule), at no
             extra collective: every value is gathered for it, on more than
             :data:`GATHER_DEVICES` devices too, so its bytes grow with the
-            device count. A larger leaf: read from a histogram of 2048 bins
-            between its min and max (log-spaced where its values are
-            positive and span more than three decades, ``asinh``-spaced where
-            they straddle zero) whose counts ride in the sum all-reduce; its
-            rank is off by at most the share of values in one bin; values
-            of a narrower dtype (bfloat16) come back rounded to it, which
-            keeps ties exact. Such a leaf is reduced in a ``shard_map`` over
+            device count. A larger leaf: read from two histograms of its
+            finite nonzero values (equal bins, and bins equal in
+            ``sign(x) log(1 + |x| / s)``), zeros and infinities counted
+            apart, whose counts ride in the sum all-reduce; its rank is off
+            by at most the share of values in one bin; values of a narrower
+            float dtype (bfloat16) come back rounded to it, which keeps ties
+            exact. Such a leaf is reduced in a ``shard_map`` over
             its mesh (still two all-reduces per group of leaves); with
             ``provenance`` too it is a ValueError.
 

@@ -453,7 +453,18 @@ def test_quantiles_of_one_value_per_device_are_exact_at_no_extra_collective(
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
-    "dist", ["normal", "lognormal", "uniform", "exponential", "heavy", "offset"]
+    "dist",
+    [
+        "normal",
+        "lognormal",
+        "uniform",
+        "exponential",
+        "heavy",
+        "offset",
+        "relu",
+        "decades",
+        "tiny",
+    ],
 )
 def test_quantiles_of_large_arrays_are_within_a_percent_of_rank(dist, dtype, mesh2d):
     rng = np.random.default_rng(7)
@@ -461,6 +472,17 @@ def test_quantiles_of_large_arrays_are_within_a_percent_of_rank(dist, dtype, mes
         values = rng.standard_t(2, size=(4, 20_000)).astype(np.float32)
     elif dist == "offset":  # a narrow spread far from zero
         values = (1000 + rng.normal(size=(4, 20_000))).astype(np.float32)
+    elif dist == "relu":  # half exact zeros, the rest spanning decades
+        values = np.maximum(rng.normal(size=(4, 20_000)), 0) * rng.lognormal(
+            0, 3, size=(4, 20_000)
+        )
+        values = values.astype(np.float32)
+    elif dist == "decades":  # both signs, magnitudes from 1e-10 to 1e10
+        mag = 10.0 ** rng.uniform(-10, 10, size=(4, 20_000))
+        values = (mag * rng.choice([-1, 1], size=mag.shape)).astype(np.float32)
+    elif dist == "tiny":  # a normal spread and one value near float32's smallest
+        values = rng.normal(size=(4, 20_000)).astype(np.float32)
+        values[0, 0] = 2e-38
     else:
         values = getattr(rng, dist)(size=(4, 20_000)).astype(np.float32)
     x = jax.device_put(
@@ -503,6 +525,59 @@ def test_quantiles_of_replicated_arrays_take_no_collective():
     assert float(out["w/p50"]) == pytest.approx(1.0, abs=8 / 2048)
     assert float(out["w/p25"]) == pytest.approx(-1.0, abs=8 / 2048)
     assert jh.collective_counts(fn, {"w": jnp.asarray(values)}) == {}
+
+
+@pytest.mark.parametrize("family", ["spmd", "collective"])
+def test_infinities_leave_the_quantiles_of_the_finite_values(family, mesh):
+    values = np.random.default_rng(4).normal(size=(8, 100)).astype(np.float32)
+    values[0, 3], values[5, 7], values[6, 1] = np.inf, -np.inf, np.inf
+    qs = (0.001, 0.1, 0.5, 0.9, 0.999)
+    x = jax.device_put(values, NamedSharding(mesh, P("data")))
+    if family == "spmd":
+        out = jax.jit(lambda v: jh.distributed_stats({"a": v}, quantiles=qs))(x)
+        got = [float(out[f"a/p{100 * q:g}"]) for q in qs]
+    else:
+        fn = jax.shard_map(
+            lambda v: jh.collective.distributed_stats(
+                {"a": v}, "data", quantiles=qs
+            ).table[4:, 0],
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P(),
+        )
+        got = list(np.asarray(jax.jit(fn)(x)))
+    # ranks among the infinities give them (between an infinity and a finite
+    # value: the infinity, as jnp.quantile gives)
+    assert got[0] == -np.inf and got[-1] == np.inf
+    for q, g in zip(qs[1:-1], got[1:-1], strict=True):
+        assert np.isfinite(g) and rank_error(values, g, q) <= 0.01, (q, g)
+
+
+def test_quantiles_of_integer_leaves_are_not_truncated(mesh):
+    labels = np.repeat(np.arange(2, dtype=np.int32), 400)  # half 0, half 1
+    ramp = np.arange(800, dtype=np.int32) - 400
+    qs = (0.25, 0.5, 0.9)
+    x = {
+        "labels": jax.device_put(labels, NamedSharding(mesh, P("data"))),
+        "ramp": jax.device_put(ramp, NamedSharding(mesh, P("data"))),
+    }
+    out = jax.jit(lambda m: jh.distributed_stats(m, quantiles=qs))(x)
+    assert float(out["labels/p25"]) == 0.0 and float(out["labels/p90"]) > 0.99
+    assert float(out["labels/p50"]) == pytest.approx(0.5, abs=1e-2)
+    for q in qs:  # NumPy: 199.75 - 400, ...; a truncation is off by up to 1
+        want = np.quantile(ramp.astype(np.float64), q)
+        assert float(out[f"ramp/p{100 * q:g}"]) == pytest.approx(want, abs=0.5)
+        assert float(out[f"ramp/p{100 * q:g}"]) != int(want)
+
+
+def test_a_leaf_of_infinities_and_an_empty_leaf_get_quantiles_too(mesh):
+    ones = np.ones((8, 4), np.float32)
+    x = {
+        "inf": jax.device_put(ones * np.inf, NamedSharding(mesh, P("data"))),
+        "zeros": jax.device_put(ones * 0, NamedSharding(mesh, P("data"))),
+    }
+    out = jax.jit(lambda m: jh.distributed_stats(m, quantiles=(0.5,)))(x)
+    assert float(out["inf/p50"]) == np.inf and float(out["zeros/p50"]) == 0.0
 
 
 def test_a_nan_makes_the_quantiles_nan(mesh):
