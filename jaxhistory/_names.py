@@ -29,6 +29,7 @@ __all__ = [
     "WATCH_STATS",
     "aggregated_names",
     "check_depth",
+    "check_text",
     "decode_netcdf",
     "encode_netcdf",
     "file_stems",
@@ -49,7 +50,11 @@ COUNTER_KEYS = ("step", "epoch", "iter")  # shown first, as integers
 _CONTAINERS = (list, tuple)
 MAX_DEPTH = 100  # levels of nesting in a metrics tree
 _ATOMS = (jax.Array, np.ndarray, np.generic, numbers.Number, str, bytes)
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# control characters, bidirectional-text controls (which reorder what a
+# terminal shows) and lone surrogates (not text: no file can hold them)
+_CONTROL = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
 
 
 def printable(name: object) -> str:
@@ -66,7 +71,33 @@ def printable(name: object) -> str:
     text = str(name)
     if text.isprintable():
         return text
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return _CONTROL.sub(_escaped, text)
+
+
+def _escaped(match: re.Match) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def check_text(names: Any) -> None:
+    """Raises ValueError naming the first of ``names`` (str) that is not text
+    every file can hold: one with a lone surrogate (``"\\udc80"``, as
+    ``os.fsdecode`` makes of undecodable bytes), which UTF-8 cannot encode."""
+    joined = "".join(names)
+    if joined.isascii():
+        return
+    try:
+        joined.encode("utf-8")
+    except UnicodeEncodeError:
+        for name in names:
+            try:
+                name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(
+                    f"metric name {printable(name)!r} holds a lone surrogate, "
+                    "which no log or dataset can store; decode the name's "
+                    "bytes first (errors='replace')"
+                ) from None
 
 
 def _key_name(key: Any) -> str:
@@ -128,6 +159,7 @@ def _children(node: Any) -> list | tuple:
 
 
 def _check_unique(pairs: list[tuple[str, Any]]) -> None:
+    check_text([name for name, _ in pairs])
     if len({name for name, _ in pairs}) != len(pairs):
         seen = set()
         for name, _ in pairs:

@@ -23,7 +23,7 @@ from jaxhistory._history_state import Appender, HistoryState
 from jaxhistory._host_copies import host_copies
 from jaxhistory._job import JobSync
 from jaxhistory._progress import Progress
-from jaxhistory._row import Row, RowKind, parse_row
+from jaxhistory._row import Row, RowKind, owned, parse_row
 from jaxhistory._run_log import RunLog
 from jaxhistory._side_values import SideValues
 from jaxhistory._stats import Stats
@@ -154,6 +154,8 @@ class Recorder:
         caller holds the lock)."""
         rec, job = self.rec, self.job
         row = parse_row(metrics, step, rec.next_step, now)
+        if row.kind is RowKind.VALUES:
+            row = owned(row)  # (the log and the sentinels read it later)
         if job.watching:
             job.beat(row.step)  # before the reduction, which may wait
         if self.progress is not None:

@@ -14,14 +14,17 @@ import enum
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from jaxhistory._dtypes import INT64_MAX, INT64_MIN, NESTED, as_step
-from jaxhistory._names import STEP_KEYS, flatten
+from jaxhistory._names import STEP_KEYS, check_text, flatten
 
 __all__ = [
     "Repeat",
     "Row",
     "RowKind",
     "kind_of",
+    "owned",
     "parse_row",
     "repeat_of",
     "repeated",
@@ -208,6 +211,17 @@ def _container_step(metrics: dict) -> bool:
     return False
 
 
+def owned(row: Row) -> Row:
+    """``row`` with a copy of each NumPy array in it: a caller may refill its
+    buffer after the update, and the log, the sinks and the sentinels read the
+    row later."""
+    values = row.values
+    if not any(type(v) is np.ndarray for v in values):
+        return row
+    copied = tuple(np.array(v) if type(v) is np.ndarray else v for v in values)
+    return row._replace(values=copied)
+
+
 _checked: list[tuple] = [()]  # the names the last row had, all str
 # How the last dict of finite floats parsed with no explicit step looked (any
 # thread's: a Repeat is immutable, and a stale one only costs the cheap try).
@@ -217,6 +231,7 @@ _last: list[Repeat | None] = [None]
 def _all_str(names: tuple) -> bool:
     """Whether every name is a str (remembered for the next row's names)."""
     if all(map(_is_str, names)):
+        check_text(names)
         _checked[0] = names
         return True
     return False

@@ -1,6 +1,7 @@
 """History: summary lines, distributed history, settings, attach, run names and
 the log each run owns, the dict view, resume, progress (steps/s, ETA, MFU)."""
 
+import json
 import threading
 import time
 import warnings
@@ -456,6 +457,36 @@ def test_control_characters_in_names_never_reach_the_terminal_raw():
     assert line == "step=2 loss\\x1b[2J\\x0ax=1 a\\x07=2.0"
     assert "\x1b" not in line and "\x07" not in line
     assert h.state.values(name).tolist() == [0.5, 0.25, 1.0]  # recorded as given
+
+
+def test_bidirectional_controls_in_names_are_escaped_where_shown(tmp_path):
+    h = jh.History(distributed_history=False)
+    name = "loss\u202egol"  # would show reversed on a terminal
+    assert h.update({name: 0.5}) == "step=0 loss\\u202egol=0.500000"
+    h.finalize(tmp_path, plot=False)
+    report = (tmp_path / "report.md").read_text()
+    assert "\u202e" not in report and "\\u202e" in report
+
+
+@pytest.mark.parametrize("where", ["update", "nested", "attach", "state"])
+def test_a_name_with_a_lone_surrogate_is_refused_and_loses_nothing(where, tmp_path):
+    h = jh.History(distributed_history=False, report_dir=tmp_path, run_name="r")
+    h.update({"loss": 1.0})
+    bad = "bad\udc80"  # what os.fsdecode makes of an undecodable byte
+    with pytest.raises(ValueError, match=r"bad\\\\udc80.*lone surrogate"):
+        if where == "update":
+            h.update({"loss": 2.0, bad: 1.0})
+        elif where == "nested":
+            h.update({"loss": 2.0, "a": {bad: 1.0}})
+        elif where == "attach":
+            h.attach({bad: 1.0})
+        else:
+            h.state.update({bad: 1.0})
+    h.update({"loss": 3.0})
+    ds = h.finalize()
+    assert ds["loss"].values.tolist() == [1.0, 3.0]
+    lines = [json.loads(x) for x in h.log_path.read_text().splitlines()]
+    assert [x["metrics"] for x in lines] == [{"loss": 1.0}, {"loss": 3.0}]
 
 
 def test_a_warning_about_a_non_finite_metric_escapes_its_name(mesh):
@@ -1202,3 +1233,45 @@ def test_the_log_holds_a_repeated_dicts_values_at_its_update(tmp_path):
     assert [(x["step"], x["metrics"]) for x in lines] == [
         (s, {"loss": s / 2}) for s in range(100, 106)
     ]
+
+
+def test_a_numpy_buffer_refilled_after_the_update_is_logged_as_it_was(tmp_path):
+    seen = []
+
+    class Sink:
+        def write(self, record):
+            if "v" in record.metrics:  # (not the sentinel's count)
+                seen.append(np.array(record.metrics["v"]).tolist())
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    events = []
+    h = jh.History(
+        distributed_history=False,
+        report_dir=tmp_path,
+        sinks=[Sink()],
+        sentinels=[jh.sentinels.NonFinite("v", action=events.append)],
+    )
+    buf, scalar = np.zeros(3), np.zeros(())
+    for i in range(5):
+        buf[:], scalar[()] = i, i
+        if i == 3:
+            buf[1] = np.nan
+        h.update({"v": buf, "s": scalar}, step=i)
+    buf[:], scalar[()] = -1, -1  # the loop's buffers, refilled later
+    h.close()
+    want = [[float(i)] * 3 for i in range(5)]
+    want[3][1] = None  # NaN, as the log writes it
+    lines = [orjson.loads(x) for x in h.log_path.read_bytes().splitlines()]
+    lines = [x for x in lines if "v" in x["metrics"]]  # (not the sentinel's count)
+    got = [[None if v == "NaN" else v for v in x["metrics"]["v"]] for x in lines]
+    assert got == want
+    assert [x["metrics"]["s"] for x in lines] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert [np.nan_to_num(v, nan=-9).tolist() for v in map(np.array, seen)] == [
+        [-9 if v is None else v for v in row] for row in want
+    ]
+    assert [(e.metric, e.step) for e in events] == [("v", 3)]
