@@ -482,3 +482,15 @@ def test_layer_families_need_a_total_and_three_entries():
     (family,) = layer_families(keys)
     assert family.prefix == "" and family.total == "norm"
     assert family.title == "norm per entry"
+
+
+def test_dollar_signs_in_names_are_drawn_as_written_not_as_math(tmp_path):
+    h = jh.History(distributed_history=False)
+    names = ["a$\\foo{$b", "c$x^2$", "d$"]  # bad math, good math, a lone $
+    for s in range(5):
+        h.update({n: float(s + i) for i, n in enumerate(names)})
+    h.update({"e": np.arange(4.0) + 1}, step=5)  # an array metric: ridge, heatmap
+    h.finalize(tmp_path)
+    pngs = sorted(p.name for p in (tmp_path / "plots" / "mplot").glob("*.png"))
+    assert len(pngs) == 6, pngs
+    assert _mpl._shown("c$x^2$") == "c\\$x^2\\$"

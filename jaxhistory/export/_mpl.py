@@ -43,6 +43,13 @@ DPI = 110
 RIDGES = 8  # time slices in a ridge plot
 
 
+def _shown(text: object) -> str:
+    """A name as matplotlib shows it: control characters escaped, and ``$``
+    escaped too, so a name is drawn as written rather than parsed as math
+    (where a stray ``\\foo`` between two ``$`` would fail the drawing)."""
+    return printable(text).replace("$", r"\$")
+
+
 def _figure(left: float = 0.09, right: float = 0.97):
     import_optional("matplotlib", "to_png")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -82,7 +89,7 @@ def _draw_constant(unit: PlotUnit, x: np.ndarray, value: float, path: Path) -> N
         fontsize=11,
         color="0.35",
     )
-    fig.suptitle(printable(unit.title))
+    fig.suptitle(_shown(unit.title))
     _save(fig, path)
 
 
@@ -183,7 +190,7 @@ def _draw_unit(
                 yb,
                 color="C1" if unit.stats else "C0",
                 lw=1.0,
-                label=unit.raw if unit.stats or unit.others else None,
+                label=_shown(unit.raw) if unit.stats or unit.others else None,
                 marker=_marker(xb),
                 ms=3,
             )
@@ -192,16 +199,22 @@ def _draw_unit(
         x, y = data[name]
         xb, yb = bucket(x, y, "envelope")
         ax.plot(
-            xb, yb, color=f"C{i + 2}", lw=1.4, label=label, marker=_marker(xb), ms=4
+            xb,
+            yb,
+            color=f"C{i + 2}",
+            lw=1.4,
+            label=_shown(label),
+            marker=_marker(xb),
+            ms=4,
         )
         drawn.append(yb)
-    ax.set_title(printable(unit.title))
+    ax.set_title(_shown(unit.title))
     ax.set_xlabel("step")
     label = unit_label(unit.title)
     if exponent:
         label = f"{label or 'value'}, in units of 1e{exponent}"
     if label:
-        ax.set_ylabel(label)
+        ax.set_ylabel(_shown(label))
         fig.subplots_adjust(left=0.12)  # room for the label beside wide ticks
     if drawn and log_scale(*drawn, name=unit.title):
         ax.set_yscale("log")
@@ -265,7 +278,7 @@ def _draw_ridge(title, x, chains, path: Path) -> None:
             va="center",
             transform=ax.transAxes,
         )
-    ax.set_title(f"{printable(title)}: distribution over {chains.shape[1]} series")
+    ax.set_title(f"{_shown(title)}: distribution over {chains.shape[1]} series")
     ax.set_xlabel(f"value, in units of 1e{exponent}" if exponent else "value")
     _save(fig, path)
 
@@ -287,7 +300,7 @@ def _draw_heatmap(title, x, chains, path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     what = ("process", "processes") if title in LAG_BY_PROCESS else ("series",) * 2
-    ax.set_title(f"{printable(title)}: {data.shape[0]} {what[1]}")
+    ax.set_title(f"{_shown(title)}: {data.shape[0]} {what[1]}")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     what = what[0]
     ax.set_xlabel("step")
@@ -305,7 +318,7 @@ def _draw_layers(title, x, data, labels, path: Path) -> None:
     height = max(SIZE[1], min(14.0, 1.6 + 0.055 * rows))
     fig = _figure()
     fig.set_size_inches(SIZE[0], height)
-    longest = max(len(printable(label)[-32:]) for label in labels)
+    longest = max(len(_shown(label)[-32:]) for label in labels)
     fig.subplots_adjust(  # room for the row labels, at 7 points
         left=min(0.3, 0.05 + 0.0085 * longest),
         right=0.9,
@@ -326,8 +339,8 @@ def _draw_layers(title, x, data, labels, path: Path) -> None:
     fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02)
     ticks = _pick(rows, 40)
     ax.set_yticks(ticks)
-    ax.set_yticklabels([printable(labels[i])[-32:] for i in ticks], fontsize=7)
-    ax.set_title(f"{printable(title)} ({rows} entries)")
+    ax.set_yticklabels([_shown(labels[i])[-32:] for i in ticks], fontsize=7)
+    ax.set_title(f"{_shown(title)} ({rows} entries)")
     ax.set_xlabel("step")
     _save(fig, path)
 
