@@ -119,7 +119,11 @@ def jsonl_value(value: Any) -> bytes:
 def _bodies(dicts: list, k: int) -> list[bytes] | None:
     """The JSON text of each dict without its braces, from one orjson call for
     all of them; None where a name holds the '},{' that separates them."""
-    text = orjson.dumps(dicts, option=_NUMPY)
+    try:
+        text = orjson.dumps(dicts, option=_NUMPY)
+    except orjson.JSONEncodeError:  # an int past 64 bits that a sum let through
+        cleaned = [{k: jsonable(v) for k, v in d.items()} for d in dicts]
+        text = orjson.dumps(cleaned, option=_NUMPY)
     parts = text.split(b"},{")
     if len(parts) != k:
         return None

@@ -18,7 +18,6 @@ import contextlib
 import math
 import operator
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +30,7 @@ from jaxhistory._names import PROVENANCE, grouped, stat_names
 from jaxhistory._record import Batch
 from jaxhistory._row import Row, RowKind
 from jaxhistory._stats import Stats
+from jaxhistory._writer import warn_quietly
 
 __all__ = ["FanOut", "merged"]
 
@@ -151,10 +151,9 @@ class FanOut:
             shown = "; ".join(lost[:5]) + (
                 f" and {len(lost) - 5} more" if len(lost) > 5 else ""
             )
-            warnings.warn(
+            warn_quietly(
                 f"device values could not be read and are written as NaN (0 for "
                 f"integers), as the history stores them: {shown}",
-                RuntimeWarning,
                 stacklevel=3,
             )
         batch = Batch(steps, stamps, metrics, aggregated, None, self.process_index)
@@ -222,10 +221,8 @@ class FanOut:
         except Exception as err:  # a failing sink must not stop the others
             if id(sink) not in self._warned:
                 self._warned.add(id(sink))
-                warnings.warn(
-                    f"sink {type(sink).__name__} failed: {err!r}",
-                    RuntimeWarning,
-                    stacklevel=3,
+                warn_quietly(
+                    f"sink {type(sink).__name__} failed: {err!r}", stacklevel=3
                 )
 
 

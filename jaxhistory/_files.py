@@ -33,6 +33,7 @@ __all__ = [
     "kind_of",
     "open_log",
     "pid_alive",
+    "read_regular",
     "remove_stale",
 ]
 
@@ -262,6 +263,29 @@ def in_use(path: Path) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def read_regular(path: Path) -> bytes:
+    """The bytes of the regular file at ``path`` (a link to one is read).
+    Anything else raises ValueError naming it: a pipe, which would block the
+    reader until something writes into it, a device, a folder. Opened without
+    blocking, then checked, so nothing swapped in after a check blocks either."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NONBLOCK)
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a folder, not a regular file") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{path} is {kind_of(mode)}, not a regular file")
+        if _NONBLOCK and fcntl is not None:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            fd = -1  # (closed with f)
+            return f.read()
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def open_log(path: Path, overwrite: bool = False) -> BinaryIO:

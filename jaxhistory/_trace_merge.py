@@ -276,6 +276,7 @@ def merge_folder(folder: Path, merged: Path) -> Path | None:
         if p != merged
         and not p.name.startswith(".")
         and p.name.endswith((".json", ".json.gz"))
+        and p.is_file()  # (not a pipe or a folder named like a trace)
     ]
     if not sources:
         return None

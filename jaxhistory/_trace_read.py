@@ -9,6 +9,8 @@ import warnings
 import zlib
 from pathlib import Path
 
+from jaxhistory._files import read_regular
+
 __all__ = ["load_trace", "read_trace"]
 
 
@@ -29,7 +31,7 @@ def load_trace(path: str | os.PathLike) -> list[dict]:
 def read_trace(path: Path) -> tuple[list[dict], dict]:
     """(the events, the ``otherData`` object) of a trace file, read as
     :func:`load_trace` reads it."""
-    raw = path.read_bytes()
+    raw = read_regular(path)  # (a pipe named *.json would block)
     if raw[:2] == b"\x1f\x8b":
         try:
             raw = gzip.decompress(raw)

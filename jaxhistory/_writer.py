@@ -23,13 +23,27 @@ with one warning, and :attr:`Writer.dropped` counts them.
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 import warnings
 import weakref
 from typing import Any
 
-__all__ = ["Writer"]
+__all__ = ["Writer", "warn_quietly"]
+
+logger = logging.getLogger("jaxhistory")
+
+
+def warn_quietly(text: str, stacklevel: int = 2) -> None:
+    """Warns (a ``RuntimeWarning``) from code that must not raise: a background
+    thread, or the training thread's path when the log falls behind. Where the
+    warning filters make warnings errors (``-W error``), the text goes to the
+    ``jaxhistory`` logger instead of ending the thread or the training."""
+    try:
+        warnings.warn(text, RuntimeWarning, stacklevel=stacklevel + 1)
+    except Exception:
+        logger.warning("%s", text)
 
 
 class Writer:
@@ -150,7 +164,7 @@ class Writer:
     def _warn_once(self, key: str, text: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(text, RuntimeWarning, stacklevel=3)
+            warn_quietly(text, stacklevel=3)
 
     def close(self) -> None:
         """Writes what is queued and stops the thread (idempotent)."""

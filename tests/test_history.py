@@ -1275,3 +1275,39 @@ def test_a_numpy_buffer_refilled_after_the_update_is_logged_as_it_was(tmp_path):
         [-9 if v is None else v for v in row] for row in want
     ]
     assert [(e.metric, e.step) for e in events] == [("v", 3)]
+
+
+def test_an_int_past_64_bits_joining_a_float_metric_keeps_its_log_line(tmp_path):
+    h = jh.History(distributed_history=False, report_dir=tmp_path)
+    h.update({"loss": 0.5, "lr": 0.1}, step=0)
+    h.update({"loss": 0.4, "lr": 2**70}, step=1)  # float64 holds it exactly
+    h.update({"loss": 0.3, "lr": 0.1}, step=2)
+    h.close()
+    lines = [orjson.loads(x) for x in h.log_path.read_bytes().splitlines()]
+    assert [x["metrics"]["loss"] for x in lines] == [0.5, 0.4, 0.3]
+    assert [x["metrics"]["lr"] for x in lines] == [0.1, float(2**70), 0.1]
+    assert h.state.values("lr").tolist() == [0.1, float(2**70), 0.1]
+
+
+def test_with_warnings_as_errors_a_failing_sink_costs_the_log_nothing(tmp_path, caplog):
+    class Broken:
+        def write(self, record):
+            raise OSError("disk gone")
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as pytest -W error does, on every thread
+        h = jh.History(distributed_history=False, report_dir=tmp_path, sinks=[Broken()])
+        for s in range(300):
+            h.update({"loss": float(s)}, summarize=False)
+        h.flush()
+        writer = h._recorder.out.writer
+        assert writer._thread.is_alive()
+        h.close()
+    assert len(h.log_path.read_bytes().splitlines()) == 300
+    assert any("disk gone" in r.getMessage() for r in caplog.records)

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import struct
+import threading
 import time
 from pathlib import Path
 from unittest import mock
@@ -263,6 +264,32 @@ def test_a_failing_sink_warns_once_and_the_others_go_on(tmp_path):
     assert [r.step for r in good.records] == [0, 1]
     assert len(_read_jsonl(tmp_path / "log.jsonl")) == 2  # the log is unaffected
     h.close()
+
+
+@pytest.mark.parametrize("error", [SystemExit, KeyboardInterrupt])
+def test_a_sink_raising_system_exit_keeps_its_thread_and_flush_never_waits(error):
+    class Exiting(Collect):
+        def write(self, record):
+            raise error("bye")
+
+    before = set(threading.enumerate())  # (other tests' abandoned sinks)
+    h = jh.History(distributed_history=False, sinks=[Exiting()])
+    with pytest.warns(RuntimeWarning, match="write failed"):
+        h.update({"loss": 1.0})
+        h.flush()
+    alive = [
+        t
+        for t in set(threading.enumerate()) - before
+        if t.name.startswith("jaxhistory-sink")
+    ]
+    assert alive and all(t.is_alive() for t in alive)  # (else each flush waits 5 s)
+    for _ in range(3):
+        h.update({"loss": 0.5})
+        h.flush()
+    h.close()
+    for t in alive:  # closed, not abandoned: each thread ends
+        t.join(5)
+    assert not any(t.is_alive() for t in alive)
 
 
 def test_sinks_are_checked_and_written_by_process_zero_only():

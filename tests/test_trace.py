@@ -796,6 +796,26 @@ def test_a_merge_never_writes_onto_a_device_node_fifo_or_link(tmp_path):
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
+def test_a_pipe_named_like_a_trace_is_never_read_and_never_blocks(tmp_path):
+    import os
+
+    a = _fake_process(tmp_path, 0, 0.0, sync_id=1)
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)  # reading it would wait for a writer that never comes
+    with pytest.raises(ValueError, match=r"pipe\.json is a named pipe"):
+        trace.merge_traces([a, fifo], tmp_path / "out.json")
+    with pytest.raises(ValueError, match=r"pipe\.json is a named pipe"):
+        trace.load_trace(fifo)
+    folder = tmp_path / "traces"
+    h = trace.JSONTraceHandler(folder=str(folder), run_name="r")
+    h.start()
+    h.instant("x")
+    os.mkfifo(folder / "zz_other.json")  # appears in the folder during the run
+    h.close()  # merges the folder's traces, leaving the pipe out
+    names = {e.get("name") for e in trace.load_trace(h.merged_path)}
+    assert "x" in names
+
+
 @pytest.mark.parametrize(
     ("kwargs", "what"),
     [

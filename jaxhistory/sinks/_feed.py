@@ -23,13 +23,13 @@ from __future__ import annotations
 import collections
 import threading
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from jaxhistory._record import Batch
+from jaxhistory._writer import warn_quietly
 
 __all__ = ["SinkFeed", "copied", "sink_name"]
 
@@ -179,7 +179,9 @@ class _Feed:
         self.busy_since = time.monotonic()
         try:
             call(*args)
-        except Exception as err:  # a failing sink must not stop the others
+        except BaseException as err:  # a failing sink must not stop the others
+            # (nor end its thread: SystemExit or KeyboardInterrupt raised by a
+            # sink here would, silently, and every flush would then wait)
             self.warn(what, f"sink {self.name}: {what} failed: {err!r}")
         finally:
             self.busy_since = None
@@ -187,23 +189,24 @@ class _Feed:
     def warn(self, key: str, text: str) -> None:
         if key not in self.warned:
             self.warned.add(key)
-            warnings.warn(text, RuntimeWarning, stacklevel=3)
+            warn_quietly(text, stacklevel=3)
 
 
 class SinkFeed:
     """Feeds ``sinks`` from threads of their own (see the module docstring).
 
-    Examples:
-        >>> import io
-        >>> from jaxhistory.sinks import ConsoleSink, Record
-        >>> from jaxhistory.sinks._feed import SinkFeed
-        >>> from jaxhistory._record import Batch
-        >>> sink = ConsoleSink(stream=io.StringIO())
-        >>> feed = SinkFeed([sink])
-        >>> feed.put(Batch.of([Record(step=1, timestamp=0.0, metrics={"x": 0.5})]))
-        >>> feed.close()
-        >>> sink.stream.getvalue()
-        'step=1 x=0.500000\\n'
+        Examples:
+            >>> import io
+            >>> from jaxhistory.sinks import ConsoleSink, Record
+            >>> from jaxhistory.sinks._feed import SinkFeed
+            >>> from jaxhistory._record import Batch
+    from jaxhistory._writer import warn_quietly
+            >>> sink = ConsoleSink(stream=io.StringIO())
+            >>> feed = SinkFeed([sink])
+            >>> feed.put(Batch.of([Record(step=1, timestamp=0.0, metrics={"x": 0.5})]))
+            >>> feed.close()
+            >>> sink.stream.getvalue()
+            'step=1 x=0.500000\\n'
     """
 
     TIMEOUT = 5.0  # seconds flush and close wait for all the sinks together

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from pathlib import Path
 
 from jaxhistory._codec import encode_records
 from jaxhistory._files import open_log
 from jaxhistory._record import Batch, Record
+from jaxhistory._writer import warn_quietly
 from jaxhistory.sinks._base import FileSink
 
 __all__ = ["JsonlSink"]
@@ -74,11 +74,9 @@ class JsonlSink(FileSink):
                 first = self.error is None
                 self.error = err
                 if first:
-                    warnings.warn(
+                    warn_quietly(
                         f"JSONL log {self.path}: writing failed ({err!r}); "
                         f"{len(batch)} record(s) not written, later ones are tried",
-                        RuntimeWarning,
-                        stacklevel=2,
                     )
 
     def _encode_each(self, batch: Batch) -> bytes:
@@ -94,10 +92,9 @@ class JsonlSink(FileSink):
                     first = self.error is None
                     self.error = err
                 if first:
-                    warnings.warn(
+                    warn_quietly(
                         f"JSONL log {self.path}: the record of step {record.step} "
                         f"cannot be written ({err!r}); later records are",
-                        RuntimeWarning,
                         stacklevel=3,
                     )
         return b"".join(parts)
