@@ -339,6 +339,8 @@ def _maxima(x2: jax.Array, max_cols: tuple[str, ...]) -> jax.Array:
         return jnp.stack(cols, axis=1)
 
     plain = maxima(False)
+    if x2.shape[1] == 0:  # no values: no NaN (and cond would mix types)
+        return plain
     return lax.cond(jnp.any(jnp.isnan(plain)), lambda: maxima(True), lambda: plain)
 
 
@@ -442,9 +444,20 @@ def _finish(ext: dict, sums: dict, plan: _Plan, stats: tuple[str, ...]) -> jax.A
         mean = centre + d1  # inf and NaN go through as in NumPy
         var = jnp.maximum(sums["d2"] / counts - jnp.square(d1), 0)
         var = jnp.where(jnp.isfinite(d1), var, jnp.nan)
-        # every leaf together: the columns' means and spreads combined (Chan)
-        g_mean = jnp.sum(counts * mean) / total
-        g_var = jnp.sum(counts * (var + jnp.square(mean - g_mean))) / total
+        # every leaf together: the columns' means and spreads combined (Chan),
+        # each mean taken from one reference (the midrange of every value), so
+        # that means far from zero do not lose their differences to rounding;
+        # a leaf without values (mean NaN) adds nothing
+        top = jnp.max(jnp.where(counts > 0, ext["max"], -jnp.inf))
+        bottom = -jnp.max(jnp.where(counts > 0, ext["negmin"], -jnp.inf))
+        ref = top / 2 + bottom / 2
+        ref = jnp.where(jnp.isfinite(ref), ref, 0)
+        has = counts > 0
+        delta = jnp.where(has, (centre - ref) + d1, 0)
+        g_delta = jnp.sum(counts * delta) / total
+        spread = var + jnp.square(delta - g_delta)
+        g_var = jnp.sum(jnp.where(has, counts * spread, 0)) / total
+        g_mean = ref + g_delta
         out["mean"] = (mean, g_mean)
         out["std"] = (jnp.sqrt(var), jnp.sqrt(g_var))
     rows = [jnp.concatenate([out[s][0], out[s][1][None]]) for s in stats]
@@ -515,7 +528,8 @@ def watch(
     Values accumulate in float32 (float64 for float64 leaves): ``norm`` and
     ``rms`` overflow to inf above about 1.8e19 in float32. NaN and infinite
     values are counted by ``nonfinite``, make ``norm``, ``rms``, ``mean`` and
-    ``std`` NaN or inf, and are left out of ``max_abs``.
+    ``std`` NaN or inf; NaN is left out of ``max_abs`` (an inf is its
+    ``max_abs``).
 
     Under ``jit`` with sharded leaves, the statistics are computed from each
     device's shard in a ``shard_map`` over the leaves' mesh (read from their

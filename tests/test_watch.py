@@ -173,6 +173,38 @@ def test_nonfinite_values_are_counted_and_left_out_of_max_abs():
     assert float(only_nan["g/max_abs"]) == 0.0 and float(only_nan["g/nonfinite"]) == 3
 
 
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_leaf_with_no_values_is_watched_and_adds_nothing_to_the_total(sharded, mesh):
+    w = np.arange(64, dtype=np.float32)
+    empty = np.zeros((8, 0), np.float32)
+    if sharded:
+        tree = {
+            "w": jax.device_put(w, NamedSharding(mesh, P("data"))),
+            "e": jax.device_put(empty, NamedSharding(mesh, P("data"))),
+        }
+    else:
+        tree = {"w": jnp.asarray(w), "e": jnp.asarray(empty)}
+    out = jax.jit(lambda t: jh.watch(t, stats=jh.WATCH_STATS))(tree)
+    want = expected(w)
+    for stat in ("norm", "mean", "std", "max_abs"):
+        assert_close(float(out[stat]), want[stat], scale=abs(want[stat]) + 1)
+    assert float(out["e/norm"]) == 0.0 and float(out["e/nonfinite"]) == 0.0
+
+
+def test_the_total_mean_and_std_keep_their_digits_far_from_zero(mesh):
+    rng = np.random.default_rng(3)
+    a = (1e8 + rng.normal(size=64) * 10).astype(np.float32)
+    b = (1e8 + 50 + rng.normal(size=64) * 10).astype(np.float32)
+    tree = {
+        "a": jax.device_put(a, NamedSharding(mesh, P("data"))),
+        "b": jax.device_put(b, NamedSharding(mesh, P("data"))),
+    }
+    out = jax.jit(lambda t: jh.watch(t, stats=("mean", "std")))(tree)
+    both = np.concatenate([a, b]).astype(np.float64)
+    assert float(out["std"]) == pytest.approx(both.std(), rel=1e-4)  # was 3% off
+    assert float(out["mean"]) == pytest.approx(both.mean(), rel=1e-7)
+
+
 def test_integer_and_bool_leaves_are_watched_as_float32():
     out = jh.watch({"steps": jnp.arange(5), "mask": jnp.array([True, False])})
     assert out.table.dtype == jnp.float32
