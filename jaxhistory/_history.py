@@ -35,7 +35,7 @@ from jaxhistory.export._finalize import checked_metadata
 from jaxhistory.export._finalize import finalize as write_outputs
 from jaxhistory.export._units import MAX_PLOTS
 from jaxhistory.sentinels import Guard
-from jaxhistory.sinks._training_history import log_tables
+from jaxhistory.sinks._training_history import call_extras, log_tables
 
 __all__ = [
     "GroupsView",
@@ -474,9 +474,7 @@ class History(RunViews):
             env_info=env_info,
         )
         images = [p for p in files if p.suffix == ".png"]
-        for sink in self.sinks:  # e.g. W&B: the history table and the plots
-            log_outputs = getattr(sink, "log_outputs", None)
-            if log_outputs is not None:
-                log_outputs(state, images)
+        # e.g. W&B: the history table and the plots (each sink bounded in time)
+        call_extras(self.sinks, "log_outputs", state, images)
         log_tables(self.sinks, state)
         return ds

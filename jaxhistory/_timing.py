@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from jaxhistory import _trace_state
+from jaxhistory._dtypes import as_step
 
 __all__ = ["StopWatch"]
 
@@ -69,6 +70,14 @@ class StopWatch:
             raise ValueError(f"wbtag must be a non-empty str or None, got {wbtag!r}")
         if history is not None and not hasattr(history, "update"):
             raise TypeError(f"history must be a History, got {type(history).__name__}")
+        if step is not None:  # refused now, not after the timed work has run
+            try:
+                step = as_step("step", step)
+            except ValueError:
+                raise ValueError(
+                    f"step must be a whole number within int64 or None, got "
+                    f"{step!r:.40}"
+                ) from None
         self.msg = msg
         tag = wbtag if wbtag is not None else _UNSAFE.sub("_", msg.strip())
         self.tag = tag.removeprefix("timing/")

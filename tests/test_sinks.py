@@ -435,3 +435,37 @@ def test_the_console_sink_escapes_control_characters_in_names():
     sink = ConsoleSink(stream=io.StringIO())
     sink.write(Record(step=3, timestamp=0.0, metrics={"a\x1b[2J": 0.25}, group="g\r"))
     assert sink.stream.getvalue() == "[g\\x0d] step=3 a\\x1b[2J=0.250000\n"
+
+
+def test_finalize_bounds_and_guards_each_sinks_extras(tmp_path, monkeypatch):
+    from jaxhistory.sinks import _training_history
+
+    monkeypatch.setattr(_training_history, "EXTRAS_TIMEOUT", 0.5)
+    release = threading.Event()
+    tables = []
+
+    class Finished(Collect):  # as W&B's sink after wandb.finish()
+        def log_outputs(self, state, images):
+            raise RuntimeError("run is finished")
+
+    class Hanging(Collect):
+        def log_table(self, key, columns, rows):
+            release.wait()
+
+    class Taker(Collect):
+        def log_table(self, key, columns, rows):
+            tables.append((key, columns, rows))
+
+    h = jh.History(distributed_history=False, sinks=[Finished(), Hanging(), Taker()])
+    for s in range(3):
+        h.update({"loss": float(s)})
+    with pytest.warns(RuntimeWarning) as caught:
+        ds = h.finalize(tmp_path, plot=False)
+    release.set()
+    texts = [str(w.message) for w in caught]
+    assert any(
+        "log_outputs failed: RuntimeError('run is finished')" in t for t in texts
+    )
+    assert any("log_table did not return within 0.5 s" in t for t in texts)
+    assert ds["loss"].values.tolist() == [0.0, 1.0, 2.0]
+    assert [t[0] for t in tables] == ["training_history"]  # the others went on

@@ -460,6 +460,10 @@ def test_stopwatch_bad_arguments():
         jh.StopWatch("a", history=[])
     with pytest.raises(TypeError, match="decorates a function"):
         jh.StopWatch("a")(3)
+    for step in ("seven", 1.5, True, 2**63, [1]):  # at once, not after the work
+        with pytest.raises(ValueError, match="step must be a whole number"):
+            jh.StopWatch("a", step=step)
+    assert jh.StopWatch("a", step=np.int64(3)).step == 3
 
 
 # ----- regressions -------------------------------------------------------------------
