@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxhistory._files import check_target
+from jaxhistory._files import NotAFile, check_target
 
 __all__ = [
     "FILE_VARS",
@@ -31,6 +31,7 @@ __all__ = [
     "clear_earlier_files",
     "file_path",
     "leaves_folder",
+    "link_below",
     "prepare_folder",
     "ranks",
 ]
@@ -136,7 +137,22 @@ def file_path(
             "(or a filename with {step})"
         )
     check_target(path)  # never written through a link
+    link = link_below(folder, path)
+    if link is not None:  # nor through a linked folder inside the trace folder
+        raise NotAFile(link, "a symbolic link", "a folder")
     return path
+
+
+def link_below(folder: Path, path: Path) -> Path | None:
+    """The first folder between ``folder`` and the file ``path`` in it that is
+    a symbolic link (which the trace handler did not make: never written or
+    deleted through), or None."""
+    here = folder
+    for part in path.relative_to(folder).parts[:-1]:
+        here = here / part
+        if here.is_symlink():
+            return here
+    return None
 
 
 def leaves_folder(name: str) -> bool:
@@ -209,7 +225,12 @@ def clear_earlier_files(folder: Path, templates: list) -> None:
         glob, pattern = _name_pattern(template)
         for path in folder.glob(glob):
             name = path.relative_to(folder).as_posix()
-            if pattern.fullmatch(name) and path.is_file() and not path.is_symlink():
+            if (
+                pattern.fullmatch(name)
+                and path.is_file()
+                and not path.is_symlink()
+                and link_below(folder, path) is None
+            ):
                 path.unlink(missing_ok=True)
 
 

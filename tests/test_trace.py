@@ -800,6 +800,32 @@ def test_a_merge_never_writes_onto_a_device_node_fifo_or_link(tmp_path):
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
+def test_a_linked_folder_inside_the_trace_folder_is_never_written_or_cleared(
+    tmp_path,
+):
+    from jaxhistory._files import NotAFile
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    for name in ("ep0.json", "ep7.json"):
+        (victim / name).write_text("precious")
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    (folder / "sub").symlink_to(victim)  # planted inside the trace folder
+    h = trace.JSONTraceHandler(
+        folder=str(folder),
+        filename="sub/ep{epoch}.json",
+        merged_trace_filename=None,
+        overwrite=True,
+        run_name="r",
+    )
+    with pytest.raises(NotAFile, match="sub: it is a symbolic link"):
+        h.start(epoch=1)
+    assert sorted(p.name for p in victim.iterdir()) == ["ep0.json", "ep7.json"]
+    assert (victim / "ep0.json").read_text() == "precious"
+    assert (folder / "sub").is_symlink()
+
+
 def test_a_pipe_named_like_a_trace_is_never_read_and_never_blocks(tmp_path):
     import os
 
