@@ -31,6 +31,7 @@ import numpy as np
 import orjson
 
 from jaxhistory._dtypes import first_inexact
+from jaxhistory._names import printable
 from jaxhistory._record import Batch
 
 __all__ = [
@@ -333,7 +334,7 @@ def read_columns(
                 continue
             try:
                 step, items = decode_line(line)
-            except ValueError:
+            except (ValueError, RecursionError):  # (JSON nested past the stack)
                 bad.append(number)
                 continue
             records += 1
@@ -398,7 +399,8 @@ def read_log(path: str | os.PathLike) -> tuple[dict[str, tuple], int, str | None
     if bad:
         shown = ", ".join(map(str, bad[:10])) + (" ..." if len(bad) > 10 else "")
         warnings.warn(
-            f"{path}: skipped {len(bad)} incomplete or damaged line(s) (line {shown})",
+            f"{printable(path)}: skipped {len(bad)} incomplete or damaged line(s) "
+            f"(line {shown})",
             RuntimeWarning,
             stacklevel=3,
         )

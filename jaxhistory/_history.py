@@ -35,7 +35,8 @@ from jaxhistory.export._finalize import checked_metadata
 from jaxhistory.export._finalize import finalize as write_outputs
 from jaxhistory.export._units import MAX_PLOTS
 from jaxhistory.sentinels import Guard
-from jaxhistory.sinks._training_history import call_extras, log_tables
+from jaxhistory.sinks._feed import call_extras
+from jaxhistory.sinks._training_history import log_tables
 
 __all__ = [
     "GroupsView",

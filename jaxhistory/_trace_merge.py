@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxhistory._files import NotAFile, atomic_write, check_target
+from jaxhistory._names import printable
 from jaxhistory._trace_file import sanitize
 from jaxhistory._trace_read import load_trace, read_trace
 
@@ -129,7 +130,7 @@ def _check_output(out_path: Path, paths: list[Path], runs: set) -> None:
     if foreign:
         names = sorted(
             {
-                str(e["args"].get("run_name", e["args"].get("sync_id")))
+                printable(e["args"].get("run_name", e["args"].get("sync_id")))
                 for e in events
                 if e.get("name") == "clock_sync"
                 and isinstance(e.get("args"), dict)

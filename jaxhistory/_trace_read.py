@@ -10,6 +10,7 @@ import zlib
 from pathlib import Path
 
 from jaxhistory._files import read_regular
+from jaxhistory._names import printable
 
 __all__ = ["load_trace", "read_trace"]
 
@@ -47,7 +48,7 @@ def read_trace(path: Path) -> tuple[list[dict], dict]:
         return [], {}  # cut off before the first byte of the array
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # (RecursionError: nested past the stack)
         data = None
     if isinstance(data, list):
         return [e for e in data if isinstance(e, dict)], {}
@@ -80,11 +81,12 @@ def read_trace(path: Path) -> tuple[list[dict], dict]:
             break
         try:
             event, pos = decoder.raw_decode(text, pos)
-        except ValueError:  # cut off inside this event, or damaged there
+        except (ValueError, RecursionError):  # cut off or damaged in this event
             line = text.count("\n", 0, pos) + 1
             warnings.warn(
-                f"{path}: the trace is cut off or damaged at line {line} (character "
-                f"{pos + 1}); the {len(events)} complete event(s) before it are kept",
+                f"{printable(path)}: the trace is cut off or damaged at line {line} "
+                f"(character {pos + 1}); the {len(events)} complete event(s) before "
+                "it are kept",
                 RuntimeWarning,
                 stacklevel=3,
             )

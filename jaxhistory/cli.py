@@ -174,7 +174,7 @@ def _launch(args) -> int:
             output=output,
         )
     except LaunchError as err:
-        print(f"jaxhistory: {err}", file=sys.stderr)
+        print(f"jaxhistory: {printable(err)}", file=sys.stderr)
         return 1
     except (TypeError, ValueError) as err:
         return _fail(err)
@@ -192,7 +192,7 @@ def _merge(args) -> int:
         out = merge_traces(args.traces, args.output)
     except (OSError, ValueError) as err:
         return _fail(err)
-    print(f"merged {len(args.traces)} trace file(s) into {out}")
+    print(f"merged {len(args.traces)} trace file(s) into {printable(out)}")
     return 0
 
 
@@ -253,21 +253,45 @@ def _main(args) -> int:
             return _fail(why)
     try:
         state, attrs = load_run(args.run)
-    except (OSError, ValueError) as err:
+    except CRAFTED as err:
         return _fail(err)
     if not len(state):
         return _fail(f"{args.run} holds no complete record")
     if args.warmup is None:  # the warmup the run's own report used
-        args.warmup = float(attrs.get("warmup_steps", 0))
+        try:
+            args.warmup = _recorded_warmup(attrs.get("warmup_steps", 0), args.run)
+        except ValueError as err:
+            return _fail(err)
     if args.command == "summary":
         print("\n".join(stats_table(state, args.warmup)), flush=True)
         return 0
     try:
         _report(args, state, attrs)
-    except (OSError, ValueError) as err:
+    except CRAFTED as err:
         return _fail(err)
     print(f"wrote the outputs of {printable(args.run)} to {printable(args.outdir)}")
     return 0
+
+
+# What a damaged or crafted log or dataset can raise while it is read or
+# reported (an attribute of the wrong type, JSON nested past the stack): one
+# line on stderr, never a traceback.
+CRAFTED = (OSError, ValueError, TypeError, RecursionError)
+
+
+def _recorded_warmup(value: object, source: object) -> float:
+    """The ``warmup_steps`` recorded with a run: a number of steps (>= 0) or a
+    fraction; ValueError naming ``source`` for anything else."""
+    try:
+        warmup = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        warmup = math.nan
+    if not math.isfinite(warmup) or warmup < 0:
+        raise ValueError(
+            f"the warmup_steps recorded in {source} is {value!r:.40}, not a "
+            "number of steps >= 0; pass --warmup"
+        )
+    return warmup
 
 
 def _recorded(attrs: dict, name: str, source: Path) -> dict | None:
@@ -296,7 +320,8 @@ def _report(args, state, attrs) -> None:
     outdir = Path(args.outdir)
     run_id = check_run_id(attrs.get("run_id"), source)
     if source.suffix == ".jsonl":
-        run_id = run_id or source.stem  # older logs: the file name
+        # older logs: the file name, checked before anything is written
+        run_id = run_id or check_run_id(source.stem, source)
         log = outdir / source.name  # the log keeps its timestamps: copy it
         outdir.mkdir(parents=True, exist_ok=True)
         if not log.exists() or not log.samefile(source):

@@ -175,6 +175,54 @@ def test_cli_user_errors_are_one_line_and_status_2(tmp_path, capsys):
     assert afile.read_text() == "mine" and not out.exists()
 
 
+def _crafted(tmp_path, name, **attrs):
+    import xarray as xr
+
+    if not (tmp_path / "run" / "dataset.nc").exists():
+        saved_run(tmp_path)
+    tree = xr.open_datatree(tmp_path / "run" / "dataset.nc").load()
+    tree.attrs.update(attrs)
+    tree.to_netcdf(tmp_path / name)
+    return tmp_path / name
+
+
+def test_crafted_runs_give_one_line_errors_and_write_nothing(tmp_path, capsys):
+    """Attributes of the wrong type, a JSONL line nested past the stack, a log
+    whose file name is no run id: one line on stderr, status 2, no traceback;
+    nothing written before the check."""
+    out = tmp_path / "out"
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text(
+        '{"step":0,"metrics":{"loss":1.0}}\n'
+        + '{"step":1,"metrics":{"x":'
+        + "[" * 5000
+        + "]" * 5000
+        + "}}\n"
+    )
+    escaped = tmp_path / "bad\x1b[31m.jsonl"
+    escaped.write_text('{"step":0,"metrics":{"loss":1.0}}\n')
+    cases = [
+        (
+            ["report", _crafted(tmp_path, "int.nc", run_id=5), "-o", out],
+            "must be a str",
+        ),
+        (["summary", _crafted(tmp_path, "w.nc", warmup_steps="abc")], "warmup_steps"),
+        (["summary", _crafted(tmp_path, "n.nc", warmup_steps=-1.0)], "warmup_steps"),
+        (["report", escaped, "-o", out], "bad\\x1b[31m"),
+    ]
+    for args, said in cases:
+        status = cli.main([str(a) for a in args])
+        err = capsys.readouterr().err
+        assert status == 2, (args, err)
+        assert err.count("\n") == 1 and err.startswith("jaxhistory"), (args, err)
+        assert said in err, (args, err)
+        assert "\x1b" not in err and "Traceback" not in err
+    assert not out.exists()
+    with pytest.warns(RuntimeWarning, match="skipped 1 incomplete or damaged"):
+        assert cli.main(["summary", str(deep)]) == 0  # the deep line is skipped
+    assert "loss" in capsys.readouterr().out
+
+
 def test_cli_report_never_writes_or_deletes_through_a_link(tmp_path, capsys):
     """OUT/RUN.jsonl a link to another file, OUT/plots a link to a folder: the
     command refuses, naming it, and what they point to is untouched."""

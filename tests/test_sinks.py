@@ -438,9 +438,9 @@ def test_the_console_sink_escapes_control_characters_in_names():
 
 
 def test_finalize_bounds_and_guards_each_sinks_extras(tmp_path, monkeypatch):
-    from jaxhistory.sinks import _training_history
+    from jaxhistory.sinks import _feed
 
-    monkeypatch.setattr(_training_history, "EXTRAS_TIMEOUT", 0.5)
+    monkeypatch.setattr(_feed, "EXTRAS_TIMEOUT", 0.5)
     release = threading.Event()
     tables = []
 

@@ -31,7 +31,7 @@ import numpy as np
 from jaxhistory._record import Batch
 from jaxhistory._writer import warn_quietly
 
-__all__ = ["SinkFeed", "copied", "sink_name"]
+__all__ = ["EXTRAS_TIMEOUT", "SinkFeed", "call_extras", "copied", "sink_name"]
 
 
 def sink_name(sink: Any, index: int | None = None) -> str:
@@ -267,3 +267,44 @@ class SinkFeed:
                     f"({feed.queued + feed.writing} record(s) "
                     "still queued for it" + (", not written to it)" if close else ")"),
                 )
+
+
+EXTRAS_TIMEOUT = 60.0  # seconds finalize waits for one sink's extra call
+
+
+def call_extras(sinks: Sequence[Any], method: str, *args: Any) -> None:
+    """Calls ``method(*args)`` of every sink of ``sinks`` that has it, each in a
+    thread of its own: a sink is untrusted code, and finalize has written the
+    outputs already. One that raises, or has not returned after
+    :data:`EXTRAS_TIMEOUT` seconds (it is left to its thread), gets a warning
+    naming it; nothing reaches the caller."""
+    many = len(sinks) > 1
+    for index, sink in enumerate(sinks):
+        call = getattr(sink, method, None)
+        if not callable(call):
+            continue
+        name = sink_name(sink, index if many else None)
+        failed: list[BaseException] = []
+
+        def run(call=call, failed=failed):
+            try:
+                call(*args)
+            except BaseException as err:  # (SystemExit from a sink included)
+                failed.append(err)
+
+        thread = threading.Thread(
+            target=run, name=f"jaxhistory-sink-{method}", daemon=True
+        )
+        thread.start()
+        thread.join(EXTRAS_TIMEOUT)
+        if thread.is_alive():
+            text = (
+                f"sink {name}: {method} did not return within "
+                f"{EXTRAS_TIMEOUT:g} s; finalize went on without it"
+            )
+        elif failed:
+            what = f"{method}({args[0]!r})" if method == "log_table" else method
+            text = f"sink {name}: {what} failed: {failed[0]!r}"
+        else:
+            continue
+        warn_quietly(text, stacklevel=3)  # (-W error: never into finalize)

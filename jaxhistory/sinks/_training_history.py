@@ -3,17 +3,14 @@ take tables (``log_table``) at ``finalize``."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from jaxhistory.sinks._feed import sink_name
+from jaxhistory.sinks._feed import call_extras
 
-__all__ = ["TRAINING_HISTORY", "call_extras", "log_tables", "training_history"]
+__all__ = ["TRAINING_HISTORY", "log_tables", "training_history"]
 
 TRAINING_HISTORY = "training_history"  # the table's name, as ezpz calls it
 
@@ -61,52 +58,10 @@ def training_history(state: Any) -> tuple[list[str], list[list[Any]]]:
     return ["step", *names], rows
 
 
-EXTRAS_TIMEOUT = 60.0  # seconds finalize waits for one sink's extra call
-
-
 def log_tables(sinks: Sequence[Any], state: Any) -> None:
     """Hands :func:`training_history` of ``state`` to every sink of ``sinks``
-    that takes tables (see :func:`call_extras`)."""
+    that takes tables (see :func:`~jaxhistory.sinks._feed.call_extras`)."""
     takers = [s for s in sinks if callable(getattr(s, "log_table", None))]
     if takers:
         columns, rows = training_history(state)
         call_extras(sinks, "log_table", TRAINING_HISTORY, columns, rows)
-
-
-def call_extras(sinks: Sequence[Any], method: str, *args: Any) -> None:
-    """Calls ``method(*args)`` of every sink of ``sinks`` that has it, each in a
-    thread of its own: a sink is untrusted code, and finalize has written the
-    outputs already. One that raises, or has not returned after
-    :data:`EXTRAS_TIMEOUT` seconds (it is left to its thread), gets a warning
-    naming it; nothing reaches the caller."""
-    many = len(sinks) > 1
-    for index, sink in enumerate(sinks):
-        call = getattr(sink, method, None)
-        if not callable(call):
-            continue
-        name = sink_name(sink, index if many else None)
-        failed: list[BaseException] = []
-
-        def run(call=call, failed=failed):
-            try:
-                call(*args)
-            except BaseException as err:  # (SystemExit from a sink included)
-                failed.append(err)
-
-        thread = threading.Thread(
-            target=run, name=f"jaxhistory-sink-{method}", daemon=True
-        )
-        thread.start()
-        thread.join(EXTRAS_TIMEOUT)
-        if thread.is_alive():
-            text = (
-                f"sink {name}: {method} did not return within "
-                f"{EXTRAS_TIMEOUT:g} s; finalize went on without it"
-            )
-        elif failed:
-            what = f"{method}({args[0]!r})" if method == "log_table" else method
-            text = f"sink {name}: {what} failed: {failed[0]!r}"
-        else:
-            continue
-        with contextlib.suppress(Exception):  # (-W error: never into finalize)
-            warnings.warn(text, RuntimeWarning, stacklevel=3)
