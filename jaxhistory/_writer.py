@@ -17,7 +17,9 @@ waits (back-pressure) until the thread has taken them, so the file on disk
 stays a fraction of a second behind even a loop that does nothing but record. A
 target that hangs (a stuck file system) cannot stop the training: after
 :attr:`Writer.MAX_WAIT` seconds of waiting the oldest queued items are dropped,
-with one warning, and :attr:`Writer.dropped` counts them.
+with one warning, and :attr:`Writer.dropped` counts them; ``flush`` and
+``close`` wait for a write that does not return at most that long each, with a
+warning (what is still queued stays queued).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class Writer:
         self._space = threading.Condition()
         self._wake = threading.Event()
         self._closed = False
+        self._closed_here = False  # close() was called on the thread itself
         self._warned: set[str] = set()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -146,16 +149,33 @@ class Writer:
                 self.write_queued(final=False)
             except Exception as err:  # never let the thread die
                 self._warn_once("thread", f"writing {self.what} failed: {err!r}")
+        if self._closed_here:  # closed from this thread: it writes the rest
+            try:
+                self.write_queued(final=True)
+            except Exception as err:
+                self._warn_once("thread", f"writing {self.what} failed: {err!r}")
 
     def write_queued(self, final: bool = True) -> None:
         """Hands every queued item to the target now (on the calling thread);
         ``final``: the target holds nothing back. The thread calls this with
         ``final=False`` on its own schedule."""
-        with self._drain_lock:
+        # A write that has not returned for MAX_WAIT seconds (a stuck file
+        # system) is not waited for longer: flush and close go on without it.
+        if not self._drain_lock.acquire(timeout=self.MAX_WAIT):
+            self._warn_once(
+                "stuck",
+                f"a write to {self.what} has not returned for {self.MAX_WAIT:.0f} s "
+                f"(a stuck file system?); went on without it, {self.pending()} "
+                "item(s) still queued",
+            )
+            return
+        try:
             items = self._take()
             with self._space:
                 self._space.notify_all()
             self.target.write(items, final)
+        finally:
+            self._drain_lock.release()
 
     def flush(self) -> None:
         """Writes every queued item now and has the target hold nothing back."""
@@ -171,10 +191,15 @@ class Writer:
         with self._lock:
             if self._closed:
                 return
+            self._closed_here = self._thread is threading.current_thread()
             self._closed = True
         self._wake.set()
         with self._space:
             self._space.notify_all()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        if self._closed_here:
+            # On the thread itself (a finalizer the garbage collector ran there,
+            # maybe in the middle of a write that holds the drain lock): the
+            # thread writes what is queued when its loop ends.
+            return
+        self._thread.join(self.MAX_WAIT)  # (bounded: a stuck write stays stuck)
         self.flush()

@@ -48,6 +48,32 @@ def test_the_thread_writes_on_its_own_without_being_final():
     writer.close()
 
 
+def test_close_on_the_writers_own_thread_mid_write_writes_the_rest():
+    """A History freed by the garbage collector on the writer's own thread
+    closes its writer from inside a write (a finalizer): that must not wait
+    for the write it interrupts, and what is queued still reaches the target."""
+    target = Target()
+    writer = _writer.Writer(target)
+    closed_inside = threading.Event()
+    original = target.write
+
+    def write(items, final):
+        if items and not closed_inside.is_set():
+            writer.add("queued meanwhile")
+            writer.close()  # what the finalizer does, on this thread
+            closed_inside.set()
+        original(items, final)
+
+    target.write = write
+    writer.add("first")
+    writer._wake.set()
+    assert closed_inside.wait(5)
+    writer._thread.join(5)
+    assert not writer._thread.is_alive()  # not stuck on its own drain lock
+    assert target.items() == ["first", "queued meanwhile"]
+    assert target.calls[-1][1] is True
+
+
 def test_a_failing_target_warns_once_and_the_thread_lives_on(monkeypatch):
     monkeypatch.setattr(_writer.Writer, "INTERVAL", 0.01)
     seen = []
@@ -90,3 +116,36 @@ def test_a_hung_target_costs_items_not_the_training_thread(monkeypatch):
     assert writer.dropped > 0 and writer.pending() <= 8
     release.set()
     writer.close()
+
+
+def test_flush_and_close_never_wait_longer_than_max_wait_on_a_hung_target(
+    monkeypatch,
+):
+    monkeypatch.setattr(_writer.Writer, "MAX_WAIT", 0.3)
+    release = threading.Event()
+    entered = threading.Event()
+
+    class Hung:  # a stuck file system
+        def write(self, items, final):
+            if items:
+                entered.set()
+                release.wait(30)
+
+    writer = _writer.Writer(Hung(), what="the hung log")
+    writer.add("a")
+    writer._wake.set()
+    assert entered.wait(5)  # the thread is stuck inside a write
+    writer.add("b")
+    done = threading.Event()
+
+    def flush_and_close():
+        with pytest.warns(RuntimeWarning, match="has not returned for 0 s"):
+            writer.flush()
+        writer.close()
+        done.set()
+
+    worker = threading.Thread(target=flush_and_close, daemon=True)
+    worker.start()
+    assert done.wait(10)  # bounded (before: forever)
+    assert writer.pending() == 1  # "b" still queued, not lost silently
+    release.set()
