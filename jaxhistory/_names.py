@@ -351,10 +351,17 @@ def file_stems(names) -> dict[str, str]:
     out = {}
     for n, stem in base.items():
         if not stem or seen[stem.casefold()] > 1:
-            stem = (
-                f"{stem}-{zlib.crc32(n.encode()):08x}"
-                if stem
-                else (f"metric-{zlib.crc32(n.encode()):08x}")
-            )
+            crc = zlib.crc32(n.encode("utf-8", "surrogatepass"))
+            stem = f"{stem}-{crc:08x}" if stem else f"metric-{crc:08x}"
         out[n] = stem
+    # a stem with its CRC appended may be another name's plain stem ("a/b" and
+    # a metric named "a_b-07f4401c"): the later one takes a number as well
+    taken: set[str] = set()
+    for n, stem in out.items():
+        unique, k = stem, 1
+        while unique.casefold() in taken:
+            k += 1
+            unique = f"{stem}-{k}"
+        taken.add(unique.casefold())
+        out[n] = unique
     return out

@@ -71,6 +71,7 @@ __all__ = [
     "distributed_stats_collective",
     "per_shard",
     "shard_count",
+    "shift_scale",
 ]
 
 
@@ -367,8 +368,11 @@ def _two_pass(
         maxed += [b[i] for i in range(3) for b in bounds]
     ext = issue.max(maxed)  # all-reduce 1
     mx, mn = ext[:k], -ext[k : 2 * k]
-    c = _shift(mx, mn)
-    ds = [x - cx for x, cx in zip(xs, _per_stack(c, xs), strict=True)]
+    c, scale = _shift(mx, mn), shift_scale(mx, mn)
+    ds = [
+        (x - cx) / sx
+        for x, cx, sx in zip(xs, _per_stack(c, xs), _per_stack(scale, xs), strict=True)
+    ]
     summed = ds + [issue.squares(d) for d in ds] + [isnan for *_, isnan in cleaned]
     ranked = provenance is not None and provenance[1] is None
     if provenance is not None:
@@ -387,7 +391,7 @@ def _two_pass(
         bounds = ext[ext.shape[0] - 3 * k :].reshape(3, k)
         hist = [hist_block(x, b) for x, b in _per_leaf(xs, bounds)]
     sums = issue.sum(summed + list(extra) + hist)  # all-reduce 2
-    table = _finish(c, ext[: 2 * k], sums[: 3 * k], counts)
+    table = _finish(c, ext[: 2 * k], sums[: 3 * k], counts, scale)
     if quantiles:
         counted = sums[sums.shape[0] - k * WIDTH :].reshape(k, WIDTH)
         found = hist_quantiles(counted, bounds, quantiles)
@@ -422,12 +426,15 @@ def _per_leaf(xs: list[jax.Array], rows: jax.Array):
         offset += k
 
 
-def _finish(c: jax.Array, ext: jax.Array, sums: jax.Array, counts: Any) -> jax.Array:
+def _finish(
+    c: jax.Array, ext: jax.Array, sums: jax.Array, counts: Any, scale: Any = 1
+) -> jax.Array:
     """Turns one group's reduced partials into a ``(4, k)`` table of STATS.
 
-    ``c`` is the shift of each of the ``k`` leaves, ``ext`` the reduced
-    ``[max, -min]`` (``2k``), ``sums`` the reduced ``[sum(x - c), sum((x - c)^2),
-    NaN count]`` (``3k``) and ``counts`` the number of values of each leaf.
+    ``c`` is the shift of each of the ``k`` leaves and ``scale`` its divisor
+    (:func:`shift_scale`), ``ext`` the reduced ``[max, -min]`` (``2k``), ``sums``
+    the reduced ``[sum(d), sum(d^2), NaN count]`` with ``d = (x - c) / scale``
+    (``3k``) and ``counts`` the number of values of each leaf.
     """
     k = c.shape[0]
     mx, mn = ext[:k], -ext[k:]
@@ -437,12 +444,28 @@ def _finish(c: jax.Array, ext: jax.Array, sums: jax.Array, counts: Any) -> jax.A
     has_nan = nans > 0
     return jnp.stack(
         [
-            c + d,
+            c + d * scale,
             jnp.where(has_nan, jnp.nan, mx),
             jnp.where(has_nan, jnp.nan, mn),
-            jnp.sqrt(var),
+            jnp.sqrt(var) * scale,
         ]
     )
+
+
+def shift_scale(mx: jax.Array, mn: jax.Array) -> jax.Array:
+    """A power of two near half of each column's range (1 where that is 0 or
+    not finite): values shifted by the midrange and divided by it lie within
+    (-4, 4), so their sums and sums of squares neither overflow (values near
+    the dtype's largest) nor underflow (values near its smallest), and the
+    division is exact."""
+    half = mx / 2 - mn / 2
+    info = jnp.finfo(half.dtype)
+    _, e = jnp.frexp(half)  # half < 2**e
+    # (its reciprocal a normal number too: a compiler may multiply by it, and
+    # a subnormal one may read as zero)
+    e = jnp.clip(e - 1, info.minexp + 1, info.maxexp - 2)
+    scale = jnp.ldexp(jnp.ones_like(half), e)
+    return jnp.where(jnp.isfinite(half) & (half > 0), scale, 1).astype(half.dtype)
 
 
 def _where(
@@ -499,9 +522,13 @@ def _summarise(
     """The ``(4, k)`` statistics of ``k`` gathered rows of values, one value per
     holder (``holders``: their device indices in ascending order, or None for
     no indices), and the ``(3, k)`` device indices."""
-    mean = jnp.mean(v, axis=1)
-    std = jnp.sqrt(jnp.mean(jnp.square(v - mean[:, None]), axis=1))
-    table = jnp.stack([mean, jnp.max(v, axis=1), jnp.min(v, axis=1), std])
+    mx, mn = jnp.max(v, axis=1), jnp.min(v, axis=1)
+    c, scale = _shift(mx, mn)[:, None], shift_scale(mx, mn)[:, None]
+    d = (v - c) / scale  # (no overflow near the dtype's largest values)
+    dm = jnp.mean(d, axis=1, keepdims=True)
+    mean = (c + dm * scale)[:, 0]
+    std = (jnp.sqrt(jnp.mean(jnp.square(d - dm), axis=1, keepdims=True)) * scale)[:, 0]
+    table = jnp.stack([mean, mx, mn, std])
     if quantiles:  # exact: every value is here
         table = jnp.concatenate([table, exact_quantiles(v, quantiles)])
     if holders is None:

@@ -34,7 +34,7 @@ from jaxhistory._collective import (
     varying_axes,
 )
 from jaxhistory._names import WATCH_STATS, check_depth, path_name
-from jaxhistory._stats import Stats
+from jaxhistory._stats import Stats, shift_scale
 from jaxhistory._tree import acc_dtype, flatten_metrics
 
 __all__ = ["DEFAULT_WATCH", "WATCH_STATS", "watch", "watch_collective"]
@@ -284,10 +284,11 @@ def _tables(
             maxed.append((idx, jnp.where(keep > 0, rows, low)))
         table = pmax(_table_of(maxed, plan, "max", rows_of))  # all-reduce 1
         ext = {name: table[:, j] for j, name in enumerate(max_cols)}
-    centre = None
+    centre = scale = None
     if "max" in ext:
         mid = ext["max"] / 2 - ext["negmin"] / 2
         centre = jnp.where(jnp.isfinite(mid), mid, 0)
+        scale = shift_scale(ext["max"], -ext["negmin"])
     if not sum_cols:
         return ext, {}
     summed = []
@@ -300,14 +301,16 @@ def _tables(
         if "nonfinite" in sum_cols:
             cols["nonfinite"] = _nonfinite(x2, cols.get("sq"))
         if centre is not None:  # each row shifted by its column's midrange
-            starts = []
+            starts, scales = [], []  # (and scaled: no overflow near the largest)
             for i in idx:
                 part, k = plan.parts[i], rows_of[i].shape[0]
                 start = part.column
                 if part.lead_axes:
                     start = start + _lead_offset(part.lead_axes, k)
                 starts.append(lax.dynamic_slice(centre, (start,), (k,)))
+                scales.append(lax.dynamic_slice(scale, (start,), (k,)))
             d = x2 - jnp.concatenate(starts).reshape(-1, 1)
+            d = d / jnp.concatenate(scales).reshape(-1, 1)
             cols["d1"], cols["d2"] = jnp.sum(d, axis=1), jnp.sum(jnp.square(d), axis=1)
         summed.append((idx, jnp.stack([cols[c] for c in sum_cols], axis=1) * keep))
     table = psum(_table_of(summed, plan, "add", rows_of))  # all-reduce 2
@@ -440,10 +443,12 @@ def _finish(ext: dict, sums: dict, plan: _Plan, stats: tuple[str, ...]) -> jax.A
     if "d1" in sums:
         mid = ext["max"] / 2 - ext["negmin"] / 2
         centre = jnp.where(jnp.isfinite(mid), mid, 0)
-        d1 = sums["d1"] / counts
-        mean = centre + d1  # inf and NaN go through as in NumPy
+        scale = shift_scale(ext["max"], -ext["negmin"])
+        d1 = sums["d1"] / counts  # (in units of scale)
+        mean = centre + d1 * scale  # inf and NaN go through as in NumPy
         var = jnp.maximum(sums["d2"] / counts - jnp.square(d1), 0)
         var = jnp.where(jnp.isfinite(d1), var, jnp.nan)
+        std = jnp.sqrt(var) * scale
         # every leaf together: the columns' means and spreads combined (Chan),
         # each mean taken from one reference (the midrange of every value), so
         # that means far from zero do not lose their differences to rounding;
@@ -453,13 +458,15 @@ def _finish(ext: dict, sums: dict, plan: _Plan, stats: tuple[str, ...]) -> jax.A
         ref = top / 2 + bottom / 2
         ref = jnp.where(jnp.isfinite(ref), ref, 0)
         has = counts > 0
-        delta = jnp.where(has, (centre - ref) + d1, 0)
+        # in units of the largest column scale (a power of two): no overflow
+        unit = jnp.max(jnp.where(has, scale, 1))
+        delta = jnp.where(has, (centre - ref) / unit + d1 * (scale / unit), 0)
         g_delta = jnp.sum(counts * delta) / total
-        spread = var + jnp.square(delta - g_delta)
+        spread = jnp.square(std / unit) + jnp.square(delta - g_delta)
         g_var = jnp.sum(jnp.where(has, counts * spread, 0)) / total
-        g_mean = ref + g_delta
+        g_mean = ref + g_delta * unit
         out["mean"] = (mean, g_mean)
-        out["std"] = (jnp.sqrt(var), jnp.sqrt(g_var))
+        out["std"] = (std, jnp.sqrt(g_var) * unit)
     rows = [jnp.concatenate([out[s][0], out[s][1][None]]) for s in stats]
     return jnp.stack(rows)
 

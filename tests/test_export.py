@@ -120,6 +120,10 @@ def test_file_stems_stay_inside_and_never_collide():
         assert stem and "/" not in stem and not stem.startswith(".")
         assert Path(stem).name == stem
     assert stems["loss"] == "loss"
+    # a name that is another name's stem with its CRC appended
+    for names in (["a/b", "a_b", "a_b-07f4401c"], ["a_b-07f4401c", "a/b", "a_b"]):
+        stems = names_mod.file_stems(names)
+        assert len({s.casefold() for s in stems.values()}) == 3, stems
 
 
 # ----- dataset file -----

@@ -99,6 +99,40 @@ def test_infinities_behave_like_numpy(mesh):
     assert np.isnan(out["x/std"])
 
 
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.full(8, 3e38),  # one per device, near float32's largest
+        np.array([3e38, -3e38] * 4),
+        np.array([1e20, -1e20] * 32),  # squares past float32's largest
+        np.repeat([3e38] * 7 + [-3e38], 8),  # sums past it
+        np.array([1e-30, 3e-30] * 16),  # squares below float32's smallest
+    ],
+    ids=["equal", "alternating", "1e20", "sums", "tiny"],
+)
+@pytest.mark.parametrize("family", ["spmd", "collective", "watch"])
+def test_values_near_the_float32_limits_give_numpys_statistics(values, family, mesh):
+    x = per_device(mesh, values)
+    if family == "spmd":
+        out = jax.jit(jh.distributed_stats)({"x": x})
+        mean, std = float(out["x/mean"]), float(out["x/std"])
+    elif family == "watch":
+        out = jax.jit(lambda t: jh.watch(t, stats=("mean", "std")))({"x": x})
+        mean, std = float(out["x/mean"]), float(out["x/std"])
+    else:
+        fn = jax.shard_map(
+            lambda v: jh.collective.distributed_stats({"x": v}, "data").table[:, 0],
+            mesh=mesh,
+            in_specs=P("data"),
+            out_specs=P(),
+        )
+        mean, std = (float(v) for v in np.asarray(jax.jit(fn)(x))[[0, 3]])
+    want = np.asarray(values, np.float32).astype(np.float64)
+    scale = np.abs(want).max()
+    assert mean == pytest.approx(want.mean(), rel=1e-6, abs=1e-6 * scale)
+    assert std == pytest.approx(want.std(), rel=1e-6, abs=1e-6 * scale)
+
+
 def test_bf16_values_give_float32_statistics(mesh):
     x = jax.device_put(
         jnp.arange(8, dtype=jnp.bfloat16) + 100, NamedSharding(mesh, P("data"))
