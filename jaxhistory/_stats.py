@@ -525,10 +525,15 @@ def _summarise(
     mx, mn = jnp.max(v, axis=1), jnp.min(v, axis=1)
     c, scale = _shift(mx, mn)[:, None], shift_scale(mx, mn)[:, None]
     d = (v - c) / scale  # (no overflow near the dtype's largest values)
-    dm = jnp.mean(d, axis=1, keepdims=True)
-    mean = (c + dm * scale)[:, 0]
-    std = (jnp.sqrt(jnp.mean(jnp.square(d - dm), axis=1, keepdims=True)) * scale)[:, 0]
-    table = jnp.stack([mean, mx, mn, std])
+    # the plain mean where it is finite (it rounds least); where its sum
+    # overflowed, the mean of the shifted, scaled values
+    direct = jnp.mean(v, axis=1, keepdims=True)
+    mean = jnp.where(
+        jnp.isfinite(direct), direct, c + jnp.mean(d, axis=1, keepdims=True) * scale
+    )
+    spread = jnp.square(d - (mean - c) / scale)
+    std = jnp.sqrt(jnp.mean(spread, axis=1, keepdims=True)) * scale
+    table = jnp.stack([mean[:, 0], mx, mn, std[:, 0]])
     if quantiles:  # exact: every value is here
         table = jnp.concatenate([table, exact_quantiles(v, quantiles)])
     if holders is None:

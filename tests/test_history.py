@@ -1311,3 +1311,22 @@ def test_with_warnings_as_errors_a_failing_sink_costs_the_log_nothing(tmp_path, 
         h.close()
     assert len(h.log_path.read_bytes().splitlines()) == 300
     assert any("disk gone" in r.getMessage() for r in caplog.records)
+
+
+def test_a_log_deleted_mid_run_is_started_again_and_rewritten_whole(tmp_path):
+    import shutil
+
+    folder = tmp_path / "run"
+    h = jh.History(distributed_history=False, report_dir=folder)
+    for s in range(50):
+        h.update({"loss": float(s)}, summarize=False)
+    h.flush()
+    shutil.rmtree(folder)  # a clean-up script, mid-run
+    with pytest.warns(RuntimeWarning, match="was deleted while the run wrote it"):
+        for s in range(50, 100):
+            h.update({"loss": float(s)}, summarize=False)
+        h.flush()
+    assert h.log_path.is_file()  # streaming on: a crash now keeps these lines
+    h.finalize(plot=False)
+    lines = [orjson.loads(x) for x in h.log_path.read_bytes().splitlines()]
+    assert [x["step"] for x in lines] == list(range(100))

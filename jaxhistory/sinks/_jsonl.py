@@ -68,6 +68,8 @@ class JsonlSink(FileSink):
                     self._broken = False
                 self._file.write(text)
                 self._file.flush()
+                if os.fstat(self._file.fileno()).st_nlink == 0:
+                    self._reopen()
             except Exception as err:  # a full disk must not stop the training
                 self._broken = True
                 self.lost += len(batch)
@@ -78,6 +80,20 @@ class JsonlSink(FileSink):
                         f"JSONL log {self.path}: writing failed ({err!r}); "
                         f"{len(batch)} record(s) not written, later ones are tried",
                     )
+
+    def _reopen(self) -> None:
+        """The log was deleted while this run wrote it (its folder removed, a
+        clean-up): starts a new one at :attr:`path`, and keeps :attr:`error`
+        so that History's ``finalize`` writes the whole log again from the
+        history (the caller holds the lock)."""
+        self.error = FileNotFoundError(f"{self.path} was deleted during the run")
+        warn_quietly(
+            f"JSONL log {self.path} was deleted while the run wrote it; a new "
+            "one is started there, and finalize writes the whole log again from "
+            "the history"
+        )
+        old, self._file = self._file, open_log(self.path)
+        old.close()
 
     def _encode_each(self, batch: Batch) -> bytes:
         parts = []
