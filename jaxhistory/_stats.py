@@ -70,6 +70,7 @@ __all__ = [
     "distributed_stats",
     "distributed_stats_collective",
     "per_shard",
+    "pow2_scale",
     "shard_count",
     "shift_scale",
 ]
@@ -453,19 +454,23 @@ def _finish(
 
 
 def shift_scale(mx: jax.Array, mn: jax.Array) -> jax.Array:
-    """A power of two near half of each column's range (1 where that is 0 or
-    not finite): values shifted by the midrange and divided by it lie within
-    (-4, 4), so their sums and sums of squares neither overflow (values near
-    the dtype's largest) nor underflow (values near its smallest), and the
-    division is exact."""
-    half = mx / 2 - mn / 2
-    info = jnp.finfo(half.dtype)
-    _, e = jnp.frexp(half)  # half < 2**e
-    # (its reciprocal a normal number too: a compiler may multiply by it, and
-    # a subnormal one may read as zero)
+    """:func:`pow2_scale` of half of each column's range: values shifted by
+    the midrange and divided by it lie within (-4, 4), so their sums and sums
+    of squares neither overflow (values near the dtype's largest) nor
+    underflow (values near its smallest)."""
+    return pow2_scale(mx / 2 - mn / 2)
+
+
+def pow2_scale(size: jax.Array) -> jax.Array:
+    """A power of two within a factor of two of ``size`` (>= 0), and 1 where
+    ``size`` is 0 or not finite: dividing by it is exact. Kept, with its
+    reciprocal, among the normal numbers (a compiler may multiply by the
+    reciprocal, and a subnormal one may read as zero)."""
+    info = jnp.finfo(size.dtype)
+    _, e = jnp.frexp(size)  # size < 2**e
     e = jnp.clip(e - 1, info.minexp + 1, info.maxexp - 2)
-    scale = jnp.ldexp(jnp.ones_like(half), e)
-    return jnp.where(jnp.isfinite(half) & (half > 0), scale, 1).astype(half.dtype)
+    scale = jnp.ldexp(jnp.ones_like(size), e)
+    return jnp.where(jnp.isfinite(size) & (size > 0), scale, 1).astype(size.dtype)
 
 
 def _where(

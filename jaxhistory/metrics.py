@@ -63,7 +63,7 @@ import numpy as np
 from jax import lax
 
 from jaxhistory._collective import bound_axis_size, check_axis_name, fused_by_dtype
-from jaxhistory._stats import shard_count
+from jaxhistory._stats import pow2_scale, shard_count
 from jaxhistory._tree import acc_dtype, wrapped_extreme
 
 __all__ = [
@@ -711,17 +711,6 @@ class Last(_OfOutput):
         return jnp.where(self.stamp[0] > 0, self.value[0], jnp.nan)
 
 
-def _scale(x: jax.Array, axis: int) -> jax.Array:
-    """A power of two at least half the largest of ``x`` (>= 0) along ``axis``
-    (kept), within the normal floats: dividing by it is exact, and leaves every
-    ``x`` below 2, so its square cannot overflow."""
-    _, e = jnp.frexp(jnp.max(x, axis=axis, keepdims=True, initial=0))
-    info = jnp.finfo(x.dtype)
-    return jnp.ldexp(
-        jnp.ones((), x.dtype), jnp.clip(e - 1, info.minexp, info.maxexp - 2)
-    )
-
-
 def _pooled(count, mean, std, axis: int):
     """Chan's merge of the groups (count, mean, population std) along ``axis``,
     kept: ``var = sum(share * (std**2 + (mean - pooled mean)**2))``, computed on
@@ -743,7 +732,9 @@ def _pooled(count, mean, std, axis: int):
     ref = jnp.where(jnp.isfinite(ref), ref, 0)
     offset = jnp.where(has, mean - ref, 0)  # where: a masked NaN stays out
     size = jnp.abs(offset) if std is None else jnp.maximum(jnp.abs(offset), std)
-    s = _scale(jnp.where(has, size, 0), axis)
+    s = pow2_scale(
+        jnp.max(jnp.where(has, size, 0), axis=axis, keepdims=True, initial=0)
+    )
     m = jnp.where(has, offset / s, 0)
     pooled = jnp.sum(share * m, axis=axis, keepdims=True)
     d = jnp.where(has, m - pooled, 0)
