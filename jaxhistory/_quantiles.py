@@ -146,12 +146,14 @@ def hist_block(x: jax.Array, bounds: jax.Array) -> jax.Array:
     other = jnp.where(flat == 0, ZERO, jnp.where(flat > 0, POS_INF, NEG_INF))
     first = jnp.where(binned, linear, other)  # NaN: counted nowhere
     rows = jnp.broadcast_to(jnp.arange(k)[:, None], flat.shape)
-    counts = jnp.zeros((k, WIDTH), x.dtype)
-    counts = counts.at[rows, first].add((~jnp.isnan(flat)).astype(x.dtype))
-    counts = counts.at[rows, logged].add(binned.astype(x.dtype))
-    negative = jnp.sum(finite & (flat < 0), axis=1, dtype=x.dtype)
+    # int32 on the device: a float32 count stops at 2**24 (adding 1 rounds
+    # back); the float sum across devices is off by at most a rounding
+    counts = jnp.zeros((k, WIDTH), jnp.int32)
+    counts = counts.at[rows, first].add((~jnp.isnan(flat)).astype(jnp.int32))
+    counts = counts.at[rows, logged].add(binned.astype(jnp.int32))
+    negative = jnp.sum(finite & (flat < 0), axis=1, dtype=jnp.int32)
     counts = counts.at[:, NEGATIVE].set(negative)
-    return counts.reshape(k * WIDTH, 1)
+    return counts.astype(x.dtype).reshape(k * WIDTH, 1)
 
 
 def _read(counts: jax.Array, r: jax.Array, lo: jax.Array, hi: jax.Array):
@@ -248,7 +250,8 @@ def _local_counts(x: jax.Array, bins: int, lo: float, hi: float, log: bool):
     keep = (t >= t_lo) & (t <= t_hi)  # False for NaN
     idx = jnp.floor((t - t_lo) / (t_hi - t_lo) * bins)
     idx = jnp.clip(jnp.where(t == t_hi, bins - 1, idx), 0, bins - 1).astype(jnp.int32)
-    return jnp.zeros(bins, jnp.float32).at[idx].add(keep.astype(jnp.float32))
+    counts = jnp.zeros(bins, jnp.int32).at[idx].add(keep.astype(jnp.int32))
+    return counts.astype(jnp.float32)  # (int32: float32 counts stop at 2**24)
 
 
 def histogram(
@@ -271,6 +274,8 @@ def histogram(
         A float32 ``(bins,)`` array of counts, NumPy's ``histogram`` rule: each
         bin holds its low edge, the last also ``high``; values outside the
         range and NaN are not counted (``sum(counts)`` says how many were).
+        Each device counts in int32 (exact to 2**31 values on a device); a
+        count past 2**24 comes back rounded to float32, not stuck at 2**24.
 
     Raises:
         ValueError: ``bins`` not a positive int; ``range`` not two finite

@@ -76,3 +76,27 @@ def test_history_records_a_histogram_as_an_array_metric_and_draws_it(tmp_path):
 def test_bad_histogram_arguments_are_refused_naming_them(kw, error, match):
     with pytest.raises(error, match=match):
         jh.histogram(jnp.ones(4), **kw)
+
+
+# More than 2**24 values in one bin on one device: float32 counts stop growing
+# there (16,777,216 + 1 rounds back), so counts are kept as integers until the
+# all-reduce.
+BIG = 2**24 + 3_000_000
+
+
+def test_a_bin_past_two_to_the_24_counts_every_value():
+    x = jnp.ones(BIG, jnp.float32)
+    counts = jax.jit(lambda x: jh.histogram(x, 2, (0.0, 2.0)))(x)
+    assert counts.tolist() == [0.0, float(BIG)]
+    log = jax.jit(lambda x: jh.histogram(x, 2, (0.5, 2.0), log=True))(x)
+    assert log.tolist() == [0.0, float(BIG)]
+
+
+def test_quantiles_of_a_leaf_past_two_to_the_24_in_one_bin():
+    # BIG ones then 2,000,000 twos: p90 sits among the ones (rank 0.9 of
+    # 21.8 M is 19.6 M); with the ones' bin stuck at 16.8 M it read 2.0
+    twos = 2_000_000
+    x = jnp.concatenate([jnp.ones(BIG, jnp.float32), jnp.full(twos, 2.0)])
+    got = jax.jit(lambda x: jh.distributed_stats({"x": x}, quantiles=(0.9, 0.95)))(x)
+    assert float(got["x/p90"]) == pytest.approx(1.0, abs=1e-3)
+    assert float(got["x/p95"]) == pytest.approx(2.0, abs=1e-3)
