@@ -1,6 +1,6 @@
 """Benchmark: the checks that need an accelerator (run it on a GPU or TPU machine).
 
-Five sections, in one process, on the default backend's devices:
+Six sections, in one process, on the default backend's devices:
 
 1. **Reducers on the device against float64 NumPy**: ``distributed_stats`` of
    float32 and bfloat16 arrays of 10^4 to 10^7 elements (values drawn around 1.0
@@ -8,16 +8,20 @@ Five sections, in one process, on the default backend's devices:
    compared with NumPy's float64 statistics of the same (rounded) values: the
    largest relative error of mean and std, whether max and min are exact, and
    the jitted call's median time.
-2. **Per-layer watch in a train step**: ``bench_watch``'s model (500 dense layers,
+2. **Quantiles from histograms**: ``bench_watch``'s rank errors over random
+   arrays, computed on the device; the cost of ``quantiles=`` at 10^6 to 10^8
+   elements; and a leaf with more than 2**24 values in one bin.
+3. **Per-layer watch in a train step**: ``bench_watch``'s model (500 dense layers,
    1,000 parameter leaves, replicated), bare step against ``watch(grads)`` and
-   the hand-written per-leaf norms, paired ratios.
-3. **The train loop of** ``bench_history``: an NNX MLP trained with ``nnx.jit``,
+   the hand-written per-leaf norms, paired ratios; then bare against watch with
+   nothing recorded (the watch's device work alone).
+4. **The train loop of** ``bench_history``: an NNX MLP trained with ``nnx.jit``,
    recorded four ways; the host time spent in the recording call per step.
-4. **Memory**: ``History(memory=...)`` per update (device memory read from
+5. **Memory**: ``History(memory=...)`` per update (device memory read from
    ``memory_stats()``, not from the live arrays as on CPU), and a
    ``MemoryTracker`` stage around the allocation of a 1 GiB array: its
    ``{stage}_mem_device_alloc_delta`` and ``{stage}_mem_device_peaked_delta``.
-5. **Recording device scalars**: the host time of ``History.update`` of 10
+6. **Recording device scalars**: the host time of ``History.update`` of 10
    device scalars right after the step's launch, and of its parts (starting
    copies to the host, a jitted stack, reading); loops of steps recorded as
    they are, with no copy started at update, and with the step returning one
@@ -26,7 +30,8 @@ Five sections, in one process, on the default backend's devices:
 Run: ``python benchmarks/bench_gpu.py [--out PATH]`` on a machine with an
 accelerator (it stops on CPU unless ``--allow-cpu``, which the smoke test uses);
 ``--quick`` is a smoke run with small sizes; ``--only scalars`` (or any of
-``reducers watch loop memory scalars``) runs only the sections named.
+``reducers quantiles watch loop memory scalars``) runs only the sections
+named.
 """
 
 import os
@@ -131,6 +136,88 @@ def bench_reducers(sizes: tuple[int, ...], calls: int) -> str:
             "",
             *rows,
         ]
+    )
+
+
+def bench_quantiles_section(arrays: int, sizes: tuple[int, ...], calls: int) -> str:
+    """Quantiles from histograms on the device: rank errors over random arrays
+    (``bench_watch``'s), the cost of asking for them, and a bin past 2**24."""
+    qs = (0.1, 0.5, 0.9)
+    plain = jax.jit(lambda x: jh.distributed_stats({"x": x}))
+    with_q = jax.jit(lambda x: jh.distributed_stats({"x": x}, quantiles=qs))
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    rng = np.random.default_rng(1)
+    rows = [
+        "| elements | `distributed_stats` ms | with 3 quantiles, ms | ratio |",
+        "|---:|---:|---:|---:|",
+    ]
+    for n in sizes:
+        n -= n % jax.device_count()
+        x = jax.device_put(
+            rng.standard_normal(n).astype(np.float32), NamedSharding(mesh, P("data"))
+        )
+        # alternated, so both see the same device state
+        a, b = [], []
+        for _ in range(3):
+            a.append(_timed(plain, x, calls=max(calls // 3, 1)))
+            b.append(_timed(with_q, x, calls=max(calls // 3, 1)))
+        ms_a, ms_b = statistics.median(a) * 1e3, statistics.median(b) * 1e3
+        rows.append(f"| {n:,} | {ms_a:.3f} | {ms_b:.3f} | {ms_b / ms_a:.2f} |")
+        del x
+    # more than 2**24 values in one bin: counted in int32 on the device
+    ones, twos = 2**24 + 3_000_000, 2_000_000
+    big = jnp.concatenate([jnp.ones(ones, jnp.float32), jnp.full(twos, 2.0)])
+    got = jax.device_get(with_q(big))
+    want = np.quantile(np.asarray(big), qs)
+    read = [float(got[f"x/p{100 * q:g}"]) for q in qs]
+    match = all(abs(g - w) < 1e-3 for g, w in zip(read, want, strict=True))
+    return "\n".join(
+        [
+            bench_watch.bench_quantiles(arrays, (10_000, 100_000, 1_000_000)),
+            f"Cost on the device (float32 values N(0, 1), median of {calls} "
+            "jitted calls in three alternating blocks, each call waited for):",
+            "",
+            *rows,
+            "",
+            f"{ones:,} ones and {twos:,} twos on one device (a bin past 2**24): "
+            f"p10/p50/p90 {[round(g, 4) for g in read]}"
+            f", NumPy {want.tolist()}: {'match' if match else '**differ**'}.",
+        ]
+    )
+
+
+def bench_watch_device(layers: int, repeats: int) -> str:
+    """The watch's cost on the device alone: the bare and the watch step run
+    back to back with nothing recorded, waited for once per block of steps."""
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    x = jax.device_put(
+        jnp.ones((bench_watch.BATCH, bench_watch.WIDTH), jnp.float32),
+        NamedSharding(mesh, P("data")),
+    )
+    variants = ("bare", "watch")
+    steps = {v: bench_watch.make_step(v) for v in variants}
+    params = {v: bench_watch.make_params(layers, mesh, False) for v in variants}
+    for v in variants:
+        params[v], out = steps[v](params[v], x)
+        jax.block_until_ready(out)
+    block = 4 * bench_watch.STEPS_PER_REPEAT
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for r in range(repeats):
+        for v in variants if r % 2 == 0 else variants[::-1]:
+            start = time.perf_counter()
+            for _ in range(block):
+                params[v], out = steps[v](params[v], x)
+            jax.block_until_ready((params[v], out))
+            times[v].append((time.perf_counter() - start) / block)
+    ratio = statistics.median(
+        b / w for b, w in zip(times["bare"], times["watch"], strict=True)
+    )
+    bare, watch = (statistics.median(times[v]) * 1e3 for v in variants)
+    return (
+        f"Nothing recorded ({repeats} alternating blocks of {block} steps, "
+        f"waited for at each block's end): bare {bare:.2f} ms/step, watch "
+        f"{watch:.2f} ms/step, paired ratio {ratio:.3f}; the watch's device "
+        f"work is {1e3 * (watch - bare):.0f} µs a step at the medians.\n"
     )
 
 
@@ -337,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=("reducers", "watch", "loop", "memory", "scalars"),
+        choices=("reducers", "quantiles", "watch", "loop", "memory", "scalars"),
         help="run only these sections (default: all, in this order)",
     )
     args = parser.parse_args(argv)
@@ -350,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes, calls, layers, watch_repeats = (10_000, 100_000), 3, 20, 3
         loop, loop_repeats, mem_steps, mem_repeats = (8, 8), 2, 200, 2
         scalar_calls, scalar_steps, scalar_repeats = 40, 40, 2
+        q_arrays, q_sizes = 3, (10_000,)
     else:
         sizes, calls, layers, watch_repeats = (
             (10_000, 1_000_000, 10_000_000),
@@ -359,12 +447,19 @@ def main(argv: list[str] | None = None) -> int:
         )
         loop, loop_repeats, mem_steps, mem_repeats = (48, 16), 24, 2_000, 5
         scalar_calls, scalar_steps, scalar_repeats = 300, 400, 5
+        # arrays of three sizes: each size compiles its own program (on an
+        # H100, 70 arrays of random sizes per dtype did not finish in 5
+        # minutes, nor 14 in 100 s; compiles are the likely cost)
+        q_arrays, q_sizes = 70, (1_000_000, 10_000_000, 100_000_000)
     start = time.perf_counter()
     runs = {
         "reducers": lambda: bench_reducers(sizes, calls),
+        "quantiles": lambda: bench_quantiles_section(q_arrays, q_sizes, calls),
         "watch": lambda: (
             "## Per-layer watch in a train step\n\n"
             + bench_watch.bench(layers, watch_repeats, fsdp=False)
+            + "\n"
+            + bench_watch_device(layers, watch_repeats)
         ),
         "loop": lambda: bench_history.bench_loop(*loop, loop_repeats),
         "memory": lambda: bench_memory_section(mem_steps, mem_repeats),

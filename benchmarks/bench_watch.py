@@ -26,10 +26,10 @@ median), and the host time to record the step's output in a ``History``
 Then the quantiles of ``distributed_stats(..., quantiles=...)`` for arrays of
 more than one value per device (read from a histogram whose counts ride in the
 sum all-reduce): the rank error (how far the returned value's rank is from the
-quantile asked for) over 100 random arrays of 10^4 to 10^6 elements (normal,
-lognormal, uniform, exponential and Student-t with 2 degrees of freedom, in
-turn), sharded over the 8 devices, per dtype (float32, bfloat16), for the 1st,
-10th, 50th, 90th and 99th percentiles.
+quantile asked for) over 140 random arrays of 10^4 to 10^6 elements (normal,
+lognormal, uniform, exponential, Student-t with 2 degrees of freedom, ReLU-like
+and magnitudes spanning 1e-10..1e10, in turn), sharded over the 8 devices, per
+dtype (float32, bfloat16), for the 1st, 10th, 50th, 90th and 99th percentiles.
 
 Run: ``make bench`` or
 ``python benchmarks/bench_watch.py [--out PATH] [--layers L] [--repeats R]``;
@@ -209,14 +209,22 @@ def rank_error(ordered: np.ndarray, value: float, q: float) -> float:
     return 0.0 if lo <= q <= hi else min(abs(lo - q), abs(hi - q))
 
 
-def bench_quantiles(arrays: int) -> str:
+def bench_quantiles(arrays: int, sizes: tuple[int, ...] = ()) -> str:
+    """Rank errors over ``arrays`` random arrays per dtype, of sizes
+    log-uniform in 10^4..10^6, or taken in turn from ``sizes`` (fewer shapes
+    to compile: an accelerator's compiles take seconds each)."""
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     rng = np.random.default_rng(0)
     fn = jax.jit(lambda m: jh.distributed_stats(m, quantiles=QUANTILES))
+    drawn = (
+        f"sizes {', '.join(f'{n:,}' for n in sizes)} in turn"
+        if sizes
+        else "sizes log-uniform in 10^4..10^6 (rounded to a multiple of 8)"
+    )
     rows = [
         "## Quantiles across devices, from histograms\n",
-        f"{arrays} random arrays per dtype, sizes log-uniform in 10^4..10^6 "
-        "(rounded to a multiple of 8), sharded over 8 devices; the rank error of "
+        f"{arrays} random arrays per dtype, {drawn}, "
+        f"sharded over {jax.device_count()} device(s); the rank error of "
         "each quantile against the exact one of the same (rounded) values.\n",
         "| dtype | quantile | median rank error | max rank error | target |",
         "|---|---:|---:|---:|---|",
@@ -226,6 +234,8 @@ def bench_quantiles(arrays: int) -> str:
         collectives = set()
         for i in range(arrays):
             n = int(10 ** rng.uniform(4, 6)) // 8 * 8
+            if sizes:
+                n = sizes[i % len(sizes)]
             kind = DISTRIBUTIONS[i % len(DISTRIBUTIONS)]
             values = random_values(rng, kind, n)
             x = jax.device_put(

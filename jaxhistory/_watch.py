@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxhistory._collective import (
@@ -262,8 +263,15 @@ def _tables(
     dtype = plan.dtype
     max_cols, sum_cols = _needs(stats)
     by_length: dict[int, list[int]] = {}
-    rows_of, keeps = [], []
+    rows_of, keeps, empty = [], [], []
     for i, (x, part) in enumerate(zip(blocks, plan.parts, strict=True)):
+        if math.prod(x.shape) == 0:
+            # no values: constant rows, and no operation on an empty array
+            # (some XLA versions crash compiling reductions over one)
+            rows_of.append(np.empty((1 if part.layers is None else x.shape[0], 0)))
+            keeps.append(None)
+            empty.append(i)
+            continue
         x2 = x.astype(dtype).reshape(1 if part.layers is None else x.shape[0], -1)
         rows_of.append(x2)
         keep = _mask(axes, part.axes, dtype)
@@ -275,6 +283,7 @@ def _tables(
         x2 = jnp.concatenate([rows_of[i] for i in idx])
         keep = jnp.concatenate([keeps[i] for i in idx])
         stacks.append((idx, x2, keep))
+    n_empty = sum(rows_of[i].shape[0] for i in empty)
     ext = {}
     if max_cols:
         maxed = []
@@ -282,6 +291,9 @@ def _tables(
         for idx, x2, keep in stacks:
             rows = _maxima(x2, max_cols)
             maxed.append((idx, jnp.where(keep > 0, rows, low)))
+        if empty:  # what _maxima gives for no values: abs 0, the others -inf
+            none = [0.0 if c == "abs" else -np.inf for c in max_cols]
+            maxed.append((empty, jnp.tile(jnp.asarray(none, dtype), (n_empty, 1))))
         table = pmax(_table_of(maxed, plan, "max", rows_of))  # all-reduce 1
         ext = {name: table[:, j] for j, name in enumerate(max_cols)}
     centre = scale = None
@@ -313,6 +325,8 @@ def _tables(
             d = d / jnp.concatenate(scales).reshape(-1, 1)
             cols["d1"], cols["d2"] = jnp.sum(d, axis=1), jnp.sum(jnp.square(d), axis=1)
         summed.append((idx, jnp.stack([cols[c] for c in sum_cols], axis=1) * keep))
+    if empty:
+        summed.append((empty, jnp.zeros((n_empty, len(sum_cols)), dtype)))
     table = psum(_table_of(summed, plan, "add", rows_of))  # all-reduce 2
     return ext, {name: table[:, j] for j, name in enumerate(sum_cols)}
 
@@ -342,8 +356,6 @@ def _maxima(x2: jax.Array, max_cols: tuple[str, ...]) -> jax.Array:
         return jnp.stack(cols, axis=1)
 
     plain = maxima(False)
-    if x2.shape[1] == 0:  # no values: no NaN (and cond would mix types)
-        return plain
     return lax.cond(jnp.any(jnp.isnan(plain)), lambda: maxima(True), lambda: plain)
 
 
@@ -579,11 +591,21 @@ def watch(
         lead = dims[0] if dims else ()
         wheres.append(_Where(lead, frozenset(a for d in dims for a in d), 1))
     axes = tuple(mesh.axis_names)
+    # a leaf without values does not enter the shard_map: its block's shape
+    # is all _tables reads of it
+    live = [i for i, v in enumerate(arrays) if math.prod(v.shape) > 0]
+    shapes = [
+        NamedSharding(mesh, spec).shard_shape(v.shape)
+        for spec, v in zip(specs, arrays, strict=True)
+    ]
 
     def sharded(plan, wanted):
         def body(*blocks):
+            local: list[Any] = [np.empty(shape) for shape in shapes]
+            for i, block in zip(live, blocks, strict=True):
+                local[i] = block
             return _tables(
-                list(blocks),
+                local,
                 plan,
                 axes,
                 wanted,
@@ -592,8 +614,11 @@ def watch(
             )
 
         return jax.shard_map(
-            body, mesh=mesh, in_specs=tuple(specs), out_specs=(P(), P())
-        )(*arrays)
+            body,
+            mesh=mesh,
+            in_specs=tuple(specs[i] for i in live),
+            out_specs=(P(), P()),
+        )(*(arrays[i] for i in live))
 
     return _stats_of(leaves, wheres, sharded, prefix, stats, split, groups)
 
@@ -603,15 +628,18 @@ def _same(table: jax.Array) -> jax.Array:
 
 
 def _mesh_and_specs(arrays: list[jax.Array]) -> tuple[Any, list[Any]]:
-    """The mesh the traced leaves are sharded over and each one's spec; (None,
-    []) where every leaf is replicated (or no mesh is known)."""
+    """The mesh the traced leaves that hold values are sharded over and each
+    leaf's spec; (None, []) where every such leaf is replicated (or no mesh is
+    known)."""
     mesh, specs = None, []
     for v in arrays:
         sharding = getattr(jax.typeof(v), "sharding", None)
         spec = getattr(sharding, "spec", None)
         m = getattr(sharding, "mesh", None)
         specs.append(P() if spec is None else spec)
-        if spec is not None and any(e is not None for e in spec):
+        # (a leaf without values is left out of the shard_map: its mesh is
+        # not needed)
+        if spec is not None and any(e is not None for e in spec) and v.size:
             if mesh is not None and m != mesh:
                 raise ValueError(
                     "watch: the leaves are sharded over different meshes; watch "

@@ -2,6 +2,7 @@
 float64 NumPy on 8 devices, in at most two all-reduces."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -353,3 +354,31 @@ def test_each_statistic_alone_matches_numpy_in_its_collectives(mesh2d, stat):
         assert_close(float(out[f"{name}/kernel/{stat}"]), expected(x)[stat], scale)
     counts = jh.collective_counts(lambda t: jh.watch(t, stats=(stat,)), tree)
     assert sum(counts.values()) == (2 if stat in ("mean", "std") else 1), counts
+
+
+def test_a_watch_of_leaves_without_values_alone_is_constant(mesh):
+    """Only empty leaves, sharded: nothing to reduce (a shard_map without
+    inputs had no devices to run on)."""
+    e = jax.device_put(np.zeros((8, 0), np.float32), NamedSharding(mesh, P("data")))
+    out = jax.jit(lambda t: jh.watch(t, stats=jh.WATCH_STATS))({"e": e, "f": e})
+    assert float(out["norm"]) == 0.0 and float(out["e/max_abs"]) == 0.0
+    assert float(out["nonfinite"]) == 0.0 and math.isnan(float(out["f/mean"]))
+    layered = jax.jit(lambda t: jh.watch(t, split_layers=True))({"e": e})
+    assert [k for k in layered if k.endswith("/norm")] == [
+        f"e/{i}/norm" for i in range(8)
+    ]
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_no_operation_reads_a_leaf_without_values(sharded, mesh):
+    """An XLA compiler (JAX 0.11.2's, on CPU) crashed on the reductions of an
+    empty leaf; none is emitted: the empty leaf is only a parameter."""
+    w, empty = np.arange(64, dtype=np.float32), np.zeros((8, 0), np.float32)
+    if sharded:
+        spread = NamedSharding(mesh, P("data"))
+        tree = {"w": jax.device_put(w, spread), "e": jax.device_put(empty, spread)}
+    else:
+        tree = {"w": jnp.asarray(w), "e": jnp.asarray(empty)}
+    text = jax.jit(lambda t: jh.watch(t, stats=jh.WATCH_STATS)).lower(tree).as_text()
+    body = [line for line in text.splitlines() if "func.func" not in line]
+    assert not [line for line in body if re.search(r"tensor<(\d+x)*0x", line)]
