@@ -289,6 +289,8 @@ def histogram(
     """
     bins, lo, hi, log = _check_histogram(bins, range, log, "histogram")
     x = jnp.asarray(x)
+    if x.size == 0:  # no values: nothing to count (nor devices to count on)
+        return jnp.zeros(bins, jnp.float32)
     sharding = getattr(jax.typeof(x), "sharding", None)
     spec = getattr(sharding, "spec", None)
     axes = tuple(

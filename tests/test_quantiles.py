@@ -100,3 +100,10 @@ def test_quantiles_of_a_leaf_past_two_to_the_24_in_one_bin():
     got = jax.jit(lambda x: jh.distributed_stats({"x": x}, quantiles=(0.9, 0.95)))(x)
     assert float(got["x/p90"]) == pytest.approx(1.0, abs=1e-3)
     assert float(got["x/p95"]) == pytest.approx(2.0, abs=1e-3)
+
+
+def test_a_histogram_of_an_empty_array_is_all_zeros(mesh):
+    spread = NamedSharding(mesh, P("data"))
+    for x in (jnp.zeros((8, 0)), jax.device_put(np.zeros((8, 0), np.float32), spread)):
+        counts = jax.jit(lambda x: jh.histogram(x, 4, (0.0, 1.0)))(x)
+        assert counts.tolist() == [0.0] * 4
