@@ -484,6 +484,89 @@ def test_layer_families_need_a_total_and_three_entries():
     assert family.title == "norm per entry"
 
 
+# ----- one file per output, whatever the metric names ------------------------------
+def watched_state(extra, steps=6):
+    """A watch family (``grads/{0,1,2}/norm`` beside the total ``grads/norm``)
+    and the metrics of ``extra`` (name -> value at step i)."""
+    s = jh.HistoryState()
+    for i in range(steps):
+        record = {f"grads/{k}/norm": (k + 1.0) * (i + 1) for k in range(3)}
+        record["grads/norm"] = 10.0 + i
+        record.update({name: value(i) for name, value in extra.items()})
+        s = s.update(record, step=i)
+    return s
+
+
+def title_of(fig) -> str:
+    return fig.axes[0].get_title() if fig.axes else fig._suptitle.get_text()
+
+
+def test_a_metric_named_like_a_per_layer_heatmap_keeps_its_own_files(figures, tmp_path):
+    """Finding: the text heatmap of a watch family was written as
+    {stem}.layers.txt whatever was there, so a metric named grads/norm.layers
+    (file stem grads_norm.layers) lost its terminal plot to it. The metric keeps
+    its name; the heatmap takes a numbered one, the same in both folders."""
+    s = watched_state({"grads/norm.layers": lambda i: 2.0 * i})
+    export.finalize(s, tmp_path, run_id="r", echo=False)
+    mplot, tplot = tmp_path / "plots" / "mplot", tmp_path / "plots" / "tplot"
+    metric = (tplot / "grads_norm.layers.txt").read_text()
+    assert "grads/norm.layers" in metric and "per entry" not in metric
+    layers = (tplot / "grads_norm.layers-1.txt").read_text()
+    assert layers.startswith("grads: norm per entry (3 entries)")
+    assert title_of(figures["grads_norm.layers.png"]) == "grads/norm.layers"
+    assert title_of(figures["grads_norm.layers-1.png"]).startswith(
+        "grads: norm per entry"
+    )
+    assert (mplot / "grads_norm.layers.png").is_file()
+    assert (mplot / "grads_norm.layers-1.png").is_file()
+    report = (tmp_path / "report.md").read_text()
+    per_layer = report[report.index("## Per layer") : report.index("## Plots")]
+    assert "(<plots/mplot/grads_norm.layers-1.png>)" in per_layer
+    plots = report[report.index("## Plots") : report.index("## Terminal plots")]
+    assert "(<plots/mplot/grads_norm.layers.png>)" in plots
+    assert "grads_norm.layers-1" not in plots
+
+
+def test_a_metric_named_like_a_comparison_keeps_its_own_files(figures, tmp_path):
+    """Finding: a metric named "loss: train vs eval" had the file stem of the
+    plot comparing train/loss with eval/loss, so one overwrote the other, PNG
+    and text. The metric keeps its name; the comparison takes a numbered one."""
+    s = jh.HistoryState()
+    for i in range(6):
+        s = s.update({"train/loss": 1.0 / (i + 1), "loss: train vs eval": 7.0 + i}, i)
+        if i % 2 == 0:
+            s = s.update({"eval/loss": 1.5 / (i + 1)}, step=i)
+    export.finalize(s, tmp_path, run_id="r", echo=False)
+    mplot, tplot = tmp_path / "plots" / "mplot", tmp_path / "plots" / "tplot"
+    metric = (tplot / "loss_train_vs_eval.txt").read_text()
+    assert "12.0" in metric and "eval" not in metric.splitlines()[-1]  # one line
+    compare = (tplot / "loss_train_vs_eval-1.txt").read_text()
+    assert "train" in compare.splitlines()[-1] and "eval" in compare.splitlines()[-1]
+    metric = figures["loss_train_vs_eval.png"].axes[0].get_legend_handles_labels()
+    assert metric[1] == []  # one line, no legend
+    compare = figures["loss_train_vs_eval-1.png"].axes[0].get_legend_handles_labels()
+    assert "eval" in compare[1]
+    assert (mplot / "loss_train_vs_eval.png").is_file()
+    assert (mplot / "loss_train_vs_eval-1.png").is_file()
+    report = (tmp_path / "report.md").read_text()
+    assert "(<plots/mplot/loss_train_vs_eval.png>)" in report
+    assert "(<plots/mplot/loss_train_vs_eval-1.png>)" in report
+
+
+def test_a_metric_titled_like_a_per_layer_heatmap_is_still_in_the_report(tmp_path):
+    """Finding: the report told the heatmaps of watch families from the other
+    plots by title, so a metric named "grads: norm per entry" was left out of
+    its Plots section."""
+    s = watched_state({"grads: norm per entry": lambda i: 1.0 / (i + 1)})
+    export.finalize(s, tmp_path, run_id="r", echo=False)
+    report = (tmp_path / "report.md").read_text()
+    per_layer = report[report.index("## Per layer") : report.index("## Plots")]
+    assert "(<plots/mplot/grads_norm.layers.png>)" in per_layer
+    plots = report[report.index("## Plots") : report.index("## Terminal plots")]
+    assert "(<plots/mplot/grads_norm_per_entry.png>)" in plots
+    assert "grads_norm.layers" not in plots
+
+
 def test_dollar_signs_in_names_are_drawn_as_written_not_as_math(tmp_path):
     h = jh.History(distributed_history=False)
     names = ["a$\\foo{$b", "c$x^2$", "d$"]  # bad math, good math, a lone $

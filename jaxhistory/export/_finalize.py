@@ -251,6 +251,7 @@ def finalize(
     images: list[Path] = []
     titles: dict[Path, str] = {}  # image -> the title of its plot
     per_layer: list[tuple] = []  # (title, heatmap image, text) per watch family
+    heatmaps: dict[str, Path] = {}  # family total -> its heatmap image
     terminal: dict[str, str] = {}
     if plot:
         arrays = sum(1 for u in units if u.raw is not None and state.shape(u.raw))
@@ -280,9 +281,12 @@ def finalize(
                 marks,
             )  # drawn by worker processes while the terminal plots are made
             tplots = write_all(state, staging / "tplot", warmup, progress, units)
-            layer_texts = write_layers(state, staging / "tplot", warmup, families)
+            layer_texts = write_layers(
+                state, staging / "tplot", warmup, families, units
+            )
             images = pending.wait()
             titles = pending.titles
+            heatmaps = pending.layers
             pending = None
             (outdir / "plots").mkdir(exist_ok=True)
             for kind in PLOT_FOLDERS:
@@ -305,8 +309,8 @@ def finalize(
             (f, final / p.relative_to(staging), t) for f, p, t in layer_texts
         ]
         files += images + [path for _, path, _ in tplots + layer_texts]
-        by_title = {t: p for p, t in titles.items()}
-        per_layer = [(f.title, by_title.get(f.title), t) for f, _, t in layer_texts]
+        heatmaps = {t: final / p.relative_to(staging) for t, p in heatmaps.items()}
+        per_layer = [(f.title, heatmaps.get(f.total), t) for f, _, t in layer_texts]
         chosen = {u.title for u in summary_choice(units)}
         terminal = {u.title: text for u, _, text in tplots if u.title in chosen}
         if echo:
@@ -325,6 +329,7 @@ def finalize(
     if report:
         path = outdir / "report.md"
         files.append(path)
+        shown_per_layer = set(heatmaps.values())
         to_markdown(
             state,
             path,
@@ -335,7 +340,7 @@ def finalize(
             images=[
                 (titles[p], p)
                 for p in images
-                if p.suffix == ".png" and titles[p] not in {f.title for f in families}
+                if p.suffix == ".png" and p not in shown_per_layer
             ],
             terminal_plots=terminal,
             files=files,

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxhistory._names import file_stems
 from jaxhistory._optional import import_optional
 from jaxhistory._stragglers import LAG_BY_PROCESS
 from jaxhistory.export._units import (
+    ARRAY_PLOTS,
     MARKERS_UP_TO,
     LayerFamily,
     PlotUnit,
@@ -24,6 +24,7 @@ from jaxhistory.export._units import (
     constant_unit,
     family_matrix,
     log_scale,
+    plot_stems,
     plot_units,
     printable,
     quantile_keys,
@@ -362,8 +363,9 @@ def to_png(
     An array metric (per device, per chain) gets its mean with a min-max band,
     plus a ridge plot of its distribution at a few steps and a heatmap, over up to
     ``num_chains`` of its series (``{stem}.ridge.png``, ``{stem}.heatmap.png``).
-    File stems come from :func:`file_stems`. Uses matplotlib's Agg renderer on
-    figures of its own: pyplot, the backend and ``rcParams`` are left alone.
+    File stems come from :func:`~jaxhistory.export._units.plot_stems`, no two
+    alike. Uses matplotlib's Agg renderer on figures of its own: pyplot, the
+    backend and ``rcParams`` are left alone.
     ``progress``, if given, is called with each finished path.
     """
     return start_png(state, outdir, warmup, num_chains, progress).wait()
@@ -382,7 +384,8 @@ def start_png(
     """:func:`to_png`, returning at once with the plots being drawn (in worker
     processes when there are many); ``.wait()`` returns the paths. ``units``
     (of :func:`plot_units`) draws only those; each of ``families`` (of
-    :func:`layer_families`) is drawn as a heatmap, ``{stem}.layers.png``;
+    :func:`layer_families`) is drawn as a heatmap, ``{stem}.layers.png``
+    (numbered where a metric's plot has that name, as :func:`plot_stems` says);
     ``marks`` (metric -> steps) draws a dashed line at each step on the plots
     of those metrics (where a sentinel fired)."""
     if not isinstance(num_chains, int) or num_chains < 1:
@@ -391,31 +394,29 @@ def start_png(
     outdir.mkdir(parents=True, exist_ok=True)
     first = state.first_kept_step(warmup)
     units = plot_units(state) if units is None else units
-    stems = file_stems(u.title for u in units)
-    taken = {stem.casefold() for stem in stems.values()}
+    stems = plot_stems(units, families)
     jobs = []  # (kind, arguments, path): the data read here, drawn anywhere
+    layers = {}  # family total -> the path of its heatmap
     marks = marks or {}
-    for unit in units:
+    for unit, stem, extras in zip(units, stems.units, stems.extras, strict=True):
         data = {name: series(state, name, first) for name in unit.names}
         steps = sorted({s for n in unit.names for s in marks.get(n, ()) if s >= first})
-        jobs.append(("unit", (data, unit, steps), outdir / f"{stems[unit.title]}.png"))
+        jobs.append(("unit", (data, unit, steps), outdir / f"{stem}.png"))
         if unit.raw is not None and state.shape(unit.raw):
             x, y = data[unit.raw]
             if len(x):
                 chains = y.reshape(len(y), -1)
                 chains = chains[:, _pick(chains.shape[1], num_chains)]
-                for kind in ("ridge", "heatmap"):
-                    stem = _extra_stem(stems[unit.title], kind, taken)
+                for kind in ARRAY_PLOTS:
                     args = (unit.title, x, chains)
-                    jobs.append((kind, args, outdir / f"{stem}.png"))
-    family_stems = file_stems(f.total for f in families)
+                    jobs.append((kind, args, outdir / f"{extras[kind]}.png"))
     for family in families:
         x, data = family_matrix(state, family, first)
         if len(x):
-            stem = _extra_stem(family_stems[family.total], "layers", taken)
             args = (family.title, x, data, family.labels)
-            jobs.append(("layers", args, outdir / f"{stem}.png"))
-    return PendingPlots(jobs, progress)
+            layers[family.total] = outdir / f"{stems.layers[family.total]}.png"
+            jobs.append(("layers", args, layers[family.total]))
+    return PendingPlots(jobs, progress, layers)
 
 
 PARALLEL_FROM = 48  # plots; fewer are drawn in this process
@@ -451,10 +452,12 @@ class PendingPlots:
     there are many (a figure costs tens of milliseconds of pure Python, so
     1,000 metrics would take a minute on one core), so the caller can do other
     work meanwhile; :meth:`wait` returns the paths once all are written.
-    ``titles`` maps each path to the title of the plot unit it draws."""
+    ``titles`` maps each path to the title of the plot unit it draws;
+    ``layers`` maps the total of each watch family drawn to its heatmap's path."""
 
-    def __init__(self, jobs: list[tuple], progress=None):
+    def __init__(self, jobs: list[tuple], progress=None, layers=None):
         self.jobs, self.progress = jobs, progress
+        self.layers: dict[str, Path] = dict(layers or {})
         self.titles = {
             path: args[1].title if kind == "unit" else args[0]
             for kind, args, path in jobs
@@ -521,13 +524,3 @@ class PendingPlots:
                 if self.progress:
                     self.progress(job[2])
         return [job[2] for job in self.jobs]
-
-
-def _extra_stem(stem: str, kind: str, taken: set[str]) -> str:
-    """``{stem}.{kind}``, unless a metric's plot already has that name (a metric
-    called ``w.ridge`` beside an array metric ``w``): then a numbered variant."""
-    candidate, i = f"{stem}.{kind}", 1
-    while candidate.casefold() in taken:
-        candidate, i = f"{stem}.{kind}-{i}", i + 1
-    taken.add(candidate.casefold())
-    return candidate

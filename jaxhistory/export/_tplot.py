@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxhistory._names import file_stems
 from jaxhistory._optional import import_optional
 from jaxhistory.export._units import (
     PlotUnit,
     bucket,
     constant_unit,
     family_matrix,
+    plot_stems,
     plot_units,
     printable,
     row_stats,
@@ -237,10 +237,10 @@ def write_all(state, outdir, warmup=0, progress=None, units=None):
     outdir.mkdir(parents=True, exist_ok=True)
     first = state.first_kept_step(warmup)
     units = plot_units(state) if units is None else units
-    stems = file_stems(u.title for u in units)
+    stems = plot_stems(units).units
     out = []
-    for unit in units:
-        path = outdir / f"{stems[unit.title]}.txt"
+    for unit, stem in zip(units, stems, strict=True):
+        path = outdir / f"{stem}.txt"
         text = render(state, unit, first, opts)
         path.write_text(text, encoding="utf-8")
         out.append((unit, path, text))
@@ -316,20 +316,23 @@ def layers_text(
     return "\n".join(lines) + "\n"
 
 
-def write_layers(state, outdir, warmup, families) -> list[tuple]:
+def write_layers(state, outdir, warmup, families, units=()) -> list[tuple]:
     """A text heatmap of each watch family (:func:`layers_text`):
-    ``[(family, path, text)]``, written as ``{stem}.layers.txt``."""
+    ``[(family, path, text)]``, written as ``{stem}.layers.txt`` beside the
+    plots of ``units`` (numbered where one of those has that name, as
+    :func:`~jaxhistory.export._units.plot_stems` says: the same name as the
+    family's PNG heatmap)."""
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     first = state.first_kept_step(warmup)
-    stems = file_stems(f.total for f in families)
+    stems = plot_stems(units, families).layers
     out = []
     for family in families:
         x, data = family_matrix(state, family, first)
         if not len(x):
             continue
         text = layers_text(family.title, x, data, family.labels)
-        path = outdir / f"{stems[family.total]}.layers.txt"
+        path = outdir / f"{stems[family.total]}.txt"
         path.write_text(text, encoding="utf-8")
         out.append((family, path, text))
     return out

@@ -14,6 +14,7 @@ from jaxhistory._names import (
     STATS,
     WATCH_STATS,
     aggregated_names,
+    file_stems,
     printable,
 )
 
@@ -24,6 +25,7 @@ __all__ = [
     "MAX_POINTS",
     "QUANTILE",
     "LayerFamily",
+    "PlotStems",
     "PlotUnit",
     "bucket",
     "constant",
@@ -31,6 +33,7 @@ __all__ = [
     "family_matrix",
     "layer_families",
     "log_scale",
+    "plot_stems",
     "plot_units",
     "printable",
     "quantile_keys",
@@ -205,6 +208,63 @@ def _with_comparisons(state: HistoryState, units: list[PlotUnit]) -> list[PlotUn
                 out.append(PlotUnit(title, u.raw, u.stats, tuple(others)))
         out.append(u)
     return out
+
+
+ARRAY_PLOTS = ("ridge", "heatmap")  # an array metric's plots beside its own
+
+
+class PlotStems(NamedTuple):
+    """The file stems of a set of plots (see :func:`plot_stems`): ``units``, one
+    per plot unit in order; ``extras``, per unit, the stems of its
+    :data:`ARRAY_PLOTS` (used where the unit is an array metric); ``layers``,
+    the stem of each watch family's heatmap by the family's total."""
+
+    units: tuple[str, ...]
+    extras: tuple[dict[str, str], ...]
+    layers: dict[str, str]
+
+
+def plot_stems(
+    units: Sequence[PlotUnit], families: Sequence[LayerFamily] = ()
+) -> PlotStems:
+    """A file stem for every plot of ``units`` and ``families``, no two alike
+    (also ignoring case), so that no metric name makes two plots share a file
+    (``{stem}.png`` in one folder, ``{stem}.txt`` in another).
+
+    A unit's stem is :func:`~jaxhistory._names.file_stems` of its title. Where
+    a metric is named like a comparison (``loss: train vs eval``), the metric
+    keeps the stem and the comparison takes ``{stem}-1``. An array metric's
+    ridge plot and heatmap are ``{stem}.ridge`` and ``{stem}.heatmap``, a watch
+    family's heatmap ``{stem of its total}.layers``; each of these, and a
+    comparison's stem, becomes ``...-1`` (``-2``, ...) where a metric's plot
+    already has it (a metric named ``w.ridge`` beside an array metric ``w``,
+    ``grads/norm.layers`` beside the family of ``grads/norm``)."""
+    by_title = file_stems(u.title for u in units)
+    owner: dict[str, int] = {}  # the unit that keeps its title's stem
+    for i, u in enumerate(units):
+        j = owner.get(u.title)
+        if j is None or (units[j].others and not u.others):
+            owner[u.title] = i
+    taken = {stem.casefold() for stem in by_title.values()}
+    stems = tuple(
+        by_title[u.title] if owner[u.title] == i else _free(by_title[u.title], taken)
+        for i, u in enumerate(units)
+    )
+    extras = tuple(
+        {kind: _free(f"{stem}.{kind}", taken) for kind in ARRAY_PLOTS} for stem in stems
+    )
+    totals = file_stems(f.total for f in families)
+    layers = {f.total: _free(f"{totals[f.total]}.layers", taken) for f in families}
+    return PlotStems(stems, extras, layers)
+
+
+def _free(stem: str, taken: set[str]) -> str:
+    """``stem``, or where it is taken ``{stem}-1`` (``-2``, ...); taken from then on."""
+    candidate, i = stem, 1
+    while candidate.casefold() in taken:
+        candidate, i = f"{stem}-{i}", i + 1
+    taken.add(candidate.casefold())
+    return candidate
 
 
 def capped(
