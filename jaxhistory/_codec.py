@@ -30,12 +30,13 @@ from typing import Any
 import numpy as np
 import orjson
 
-from jaxhistory._dtypes import first_inexact
+from jaxhistory._dtypes import as_step, first_inexact
 from jaxhistory._names import printable
 from jaxhistory._record import Batch
 
 __all__ = [
     "NONFINITE_TEXT",
+    "StepEntryError",
     "decode_line",
     "encode_records",
     "jsonable",
@@ -298,8 +299,18 @@ def _decode(value: Any) -> Any:
     return value
 
 
+class StepEntryError(ValueError):
+    """A line whose metrics (or aggregated values) hold a ``step`` entry other
+    than the line's step: two steps for one record."""
+
+
 def decode_line(line: bytes | str) -> tuple[int, dict[str, Any]]:
     """The step and the values (metrics and aggregated) of one line.
+
+    A ``step`` entry in the metrics or the aggregated values is the step of the
+    record, as :meth:`~jaxhistory.HistoryState.update` takes one given beside
+    an explicit step: it is left out where it is the line's step, and a
+    :class:`StepEntryError` where it is not.
 
     Raises ValueError for a line that is not a complete record with an int64
     step (a line cut off by a killed run, for example). Steps may be negative,
@@ -308,14 +319,46 @@ def decode_line(line: bytes | str) -> tuple[int, dict[str, Any]]:
     try:
         record = orjson.loads(line)  # invalid UTF-8 is a JSONDecodeError
         step = record["step"]
-        items = {**record.get("metrics", {}), **record.get("aggregated", {})}
+        metrics = record.get("metrics", {})
+        aggregated = record.get("aggregated", {})
+        items = {**metrics, **aggregated}
         if type(step) is not int:
             raise ValueError("no integer step")
         if not -(2**63) <= step < 2**63:
             raise ValueError(f"step {step} is outside int64")
-        return step, {k: _decode(v) for k, v in items.items()}
     except (KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"not a record: {err}") from None
+    if "step" in items:
+        _check_step_entry(step, metrics, "metric")
+        _check_step_entry(step, aggregated, "aggregated value")
+        del items["step"]
+    return step, {k: _decode(v) for k, v in items.items()}
+
+
+def _check_step_entry(step: int, values: dict, what: str) -> None:
+    """A StepEntryError where ``values`` has a ``step`` entry that is not
+    ``step``."""
+    if "step" not in values:
+        return
+    entry = values["step"]
+    try:
+        same = as_step("step", _decode(entry)) == step
+    except (ValueError, TypeError):  # not a whole number
+        same = False
+    if not same:
+        shown = printable(repr(_shown(entry)))
+        raise StepEntryError(
+            f"its {what} 'step' is {shown:.60}, but the step of the line is "
+            f"{step}: a 'step' entry is the step of its record, not a metric"
+        )
+
+
+def _shown(entry: Any) -> Any:
+    """A JSON value as read back (``"NaN"`` as nan), or as it is."""
+    try:
+        return _decode(entry)
+    except ValueError:  # a string that is not a number's
+        return entry
 
 
 def read_columns(
@@ -334,6 +377,8 @@ def read_columns(
                 continue
             try:
                 step, items = decode_line(line)
+            except StepEntryError as err:  # a record, but with two steps
+                raise ValueError(f"{printable(path)}, line {number}: {err}") from None
             except (ValueError, RecursionError):  # (JSON nested past the stack)
                 bad.append(number)
                 continue

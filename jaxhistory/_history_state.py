@@ -413,7 +413,11 @@ class HistoryState:
         same step (a run resumed from an earlier checkpoint), the later line wins.
         Integers come back as int64 (uint64 where some are beyond int64 and none
         is negative), other numbers as float64; a metric whose values no dtype
-        holds exactly is a ValueError naming it. The run id of the log's lines
+        holds exactly is a ValueError naming it. A ``step`` entry in a line's
+        metrics (or aggregated values) is the step of its record, as
+        :meth:`update` takes one beside an explicit step: left out where it is
+        the line's step, a ValueError naming the file and the line where it is
+        not. The run id of the log's lines
         (the last one) is in ``attrs["run_id"]``. A file with lines but no
         complete record (not a JSONL log: gzip data, another format) is a
         ValueError naming it; a log whose one line was cut off as it was written

@@ -223,6 +223,39 @@ def test_crafted_runs_give_one_line_errors_and_write_nothing(tmp_path, capsys):
     assert "loss" in capsys.readouterr().out
 
 
+def test_a_log_with_step_entries_in_its_metrics(tmp_path, capsys):
+    """A 'step' entry in a line's metrics is the line's step (as History takes
+    it): summary and report read the log as if it were not there; one that
+    disagrees with its line is one line on stderr naming the file and the
+    line, status 2, nothing written. Both failed inside xarray before."""
+    good = tmp_path / "good.jsonl"
+    good.write_text(
+        '{"step":0,"metrics":{"loss":1.0,"step":0}}\n'
+        '{"step":1,"metrics":{"step":1,"loss":0.5}}\n'
+    )
+    assert cli.main(["summary", str(good)]) == 0
+    table = capsys.readouterr().out
+    assert "| loss |" in table and "| step |" not in table
+    out = tmp_path / "out"
+    args = ["report", str(good), "-o", str(out), "--no-plots"]
+    assert cli.main(args) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert jh.HistoryState.from_netcdf(out / "dataset.nc").keys == ("loss",)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        '{"step":0,"metrics":{"loss":1.0}}\n{"step":1,"metrics":{"step":9}}\n'
+    )
+    again = tmp_path / "again"
+    for args in (["summary", bad], ["report", bad, "-o", again]):
+        status = cli.main([str(a) for a in args])
+        err = capsys.readouterr().err
+        assert status == 2, (args, err)
+        assert err.count("\n") == 1 and err.startswith("jaxhistory"), err
+        assert f"{bad}, line 2" in err and "'step' is 9" in err, err
+        assert "Traceback" not in err
+    assert not again.exists()
+
+
 def test_cli_report_never_writes_or_deletes_through_a_link(tmp_path, capsys):
     """OUT/RUN.jsonl a link to another file, OUT/plots a link to a folder: the
     command refuses, naming it, and what they point to is untouched."""

@@ -68,6 +68,70 @@ def test_a_log_cut_off_in_its_first_line_is_an_empty_history(tmp_path):
         jh.HistoryState.from_jsonl(path)
 
 
+# ----- a 'step' entry in a line's metrics ----------------------------------------
+
+
+def _step_entry_log(path, entries):
+    """A log of ``(line step, metrics, aggregated)`` lines."""
+    lines = [
+        orjson.dumps({"step": s, "metrics": m, "aggregated": a}) + b"\n"
+        for s, m, a in entries
+    ]
+    path.write_bytes(b"".join(lines))
+    return path
+
+
+def test_a_step_entry_in_a_logs_metrics_is_the_step_of_its_line(tmp_path):
+    """As History.update(metrics, step=s) takes a 'step' entry that agrees with
+    s: the step of the record, not a metric. It was read as a metric named
+    'step', and the dataset (the step coordinate) then failed inside xarray."""
+    path = _step_entry_log(
+        tmp_path / "run.jsonl",
+        [
+            (0, {"loss": 1.0, "step": 0}, {}),
+            (1, {"step": 1.0, "loss": 0.5}, {"loss/mean": 0.5, "step": 1}),
+            (2, {"loss": 0.25}, {}),
+        ],
+    )
+    s = jh.HistoryState.from_jsonl(path)
+    assert s.keys == ("loss", "loss/mean")
+    assert s.steps("loss").tolist() == [0, 1, 2]
+    assert s.values("loss").tolist() == [1.0, 0.5, 0.25]
+    assert s.steps("loss/mean").tolist() == [1]
+    ds = s.to_xarray()
+    assert "step" not in ds.data_vars
+    assert ds["loss"].values.tolist() == [1.0, 0.5, 0.25]
+
+
+@pytest.mark.parametrize(
+    ("metrics", "aggregated", "said"),
+    [
+        ({"loss": 0.5, "step": 7}, {}, "its metric 'step' is 7"),
+        ({"loss": 0.5}, {"step": 2.5}, "its aggregated value 'step' is 2.5"),
+        ({"loss": 0.5, "step": "NaN"}, {}, "its metric 'step' is nan"),
+        ({"loss": 0.5, "step": [1]}, {}, "its metric 'step' is [1]"),
+    ],
+)
+def test_a_step_entry_that_is_not_the_step_of_its_line_is_refused(
+    tmp_path, metrics, aggregated, said
+):
+    """Two steps for one record (History.update refuses them too): a
+    ValueError naming the file, the line and the entry, the file untouched."""
+    path = _step_entry_log(
+        tmp_path / "run.jsonl",
+        [(0, {"loss": 1.0}, {}), (1, metrics, aggregated), (2, {"loss": 0.25}, {})],
+    )
+    content = path.read_bytes()
+    with pytest.raises(ValueError) as info:
+        jh.HistoryState.from_jsonl(path)
+    message = str(info.value)
+    assert str(path) in message and "line 2" in message, message
+    assert said in message and "step of the line is 1" in message, message
+    with pytest.raises(ValueError, match="line 2"):
+        jh.History(resume=path, report_dir=tmp_path / "out")
+    assert path.read_bytes() == content
+
+
 # ----- the run id and the times of a log --------------------------------------------
 
 
