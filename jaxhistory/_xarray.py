@@ -39,7 +39,7 @@ import jax
 import numpy as np
 
 from jaxhistory._dtypes import as_steps, numeric_dtype
-from jaxhistory._names import decode_netcdf, encode_netcdf
+from jaxhistory._names import decode_netcdf, encode_netcdf, printable
 from jaxhistory._optional import import_optional
 from jaxhistory._version import __version__
 
@@ -332,6 +332,18 @@ def read_netcdf(path: str | os.PathLike):
     }
     if grouped:
         return ds
+    variables = ds.variables
+    keep = {*_mask_names(ds), *(_long_names(ds) or ())}
+    try:  # the metric each variable holds, checked before any is renamed
+        _check_once(
+            [("step", "step")]
+            + [
+                (n if n in keep else _flat_name(n, variables[n].attrs), n)
+                for n in map(str, ds.data_vars)
+            ]
+        )
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
     ds = renamed(ds, decode_netcdf)
     variables = ds.variables
     long = {
@@ -344,6 +356,13 @@ def read_netcdf(path: str | os.PathLike):
         for name in long.values():
             del ds.variables[name].attrs[NAME_ATTR]
     return ds
+
+
+def _flat_name(name: str, attrs) -> str:
+    """The metric a variable of a flat file holds: its ``jaxhistory_name``,
+    else its own name decoded."""
+    given = attrs.get(NAME_ATTR)
+    return decode_netcdf(name) if given is None else str(given)
 
 
 def _mask_names(ds) -> tuple[str, ...]:
@@ -504,11 +523,17 @@ def from_tree(tree):
             if name is None:
                 name = "/".join(decode_netcdf(p) for p in (*parts, str(leaf)))
             order = attrs.pop(ORDER_ATTR, len(found))
-            found.append((int(order), str(name), var.variable, attrs))
+            where = "/".join((*parts, str(leaf)))
+            found.append((int(order), str(name), var.variable, attrs, where))
     found.sort(key=lambda item: item[0])
-    taken = {"step", *(name for _, name, _, _ in found)}
+    _check_once(
+        [("step", "step")]
+        + [(n, n) for n in internal if n in root.data_vars]
+        + [(name, where) for _, name, _, _, where in found]
+    )
+    taken = {"step", *(name for _, name, _, _, _ in found)}
     data_vars = {}
-    for _, name, var, attrs in found:
+    for _, name, var, attrs, _ in found:
         if var.dims[:1] != ("step",):
             raise ValueError(f"variable {name!r} is not indexed by step first")
         dims = (
@@ -521,6 +546,21 @@ def from_tree(tree):
             data_vars[n] = root.variables[n]
     attrs = {k: v for k, v in root.attrs.items() if k != LAYOUT_ATTR}
     return xr.Dataset(data_vars, coords=root.coords, attrs=attrs)
+
+
+def _check_once(names: Iterable[tuple[str, str]]) -> None:
+    """ValueError naming both variables where two of ``(metric name,
+    variable)`` give one metric name: reading both would lose one."""
+    seen: dict[str, str] = {}
+    for name, variable in names:
+        other = seen.setdefault(name, variable)
+        if other != variable:
+            first, second = sorted((other, variable))
+            raise ValueError(
+                f"the variables {printable(first)!r} and {printable(second)!r} "
+                f"both hold the metric {printable(name)!r} (by their {NAME_ATTR} "
+                "attribute or their own name); a metric is one variable"
+            )
 
 
 def read_state(path) -> tuple[dict, int, dict]:

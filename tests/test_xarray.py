@@ -347,6 +347,76 @@ def test_the_dataset_file_keeps_names_that_cannot_be_groups(tmp_path):
     assert flat["L" * 250].dims == s.to_xarray()["L" * 250].dims  # as in memory
 
 
+def _three_metrics():
+    s = jh.HistoryState().update({"a": 1.0, "b": 2.0, "c/d": 3.0}, step=0)
+    return s.update({"a": 1.5, "b": 2.5, "c/d": 3.5}, step=1)
+
+
+@pytest.mark.parametrize(
+    "names, first, second, metric",
+    [
+        ({"a": "dup", "b": "dup"}, "a", "b", "dup"),  # both named by the attribute
+        ({"b": "a"}, "a", "b", "a"),  # the attribute names another's metric
+        ({"c/d": "b"}, "b", "c/d", "b"),  # one in a group
+        ({"a": "_recorded"}, "_recorded", "a", "_recorded"),  # the mask's name
+        ({"c/d": "step"}, "c/d", "step", "step"),  # the coordinate's
+        ({"a": "x\x1b[2J"}, None, None, None),  # (one name: read as it says)
+    ],
+)
+def test_two_variables_holding_one_metric_are_refused(
+    tmp_path, names, first, second, metric
+):
+    """Two variables of a dataset file whose jaxhistory_name attributes (or
+    paths) give one metric name: one of them was dropped without a word. A
+    ValueError names both variables, the metric and the file."""
+    import xarray as xr
+
+    s = _three_metrics().update({"b": np.nan}, step=3).update({"a": 4.0}, step=4)
+    # (b has gaps and a NaN: the file holds the mask _recorded)
+    export.to_netcdf(s, tmp_path / "d.nc")
+    tree = xr.open_datatree(tmp_path / "d.nc").load()
+    assert "_recorded" in tree.data_vars
+    for variable, name in names.items():
+        tree[variable].attrs["jaxhistory_name"] = name
+    path = tmp_path / "twice.nc"
+    tree.to_netcdf(path)
+    if metric is None:  # a name of its own, escaped control characters and all
+        assert jh.HistoryState.from_netcdf(path).keys == ("x\x1b[2J", "b", "c/d")
+        return
+    for load in (jh.HistoryState.from_netcdf, export.read_netcdf, load_run):
+        with pytest.raises(ValueError) as info:
+            load(path)
+        message = str(info.value)
+        assert message.startswith(f"{path}: "), message
+        assert f"variables '{first}' and '{second}'" in message, message
+        assert f"metric '{metric}'" in message, message
+
+
+def test_two_variables_of_a_flat_file_holding_one_metric_are_refused(tmp_path):
+    """The earlier flat layout: two variables whose jaxhistory_name (or
+    encoded name) is one metric failed inside xarray ('the new name conflicts'),
+    naming no file."""
+    s = jh.HistoryState().update({"a": 1.0, "b": 2.0, "c": 3.0}, step=0)
+    cases = [
+        ({"a": "dup", "b": "dup"}, {}, "'a' and 'b'", "'dup'"),
+        ({"c": "a"}, {}, "'a' and 'c'", "'a'"),
+        ({"b": "x/y"}, {"c": "x%2Fy"}, "'b' and 'x%2Fy'", "'x/y'"),
+        ({"b": "step"}, {}, "'b' and 'step'", "'step'"),
+    ]
+    for number, (named, renames, variables, metric) in enumerate(cases):
+        ds = s.to_xarray().rename(renames)
+        for variable, name in named.items():
+            ds[variable].attrs["jaxhistory_name"] = name
+        path = tmp_path / f"flat{number}.nc"
+        ds.to_netcdf(path, engine="netcdf4")
+        with pytest.raises(ValueError) as info:
+            jh.HistoryState.from_netcdf(path)
+        message = str(info.value)
+        assert message.startswith(f"{path}: "), message
+        assert f"variables {variables}" in message, message
+        assert f"metric {metric}" in message, message
+
+
 def test_a_dataset_file_of_the_earlier_flat_layout_still_reads(tmp_path):
     import xarray as xr
 
