@@ -399,7 +399,13 @@ class HistoryState:
 
     @classmethod
     def from_netcdf(cls, path) -> HistoryState:
-        """The state saved in a dataset file by :func:`jaxhistory.export.to_netcdf`."""
+        """The state saved in a dataset file by :func:`jaxhistory.export.to_netcdf`.
+
+        A crafted or damaged file is a ValueError (OSError where it cannot be
+        read at all) naming it and what is wrong: an attribute of the wrong type
+        (``jaxhistory_name``, ``jaxhistory_next_step``, ...), two variables
+        holding one metric, steps that are not steps.
+        """
         return cls._from_columns(*_xarray.read_state(path))
 
     @classmethod

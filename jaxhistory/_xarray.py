@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxhistory._dtypes import as_steps, numeric_dtype
+from jaxhistory._dtypes import INT64_MAX, INT64_MIN, as_steps, numeric_dtype
 from jaxhistory._names import decode_netcdf, encode_netcdf, printable
 from jaxhistory._optional import import_optional
 from jaxhistory._version import __version__
@@ -86,6 +86,47 @@ _GENERATED_ATTRS = (
     "jaxhistory_version",
     "jax_version",
 )
+
+
+def _shown(value: Any) -> str:
+    """An attribute's value as a message shows it (arrays as lists, control
+    characters escaped, cut to 60 characters)."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    elif isinstance(value, np.generic):
+        value = value.item()
+    return printable(f"{value!r:.60}")
+
+
+def _text(value: Any, what: str) -> str:
+    """The attribute ``what`` (``value``), which must be text: ValueError
+    naming it otherwise (a list, a number)."""
+    if not isinstance(value, str):
+        raise ValueError(f"{what} attribute is {_shown(value)}, not text")
+    return str(value)
+
+
+def _whole(value: Any, what: str) -> int:
+    """The attribute ``what`` (``value``), which must be one whole number within
+    int64: ValueError naming it otherwise (a list, a string, 2.5)."""
+    whole = isinstance(value, int | np.integer)
+    if isinstance(value, bool | np.bool_):
+        whole = False
+    if isinstance(value, float | np.floating):
+        whole = bool(np.isfinite(value) and value == np.floor(value))
+    if not whole or not INT64_MIN <= int(value) <= INT64_MAX:
+        raise ValueError(
+            f"{what} attribute is {_shown(value)}, not a whole number within int64"
+        )
+    return int(value)
+
+
+def _gaps(value: Any, what: str) -> bool:
+    """The attribute ``what`` (``value``): 0 or 1 (a bool too), else a
+    ValueError naming it."""
+    if isinstance(value, int | np.integer | np.bool_) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{what} attribute is {_shown(value)}, not 0 or 1")
 
 
 def _fill_dtype(dtype: np.dtype) -> np.dtype:
@@ -180,7 +221,9 @@ def _split_long(columns: list[Column], n_steps: int) -> tuple[list, list]:
 
 def _long_names(ds) -> list[str] | None:
     names = ds.attrs.get(LONG_ATTR)
-    return None if names is None else str(names).split(",")
+    if names is None:
+        return None
+    return _text(names, f"the dataset's {LONG_ATTR}").split(",")
 
 
 def _from_long(ds, names: list[str]) -> dict[str, tuple]:
@@ -275,14 +318,17 @@ def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
             raise ValueError(f"variable {name!r} is not indexed by step first")
         values = np.asarray(var.values)
         dtype = values.dtype
+        its = f"metric {printable(name)!r}: its"
         if DTYPE_ATTR in var.attrs:  # checked before anything of it is made
+            text = _text(var.attrs[DTYPE_ATTR], f"{its} {DTYPE_ATTR}")
             try:
-                dtype = numeric_dtype(var.attrs[DTYPE_ATTR])
+                dtype = numeric_dtype(text)
             except ValueError as err:
-                raise ValueError(f"metric {name!r}: its {DTYPE_ATTR} {err}") from None
+                raise ValueError(f"{its} {DTYPE_ATTR} {err}") from None
+        gaps = _gaps(var.attrs.get(GAPS_ATTR, 0), f"{its} {GAPS_ATTR}")
         if name in masks:
             recorded = masks[name]
-        elif var.attrs.get(GAPS_ATTR, 0) and values.dtype.kind == "f":
+        elif gaps and values.dtype.kind == "f":
             # Gaps but no mask: the metric recorded no NaN, so NaN means missing.
             flat = values.reshape(len(steps), -1)
             recorded = ~np.all(np.isnan(flat), axis=1)
@@ -297,7 +343,11 @@ def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
         )
     columns.update(long_columns)
     attrs = {k: v for k, v in ds.attrs.items() if k not in _GENERATED_ATTRS}
-    next_step = int(ds.attrs.get(NEXT_STEP_ATTR, steps[-1] + 1 if len(steps) else 0))
+    if NEXT_STEP_ATTR in ds.attrs:
+        what = f"the dataset's {NEXT_STEP_ATTR}"
+        next_step = _whole(ds.attrs[NEXT_STEP_ATTR], what)
+    else:
+        next_step = int(steps[-1]) + 1 if len(steps) else 0
     return columns, next_step, attrs
 
 
@@ -321,9 +371,9 @@ def read_netcdf(path: str | os.PathLike):
             f"cannot read the dataset {path}: {err} (the file is cut off, damaged "
             "or not netCDF-4)"
         ) from err
-    grouped = tree.attrs.get(LAYOUT_ATTR) == LAYOUT
-    # (else a file of an earlier version: percent-encoded names, no groups)
     try:
+        grouped = _layout(tree.attrs)
+        # (else a file of an earlier version: percent-encoded names, no groups)
         ds = from_tree(tree) if grouped else tree.to_dataset(inherit=False)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
@@ -333,8 +383,8 @@ def read_netcdf(path: str | os.PathLike):
     if grouped:
         return ds
     variables = ds.variables
-    keep = {*_mask_names(ds), *(_long_names(ds) or ())}
     try:  # the metric each variable holds, checked before any is renamed
+        keep = {*_mask_names(ds), *(_long_names(ds) or ())}
         _check_once(
             [("step", "step")]
             + [
@@ -358,17 +408,49 @@ def read_netcdf(path: str | os.PathLike):
     return ds
 
 
+def _layout(attrs) -> bool:
+    """Whether a file's attributes say it is of the grouped layout (a file
+    without the attribute is of the earlier flat one); ValueError for a
+    layout this version does not read."""
+    if LAYOUT_ATTR not in attrs:
+        return False
+    what = f"the dataset's {LAYOUT_ATTR}"
+    layout = _text(attrs[LAYOUT_ATTR], what)
+    if layout != LAYOUT:
+        raise ValueError(
+            f"{what} attribute is {_shown(layout)}, not {LAYOUT!r}: a layout "
+            "this version does not read"
+        )
+    return True
+
+
 def _flat_name(name: str, attrs) -> str:
     """The metric a variable of a flat file holds: its ``jaxhistory_name``,
     else its own name decoded."""
     given = attrs.get(NAME_ATTR)
-    return decode_netcdf(name) if given is None else str(given)
+    if given is None:
+        return decode_netcdf(name)
+    return _text(given, f"variable {printable(name)!r}: its {NAME_ATTR}")
 
 
 def _mask_names(ds) -> tuple[str, ...]:
-    """(the mask's name, its dimension's) where ``ds`` has a mask, else ()."""
+    """(the mask's name, its dimension's) where ``ds`` has a mask, else ();
+    ValueError where the attributes naming it are not text, or name a
+    variable that is no mask."""
     if MASK_ATTR in ds.attrs:
-        return str(ds.attrs[MASK_ATTR]), str(ds.attrs.get(MASK_DIM_ATTR, MASK_DIM))
+        mask = _text(ds.attrs[MASK_ATTR], f"the dataset's {MASK_ATTR}")
+        mask_dim = _text(
+            ds.attrs.get(MASK_DIM_ATTR, MASK_DIM), f"the dataset's {MASK_DIM_ATTR}"
+        )
+        var = ds.variables.get(mask)
+        if var is not None and var.dims != ("step", mask_dim):
+            raise ValueError(
+                f"the dataset's {MASK_ATTR} and {MASK_DIM_ATTR} attributes "
+                f"({_shown(mask)}, {_shown(mask_dim)}) name no mask: variable "
+                f"{_shown(mask)} has the dimensions {_shown(var.dims)}, not "
+                f"('step', {_shown(mask_dim)})"
+            )
+        return mask, mask_dim
     var = ds.variables.get(MASK)
     if var is not None and var.dims == ("step", MASK_DIM):  # an older file's
         return MASK, MASK_DIM
@@ -519,12 +601,15 @@ def from_tree(tree):
             if node is tree and leaf in internal:
                 continue
             attrs = dict(var.attrs)
+            where = "/".join((*parts, str(leaf)))
+            its = f"variable {printable(where)!r}: its"
             name = attrs.pop(NAME_ATTR, None)
             if name is None:
                 name = "/".join(decode_netcdf(p) for p in (*parts, str(leaf)))
-            order = attrs.pop(ORDER_ATTR, len(found))
-            where = "/".join((*parts, str(leaf)))
-            found.append((int(order), str(name), var.variable, attrs, where))
+            else:
+                name = _text(name, f"{its} {NAME_ATTR}")
+            order = _whole(attrs.pop(ORDER_ATTR, len(found)), f"{its} {ORDER_ATTR}")
+            found.append((order, name, var.variable, attrs, where))
     found.sort(key=lambda item: item[0])
     _check_once(
         [("step", "step")]

@@ -209,6 +209,14 @@ def test_crafted_runs_give_one_line_errors_and_write_nothing(tmp_path, capsys):
         (["summary", _crafted(tmp_path, "w.nc", warmup_steps="abc")], "warmup_steps"),
         (["summary", _crafted(tmp_path, "n.nc", warmup_steps=-1.0)], "warmup_steps"),
         (["report", escaped, "-o", out], "bad\\x1b[31m"),
+        (
+            ["summary", _crafted(tmp_path, "s.nc", jaxhistory_next_step=[1, 2])],
+            "s.nc: the dataset's jaxhistory_next_step attribute is [1, 2], not a",
+        ),
+        (
+            ["report", _crafted(tmp_path, "l.nc", jaxhistory_layout=5), "-o", out],
+            "l.nc: the dataset's jaxhistory_layout attribute is 5, not text",
+        ),
     ]
     for args, said in cases:
         status = cli.main([str(a) for a in args])

@@ -255,6 +255,112 @@ def test_an_unreadable_dtype_attribute_is_named(tmp_path):
         jh.HistoryState.from_netcdf(path)
 
 
+def _masked_run():
+    """a, i and c/d; c/d has gaps and records a NaN, so the file has a mask."""
+    s = jh.HistoryState().update({"a": 1.0, "i": 1, "c/d": 3.0}, step=0)
+    s = s.update({"a": 2.0, "i": 2}, step=1)
+    return s.update({"a": 9.0, "c/d": np.nan}, step=3).update({"a": 3.0}, step=5)
+
+
+# (where: "/" for the dataset, else the variable's path; the attribute; its
+# value; what the message says of it)
+CRAFTED_ATTRIBUTES = [
+    ("/", "jaxhistory_next_step", [1, 2], "not a whole number"),
+    ("/", "jaxhistory_next_step", "abc", "not a whole number"),
+    ("/", "jaxhistory_next_step", 2.5, "not a whole number"),
+    ("/", "jaxhistory_next_step", 2.0**70, "not a whole number"),
+    ("/", "jaxhistory_mask", [1, 2], "not text"),
+    ("/", "jaxhistory_mask", 5, "not text"),
+    ("/", "jaxhistory_mask", "a", "no mask"),
+    ("/", "jaxhistory_mask_dim", 5, "not text"),
+    ("/", "jaxhistory_mask_dim", "zz", "no mask"),
+    ("/", "jaxhistory_mask_dim", "step", "no mask"),
+    ("/", "jaxhistory_long", 5, "not text"),
+    ("/", "jaxhistory_long", ["a", "b"], "not text"),
+    ("/", "jaxhistory_layout", ["groups", "x"], "not text"),
+    ("/", "jaxhistory_layout", 5, "not text"),
+    ("/", "jaxhistory_layout", "other", "not 'groups'"),
+    ("a", "jaxhistory_name", [1, 2], "not text"),
+    ("a", "jaxhistory_name", 5, "not text"),
+    ("c/d", "jaxhistory_name", ["a", "b"], "not text"),
+    ("a", "jaxhistory_order", "x", "not a whole number"),
+    ("c/d", "jaxhistory_order", [1, 2], "not a whole number"),
+    ("a", "jaxhistory_order", 1.5, "not a whole number"),
+    ("a", "jaxhistory_dtype", [1, 2], "not text"),
+    ("c/d", "jaxhistory_dtype", 5, "not text"),
+    ("a", "jaxhistory_gaps", "yes", "not 0 or 1"),
+    ("c/d", "jaxhistory_gaps", [1, 0], "not 0 or 1"),
+    ("a", "jaxhistory_gaps", 2, "not 0 or 1"),
+]
+
+
+@pytest.mark.parametrize("where, attribute, value, said", CRAFTED_ATTRIBUTES)
+def test_an_attribute_of_the_wrong_type_is_named_with_the_file(
+    tmp_path, where, attribute, value, said
+):
+    """Each attribute the loader reads, given a value of the wrong type (or
+    naming nothing it could be): TypeError, KeyError, IndexError or an error
+    naming neither the attribute nor the file, or a file read wrongly (a
+    mask read as a metric, a group left out, a name of '[1 2]'), before. A
+    ValueError names the file, the attribute and the variable."""
+    import xarray as xr
+
+    export.to_netcdf(_masked_run(), tmp_path / "good.nc")
+    tree = xr.open_datatree(tmp_path / "good.nc").load()
+    assert "_recorded" in tree.data_vars  # the mask the attributes name
+    (tree if where == "/" else tree[where]).attrs[attribute] = value
+    path = tmp_path / "crafted.nc"
+    tree.to_netcdf(path)
+    for load in (jh.HistoryState.from_netcdf, export.read_netcdf, load_run):
+        if load is export.read_netcdf and attribute in _READ_LATER:
+            continue  # (read by from_netcdf, not by read_netcdf)
+        with pytest.raises(ValueError) as info:
+            load(path)
+        message = str(info.value)
+        assert message.startswith(f"{path}: "), message
+        assert attribute in message and said in message, message
+        if where != "/":
+            assert f"'{where}'" in message, message
+    assert_same(_masked_run(), jh.HistoryState.from_netcdf(tmp_path / "good.nc"))
+
+
+# what read_netcdf returns as it is, for from_dataset to read
+_READ_LATER = {"jaxhistory_next_step", "jaxhistory_dtype", "jaxhistory_gaps"}
+
+
+@pytest.mark.parametrize(
+    "variable, attribute, value, said",
+    [
+        (None, "jaxhistory_next_step", [1, 2], "not a whole number"),
+        (None, "jaxhistory_mask", 5, "not text"),
+        (None, "jaxhistory_long", [1, 2], "not text"),
+        ("a", "jaxhistory_name", [1, 2], "not text"),
+        ("a", "jaxhistory_gaps", "yes", "not 0 or 1"),
+        ("i", "jaxhistory_dtype", 5, "not text"),
+    ],
+)
+def test_an_attribute_of_the_wrong_type_in_a_flat_file_is_named(
+    tmp_path, variable, attribute, value, said
+):
+    """The earlier flat layout, and a dataset in memory (from_xarray)."""
+
+    def edit(ds):
+        (ds if variable is None else ds[variable]).attrs[attribute] = value
+        return ds
+
+    path = crafted(tmp_path, "flat.nc", edit)
+    with pytest.raises(ValueError) as info:
+        jh.HistoryState.from_netcdf(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and attribute in message, message
+    assert said in message and (variable is None or f"'{variable}'" in message)
+    if attribute == "jaxhistory_name":
+        return  # a name in a file only: a dataset in memory names its metrics
+    ds = edit(jh.HistoryState().update({"a": 1.0, "i": 1}, step=0).to_xarray())
+    with pytest.raises(ValueError, match=f"{attribute}.*{said}"):
+        jh.HistoryState.from_xarray(ds)
+
+
 # ----- times, plain xarray, names that cannot be groups, the flat layout ------------
 
 

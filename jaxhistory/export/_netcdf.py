@@ -91,11 +91,15 @@ def to_netcdf(
 def read_netcdf(path: str | os.PathLike):
     """The dataset in a file written by :func:`to_netcdf`, with metric names decoded.
 
-    The file is read into memory and closed.
+    The file is read into memory and closed. A damaged file is an OSError naming
+    it; a crafted one (an attribute jaxhistory reads holding the wrong type, two
+    variables holding one metric) a ValueError naming the file and what is wrong.
     """
     return _xarray.read_netcdf(path)
 
 
 def from_netcdf(path: str | os.PathLike) -> HistoryState:
-    """The HistoryState saved by :func:`to_netcdf`, exactly."""
+    """The HistoryState saved by :func:`to_netcdf`, exactly (raises as
+    :func:`read_netcdf` does, and a ValueError naming the file where its steps,
+    dtypes or attributes are not ones :func:`to_netcdf` writes)."""
     return HistoryState.from_netcdf(path)
