@@ -63,7 +63,10 @@ def check_template(
             folder.
     """
     if not isinstance(template, str) or not template:
-        raise ValueError(f"{what} must be a non-empty str, got {template!r}")
+        raise ValueError(
+            f"{what} must be a non-empty str or a path (os.PathLike), got "
+            f"{template!r:.80}"
+        )
     if inside and leaves_folder(template):
         raise ValueError(
             f"{what} {template!r} leaves the trace folder (an absolute path or a "
@@ -81,13 +84,22 @@ def check_template(
             )
 
 
-def check_names(folder: str, filename: str, merged: str | None) -> None:
+def check_names(
+    folder: str | os.PathLike, filename: str | os.PathLike, merged: Any
+) -> tuple[str, str, str | None]:
     """Checks a handler's ``folder``, ``filename`` and ``merged_trace_filename``
-    templates (:func:`check_template`): the file names inside the folder."""
+    templates (:func:`check_template`): the file names inside the folder.
+    Returns them as str (a path, any ``os.PathLike``, is the template its text
+    spells)."""
+    folder, filename, merged = (
+        os.fsdecode(t) if isinstance(t, os.PathLike) else t
+        for t in (folder, filename, merged)
+    )
     check_template(folder, FOLDER_VARS, "folder")
     check_template(filename, FILE_VARS, "filename", inside=True)
     if merged is not None:
         check_template(merged, FOLDER_VARS, "merged_trace_filename", inside=True)
+    return folder, filename, merged
 
 
 def check_keep(num_traces_to_keep: Any) -> None:

@@ -25,6 +25,7 @@ Examples:
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -65,10 +66,12 @@ class JSONTraceHandler:
     :meth:`start` / :meth:`close`).
 
     Args:
-        folder: format string of the folder; variables ``{run_name}``,
-            ``{rank}``, ``{local_rank}``, ``{world_size}``,
-            ``{local_world_size}``, ``{node_rank}``.
-        filename: format string of each trace file; the folder's variables plus
+        folder: format string of the folder (a str or any ``os.PathLike``,
+            such as a ``pathlib.Path``: its text is the format string);
+            variables ``{run_name}``, ``{rank}``, ``{local_rank}``,
+            ``{world_size}``, ``{local_world_size}``, ``{node_rank}``.
+        filename: format string of each trace file (a str or a path, as
+            ``folder``); the folder's variables plus
             ``{epoch}``, ``{batch}``, ``{step}`` (given to :meth:`start` and
             :meth:`rotate`). Include ``{rank}`` when several processes share a
             folder. An unknown variable, an absolute path or a ``..`` part is a
@@ -102,14 +105,16 @@ class JSONTraceHandler:
 
     def __init__(
         self,
-        folder: str = "{run_name}/traces",
-        filename: str = "ep{epoch}-ba{batch}-rank{rank}.json",
-        merged_trace_filename: str | None = "merged_trace.json",
+        folder: str | os.PathLike = "{run_name}/traces",
+        filename: str | os.PathLike = "ep{epoch}-ba{batch}-rank{rank}.json",
+        merged_trace_filename: str | os.PathLike | None = "merged_trace.json",
         overwrite: bool = False,
         num_traces_to_keep: int = -1,
         run_name: str | None = None,
     ):
-        check_names(folder, filename, merged_trace_filename)
+        folder, filename, merged_trace_filename = check_names(
+            folder, filename, merged_trace_filename
+        )
         check_keep(num_traces_to_keep)
         check_run_name(run_name)
         self.folder_template, self.filename_template = folder, filename

@@ -862,6 +862,49 @@ def test_a_file_name_that_leaves_the_trace_folder_is_refused(tmp_path, kwargs, w
     assert not list(tmp_path.iterdir())
 
 
+def test_the_folder_and_file_names_may_be_paths(tmp_path):
+    """folder= (and filename=, merged_trace_filename=) take any os.PathLike,
+    as every other path argument does: a pathlib.Path was a ValueError ('must
+    be a non-empty str'). A Path is a template like a str, and is checked as
+    one: no file name leaves the folder, no link is written through."""
+    import pathlib
+
+    from jaxhistory._files import NotAFile
+
+    t = trace.JSONTraceHandler(
+        folder=tmp_path / "{run_name}" / "traces",
+        filename=pathlib.PurePosixPath("ep{epoch}-r{rank}.json"),
+        merged_trace_filename=pathlib.Path("merged.json"),
+        run_name="demo",
+    )
+    assert t.folder_template == str(tmp_path / "{run_name}" / "traces")
+    with t:
+        t.instant("in the file")
+    folder = tmp_path / "demo" / "traces"
+    assert t.folder == folder and t.paths == [folder / "ep0-r0.json"]
+    names = {e["name"] for e in trace.load_trace(t.paths[0]) if e["ph"] == "i"}
+    assert names == {"in the file"}
+    assert t.merged_path == folder / "merged.json"
+    assert "in the file" in {e["name"] for e in trace.load_trace(t.merged_path)}
+    with pytest.raises(ValueError, match="filename .* leaves the trace folder"):
+        trace.JSONTraceHandler(folder=tmp_path, filename=pathlib.Path("/x{rank}"))
+    with pytest.raises(ValueError, match=r"unknown variable \{step\}"):
+        trace.JSONTraceHandler(folder=tmp_path / "{step}")
+    with pytest.raises(ValueError, match="folder must be a non-empty str or a path"):
+        trace.JSONTraceHandler(folder=b"traces")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "ep0-ba0-rank0.json").symlink_to(victim)
+    t = trace.JSONTraceHandler(
+        folder=linked, merged_trace_filename=None, overwrite=True
+    )
+    with pytest.raises(NotAFile, match="symbolic link"):
+        t.start()
+    assert victim.read_text() == "keep" and not t.active
+
+
 def test_overwrite_clears_an_earlier_runs_files_so_none_is_merged(tmp_path):
     with trace.JSONTraceHandler(folder=str(tmp_path), run_name="old") as t:
         for batch in range(1, 4):
