@@ -55,11 +55,16 @@ _EXACT_F = float(2**53)  # beyond this magnitude not every integer is a float64
 def check_append(state: HistoryState, names, shapes, step: int) -> dict[str, np.dtype]:
     """Refuses recording ``names`` (records of ``shapes``) at ``step``.
 
-    Raises ValueError if one of them changes shape or already has a record at
-    ``step`` or later. Returns the stored dtype of each that has records. A
+    Raises ValueError if one is named ``step``, changes shape or already has
+    a record at ``step`` or later. Returns the stored dtype of each that has records. A
     step past every record needs only each name's shape (O(names)); an
     earlier one, one pass over the tables.
     """
+    if "step" in names:  # (update takes a 'step' entry as the step)
+        raise ValueError(
+            "a metric may not be named 'step': it is every record's step "
+            "coordinate (give the steps as step= or steps=)"
+        )
     if step >= state.next_step:
         meta, found = state.data.meta(), {}
         for name, shape in zip(names, shapes, strict=True):

@@ -1168,3 +1168,13 @@ def test_a_state_holding_a_deleted_device_value_flattens_without_crashing():
     # flattened; 'a' deleted: NaN and one warning; 'b' kept
     leaves, *rest = proc.stdout.split()
     assert int(leaves) >= 3 and rest == ["[nan]", "[2.0]", "1"], proc.stdout
+
+
+def test_a_metric_named_step_is_refused_by_extend_and_update_packed():
+    state = jh.HistoryState().update({"x": 1.0}, step=0)
+    with pytest.raises(ValueError, match="may not be named 'step'"):
+        state.extend(np.arange(1, 4), {"step": np.arange(3.0), "x": np.ones(3)})
+    with pytest.raises(ValueError, match="may not be named 'step'"):
+        state.update_packed(("step", "y"), np.ones(2, np.float32), step=5)
+    assert state.values("x").tolist() == [1.0]  # nothing lost
+    state.to_xarray()
