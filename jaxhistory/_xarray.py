@@ -302,9 +302,16 @@ def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
     masks = {}
     if mask_names and mask_names[0] in ds.data_vars:
         mask, mask_dim = mask_names
-        names = [str(n) for n in ds[mask_dim].values]
+        names = np.asarray(ds[mask_dim].values).reshape(-1)
         table = np.asarray(ds[mask].values, bool)
-        masks = {n: table[:, i] for i, n in enumerate(names)}
+        expected = (len(steps), len(names))
+        if table.shape != expected:
+            raise ValueError(
+                f"the mask {printable(mask)!r} (the dataset's {MASK_ATTR}) has "
+                f"the shape {table.shape}, not {expected}: a row per step and a "
+                f"column per name of its {printable(mask_dim)!r} coordinate"
+            )
+        masks = {str(n): table[:, i] for i, n in enumerate(names)}
     columns = {}
     long = _long_names(ds)
     long_columns = {} if long is None else _from_long(ds, long)  # checked first

@@ -535,3 +535,27 @@ def test_a_dataset_file_of_the_earlier_flat_layout_still_reads(tmp_path):
     back = jh.HistoryState.from_netcdf(tmp_path / "old.nc")
     assert set(back.keys) == {"train/loss", "lr"}
     assert back.values("train/loss").tolist() == [0.5, 0.25]
+
+
+def test_a_mask_of_the_wrong_shape_is_named_with_the_file(tmp_path):
+    """A mask (the variable jaxhistory_mask names) with fewer columns than the
+    names of its dimension's coordinate: an IndexError before. A ValueError
+    names the variable, its shape, the shape expected and the file."""
+    import netCDF4
+
+    path = tmp_path / "mask.nc"
+    export.to_netcdf(_masked_run(), path)
+    with netCDF4.Dataset(path, "a") as nc:
+        nc.createDimension("zz", 1)
+        nc.createVariable("mask2", "i1", ("step", "zz"))[:] = np.ones((4, 1))
+        names = nc.createVariable("zz", str, ("step",))  # 4 names, 1 column
+        names[:] = np.array(["a", "i", "c/d", "x"], object)
+        nc.setncattr("jaxhistory_mask", "mask2")
+        nc.setncattr("jaxhistory_mask_dim", "zz")
+    for load in (jh.HistoryState.from_netcdf, load_run):
+        with pytest.raises(ValueError) as info:
+            load(path)
+        message = str(info.value)
+        assert message.startswith(f"{path}: "), message
+        assert "'mask2'" in message and "jaxhistory_mask" in message, message
+        assert "(4, 1), not (4, 4)" in message and "'zz'" in message, message
