@@ -363,7 +363,10 @@ def read_netcdf(path: str | os.PathLike):
     with the metric names as recorded (``train/loss``), as :func:`to_dataset`
     makes it.
 
-    The file is read into memory and closed.
+    The file is read into memory and closed. A file without the
+    ``jaxhistory_layout`` attribute is of the earlier flat layout, which has no
+    groups: one whose groups hold variables is a ValueError naming them, never
+    read without them.
     """
     xr = import_optional("xarray", "read_netcdf")
     import_optional("netCDF4", "read_netcdf")
@@ -381,6 +384,8 @@ def read_netcdf(path: str | os.PathLike):
     try:
         grouped = _layout(tree.attrs)
         # (else a file of an earlier version: percent-encoded names, no groups)
+        if not grouped:
+            _check_flat(tree)
         ds = from_tree(tree) if grouped else tree.to_dataset(inherit=False)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
@@ -429,6 +434,25 @@ def _layout(attrs) -> bool:
             "this version does not read"
         )
     return True
+
+
+def _check_flat(tree) -> None:
+    """ValueError naming the groups holding variables in a file of the flat
+    layout (no groups: its reader would leave them out)."""
+    held = [
+        node.path.strip("/")
+        for node in tree.subtree
+        if node is not tree and node.to_dataset(inherit=False).variables
+    ]
+    if held:
+        shown = ", ".join(repr(printable(g)) for g in held[:5])
+        more = f" and {len(held) - 5} more" if len(held) > 5 else ""
+        raise ValueError(
+            f"the file has no {LAYOUT_ATTR} attribute, so it is of the earlier "
+            f"flat layout, which has no groups, yet the groups {shown}{more} hold "
+            "variables, which that layout would leave out (a file of the grouped "
+            f"layout has {LAYOUT_ATTR} = {LAYOUT!r})"
+        )
 
 
 def _flat_name(name: str, attrs) -> str:

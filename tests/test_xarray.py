@@ -559,3 +559,35 @@ def test_a_mask_of_the_wrong_shape_is_named_with_the_file(tmp_path):
         assert message.startswith(f"{path}: "), message
         assert "'mask2'" in message and "jaxhistory_mask" in message, message
         assert "(4, 1), not (4, 4)" in message and "'zz'" in message, message
+
+
+def test_a_flat_file_with_groups_is_refused_naming_them(tmp_path):
+    """A file without jaxhistory_layout is of the earlier flat layout, which
+    has no groups: the variables of a group in one were silently left out.
+    A ValueError names the file and the groups holding variables; the same
+    file with the layout attribute reads whole."""
+    import xarray as xr
+
+    flat = jh.HistoryState().update({"a": 1.0}, step=0).update({"a": 2.0}, step=1)
+    tree = xr.DataTree.from_dict(
+        {
+            "/": flat.to_xarray(),
+            "/eval": xr.Dataset({"loss": ("step", [0.5, 0.25])}),
+            "/x/y": xr.Dataset({"z": ("step", [1.0, 2.0])}),
+            "/empty": xr.Dataset(),
+        }
+    )
+    path = tmp_path / "flat.nc"
+    tree.to_netcdf(path, engine="netcdf4")
+    for load in (jh.HistoryState.from_netcdf, export.read_netcdf, load_run):
+        with pytest.raises(ValueError) as info:
+            load(path)
+        message = str(info.value)
+        assert message.startswith(f"{path}: "), message
+        assert "'eval'" in message and "'x/y'" in message, message
+        assert "'empty'" not in message and "jaxhistory_layout" in message, message
+    tree.attrs["jaxhistory_layout"] = "groups"
+    tree.to_netcdf(tmp_path / "grouped.nc", engine="netcdf4")
+    back = jh.HistoryState.from_netcdf(tmp_path / "grouped.nc")
+    assert back.values("eval/loss").tolist() == [0.5, 0.25]
+    assert back.values("x/y/z").tolist() == [1.0, 2.0]
