@@ -404,7 +404,8 @@ class HistoryState:
         A crafted or damaged file is a ValueError (OSError where it cannot be
         read at all) naming it and what is wrong: an attribute of the wrong type
         (``jaxhistory_name``, ``jaxhistory_next_step``, ...), two variables
-        holding one metric, steps that are not steps.
+        holding one metric, steps that are not steps, a
+        ``jaxhistory_next_step`` at or before the last recorded step.
         """
         return cls._from_columns(*_xarray.read_state(path))
 

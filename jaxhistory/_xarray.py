@@ -350,11 +350,19 @@ def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
         )
     columns.update(long_columns)
     attrs = {k: v for k, v in ds.attrs.items() if k not in _GENERATED_ATTRS}
+    lasts = [int(c[0][-1]) for c in columns.values() if len(c[0])]
+    last = max([*lasts, *steps[-1:].tolist()], default=None)
     if NEXT_STEP_ATTR in ds.attrs:
         what = f"the dataset's {NEXT_STEP_ATTR}"
         next_step = _whole(ds.attrs[NEXT_STEP_ATTR], what)
+        if last is not None and next_step <= last:
+            # an update at next_step would land at or before a recorded step
+            raise ValueError(
+                f"{what} attribute is {next_step}, not past the last step "
+                f"{last}: a state's next step is one past its records at least"
+            )
     else:
-        next_step = int(steps[-1]) + 1 if len(steps) else 0
+        next_step = last + 1 if last is not None else 0
     return columns, next_step, attrs
 
 

@@ -591,3 +591,48 @@ def test_a_flat_file_with_groups_is_refused_naming_them(tmp_path):
     back = jh.HistoryState.from_netcdf(tmp_path / "grouped.nc")
     assert back.values("eval/loss").tolist() == [0.5, 0.25]
     assert back.values("x/y/z").tolist() == [1.0, 2.0]
+
+
+@pytest.mark.parametrize("next_step", [5, 3, -7])
+def test_a_next_step_at_or_before_the_last_step_is_refused(tmp_path, next_step):
+    """_masked_run's last step is 5: a jaxhistory_next_step of 5 or less was
+    read, and the state's next update (at next_step) was then refused or
+    placed before recorded steps. A ValueError names the attribute, its
+    value, the last step and the file; a later next_step still reads."""
+    import xarray as xr
+
+    export.to_netcdf(_masked_run(), tmp_path / "good.nc")
+    tree = xr.open_datatree(tmp_path / "good.nc").load()
+    for value, name in ((next_step, "bad.nc"), (9, "later.nc")):
+        tree.attrs["jaxhistory_next_step"] = value
+        tree.to_netcdf(tmp_path / name)
+    path = tmp_path / "bad.nc"
+    for load in (jh.HistoryState.from_netcdf, load_run):
+        with pytest.raises(ValueError) as info:
+            load(path)
+        message = str(info.value)
+        assert message.startswith(f"{path}: "), message
+        assert f"jaxhistory_next_step attribute is {next_step}" in message, message
+        assert "last step 5" in message, message
+    ds = _masked_run().to_xarray()
+    ds.attrs["jaxhistory_next_step"] = next_step
+    with pytest.raises(ValueError, match=f"is {next_step}.*last step 5"):
+        jh.HistoryState.from_xarray(ds)
+    later = jh.HistoryState.from_netcdf(tmp_path / "later.nc")
+    assert later.next_step == 9
+    assert later.update({"a": 4.0}).steps("a").tolist() == [0, 1, 3, 5, 9]
+
+
+def test_the_long_tables_steps_count_for_the_last_step():
+    """A metric of the long table recorded past the step coordinate (a crafted
+    dataset) also bounds next_step from below."""
+    ds = long_run()
+    steps = ds["_long_step"].values.copy()
+    steps[-1] = 10**6  # the last record of the table's last metric
+    ds["_long_step"] = ("_long", steps)
+    ds.attrs["jaxhistory_next_step"] = int(ds["step"].values[-1]) + 1
+    said = r"next_step attribute is \d+.*last step 1000000"
+    with pytest.raises(ValueError, match=said):
+        jh.HistoryState.from_xarray(ds)
+    ds.attrs["jaxhistory_next_step"] = 10**6 + 1
+    assert jh.HistoryState.from_xarray(ds).next_step == 10**6 + 1
