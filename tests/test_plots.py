@@ -553,6 +553,60 @@ def test_a_metric_named_like_a_comparison_keeps_its_own_files(figures, tmp_path)
     assert "(<plots/mplot/loss_train_vs_eval-1.png>)" in report
 
 
+def _named_like_a_comparison(value):
+    """train/loss, eval/loss (every other step) and a metric literally named
+    like their comparison's title, ``value(i)`` at step i."""
+    s = jh.HistoryState()
+    for i in range(6):
+        s = s.update({"train/loss": 1.0 / (i + 1), "loss: train vs eval": value(i)}, i)
+        if i % 2 == 0:
+            s = s.update({"eval/loss": 1.5 / (i + 1)}, step=i)
+    return s
+
+
+def _section(report: str, start: str, end: str | None = None) -> str:
+    tail = report[report.index(start) :]
+    return tail[: tail.index(end)] if end else tail
+
+
+def test_plots_sharing_a_title_each_keep_their_terminal_text(tmp_path):
+    """Finding: the report's terminal plots were keyed by title, so of the
+    comparison of train/loss and eval/loss and a metric named like it
+    ("loss: train vs eval") only the metric's text was there. Each plot's
+    text is there now, and the metric's PNG is with the other metrics, not
+    in the comparison's section."""
+    export.finalize(
+        _named_like_a_comparison(lambda i: 7.0 + i), tmp_path, "r", echo=False
+    )
+    tplot = tmp_path / "plots" / "tplot"
+    report = (tmp_path / "report.md").read_text()
+    terminal = _section(report, "## Terminal plots", "## Files")
+    assert terminal.count("### loss: train vs eval\n") == 2, terminal
+    for stem in ("loss_train_vs_eval", "loss_train_vs_eval-1"):
+        assert (tplot / f"{stem}.txt").read_text().rstrip() in terminal, stem
+    plots = _section(report, "## Plots", "## Terminal plots")
+    compare = _section(plots, "### train vs eval", "### train\n")
+    assert "(<plots/mplot/loss_train_vs_eval-1.png>)" in compare
+    assert "loss_train_vs_eval.png" not in compare
+    assert "(<plots/mplot/loss_train_vs_eval.png>)" in _section(plots, "### other")
+
+
+def test_a_constant_metric_titled_like_a_comparison_hides_only_its_own_plot(
+    tmp_path,
+):
+    """Finding: the report left out the plots of constant metrics by title, so
+    a constant metric named "loss: train vs eval" also hid the PNG comparing
+    train/loss with eval/loss. Only the metric's own plot is left out (its
+    value is listed under the table)."""
+    export.finalize(_named_like_a_comparison(lambda i: 7.0), tmp_path, "r", echo=False)
+    report = (tmp_path / "report.md").read_text()
+    plots = _section(report, "## Plots", "## Terminal plots")
+    assert "(<plots/mplot/loss_train_vs_eval-1.png>)" in plots
+    assert "(<plots/mplot/loss_train_vs_eval.png>)" not in plots
+    assert "loss: train vs eval = 7" in _section(report, "## Metrics", "## Plots")
+    assert (tmp_path / "plots" / "mplot" / "loss_train_vs_eval.png").is_file()
+
+
 def test_a_metric_titled_like_a_per_layer_heatmap_is_still_in_the_report(tmp_path):
     """Finding: the report told the heatmaps of watch families from the other
     plots by title, so a metric named "grads: norm per entry" was left out of

@@ -39,7 +39,13 @@ from jaxhistory.export._markdown import to_markdown
 from jaxhistory.export._mpl import start_png
 from jaxhistory.export._netcdf import to_netcdf
 from jaxhistory.export._tplot import summary_choice, write_all, write_layers
-from jaxhistory.export._units import MAX_PLOTS, capped, layer_families, plot_units
+from jaxhistory.export._units import (
+    MAX_PLOTS,
+    PlotUnit,
+    capped,
+    layer_families,
+    plot_units,
+)
 
 __all__ = ["Progress", "checked_metadata", "finalize"]
 
@@ -249,10 +255,10 @@ def finalize(
         log = to_jsonl(state, outdir / f"{run_id}.jsonl", timestamps, run_id=run_id)
         files.append(log)
     images: list[Path] = []
-    titles: dict[Path, str] = {}  # image -> the title of its plot
+    owners: dict[Path, PlotUnit] = {}  # image -> the plot unit it draws
     per_layer: list[tuple] = []  # (title, heatmap image, text) per watch family
     heatmaps: dict[str, Path] = {}  # family total -> its heatmap image
-    terminal: dict[str, str] = {}
+    terminal: dict[Path, tuple[str, str]] = {}  # text file -> (title, text)
     if plot:
         arrays = sum(1 for u in units if u.raw is not None and state.shape(u.raw))
         progress = Progress(2 * len(units) + 2 * arrays, "finalize: plots")
@@ -285,7 +291,7 @@ def finalize(
                 state, staging / "tplot", warmup, families, units
             )
             images = pending.wait()
-            titles = pending.titles
+            owners = pending.units
             heatmaps = pending.layers
             pending = None
             (outdir / "plots").mkdir(exist_ok=True)
@@ -302,7 +308,7 @@ def finalize(
             shutil.rmtree(staging, ignore_errors=True)
         progress.finish()
         final = outdir / "plots"
-        titles = {final / p.relative_to(staging): t for p, t in titles.items()}
+        owners = {final / p.relative_to(staging): u for p, u in owners.items()}
         images = [final / p.relative_to(staging) for p in images]
         tplots = [(u, final / p.relative_to(staging), t) for u, p, t in tplots]
         layer_texts = [
@@ -311,10 +317,12 @@ def finalize(
         files += images + [path for _, path, _ in tplots + layer_texts]
         heatmaps = {t: final / p.relative_to(staging) for t, p in heatmaps.items()}
         per_layer = [(f.title, heatmaps.get(f.total), t) for f, _, t in layer_texts]
-        chosen = {u.title for u in summary_choice(units)}
-        terminal = {u.title: text for u, _, text in tplots if u.title in chosen}
+        # by file, not title: two plots may share one (a metric named
+        # "loss: train vs eval" beside that comparison)
+        chosen = {id(u) for u in summary_choice(units)}
+        terminal = {p: (u.title, text) for u, p, text in tplots if id(u) in chosen}
         if echo:
-            for text in terminal.values():
+            for _, text in terminal.values():
                 print(text)
             if unplotted:
                 print(
@@ -338,11 +346,11 @@ def finalize(
             run_name=run_name,
             environment=env,
             images=[
-                (titles[p], p)
+                (owners[p], p)
                 for p in images
                 if p.suffix == ".png" and p not in shown_per_layer
             ],
-            terminal_plots=terminal,
+            terminal_plots=list(terminal.values()),
             files=files,
             unplotted=[(u.title, max_plots) for u in unplotted],
             events=events,

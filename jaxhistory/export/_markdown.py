@@ -7,7 +7,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,7 @@ from jaxhistory._files import atomic_write
 from jaxhistory._names import PROVENANCE, aggregated_names, grouped
 from jaxhistory._provenance import device_label
 from jaxhistory._stragglers import straggler_table
-from jaxhistory.export._units import printable, same_value
+from jaxhistory.export._units import PlotUnit, printable, same_value
 
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState
@@ -184,20 +184,32 @@ def _constant_groups(summary: dict) -> dict[str, float]:
 def _plot_sections(summary: dict, images: list) -> list[str]:
     """The report's plots, one section per family: the train-vs-eval figures,
     then each first part of a metric path (``train``, ``eval``, ``timing``) in the
-    order first recorded, then the metrics without one. ``images`` holds paths, or
-    ``(title, path)`` pairs; constants are left out (the table lists them).
-    ``summary``: the run's statistics (:meth:`HistoryState.summary`)."""
+    order first recorded, then the metrics without one. ``images`` holds paths,
+    ``(title, path)`` pairs, or ``(unit, path)`` pairs (a
+    :class:`~jaxhistory.export._units.PlotUnit`: a comparison is told by its
+    lines, never by its title, which a metric may have too); constants are left
+    out (the table lists them). ``summary``: the run's statistics
+    (:meth:`HistoryState.summary`)."""
     families: dict[str, list[str]] = {}
     held = _constant_groups(summary)
     for item in images:
-        title, image = item if isinstance(item, tuple) else (None, item)
-        if title is not None and (
+        key, image = item if isinstance(item, tuple) else (None, item)
+        unit = key if isinstance(key, PlotUnit) else None
+        title = unit.title if unit is not None else key
+        if unit is not None:
+            compared = bool(unit.others)
+        else:  # a title alone: a comparison is told by its title
+            compared = title is not None and ": " in title and " vs " in title
+        # A comparison is never one constant metric; a title alone cannot
+        # tell it from a metric named like it, a unit can.
+        one_metric = title is not None and (unit is None or not compared)
+        if one_metric and (
             title in held or (title in summary and _constant(summary[title]))
         ):
             continue  # its value is listed once, below the table
         if title is None:
             family = ""
-        elif ": " in title and " vs " in title:  # a comparison, e.g. train vs eval
+        elif compared:  # a comparison, e.g. train vs eval
             family = title.split(": ", 1)[1]
         else:
             family = title.split("/", 1)[0] if "/" in title else "other"
@@ -286,7 +298,7 @@ def to_markdown(
     run_id: str | None = None,
     environment: dict[str, Any] | None = None,
     images: list[str | os.PathLike] = (),
-    terminal_plots: dict[str, str] | None = None,
+    terminal_plots: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
     files: list[str | os.PathLike] = (),
     unplotted: list[tuple[str, int]] = (),
     run_name: str | None = None,
@@ -304,7 +316,9 @@ def to_markdown(
     embedded by a link relative to the report (``images``: paths, or ``(title,
     path)`` pairs, which are grouped per family: train vs eval first, then by
     the first part of the metric path; constants are left out), the terminal
-    plots in fenced blocks, the metrics left out of the plots (``unplotted``:
+    plots in fenced blocks (``terminal_plots``: title -> text, or ``(title,
+    text)`` pairs where two plots share a title), the metrics left out of the
+    plots (``unplotted``:
     ``(title, cap)`` pairs), and the list of output ``files``. Names are escaped
     so ``|`` or ``*`` in a metric name cannot break the markdown.
 
@@ -385,7 +399,9 @@ def to_markdown(
         ]
     if terminal_plots:
         lines += ["", "## Terminal plots", ""]
-        for title, text in terminal_plots.items():
+        if isinstance(terminal_plots, Mapping):
+            terminal_plots = terminal_plots.items()
+        for title, text in terminal_plots:
             fence = "```"
             while fence in text:
                 fence += "`"

@@ -397,11 +397,13 @@ def start_png(
     stems = plot_stems(units, families)
     jobs = []  # (kind, arguments, path): the data read here, drawn anywhere
     layers = {}  # family total -> the path of its heatmap
+    owners = {}  # path -> the unit it draws (its own plot, ridge or heatmap)
     marks = marks or {}
     for unit, stem, extras in zip(units, stems.units, stems.extras, strict=True):
         data = {name: series(state, name, first) for name in unit.names}
         steps = sorted({s for n in unit.names for s in marks.get(n, ()) if s >= first})
         jobs.append(("unit", (data, unit, steps), outdir / f"{stem}.png"))
+        owners[outdir / f"{stem}.png"] = unit
         if unit.raw is not None and state.shape(unit.raw):
             x, y = data[unit.raw]
             if len(x):
@@ -410,13 +412,14 @@ def start_png(
                 for kind in ARRAY_PLOTS:
                     args = (unit.title, x, chains)
                     jobs.append((kind, args, outdir / f"{extras[kind]}.png"))
+                    owners[outdir / f"{extras[kind]}.png"] = unit
     for family in families:
         x, data = family_matrix(state, family, first)
         if len(x):
             args = (family.title, x, data, family.labels)
             layers[family.total] = outdir / f"{stems.layers[family.total]}.png"
             jobs.append(("layers", args, layers[family.total]))
-    return PendingPlots(jobs, progress, layers)
+    return PendingPlots(jobs, progress, layers, owners)
 
 
 PARALLEL_FROM = 48  # plots; fewer are drawn in this process
@@ -452,12 +455,15 @@ class PendingPlots:
     there are many (a figure costs tens of milliseconds of pure Python, so
     1,000 metrics would take a minute on one core), so the caller can do other
     work meanwhile; :meth:`wait` returns the paths once all are written.
-    ``titles`` maps each path to the title of the plot unit it draws;
+    ``titles`` maps each path to the title of the plot unit it draws, and
+    ``units`` each path of a unit's plots to that unit (two units may share a
+    title: a metric named ``loss: train vs eval`` beside that comparison);
     ``layers`` maps the total of each watch family drawn to its heatmap's path."""
 
-    def __init__(self, jobs: list[tuple], progress=None, layers=None):
+    def __init__(self, jobs: list[tuple], progress=None, layers=None, units=None):
         self.jobs, self.progress = jobs, progress
         self.layers: dict[str, Path] = dict(layers or {})
+        self.units: dict[Path, PlotUnit] = dict(units or {})
         self.titles = {
             path: args[1].title if kind == "unit" else args[0]
             for kind, args, path in jobs
