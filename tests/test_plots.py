@@ -501,6 +501,14 @@ def title_of(fig) -> str:
     return fig.axes[0].get_title() if fig.axes else fig._suptitle.get_text()
 
 
+def report_sections(folder) -> tuple[str, str]:
+    """The "Per layer" and "Plots" sections of ``folder``'s report.md."""
+    report = (folder / "report.md").read_text()
+    per_layer = report[report.index("## Per layer") : report.index("## Plots")]
+    plots = report[report.index("## Plots") : report.index("## Terminal plots")]
+    return per_layer, plots
+
+
 def test_a_metric_named_like_a_per_layer_heatmap_keeps_its_own_files(figures, tmp_path):
     """Finding: the text heatmap of a watch family was written as
     {stem}.layers.txt whatever was there, so a metric named grads/norm.layers
@@ -519,10 +527,8 @@ def test_a_metric_named_like_a_per_layer_heatmap_keeps_its_own_files(figures, tm
     )
     assert (mplot / "grads_norm.layers.png").is_file()
     assert (mplot / "grads_norm.layers-1.png").is_file()
-    report = (tmp_path / "report.md").read_text()
-    per_layer = report[report.index("## Per layer") : report.index("## Plots")]
+    per_layer, plots = report_sections(tmp_path)
     assert "(<plots/mplot/grads_norm.layers-1.png>)" in per_layer
-    plots = report[report.index("## Plots") : report.index("## Terminal plots")]
     assert "(<plots/mplot/grads_norm.layers.png>)" in plots
     assert "grads_norm.layers-1" not in plots
 
@@ -613,10 +619,8 @@ def test_a_metric_titled_like_a_per_layer_heatmap_is_still_in_the_report(tmp_pat
     its Plots section."""
     s = watched_state({"grads: norm per entry": lambda i: 1.0 / (i + 1)})
     export.finalize(s, tmp_path, run_id="r", echo=False)
-    report = (tmp_path / "report.md").read_text()
-    per_layer = report[report.index("## Per layer") : report.index("## Plots")]
+    per_layer, plots = report_sections(tmp_path)
     assert "(<plots/mplot/grads_norm.layers.png>)" in per_layer
-    plots = report[report.index("## Plots") : report.index("## Terminal plots")]
     assert "(<plots/mplot/grads_norm_per_entry.png>)" in plots
     assert "grads_norm.layers" not in plots
 
