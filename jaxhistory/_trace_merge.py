@@ -266,19 +266,21 @@ def merge_traces(
     return out_path
 
 
-def merge_folder(folder: Path, merged: Path) -> Path | None:
-    """Merges every trace file in ``folder`` (hidden files and ``merged``
-    itself left out) into ``merged``; returns it, or None where there is no
-    trace or the merge failed (a warning then: this runs in the traced
-    program, never raising into it)."""
-    sources = [
+def merge_folder(folder: Path, merged: Path, also: Iterable[Path] = ()) -> Path | None:
+    """Merges every trace file in ``folder`` and the files ``also`` (a trace
+    handler's own, in subfolders; hidden files and ``merged`` itself left
+    out) into ``merged``; returns it, or None where there is no trace or the
+    merge failed (a warning then: this runs in the traced program, never
+    raising into it)."""
+    found = [
         p
         for p in sorted(folder.iterdir())
-        if p != merged
-        and not p.name.startswith(".")
+        if not p.name.startswith(".")
         and p.name.endswith((".json", ".json.gz"))
         and p.is_file()  # (not a pipe or a folder named like a trace)
     ]
+    found += [p for p in also if p not in found]
+    sources = [p for p in found if p != merged]
     if not sources:
         return None
     try:

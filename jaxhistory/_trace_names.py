@@ -32,6 +32,7 @@ __all__ = [
     "file_path",
     "leaves_folder",
     "link_below",
+    "named_files",
     "prepare_folder",
     "ranks",
 ]
@@ -231,19 +232,26 @@ def clear_earlier_files(folder: Path, templates: list) -> None:
     """Deletes the regular files in ``folder`` named like ``templates`` (a trace
     file and the merged file: an earlier run's, of any rank and epoch); None
     entries are skipped, links are left alone."""
-    if not folder.is_dir():
-        return
     for template in filter(None, templates):
-        glob, pattern = _name_pattern(template)
-        for path in folder.glob(glob):
-            name = path.relative_to(folder).as_posix()
-            if (
-                pattern.fullmatch(name)
-                and path.is_file()
-                and not path.is_symlink()
-                and link_below(folder, path) is None
-            ):
-                path.unlink(missing_ok=True)
+        for path in named_files(folder, template):
+            path.unlink(missing_ok=True)
+
+
+def named_files(folder: Path, template: str) -> list[Path]:
+    """The regular files in ``folder`` (subfolders too, where ``template``
+    names some) named like ``template``, of any rank and epoch: none that is
+    a link or lies below a folder that is one."""
+    if not folder.is_dir():
+        return []
+    glob, pattern = _name_pattern(template)
+    return [
+        path
+        for path in sorted(folder.glob(glob))
+        if pattern.fullmatch(path.relative_to(folder).as_posix())
+        and path.is_file()
+        and not path.is_symlink()
+        and link_below(folder, path) is None
+    ]
 
 
 def _any_process(flag: bool) -> bool:

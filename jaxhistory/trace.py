@@ -51,6 +51,7 @@ from jaxhistory._trace_names import (
     check_keep,
     check_names,
     file_path,
+    named_files,
     prepare_folder,
     ranks,
 )
@@ -77,8 +78,9 @@ class JSONTraceHandler:
             folder. An unknown variable, an absolute path or a ``..`` part is a
             ValueError naming it.
         merged_trace_filename: at :meth:`close`, local rank 0 of each node merges
-            every trace file in the folder into this file (same variables as
-            ``folder``, a name inside it); None to skip.
+            every trace file in the folder, and the files named like
+            ``filename`` in its subfolders (none below a link), into this file
+            (same variables as ``folder``, a name inside it); None to skip.
         overwrite: if False, a folder holding files (hidden ones ignored) is a
             FileExistsError at :meth:`start`. If True, :meth:`start` deletes the
             folder's files named like ``filename`` and ``merged_trace_filename``
@@ -232,7 +234,9 @@ class JSONTraceHandler:
             multihost_utils.sync_global_devices("jaxhistory-trace-close")
         if self._vars.get("local_rank", 0) == 0:
             merged = self.folder / self.merged_trace_filename.format(**self._vars)
-            self.merged_path = merge_folder(self.folder, merged) or self.merged_path
+            own = named_files(self.folder, self.filename_template)  # subfolders
+            done = merge_folder(self.folder, merged, own)
+            self.merged_path = done or self.merged_path
 
     def _path(self, names: dict) -> Path:
         """The file ``names`` (``epoch``, ``batch``, ``step`` among them) name."""

@@ -1049,3 +1049,32 @@ def test_merge_traces_in_composer_s_argument_order_names_the_order(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.json: no such trace file$"):
         trace.merge_traces([tmp_path / "nope.json"], tmp_path / "other.json")
     assert trace.merge_traces([made], new) == new
+
+
+def test_trace_files_in_subfolders_are_merged(tmp_path):
+    """A filename that puts each file in a subfolder (rank{rank}/...) had its
+    files left out of the merged trace, which merged only the folder's own
+    files; a subfolder that is a link is not read."""
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "rank0").mkdir(parents=True)
+    foreign = '{"traceEvents": [{"name": "foreign", "ph": "i", "ts": 1, "pid": 9}]}'
+    (elsewhere / "rank0" / "ep7.json").write_text(foreign)
+    folder = tmp_path / "traces"
+    t = trace.JSONTraceHandler(
+        folder=folder, filename="rank{rank}/ep{epoch}.json", overwrite=True
+    )
+    with t:
+        t.instant("in a subfolder")
+    assert t.paths == [folder / "rank0" / "ep0.json"]
+    assert t.merged_path == folder / "merged_trace.json"
+    assert "in a subfolder" in {e["name"] for e in trace.load_trace(t.merged_path)}
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "rank1").symlink_to(elsewhere / "rank0")
+    with trace.JSONTraceHandler(
+        folder=linked, filename="rank{rank}/ep{epoch}.json", overwrite=True
+    ) as u:
+        u.instant("mine")
+    merged = {e.get("name") for e in trace.load_trace(u.merged_path)}
+    assert "mine" in merged and "foreign" not in merged
+    assert (elsewhere / "rank0" / "ep7.json").read_text() == foreign
