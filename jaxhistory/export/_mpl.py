@@ -455,19 +455,15 @@ class PendingPlots:
     there are many (a figure costs tens of milliseconds of pure Python, so
     1,000 metrics would take a minute on one core), so the caller can do other
     work meanwhile; :meth:`wait` returns the paths once all are written.
-    ``titles`` maps each path to the title of the plot unit it draws, and
-    ``units`` each path of a unit's plots to that unit (two units may share a
-    title: a metric named ``loss: train vs eval`` beside that comparison);
+    ``units`` maps each path of a unit's plots to that unit (two units may
+    share a title: a metric named ``loss: train vs eval`` beside that
+    comparison);
     ``layers`` maps the total of each watch family drawn to its heatmap's path."""
 
     def __init__(self, jobs: list[tuple], progress=None, layers=None, units=None):
         self.jobs, self.progress = jobs, progress
         self.layers: dict[str, Path] = dict(layers or {})
         self.units: dict[Path, PlotUnit] = dict(units or {})
-        self.titles = {
-            path: args[1].title if kind == "unit" else args[0]
-            for kind, args, path in jobs
-        }
         self._procs: list = []
         self._tmp = None
         workers = min(os.cpu_count() or 1, 8)
