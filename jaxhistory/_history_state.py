@@ -208,6 +208,8 @@ class HistoryState:
         """Records one parsed :class:`~jaxhistory._row.Row`; returns the new state
         (:meth:`update` parses and appends). Raises as :meth:`update` does."""
         step, names, values, kind = row[:4]
+        if step > INT64_MAX:  # the step after a record at the last int64 step
+            raise ValueError(f"'step' is {step}, outside the int64 range of steps")
         tables = self.data.tables
         if not names:
             return self._derive(dict(tables), max(self.next_step, step + 1))
@@ -246,8 +248,6 @@ class HistoryState:
     def _append_floats(self, names, values, step, entry) -> HistoryState:
         """The fast path of :meth:`append`: numbers into a float64 table that
         earlier all-float rows made, at a step past everything recorded."""
-        if step > INT64_MAX:
-            raise ValueError(f"'step' is {step}, outside the int64 range of steps")
         table, n = entry
         # in place where this state owns the table's end
         appended = table.append_at(n, step, values)

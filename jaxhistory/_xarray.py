@@ -106,15 +106,16 @@ def _text(value: Any, what: str) -> str:
     return str(value)
 
 
-def _whole(value: Any, what: str) -> int:
+def _whole(value: Any, what: str, top: int = INT64_MAX) -> int:
     """The attribute ``what`` (``value``), which must be one whole number within
-    int64: ValueError naming it otherwise (a list, a string, 2.5)."""
+    int64 (up to ``top``): ValueError naming it otherwise (a list, a string,
+    2.5)."""
     whole = isinstance(value, int | np.integer)
     if isinstance(value, bool | np.bool_):
         whole = False
     if isinstance(value, float | np.floating):
         whole = bool(np.isfinite(value) and value == np.floor(value))
-    if not whole or not INT64_MIN <= int(value) <= INT64_MAX:
+    if not whole or not INT64_MIN <= int(value) <= top:
         raise ValueError(
             f"{what} attribute is {_shown(value)}, not a whole number within int64"
         )
@@ -354,7 +355,8 @@ def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
     last = max([*lasts, *steps[-1:].tolist()], default=None)
     if NEXT_STEP_ATTR in ds.attrs:
         what = f"the dataset's {NEXT_STEP_ATTR}"
-        next_step = _whole(ds.attrs[NEXT_STEP_ATTR], what)
+        # (one past int64: a state recorded up to the last step int64 holds)
+        next_step = _whole(ds.attrs[NEXT_STEP_ATTR], what, INT64_MAX + 1)
         if last is not None and next_step <= last:
             # an update at next_step would land at or before a recorded step
             raise ValueError(

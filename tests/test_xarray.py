@@ -636,3 +636,27 @@ def test_the_long_tables_steps_count_for_the_last_step():
         jh.HistoryState.from_xarray(ds)
     ds.attrs["jaxhistory_next_step"] = 10**6 + 1
     assert jh.HistoryState.from_xarray(ds).next_step == 10**6 + 1
+
+
+def test_a_state_recorded_up_to_the_last_int64_step_reads_back(tmp_path):
+    """A state whose last step is 2**63 - 1 has next_step 2**63 (nothing
+    more can be recorded); its own dataset and file were refused on reading
+    (next_step "not a whole number within int64"). Both read back, with the
+    same values and the same next step, and an update is still refused."""
+    top = 2**63 - 1
+    state = jh.HistoryState().update({"loss": 1.0}, step=top)
+    assert state.next_step == top + 1
+    ds = state.to_xarray()
+    ds.to_netcdf(tmp_path / "full.nc")
+    for back in (
+        jh.HistoryState.from_xarray(ds),
+        jh.HistoryState.from_netcdf(tmp_path / "full.nc"),
+    ):
+        assert back.next_step == top + 1
+        assert back.steps("loss").tolist() == [top]
+        assert back.values("loss").tolist() == [1.0]
+        with pytest.raises(ValueError, match="int64"):
+            back.update({"loss": 2.0})
+    ds.attrs["jaxhistory_next_step"] = top + 2  # past what a state can hold
+    with pytest.raises(ValueError, match="not a whole number"):
+        jh.HistoryState.from_xarray(ds)
