@@ -63,7 +63,9 @@ def reduce_mean(metrics: Any, *, weights: Any = None, mask: Any = None) -> Any:
 
     Returns:
         A pytree shaped like ``metrics`` with a scalar per leaf, float32 for
-        bfloat16/float16/float32/integer inputs (float64 stays float64).
+        bfloat16/float16/float32/integer inputs (float64 stays float64). The
+        sum is not rescaled: past float32's largest value (3.4e38) the mean
+        is ``inf``; :func:`~jaxhistory.distributed_stats` stays finite there.
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -135,6 +137,9 @@ def reduce_std(metrics: Any) -> Any:
 
     Computed in two passes (mean, then mean squared deviation), so it stays accurate
     in float32 when the mean is large next to the spread. A scalar's std is 0.
+    Not rescaled: where a deviation passes 1.8e19 in float32 (its square
+    overflows), or the mean's sum passes 3.4e38, the std is ``inf``;
+    :func:`~jaxhistory.distributed_stats` stays finite there.
 
     Examples:
         >>> import jax.numpy as jnp

@@ -340,3 +340,17 @@ def test_a_tree_deeper_than_the_limit_is_refused_before_any_recursion():
 def test_reducers_refuse_a_none_leaf(reduce):
     with pytest.raises(TypeError, match="metric 'bad' is None"):
         reduce({"bad": None, "ok": jnp.ones(3)})
+
+
+def test_the_float32_range_of_the_reducers_is_as_documented():
+    """The reducers do not rescale (docs/reducers.md): the mean of values
+    whose sum passes float32's largest is inf, as is the std of deviations
+    past 1.8e19; distributed_stats scales and returns NumPy's figures."""
+    big = jnp.full((1000,), 1e36, jnp.float32)
+    wide = jnp.array([1e20, -1e20], jnp.float32)
+    assert jnp.isinf(jh.reduce_mean(big)) and jnp.isinf(jh.reduce_std(wide))
+    assert float(jh.distributed_stats(big)["mean"]) == pytest.approx(1e36, rel=1e-6)
+    assert float(jh.distributed_stats(wide)["std"]) == pytest.approx(1e20, rel=1e-6)
+    # just inside the range: finite and right
+    assert float(jh.reduce_mean(big / 1e4)) == pytest.approx(1e32, rel=1e-6)
+    assert float(jh.reduce_std(wide / 1e2)) == pytest.approx(1e18, rel=1e-6)
