@@ -635,3 +635,21 @@ def test_dollar_signs_in_names_are_drawn_as_written_not_as_math(tmp_path):
     pngs = sorted(p.name for p in (tmp_path / "plots" / "mplot").glob("*.png"))
     assert len(pngs) == 6, pngs
     assert _mpl._shown("c$x^2$") == "c\\$x^2\\$"
+
+
+def test_an_all_nan_metric_says_so_on_its_png(figures, tmp_path):
+    """Finding: the PNG of a metric with no finite value was an empty axes
+    with made-up ticks (-0.04 to 0.04 on both axes): the NaN line counted as
+    something drawn, so "no finite values recorded" was never written."""
+    s = jh.HistoryState()
+    for step in range(5):
+        s = s.update({"n": float("nan"), "s/mean": float("nan")}, step=step)
+        s = s.update({"s/max": float("nan"), "s/min": float("nan")}, step=step)
+        s = s.update({"s/std": float("nan")}, step=step)
+    export.to_png(s, tmp_path)
+    for name in ("n.png", "s.png"):
+        ax = figures[name].axes[0]
+        texts = [t.get_text() for t in ax.texts]
+        assert texts == ["no finite values recorded"], (name, texts)
+        assert not ax.get_xticks().size and not ax.get_yticks().size
+        assert ax.get_legend() is None

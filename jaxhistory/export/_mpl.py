@@ -220,7 +220,9 @@ def _draw_unit(
     if drawn and log_scale(*drawn, name=unit.title):
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    if not ax.lines and not ax.collections:
+    # a line of NaN is a line too: the values say whether anything shows
+    finite = any(np.isfinite(y).any() for _, y in data.values())
+    if not finite:
         ax.text(
             0.5,
             0.5,
@@ -229,10 +231,13 @@ def _draw_unit(
             va="center",
             transform=ax.transAxes,
         )
+        ax.set_yticks([])  # an empty axis's ticks would be made up
+        if not marks:  # steps where a sentinel fired keep theirs
+            ax.set_xticks([])
     for i, step in enumerate(marks):  # where a sentinel fired on this metric
         label = "sentinel" if i == 0 else None
         ax.axvline(step, color="crimson", alpha=0.6, lw=0.9, ls="--", label=label)
-    if ax.get_legend_handles_labels()[0] and (ax.lines or ax.collections):
+    if ax.get_legend_handles_labels()[0] and (finite or marks):
         ax.legend(loc="best", fontsize="small")
     _save(fig, path)
 
