@@ -653,3 +653,30 @@ def test_an_all_nan_metric_says_so_on_its_png(figures, tmp_path):
         assert texts == ["no finite values recorded"], (name, texts)
         assert not ax.get_xticks().size and not ax.get_yticks().size
         assert ax.get_legend() is None
+
+
+def test_a_long_name_is_shortened_to_fit_its_plots(figures, tmp_path):
+    """Finding: a long metric name (200 characters) ran off both sides of its
+    PNG, so neither end of it showed, and left its terminal plot without a
+    title (plotext draws none wider than the plot). The title keeps the start
+    and the end of the name around an ellipsis, within the figure."""
+    long = "W" * 150 + "/tail/loss"
+    s = jh.HistoryState()
+    for step in range(4):
+        s = s.update(
+            {long: float(step), f"{long}/k": 1.0, f"{long}/a": np.arange(3.0) + step},
+            step=step,
+        )
+    export.to_png(s, tmp_path / "png")
+    assert len(figures) == 5  # a line, a constant, an array's three plots
+    for name, fig in figures.items():
+        fig.canvas.draw()
+        title = fig.axes[0].title if fig.axes else fig._suptitle
+        box = title.get_window_extent()
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.width, (name, box)
+        assert title.get_text().startswith("WWW") and "\u2026" in title.get_text()
+        assert "/loss" in title.get_text(), title.get_text()  # its end
+    (text, *_) = export.to_terminal(s, tmp_path / "txt").values()
+    first = text.splitlines()[0]
+    assert first.strip().startswith("WWW") and first.rstrip().endswith("/tail/loss")
+    assert "\u2026" in first and len(first) <= 100

@@ -31,6 +31,7 @@ from jaxhistory.export._units import (
     row_stats,
     scale_exponent,
     series,
+    shortened,
     unit_label,
 )
 
@@ -49,6 +50,28 @@ def _shown(text: object) -> str:
     escaped too, so a name is drawn as written rather than parsed as math
     (where a stray ``\\foo`` between two ``$`` would fail the drawing)."""
     return printable(text).replace("$", r"\$")
+
+
+def _title(fig, name: str, ax=None, suffix: str = "") -> None:
+    """Sets ``ax``'s title (without ``ax``, the figure's) to ``name`` as
+    :func:`_shown` shows it, then ``suffix``; the name shortened around an
+    ellipsis where the title would be wider than the figure (a 200-character
+    name would run off both sides)."""
+    shown = printable(name)
+    artist = (ax.set_title if ax is not None else fig.suptitle)(_shown(shown) + suffix)
+    if len(shown) + len(suffix) <= 30:  # fits at any glyph width: not measured
+        return
+    box = ax.bbox if ax is not None else fig.bbox  # the title is centred on it
+    center = box.x0 + box.width / 2
+    room = 0.98 * 2 * min(center, fig.bbox.width - center)
+    renderer = fig.canvas.get_renderer()
+    for _ in range(4):  # glyphs differ in width: shortened until it fits
+        width = artist.get_window_extent(renderer).width
+        if width <= room:
+            return
+        keep = int((len(shown) + len(suffix)) * room / width) - len(suffix) - 1
+        shown = shortened(shown, max(keep, 3))
+        artist.set_text(_shown(shown) + suffix)
 
 
 def _figure(left: float = 0.09, right: float = 0.97):
@@ -90,7 +113,7 @@ def _draw_constant(unit: PlotUnit, x: np.ndarray, value: float, path: Path) -> N
         fontsize=11,
         color="0.35",
     )
-    fig.suptitle(_shown(unit.title))
+    _title(fig, unit.title)
     _save(fig, path)
 
 
@@ -209,7 +232,6 @@ def _draw_unit(
             ms=4,
         )
         drawn.append(yb)
-    ax.set_title(_shown(unit.title))
     ax.set_xlabel("step")
     label = unit_label(unit.title)
     if exponent:
@@ -217,6 +239,7 @@ def _draw_unit(
     if label:
         ax.set_ylabel(_shown(label))
         fig.subplots_adjust(left=0.12)  # room for the label beside wide ticks
+    _title(fig, unit.title, ax)  # after the margins are set
     if drawn and log_scale(*drawn, name=unit.title):
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
@@ -284,7 +307,7 @@ def _draw_ridge(title, x, chains, path: Path) -> None:
             va="center",
             transform=ax.transAxes,
         )
-    ax.set_title(f"{_shown(title)}: distribution over {chains.shape[1]} series")
+    _title(fig, title, ax, f": distribution over {chains.shape[1]} series")
     ax.set_xlabel(f"value, in units of 1e{exponent}" if exponent else "value")
     _save(fig, path)
 
@@ -306,7 +329,7 @@ def _draw_heatmap(title, x, chains, path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     what = ("process", "processes") if title in LAG_BY_PROCESS else ("series",) * 2
-    ax.set_title(f"{_shown(title)}: {data.shape[0]} {what[1]}")
+    _title(fig, title, ax, f": {data.shape[0]} {what[1]}")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     what = what[0]
     ax.set_xlabel("step")
@@ -346,7 +369,7 @@ def _draw_layers(title, x, data, labels, path: Path) -> None:
     ticks = _pick(rows, 40)
     ax.set_yticks(ticks)
     ax.set_yticklabels([_shown(labels[i])[-32:] for i in ticks], fontsize=7)
-    ax.set_title(f"{_shown(title)} ({rows} entries)")
+    _title(fig, title, ax, f" ({rows} entries)")
     ax.set_xlabel("step")
     _save(fig, path)
 

@@ -37,6 +37,7 @@ from jaxhistory.export._units import (
     row_stats,
     scale_exponent,
     series,
+    shortened,
 )
 
 if TYPE_CHECKING:
@@ -118,9 +119,16 @@ def _add_line(
 
 
 def _render(
-    plt, fig, title: str, xs: list[np.ndarray], xlabel: str = "step", legend=()
+    plt,
+    fig,
+    title: str,
+    xs: list[np.ndarray],
+    xlabel: str = "step",
+    legend=(),
+    width: int = 100,
 ) -> str:
-    fig.title(printable(title))
+    # plotext draws no title wider than the plot: a long one is shortened
+    fig.title(shortened(printable(title), width))
     fig.label(xlabel, "x")
     allx = np.concatenate(xs) if xs else np.empty(0)
     allx = allx[np.isfinite(allx)]
@@ -164,7 +172,7 @@ def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
             drawn = True
         title = f"{shown} (histogram of {'mean' if unit.stats else 'values'})"
         xlabel = f"value, in units of 1e{exponent}" if exponent else "value"
-        text = _render(plt, fig, title, [], xlabel=xlabel)
+        text = _render(plt, fig, title, [], xlabel=xlabel, width=opts["width"])
         return text if drawn else f"{title}: no finite values recorded\n"
     data = {name: _series(state, name, first) for name in unit.names}
     value = constant_unit(unit, data)
@@ -208,7 +216,7 @@ def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
         xs.append(xb)
     if not drawn:
         return f"{shown}: no finite values recorded\n"
-    return _render(plt, fig, title, xs, legend=legend)
+    return _render(plt, fig, title, xs, legend=legend, width=opts["width"])
 
 
 def to_terminal(

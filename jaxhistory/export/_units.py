@@ -41,6 +41,7 @@ __all__ = [
     "same_value",
     "scale_exponent",
     "series",
+    "shortened",
     "unit_label",
 ]
 
@@ -372,6 +373,16 @@ def scale_exponent(*ys: np.ndarray) -> int:
     if not values.size or values.max() < HUGE:
         return 0
     return int(np.floor(np.log10(values.max())))
+
+
+def shortened(text: str, width: int) -> str:
+    """``text``, or where it is longer than ``width`` characters its start and
+    its end around an ellipsis, ``width`` characters in all (the last parts of a
+    metric's path tell it from its neighbours)."""
+    if len(text) <= width:
+        return text
+    head = (width - 1) // 2
+    return f"{text[:head]}\u2026{text[len(text) - (width - 1 - head) :]}"
 
 
 def unit_label(name: str) -> str | None:
