@@ -680,3 +680,35 @@ def test_a_long_name_is_shortened_to_fit_its_plots(figures, tmp_path):
     first = text.splitlines()[0]
     assert first.strip().startswith("WWW") and first.rstrip().endswith("/tail/loss")
     assert "\u2026" in first and len(first) <= 100
+
+
+def test_steps_on_the_x_axis_are_whole_numbers(figures, tmp_path):
+    """Finding: a short run's plots had steps that do not exist on the x axis
+    (0.4, 0.8, 1.2 for steps 0 to 2; 0.33 in the terminal plot), and a metric
+    recorded at step 77 alone had its point between ticks 76.5 and 78.0, the
+    step it was recorded at named nowhere."""
+    s = jh.HistoryState()
+    for step in (0, 1, 2):
+        s = s.update({"a": 1.0 / (step + 1)}, step=step)
+    s = s.update({"once": 1.5, "w": np.arange(3.0)}, step=77)
+    for step in (78, 79):
+        s = s.update({"w": np.arange(3.0) * step}, step=step)
+    export.to_png(s, tmp_path / "png")
+    for name in ("a.png", "once.png", "w.png", "w.heatmap.png"):
+        ax = figures[name].axes[0]
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert ticks and all(t == round(t) for t in ticks), (name, ticks)
+        if name == "once.png":
+            assert 77 in ticks
+    text = export.to_terminal(s, tmp_path / "txt")
+    for path, plot in text.items():
+        lines = plot.splitlines()
+        below = lines[1 + next(i for i, t in enumerate(lines) if "└" in t)]
+        assert all(t.isdigit() for t in below.split()), (path.name, below)
+    assert (tmp_path / "txt" / "once.txt").read_text().splitlines()[-2].split() == [
+        "77"
+    ]
+    export.finalize(watched_state({}, steps=3), tmp_path / "w", echo=False)
+    ax = figures["grads_norm.layers.png"].axes[0]
+    assert [t for t in ax.get_xticks() if -0.5 <= t <= 2.5] == [0, 1, 2]

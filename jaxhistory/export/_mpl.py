@@ -86,12 +86,13 @@ def _figure(left: float = 0.09, right: float = 0.97):
 
 
 def _axes(fig):
-    """An axes with at most 6 major ticks per axis: each tick is a few text and
-    line artists, the largest part of drawing a small figure."""
+    """An axes with at most 6 major ticks per axis (each tick is a few text and
+    line artists, the largest part of drawing a small figure), whole numbers on
+    x: steps."""
     from matplotlib.ticker import MaxNLocator
 
     ax = fig.add_subplot()
-    ax.xaxis.set_major_locator(MaxNLocator(6))
+    ax.xaxis.set_major_locator(MaxNLocator(6, integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(6))
     return ax
 
@@ -233,6 +234,9 @@ def _draw_unit(
         )
         drawn.append(yb)
     ax.set_xlabel("step")
+    steps = np.concatenate([x for x, _ in data.values()])
+    if steps.size and steps.min() == steps.max():  # one step: ticks around it
+        ax.set_xlim(steps[0] - 1, steps[0] + 1)
     label = unit_label(unit.title)
     if exponent:
         label = f"{label or 'value'}, in units of 1e{exponent}"
@@ -332,6 +336,7 @@ def _draw_heatmap(title, x, chains, path: Path) -> None:
     _title(fig, title, ax, f": {data.shape[0]} {what[1]}")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     what = what[0]
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel(what)
     _save(fig, path)
@@ -342,6 +347,7 @@ def _draw_layers(title, x, data, labels, path: Path) -> None:
     or group), steps across; a log colour scale where the values are positive
     and span more than two decades; at most 40 row labels."""
     from matplotlib.colors import LogNorm
+    from matplotlib.ticker import MaxNLocator
 
     rows = data.shape[0]
     height = max(SIZE[1], min(14.0, 1.6 + 0.055 * rows))
@@ -369,6 +375,7 @@ def _draw_layers(title, x, data, labels, path: Path) -> None:
     ticks = _pick(rows, 40)
     ax.set_yticks(ticks)
     ax.set_yticklabels([_shown(labels[i])[-32:] for i in ticks], fontsize=7)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     _title(fig, title, ax, f" ({rows} entries)")
     ax.set_xlabel("step")
     _save(fig, path)

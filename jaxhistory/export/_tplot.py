@@ -132,7 +132,7 @@ def _render(
     fig.label(xlabel, "x")
     allx = np.concatenate(xs) if xs else np.empty(0)
     allx = allx[np.isfinite(allx)]
-    if allx.size and allx.max() - allx.min() >= 4:  # steps: integer ticks
+    if allx.size:  # steps: whole-number ticks, however few
         lo, hi = np.floor(allx.min()), np.ceil(allx.max())
         ticks = sorted({round(float(v)) for v in np.linspace(lo, hi, 5)})
         fig.ruler("x").ticks(ticks, [str(t) for t in ticks])
