@@ -442,6 +442,26 @@ def test_bucket_keeps_spikes_and_gaps():
     assert short[0] is x[:10] or np.array_equal(short[0], x[:10])
 
 
+def test_a_reduced_series_still_spans_its_first_and_last_step(tmp_path):
+    """Finding: a series reduced for drawing put each bucket at its mean step,
+    so the terminal plot of 100,000 steps (0 to 99,999) was drawn, and its
+    axis labelled, from step 249 to 99,750: as if the run had started later
+    and ended sooner."""
+    from jaxhistory.export._units import bucket
+
+    x = np.arange(100_000)
+    y = np.sin(x / 1000.0)
+    for how in ("mean", "min", "max", "envelope"):
+        xb, _ = bucket(x, y, how, 1000)
+        assert (xb[0], xb[-1]) == (0, 99_999), how
+        assert np.all(np.diff(xb) >= 0), how
+    s = jh.HistoryState().extend(x, {"loss": y})
+    (text,) = export.to_terminal(s, tmp_path).values()
+    lines = text.splitlines()
+    ticks = lines[1 + next(i for i, t in enumerate(lines) if "└" in t)].split()
+    assert (ticks[0], ticks[-1]) == ("0", "99999"), ticks
+
+
 # ----- terminal plots -----
 @pytest.mark.parametrize("kind", STATES)
 def test_terminal_plots_are_plain_text_and_survive_nan(kind, tmp_path):

@@ -410,7 +410,8 @@ def bucket(x: np.ndarray, y: np.ndarray, how: str, n: int = MAX_POINTS):
 
     Consecutive points are grouped into buckets; ``how`` ("mean", "min", "max" or
     "envelope": the min and the max of each bucket, in turn) says what each bucket
-    keeps; an all-NaN bucket stays NaN, so gaps still show.
+    keeps, at its mean step (the first and the last bucket at the first and the
+    last step); an all-NaN bucket stays NaN, so gaps still show.
     """
     if len(x) <= n:
         return x, y
@@ -422,6 +423,9 @@ def bucket(x: np.ndarray, y: np.ndarray, how: str, n: int = MAX_POINTS):
     yb = np.where(empty[:, None], 0.0, yb)
     with np.errstate(invalid="ignore"):
         xs = np.nanmean(xb, axis=1)
+        # the ends at the first and the last step, not their buckets' middles:
+        # the series spans the steps it was recorded at
+        xs[0], xs[-1] = x[0], x[-1]
         if how == "envelope":
             lo, hi = np.nanmin(yb, axis=1), np.nanmax(yb, axis=1)
             lo[empty] = hi[empty] = np.nan
