@@ -711,12 +711,15 @@ class Last(_OfOutput):
         return jnp.where(self.stamp[0] > 0, self.value[0], jnp.nan)
 
 
-def _pooled(count, mean, std, axis: int):
+def _pooled(count, mean, std, residual, axis: int):
     """Chan's merge of the groups (count, mean, population std) along ``axis``,
     kept: ``var = sum(share * (std**2 + (mean - pooled mean)**2))``, computed on
     the means' offsets from their midrange divided by a power of two, so no
     square overflows (+-1e20 in float32) and a large common offset loses no
-    digits (1e7 +- 3). Groups of count 0 are never read."""
+    digits (1e7 +- 3). ``residual`` (None for none) is what each mean lost to
+    rounding: a group's mean is ``mean + residual``. Returns the count, the
+    pooled mean in the same two parts, and the std. Groups of count 0 are never
+    read."""
     has = count > 0
     n = jnp.sum(count, axis=axis, keepdims=True)
     share = jnp.where(has, count / _nonzero(n), 0)
@@ -730,7 +733,8 @@ def _pooled(count, mean, std, axis: int):
     )
     ref = hi / 2 + lo / 2  # (halves: no overflow near the dtype's largest)
     ref = jnp.where(jnp.isfinite(ref), ref, 0)
-    offset = jnp.where(has, mean - ref, 0)  # where: a masked NaN stays out
+    offset = mean - ref if residual is None else (mean - ref) + residual
+    offset = jnp.where(has, offset, 0)  # where: a masked NaN stays out
     size = jnp.abs(offset) if std is None else jnp.maximum(jnp.abs(offset), std)
     s = pow2_scale(
         jnp.max(jnp.where(has, size, 0), axis=axis, keepdims=True, initial=0)
@@ -743,7 +747,15 @@ def _pooled(count, mean, std, axis: int):
         r = jnp.where(has, std / s, 0)
         spread = spread + r * r
     var = jnp.sum(share * spread, axis=axis, keepdims=True)
-    return n, ref + pooled * s, jnp.sqrt(var) * s
+    # the mean rounded, and what the rounding lost (exactly: Knuth's two-sum),
+    # so that a merge of groups whose spread is a few float32 steps (1e7 +- 3)
+    # does not read their means' rounding as spread
+    step = pooled * s
+    total = ref + step
+    back = total - ref
+    lost = (ref - (total - back)) + (step - back)
+    lost = jnp.where(jnp.isfinite(lost), lost, 0)
+    return n, total, jnp.sqrt(var) * s, lost
 
 
 class Std(_OfOutput):
@@ -751,12 +763,15 @@ class Std(_OfOutput):
     by Chan's parallel merge of (count, mean, std): stable in float32 for values
     like 1e4 +- 1, where sums of squares lose every digit, and finite for values
     near float32's largest (+-1e20, +-3e38), whose squares would overflow: each
-    merge works on the values divided by a power of two. ``values`` (every
-    element counts), optional ``mask``."""
+    merge works on the values divided by a power of two. Each mean is kept with
+    what it lost to rounding (``residual``), so values 1e7 +- 3, a few of
+    float32's steps apart, keep their digits too. ``values`` (every element
+    counts), optional ``mask``."""
 
     count: jax.Array
     mean: jax.Array
     std: jax.Array
+    residual: jax.Array  # what ``mean`` lost to rounding
 
     @classmethod
     def identity(cls, n):
@@ -765,16 +780,19 @@ class Std(_OfOutput):
             "count": jnp.zeros(n, f),
             "mean": jnp.zeros(n, f),
             "std": jnp.zeros(n, f),
+            "residual": jnp.zeros(n, f),
         }
 
     @classmethod
     def from_batch(cls, batch, outputs):
         v, w = batch.values(cls.argname)
         s = v.shape[0]
-        count, mean, std = _pooled(
-            w.reshape(s, -1).astype(v.dtype), v.reshape(s, -1), None, axis=1
+        count, mean, std, residual = _pooled(
+            w.reshape(s, -1).astype(v.dtype), v.reshape(s, -1), None, None, axis=1
         )
-        return cls(count=count[:, 0], mean=mean[:, 0], std=std[:, 0])
+        return cls(
+            count=count[:, 0], mean=mean[:, 0], std=std[:, 0], residual=residual[:, 0]
+        )
 
     def combine(self, o):
         both = [jnp.stack([getattr(self, f), getattr(o, f)]) for f in self._fields]
@@ -792,8 +810,10 @@ class Std(_OfOutput):
         )
 
     def fold(self):
-        count, mean, std = _pooled(self.count, self.mean, self.std, axis=0)
-        return self.replace(count=count, mean=mean, std=std)
+        count, mean, std, residual = _pooled(
+            self.count, self.mean, self.std, self.residual, axis=0
+        )
+        return self.replace(count=count, mean=mean, std=std, residual=residual)
 
     def result(self):
         return jnp.where(self.count[0] > 0, self.std[0], jnp.nan)
