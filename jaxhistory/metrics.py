@@ -473,6 +473,15 @@ def _add(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where((a < 0) | (b < 0) | (n < a), -1, n).astype(a.dtype)
 
 
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a + b`` rounded, and what the rounding lost, exactly (Knuth's two-sum;
+    0 where the sum is not finite)."""
+    total = a + b
+    back = total - a
+    lost = (a - (total - back)) + (b - back)
+    return total, jnp.where(jnp.isfinite(lost), lost, 0)
+
+
 def _nonzero(x: jax.Array) -> jax.Array:
     """``x`` with 1 for 0: a divisor for states that hold nothing."""
     return jnp.where(x != 0, x, 1)
@@ -559,24 +568,31 @@ class Average(_OfOutput):
 
 
 class Sum(_OfOutput):
-    """The sum of every value counted (``values``, optional ``mask``)."""
+    """The sum of every value counted (``values``, optional ``mask``).
+
+    The state is the total and what merging lost to rounding (``residual``,
+    Kahan and Babuska's compensated sum), so the total keeps its digits over
+    many merges, and integers summed stay exact past 2**24 in float32."""
 
     total: jax.Array
+    residual: jax.Array
 
     @classmethod
     def identity(cls, n):
-        return {"total": jnp.zeros(n, _float())}
+        return {"total": jnp.zeros(n, _float()), "residual": jnp.zeros(n, _float())}
 
     @classmethod
     def from_batch(cls, batch, outputs):
         v, w = batch.values(cls.argname)
-        return cls(total=_sum(jnp.where(w, v, 0)))
+        total = _sum(jnp.where(w, v, 0))
+        return cls(total=total, residual=jnp.zeros_like(total))
 
     def combine(self, o):
-        return self.replace(total=self.total + o.total)
+        total, lost = _two_sum(self.total, o.total)
+        return self.replace(total=total, residual=self.residual + o.residual + lost)
 
     def result(self):
-        return self.total[0]
+        return self.total[0] + self.residual[0]
 
 
 class Count(_OfOutput):
@@ -750,11 +766,7 @@ def _pooled(count, mean, std, residual, axis: int):
     # the mean rounded, and what the rounding lost (exactly: Knuth's two-sum),
     # so that a merge of groups whose spread is a few float32 steps (1e7 +- 3)
     # does not read their means' rounding as spread
-    step = pooled * s
-    total = ref + step
-    back = total - ref
-    lost = (ref - (total - back)) + (step - back)
-    lost = jnp.where(jnp.isfinite(lost), lost, 0)
+    total, lost = _two_sum(ref, pooled * s)
     return n, total, jnp.sqrt(var) * s, lost
 
 

@@ -544,6 +544,28 @@ def test_sum_and_count_of_nothing_are_zero():
     assert np.isnan(float(out["mean"])) and np.isnan(float(out["hi"]))
 
 
+def test_a_sum_over_many_merges_keeps_its_digits():
+    """10^4 batches of 1e7 + noise over 8 shards are within 1e-7 of NumPy's
+    float64 sum (2.8e-5 off before: each merge rounded the running total), and
+    integers summed past 2**24 over 20,000 merges are exact (19,999 off)."""
+    x = (1e7 + np.random.default_rng(0).normal(size=(10_000, 64))).astype(np.float32)
+    run = jax.jit(
+        lambda x: jax.lax.scan(
+            lambda m, b: (m.update(values=b), None), M.Sum.empty(num_shards=8), x
+        )[0].compute()
+    )
+    want = x.astype(np.float64).sum()
+    assert float(run(x)) == pytest.approx(want, rel=1e-7)
+    ints = np.tile(np.array([126, *[125] * 7], np.int32), (20_000, 1))
+    assert ints.sum() == 20_020_000 > 2**24
+    run = jax.jit(
+        lambda x: jax.lax.scan(
+            lambda m, b: (m.update(values=b), None), M.Sum.empty(num_shards=1), x
+        )[0].compute()
+    )
+    assert float(run(ints)) == 20_020_000
+
+
 @pytest.mark.slow
 def test_a_collection_over_the_devices_of_several_processes():
     """2 processes x 2 devices, one global batch assembled from each process's
