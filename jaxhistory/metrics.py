@@ -482,6 +482,22 @@ def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     return total, jnp.where(jnp.isfinite(lost), lost, 0)
 
 
+def _two_product(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a * b`` rounded, and what the rounding lost, exactly (Dekker's
+    two-product, each factor split in halves that multiply exactly; for values
+    well inside the dtype's range)."""
+    split = 2.0 ** ((jnp.finfo(a.dtype).nmant + 2) // 2) + 1
+
+    def halves(x):
+        t = split * x
+        hi = t - (t - x)
+        return hi, x - hi
+
+    (ah, al), (bh, bl) = halves(a), halves(b)
+    p = a * b
+    return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
 def _nonzero(x: jax.Array) -> jax.Array:
     """``x`` with 1 for 0: a divisor for states that hold nothing."""
     return jnp.where(x != 0, x, 1)
@@ -727,15 +743,15 @@ class Last(_OfOutput):
         return jnp.where(self.stamp[0] > 0, self.value[0], jnp.nan)
 
 
-def _pooled(count, mean, std, residual, axis: int):
+def _pooled(count, mean, std, residual, std_residual, axis: int):
     """Chan's merge of the groups (count, mean, population std) along ``axis``,
     kept: ``var = sum(share * (std**2 + (mean - pooled mean)**2))``, computed on
     the means' offsets from their midrange divided by a power of two, so no
     square overflows (+-1e20 in float32) and a large common offset loses no
-    digits (1e7 +- 3). ``residual`` (None for none) is what each mean lost to
-    rounding: a group's mean is ``mean + residual``. Returns the count, the
-    pooled mean in the same two parts, and the std. Groups of count 0 are never
-    read."""
+    digits (1e7 +- 3). ``residual`` and ``std_residual`` (None for none) are
+    what each mean and std lost to rounding: a group's mean is ``mean +
+    residual``. Returns the count and the pooled mean and std, each in the same
+    two parts. Groups of count 0 are never read."""
     has = count > 0
     n = jnp.sum(count, axis=axis, keepdims=True)
     share = jnp.where(has, count / _nonzero(n), 0)
@@ -761,13 +777,22 @@ def _pooled(count, mean, std, residual, axis: int):
     spread = d * d
     if std is not None:
         r = jnp.where(has, std / s, 0)
-        spread = spread + r * r
-    var = jnp.sum(share * spread, axis=axis, keepdims=True)
+        spread = spread + (r * r + 2 * r * jnp.where(has, std_residual / s, 0))
+    # counts times spreads over the total count: shares (count / n) rounded to
+    # float32 did not sum to 1, and over 10^5 merges the std drifted by 4e-4
+    var = jnp.sum(count * spread, axis=axis, keepdims=True) / _nonzero(n)
+    q = jnp.sqrt(var)
+    # what the std lost to rounding: (var - q**2) / (2 q), q**2 exactly
+    # (Dekker's two-product); a merge squares the std, so its rounding was
+    # read back as spread at every merge
+    p, p_lost = _two_product(q, q)
+    q_lost = jnp.where(q > 0, ((var - p) - p_lost) / (2 * _nonzero(q)), 0)
     # the mean rounded, and what the rounding lost (exactly: Knuth's two-sum),
     # so that a merge of groups whose spread is a few float32 steps (1e7 +- 3)
     # does not read their means' rounding as spread
     total, lost = _two_sum(ref, pooled * s)
-    return n, total, jnp.sqrt(var) * s, lost
+    q_lost = jnp.where(jnp.isfinite(q_lost), q_lost, 0)
+    return n, total, q * s, lost, q_lost * s
 
 
 class Std(_OfOutput):
@@ -775,15 +800,17 @@ class Std(_OfOutput):
     by Chan's parallel merge of (count, mean, std): stable in float32 for values
     like 1e4 +- 1, where sums of squares lose every digit, and finite for values
     near float32's largest (+-1e20, +-3e38), whose squares would overflow: each
-    merge works on the values divided by a power of two. Each mean is kept with
-    what it lost to rounding (``residual``), so values 1e7 +- 3, a few of
-    float32's steps apart, keep their digits too. ``values`` (every element
-    counts), optional ``mask``."""
+    merge works on the values divided by a power of two. Each mean and std is
+    kept with what it lost to rounding (``residual``, ``std_residual``), so
+    values 1e7 +- 3, a few of float32's steps apart, keep their digits too, and
+    so does a std merged over 10^5 batches. ``values`` (every element counts),
+    optional ``mask``."""
 
     count: jax.Array
     mean: jax.Array
     std: jax.Array
     residual: jax.Array  # what ``mean`` lost to rounding
+    std_residual: jax.Array  # what ``std`` lost to rounding
 
     @classmethod
     def identity(cls, n):
@@ -793,18 +820,16 @@ class Std(_OfOutput):
             "mean": jnp.zeros(n, f),
             "std": jnp.zeros(n, f),
             "residual": jnp.zeros(n, f),
+            "std_residual": jnp.zeros(n, f),
         }
 
     @classmethod
     def from_batch(cls, batch, outputs):
         v, w = batch.values(cls.argname)
         s = v.shape[0]
-        count, mean, std, residual = _pooled(
-            w.reshape(s, -1).astype(v.dtype), v.reshape(s, -1), None, None, axis=1
-        )
-        return cls(
-            count=count[:, 0], mean=mean[:, 0], std=std[:, 0], residual=residual[:, 0]
-        )
+        count = w.reshape(s, -1).astype(v.dtype)
+        pooled = _pooled(count, v.reshape(s, -1), None, None, None, axis=1)
+        return cls(**{f: x[:, 0] for f, x in zip(cls._fields, pooled, strict=True)})
 
     def combine(self, o):
         both = [jnp.stack([getattr(self, f), getattr(o, f)]) for f in self._fields]
@@ -822,13 +847,11 @@ class Std(_OfOutput):
         )
 
     def fold(self):
-        count, mean, std, residual = _pooled(
-            self.count, self.mean, self.std, self.residual, axis=0
-        )
-        return self.replace(count=count, mean=mean, std=std, residual=residual)
+        pooled = _pooled(*self._leaves(), axis=0)
+        return self.replace(**dict(zip(self._fields, pooled, strict=True)))
 
     def result(self):
-        return jnp.where(self.count[0] > 0, self.std[0], jnp.nan)
+        return jnp.where(self.count[0] > 0, self.std[0] + self.std_residual[0], jnp.nan)
 
 
 class Accuracy(Metric):

@@ -830,6 +830,19 @@ def test_a_float32_std_of_a_spread_of_a_few_float32_steps_keeps_its_digits(mesh)
     assert float(m.compute()) == pytest.approx(ints.astype(np.float64).std(), rel=1e-5)
 
 
+def test_a_float32_std_over_many_merges_keeps_its_digits():
+    """10^5 batches of 64 normal values merged in a scan are within 1e-5 of
+    NumPy's float64 std (4e-4 off before: each merge rounded the shares and
+    the std, which the next merge squared)."""
+    x = np.random.default_rng(0).normal(size=(100_000, 64)).astype(np.float32)
+    run = jax.jit(
+        lambda x: jax.lax.scan(
+            lambda m, b: (m.update(values=b), None), M.Std.empty(num_shards=1), x
+        )[0].compute()
+    )
+    assert float(run(x)) == pytest.approx(x.astype(np.float64).std(), rel=1e-5)
+
+
 class DeclaredMetrics(jh.metrics.Collection):
     loss: jh.metrics.Average.from_output("loss")
     accuracy: jh.metrics.Accuracy
