@@ -860,7 +860,8 @@ class Accuracy(Metric):
     ties in the label's favour) or from ``predictions`` (class ids), against
     ``labels``, with an optional ``mask``. A label outside the classes (an
     ignore index such as -100, or a class the logits do not have) is a miss,
-    whatever the prediction."""
+    whatever the prediction; so is a label whose logit is NaN, and a NaN logit
+    ranks above every number (as ``argmax`` takes it)."""
 
     reads: ClassVar[tuple[str, ...]] = ("logits", "labels")
 
@@ -892,12 +893,21 @@ class Accuracy(Metric):
                     f"Accuracy: logits {logits.shape} must be labels {labels.shape} "
                     "plus a class axis"
                 )
+            floating = jnp.issubdtype(logits.dtype, jnp.floating)
+            # NaN ranks above every number (argmax takes the first NaN), and
+            # a label whose logit is NaN is a miss: a model that blew up does
+            # not read as accurate
+            mine = jnp.take_along_axis(
+                logits, jnp.clip(labels, 0, logits.shape[-1] - 1)[..., None], axis=-1
+            )
             if cls.top_k == 1:
                 hit = jnp.argmax(logits, axis=-1) == labels
             else:
-                mine = jnp.take_along_axis(logits, labels[..., None], axis=-1)
-                above = jnp.sum(logits > mine, axis=-1)
+                nan = jnp.isnan(logits) if floating else False
+                above = jnp.sum((logits > mine) | nan, axis=-1)
                 hit = above < cls.top_k
+            if floating:
+                hit = hit & ~jnp.isnan(mine[..., 0])
             # a label outside the classes (an ignore index such as -100) misses
             hit = hit & (labels >= 0) & (labels < logits.shape[-1])
         elif outputs.get("predictions") is not None:

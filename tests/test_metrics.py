@@ -514,6 +514,38 @@ def test_labels_outside_the_classes_are_misses_at_any_k():
         assert float(m.compute()) == want, k
 
 
+def test_a_nan_logit_is_never_a_hit_at_any_k():
+    """A model that blew up (NaN logits) read as perfect top-k accuracy: NaN
+    compares false, so nothing ranked above the label's NaN. A label whose
+    logit is NaN is a miss, and a NaN elsewhere ranks above every number (as
+    argmax takes it), at k = 1 and above, under jit too."""
+    nan = np.nan
+    logits = np.array(
+        [
+            [nan, nan, nan, nan],  # all NaN: a miss, whatever the label
+            [nan, 1.0, 2.0, 3.0],  # the label's logit is NaN: a miss
+            [3.0, nan, 2.0, 1.0],  # label 0: one NaN above it, then itself
+            [3.0, 2.0, 1.0, 0.0],  # no NaN: a hit at any k
+        ],
+        np.float32,
+    )
+    labels = np.array([0, 0, 0, 0], np.int32)
+    for k, want in ((1, 0.25), (2, 0.5), (3, 0.5), (4, 0.5)):
+        fn = M.Accuracy.top(k).from_model_output
+        for f in (fn, jax.jit(fn)):
+            for dtype in (np.float32, jnp.bfloat16):
+                m = f(logits=logits.astype(dtype), labels=labels)
+                assert float(m.compute()) == want, (k, dtype)
+        ints = fn(logits=np.array([[3, 1, 2]], np.int32), labels=np.array([2]))
+        assert float(ints.compute()) == (1.0 if k >= 2 else 0.0)
+    # all NaN, every label: nothing counts
+    for k in (1, 3):
+        m = M.Accuracy.top(k).from_model_output(
+            logits=np.full((4, 4), nan, np.float32), labels=np.arange(4, dtype=np.int32)
+        )
+        assert float(m.compute()) == 0.0, k
+
+
 def test_count_of_a_scalar_is_one_mask_or_not():
     C = M.Collection.create(n=M.Count.from_output("lr"))
     for mask in (None, np.arange(16) < 5):
