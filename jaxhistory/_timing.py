@@ -91,12 +91,13 @@ class StopWatch:
         self._lock = threading.Lock()
         self._spans = 0  # spans finished (not those that raised)
         self._total = 0.0  # their seconds
+        self._dt = 0.0  # the latest one's seconds
 
     @property
     def data(self) -> dict[str, float | int]:
         """What this stop watch timed so far, as ezpz's ``StopWatch.data``
         (a new dict at each read; empty before the first span ends):
-        ``{key}/dt``, the seconds of the latest span, ``{key}/count`` the spans
+        ``{key}/dt``, the seconds of the latest span timed, ``{key}/count`` the spans
         timed, ``{key}/total`` their seconds together, and ``{key}/iter``,
         the ``step`` given, if one was. ``key`` is ``wbtag`` as given (ezpz's
         spelling: ``wbtag="timing/fwd"`` gives ``timing/fwd/dt``), else the
@@ -119,7 +120,7 @@ class StopWatch:
                 return {}
             key = self._key
             out: dict[str, float | int] = {
-                f"{key}/dt": self.seconds,
+                f"{key}/dt": self._dt,
                 f"{key}/count": self._spans,
                 f"{key}/total": self._total,
             }
@@ -173,6 +174,7 @@ class StopWatch:
             if exc_type is None:
                 self._spans += 1
                 self._total += seconds
+                self._dt = seconds
         handler = _trace_state.active()
         if handler is not None:
             # The span's duration is its time: no per-span arguments, so

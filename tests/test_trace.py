@@ -1078,3 +1078,17 @@ def test_trace_files_in_subfolders_are_merged(tmp_path):
     merged = {e.get("name") for e in trace.load_trace(u.merged_path)}
     assert "mine" in merged and "foreign" not in merged
     assert (elsewhere / "rank0" / "ep7.json").read_text() == foreign
+
+
+def test_a_span_that_raised_leaves_the_stopwatch_data_of_the_counted_spans():
+    """``data``'s dt was the seconds of a span that raised, while its count and
+    total left that span out (dt 0.1 s beside a total of 0.01 s over 1 span)."""
+    watch = jh.StopWatch("step")
+    with watch:
+        time.sleep(0.01)
+    counted = watch.data
+    with pytest.raises(ValueError), watch:
+        time.sleep(0.05)
+        raise ValueError
+    assert watch.data == counted
+    assert counted["timing/step/dt"] == counted["timing/step/total"]
