@@ -131,7 +131,10 @@ class JSONTraceHandler:
         self._out = TraceFile()  # the open file (the writer's target)
         self._writer: Writer | None = None  # writes the queued events
         self._started = False
-        self._threads: dict[int, tuple[int, str]] = {}  # ident -> (tid, name)
+        self._threads: dict[int, tuple[int, str]] = {}  # tid -> (tid, name)
+        # A thread's tid lives in a thread-local: get_ident() is handed again
+        # to a thread started after another ended, which needs its own track.
+        self._local = threading.local()
         self._metadata: list[dict] = []  # the process's, first in every file
         self._sync: dict[str, Any] = {"sync_ts": 0.0, "sync_wall": 0.0}
         self._pid = 0
@@ -267,14 +270,13 @@ class JSONTraceHandler:
     def _tid(self) -> int:
         """This thread's id in the trace (1, 2, ... in the order threads first
         trace something), named in the metadata of this and later files."""
-        ident = threading.get_ident()
-        entry = self._threads.get(ident)
-        if entry is None:
-            entry = (len(self._threads) + 1, threading.current_thread().name)
-            self._threads[ident] = entry
+        tid = getattr(self._local, "tid", None)
+        if tid is None:
+            tid = self._local.tid = len(self._threads) + 1
+            self._threads[tid] = entry = (tid, threading.current_thread().name)
             for event in thread_metadata(self._pid, *entry):
                 self._event(event)
-        return entry[0]
+        return tid
 
     def _on_thread(self, event: dict, args: Mapping[str, Any] | None) -> None:
         """Queues ``event`` with this process, this thread and ``args``."""

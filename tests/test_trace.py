@@ -1092,3 +1092,21 @@ def test_a_span_that_raised_leaves_the_stopwatch_data_of_the_counted_spans():
         raise ValueError
     assert watch.data == counted
     assert counted["timing/step/dt"] == counted["timing/step/total"]
+
+
+def test_a_thread_started_after_another_ended_gets_its_own_named_track(tmp_path):
+    """Threads were told apart by ``threading.get_ident()``, which Python
+    hands again to a thread started after another ended: the later thread's
+    spans landed on the earlier one's track, under its name."""
+    with trace.JSONTraceHandler(folder=tmp_path, merged_trace_filename=None) as t:
+        for i in range(3):
+            worker = threading.Thread(
+                target=jh.StopWatch(f"span {i}")(lambda: None), name=f"worker-{i}"
+            )
+            worker.start()
+            worker.join()
+    events = trace.load_trace(t.paths[0])
+    check_valid(events)
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    spans = {e["name"]: names[e["tid"]] for e in events if e["ph"] == "X"}
+    assert spans == {f"span {i}": f"worker-{i}" for i in range(3)}
