@@ -5,6 +5,7 @@ and the events every file of a run starts with."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import socket
@@ -50,6 +51,18 @@ def sanitize(value: Any) -> Any:
     except Exception:
         pass
     return str(value)
+
+
+def _utf8(value: Any) -> Any:
+    """``value`` (an event) with every string UTF-8 can encode: a lone
+    surrogate (``os.fsdecode`` of undecodable bytes) written as ``\\udcff``."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_utf8(k): _utf8(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_utf8(v) for v in value]
+    return value
 
 
 def counter_values(values: Mapping[str, Any]) -> dict[str, float]:
@@ -165,13 +178,23 @@ class TraceFile:
 
     def write_event(self, event: dict) -> None:
         """Writes one event line (values already sanitized: finite numbers and
-        strings, which orjson writes as they are)."""
+        strings, which orjson writes as they are; an event it cannot write, a
+        lone surrogate or an int past 64 bits, goes through :mod:`json`)."""
         if self.file is None:
             if self.error is not None and self.counting:
                 self.lost += 1
             return
         try:
-            self.file.write((b"[\n" if self.first else b",\n") + orjson.dumps(event))
+            line = orjson.dumps(event)
+        except TypeError:  # a lone surrogate, an int past 64 bits: this event's own
+            try:
+                line = json.dumps(_utf8(event), ensure_ascii=False, allow_nan=False)
+                line = line.encode()
+            except (TypeError, ValueError):
+                self.lost += 1
+                return
+        try:
+            self.file.write((b"[\n" if self.first else b",\n") + line)
             self.first = False
             if event["ph"] != "M":
                 self.events += 1

@@ -3,6 +3,7 @@
 import gzip
 import json
 import logging
+import os
 import random
 import subprocess
 import sys
@@ -1110,3 +1111,25 @@ def test_a_thread_started_after_another_ended_gets_its_own_named_track(tmp_path)
     names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
     spans = {e["name"]: names[e["tid"]] for e in events if e["ph"] == "X"}
     assert spans == {f"span {i}": f"worker-{i}" for i in range(3)}
+
+
+def test_an_event_orjson_cannot_write_costs_no_other_event(tmp_path):
+    """A span named after an undecodable file name (``os.fsdecode`` makes a
+    lone surrogate of its bytes) or an argument past 64 bits made orjson raise
+    on the writer's thread: every event queued with it was lost, uncounted."""
+    odd = "load " + os.fsdecode(b"shard\xff.bin")
+    with trace.JSONTraceHandler(folder=tmp_path, merged_trace_filename=None) as t:
+        with jh.StopWatch("before"):
+            pass
+        with jh.StopWatch(odd):
+            pass
+        t.instant("big", {"n": 2**70, odd: odd})
+        with jh.StopWatch("after"):
+            pass
+    events = trace.load_trace(t.paths[0])
+    check_valid(events)
+    spans = [e for e in events if e["ph"] != "M"]
+    shown = "load shard\\udcff.bin"
+    assert [e["name"] for e in spans] == ["before", shown, "big", "after"]
+    assert spans[2]["args"] == {"n": 2**70, shown: shown}
+    assert t.lost == 0
