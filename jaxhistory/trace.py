@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -131,7 +132,9 @@ class JSONTraceHandler:
         self._out = TraceFile()  # the open file (the writer's target)
         self._writer: Writer | None = None  # writes the queued events
         self._started = False
-        self._threads: dict[int, tuple[int, str]] = {}  # tid -> (tid, name)
+        # tid -> (name, the thread): a finished thread's is left out of later files
+        self._threads: dict[int, tuple[str, weakref.ref]] = {}
+        self._tids = 0  # tids handed out
         # A thread's tid lives in a thread-local: get_ident() is handed again
         # to a thread started after another ended, which needs its own track.
         self._local = threading.local()
@@ -250,8 +253,13 @@ class JSONTraceHandler:
     def _open(self, path: Path, names: dict) -> None:
         """Opens ``path`` with the run's metadata (the caller holds the locks)."""
         self._vars = names
-        threads = [thread_metadata(self._pid, *t) for t in self._threads.values()]
-        self._out.open(path, sum(threads, self._metadata))
+        metadata = list(self._metadata)
+        for tid, (name, thread) in list(self._threads.items()):
+            if thread() is None:  # finished and gone: it traces nothing more
+                del self._threads[tid]
+            else:
+                metadata += thread_metadata(self._pid, tid, name)
+        self._out.open(path, metadata)
 
     # ----- events ------------------------------------------------------------------
     def _event(self, event: dict) -> None:
@@ -269,12 +277,15 @@ class JSONTraceHandler:
 
     def _tid(self) -> int:
         """This thread's id in the trace (1, 2, ... in the order threads first
-        trace something), named in the metadata of this and later files."""
+        trace something), named in the metadata of this file and of later
+        ones while it lives."""
         tid = getattr(self._local, "tid", None)
         if tid is None:
-            tid = self._local.tid = len(self._threads) + 1
-            self._threads[tid] = entry = (tid, threading.current_thread().name)
-            for event in thread_metadata(self._pid, *entry):
+            self._tids += 1
+            tid = self._local.tid = self._tids
+            thread = threading.current_thread()
+            self._threads[tid] = (thread.name, weakref.ref(thread))
+            for event in thread_metadata(self._pid, tid, thread.name):
                 self._event(event)
         return tid
 

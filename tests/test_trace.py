@@ -1106,11 +1106,19 @@ def test_a_thread_started_after_another_ended_gets_its_own_named_track(tmp_path)
             )
             worker.start()
             worker.join()
+        del worker
+        t.rotate(epoch=1)  # a finished thread is not named again in later files
+        t.instant("next file")
     events = trace.load_trace(t.paths[0])
     check_valid(events)
     names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
     spans = {e["name"]: names[e["tid"]] for e in events if e["ph"] == "X"}
     assert spans == {f"span {i}": f"worker-{i}" for i in range(3)}
+    later = trace.load_trace(t.paths[1])
+    check_valid(later)
+    assert [e["args"]["name"] for e in later if e["name"] == "thread_name"] == [
+        "MainThread"
+    ]
 
 
 def test_an_event_orjson_cannot_write_costs_no_other_event(tmp_path):
