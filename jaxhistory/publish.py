@@ -311,6 +311,10 @@ def scoped() -> Iterator[None]:
 
 
 def _key(fn: Callable) -> str:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if not hasattr(fn, "__name__"):  # an object with __call__: its class
+        fn = type(fn)
     parts = getattr(fn, "__qualname__", fn.__name__).split(".")
     if len(parts) >= 2 and parts[-2] != "<locals>":
         return ".".join(parts[-2:])  # Class.method
@@ -333,7 +337,9 @@ def prof(fn: Callable | None = None, *, group: str = DEFAULT_GROUP):
     """Publishes ``<key>.success`` or ``<key>.failure`` (1) and
     ``<key>.duration.ms`` for each call of the decorated function.
 
-    ``<key>`` is the qualified name (``Class.method``) or ``leafmodule.func``.
+    ``<key>`` is the qualified name (``Class.method``) or ``leafmodule.func``
+    (of the function a ``functools.partial`` calls, of the class of an object
+    with ``__call__``).
     Use bare (``@prof``) or with a keyword (``@prof(group="agent")``). The
     duration is float milliseconds from a monotonic clock. A failing handler
     gives a RuntimeWarning; it never changes the function's result or exception.

@@ -1,5 +1,6 @@
 """jaxhistory.publish: handlers, groups, put_metric, prof, MetricStream."""
 
+import functools
 import io
 import threading
 import time
@@ -231,6 +232,29 @@ def test_prof_with_a_group_keyword_on_a_method_and_a_failure():
         ("agent", "Worker.run.duration.ms"),
     ]
     assert handler.data[1].value >= 2.0  # milliseconds, monotonic clock
+
+
+def test_prof_times_a_partial_and_a_callable_object():
+    """A callable without ``__name__`` (a ``functools.partial``, an object with
+    ``__call__``) made ``prof`` raise AttributeError when decorating it."""
+    handler = Collect()
+    publish.configure(handler)
+
+    def add(a, b):
+        return a + b
+
+    class Loader:
+        def __call__(self):
+            return "batch"
+
+    assert publish.prof(functools.partial(add, 1))(2) == 3
+    assert publish.prof(Loader())() == "batch"
+    assert [name for _, name in handler.names()] == [
+        "test_publish.add.success",
+        "test_publish.add.duration.ms",
+        "test_publish.Loader.success",
+        "test_publish.Loader.duration.ms",
+    ]
 
 
 def test_a_raising_handler_never_changes_the_outcome():
