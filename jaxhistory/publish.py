@@ -286,6 +286,10 @@ def put_metric(name: str, value: Any, metric_group: str = DEFAULT_GROUP) -> None
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"metric name must be a non-empty str, got {name!r}")
+    if not isinstance(metric_group, str) or not metric_group:
+        raise ValueError(
+            f"metric_group must be a non-empty str, got {metric_group!r:.80}"
+        )
     get_stream(metric_group).add_value(name, value)
 
 

@@ -87,6 +87,8 @@ def test_bad_configuration_and_names():
         publish.put_metric("", 1)
     with pytest.raises(ValueError, match="group"):
         publish.get_stream(None)
+    with pytest.raises(ValueError, match="^metric_group must be a non-empty str"):
+        publish.put_metric("x", 1, metric_group=None)  # named as its argument
 
 
 def test_many_threads_publish_and_configure_safely():
