@@ -63,6 +63,16 @@ from jaxhistory.sinks._base import scalars
 __all__ = ["JSONTraceHandler", "load_trace", "merge_traces"]
 
 
+def _check_mapping(what: str, value: Any, none: bool = True) -> None:
+    """TypeError naming ``what`` unless ``value`` is a mapping (or None, where
+    ``none``): an event's args are a JSON object."""
+    if not isinstance(value, Mapping) and not (none and value is None):
+        raise TypeError(
+            f"{what} must be a mapping (name -> value){' or None' if none else ''}, "
+            f"got {type(value).__name__}"
+        )
+
+
 class JSONTraceHandler:
     """Streams Chrome trace events to files while active (a context manager, or
     :meth:`start` / :meth:`close`).
@@ -291,6 +301,7 @@ class JSONTraceHandler:
 
     def _on_thread(self, event: dict, args: Mapping[str, Any] | None) -> None:
         """Queues ``event`` with this process, this thread and ``args``."""
+        _check_mapping("args", args)
         args = sanitize(args) if args else None
         with self._lock:
             event.update(pid=self._pid, tid=self._tid())
@@ -325,6 +336,7 @@ class JSONTraceHandler:
     ) -> None:
         """A ``C`` event: one track per key of ``values``. Non-finite values are
         left out (a counter needs numbers); ``timestamp`` is wall-clock seconds."""
+        _check_mapping("values", values, none=False)
         series = counter_values(values)
         if not series:
             return

@@ -1141,3 +1141,18 @@ def test_an_event_orjson_cannot_write_costs_no_other_event(tmp_path):
     assert [e["name"] for e in spans] == ["before", shown, "big", "after"]
     assert spans[2]["args"] == {"n": 2**70, shown: shown}
     assert t.lost == 0
+
+
+def test_event_arguments_that_are_no_mapping_are_a_type_error_naming_them(tmp_path):
+    """``instant("x", 5)`` wrote ``"args": 5`` (the format's args are an
+    object) and ``counter("loss", 0.5)`` raised AttributeError on ``.items``."""
+    with trace.JSONTraceHandler(folder=tmp_path, merged_trace_filename=None) as t:
+        with pytest.raises(TypeError, match=r"args must be a mapping.*got int"):
+            t.instant("x", 5)
+        with pytest.raises(TypeError, match=r"args must be a mapping.*got str"):
+            t.complete("z", 1, 2, args="abc")
+        with pytest.raises(TypeError, match=r"values must be a mapping.*got float"):
+            t.counter("loss", 0.5)
+        t.instant("fine", {"a": 1})
+    events = [e for e in trace.load_trace(t.paths[0]) if e["ph"] != "M"]
+    assert [(e["name"], e["args"]) for e in events] == [("fine", {"a": 1})]
