@@ -18,6 +18,7 @@ Examples:
 from __future__ import annotations
 
 import abc
+import atexit
 import contextlib
 import functools
 import logging
@@ -26,11 +27,13 @@ import threading
 import time
 import typing
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from jaxhistory._record import Record
+from jaxhistory._record import Batch, Record
 from jaxhistory.sinks._base import is_sink, writes_here
+from jaxhistory.sinks._feed import SinkFeed
 
 __all__ = [
     "ConsoleMetricHandler",
@@ -40,7 +43,9 @@ __all__ = [
     "MetricStream",
     "NullMetricHandler",
     "SinkHandler",
+    "close",
     "configure",
+    "flush",
     "getStream",
     "get_stream",
     "prof",
@@ -136,24 +141,43 @@ class HistoryHandler(MetricHandler):
 class SinkHandler(MetricHandler):
     """Sends published metrics to a sink (``write``/``flush``/``close``) as
     :class:`~jaxhistory.sinks.Record` values with ``group`` set and no step, and
-    flushes it. Like every sink, from process 0 only unless the sink has
-    ``all_processes = True``."""
+    flushes it after each. Like every sink, from process 0 only unless the sink
+    has ``all_processes = True``.
+
+    The sink is the user's code, so it is written from a thread of its own, as
+    History's sinks are: publishing never waits for it, and a ``write`` that
+    raises warns once, naming the sink, instead of raising where the metric was
+    published. :meth:`flush` and :meth:`close` wait at most ``timeout`` seconds
+    (5 s by default), then warn naming a sink that did not finish; at exit,
+    what was published is flushed the same way.
+    """
 
     def __init__(self, sink: Any):
         self.sink = sink
+        self._feed = SinkFeed([sink])
+        ref = weakref.ref(self)
+        atexit.register(lambda: (h := ref()) and h.flush())
 
     def emit(self, metric_data: MetricData) -> None:
         if not writes_here(self.sink):
             return
-        self.sink.write(
-            Record(
-                step=None,
-                timestamp=metric_data.timestamp,
-                metrics={metric_data.name: metric_data.value},
-                group=metric_data.group_name,
-            )
+        record = Record(
+            step=None,
+            timestamp=metric_data.timestamp,
+            metrics={metric_data.name: metric_data.value},
+            group=metric_data.group_name,
         )
-        self.sink.flush()
+        self._feed.put(Batch.of([record]), flush=True)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Waits until the sink has written and flushed what was published
+        (at most ``timeout`` seconds, default 5)."""
+        self._feed.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flushes, then closes the sink (waiting at most ``timeout`` seconds,
+        default 5); later metrics are not written to it."""
+        self._feed.close(timeout)
 
 
 class MetricStream:
@@ -291,6 +315,32 @@ def put_metric(name: str, value: Any, metric_group: str = DEFAULT_GROUP) -> None
             f"metric_group must be a non-empty str, got {metric_group!r:.80}"
         )
     get_stream(metric_group).add_value(name, value)
+
+
+def _sink_handlers() -> list[SinkHandler]:
+    """The registry's sink handlers, each once."""
+    registry = _registry()
+    with registry._lock:
+        handlers = [registry.default, *registry.groups.values()]
+    seen = {id(h): h for h in handlers if isinstance(h, SinkHandler)}
+    return list(seen.values())
+
+
+def flush(timeout: float | None = None) -> None:
+    """Waits until every sink configured as a handler (:class:`SinkHandler`)
+    has written and flushed what was published, at most ``timeout`` seconds
+    (default 5) for each; a sink that does not finish gets a warning naming
+    it."""
+    for handler in _sink_handlers():
+        handler.flush(timeout)
+
+
+def close(timeout: float | None = None) -> None:
+    """Flushes and closes every sink configured as a handler (waiting as
+    :func:`flush` does), then resets the registry (:func:`reset`)."""
+    for handler in _sink_handlers():
+        handler.close(timeout)
+    reset()
 
 
 def reset() -> None:

@@ -179,18 +179,75 @@ def test_a_sink_handler_writes_from_process_zero_only():
     handler = publish.SinkHandler(sink)
     with mock.patch("jax.process_index", return_value=1):
         handler.emit(publish.MetricData(1.0, "g", "x", 1))
+    handler.flush()
     assert out.getvalue() == ""
     sink.all_processes = True
     with mock.patch("jax.process_index", return_value=1):
         handler.emit(publish.MetricData(1.0, "g", "x", 1))
+    handler.flush()
     assert out.getvalue() == "[g] x=1\n"
+    handler.close()
 
 
 def test_a_sink_can_be_configured_as_a_handler():
     out = io.StringIO()
     publish.configure(jh.sinks.ConsoleSink(stream=out), group="io")
     publish.put_metric("bytes", 4096, metric_group="io")
+    publish.flush()  # the sink writes from a thread of its own
     assert out.getvalue() == "[io] bytes=4096\n"
+
+
+class _Untrusted:
+    """A user's sink: its write raises, or blocks until ``go`` is set."""
+
+    def __init__(self, raises: bool):
+        self.raises, self.go = raises, threading.Event()
+        self.written, self.flushes, self.closed = [], 0, False
+
+    def write(self, record):
+        if self.raises:
+            raise OSError("disk full")
+        self.go.wait()
+        self.written.append(record.metrics)
+
+    def flush(self):
+        self.flushes += 1
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_sink_that_raises_costs_put_metric_nothing():
+    """A sink handler wrote on the caller's thread: a sink whose write raised
+    raised out of put_metric into the training loop. It warns once, naming
+    the sink and the error, and put_metric returns."""
+    sink = _Untrusted(raises=True)
+    publish.configure(sink, group="io")
+    with pytest.warns(
+        RuntimeWarning, match=r"sink _Untrusted: write failed.*disk full"
+    ):
+        for i in range(3):
+            publish.put_metric("bytes", i, metric_group="io")
+        publish.flush()
+    publish.close()
+    assert sink.closed
+
+
+def test_a_sink_that_hangs_holds_back_neither_put_metric_nor_close():
+    """A sink whose write blocks held put_metric (and so the training loop)
+    for as long; now put_metric returns while the sink is still blocked, and
+    flush and close wait at most their timeout, then warn naming it."""
+    sink = _Untrusted(raises=False)
+    handler = publish.SinkHandler(sink)
+    publish.configure(handler, group="io")
+    publish.put_metric("a", 1, metric_group="io")
+    publish.put_metric("b", 2, metric_group="io")  # returned: write is blocked
+    assert sink.written == [] and not sink.go.is_set()
+    with pytest.warns(RuntimeWarning, match=r"sink _Untrusted did not finish"):
+        handler.flush(timeout=0.2)
+    sink.go.set()  # the sink comes back: what was published reaches it
+    handler.close()
+    assert sink.written == [{"a": 1}, {"b": 2}] and sink.flushes >= 1 and sink.closed
 
 
 # ----- prof ------------------------------------------------------------------------

@@ -224,10 +224,13 @@ class SinkFeed:
         """Records dropped from each sink that lost any, by its name."""
         return {f.name: f.dropped for f in self._feeds if f.dropped}
 
-    def put(self, batch: Batch) -> None:
-        """Queues ``batch`` for every sink; never waits."""
+    def put(self, batch: Batch, flush: bool = False) -> None:
+        """Queues ``batch`` for every sink (``flush``: and a flush after it,
+        which nothing waits for); never waits."""
         for feed in self._feeds:
             feed.put(batch)
+            if flush:
+                feed.mark(False)
 
     def flush(self, timeout: float | None = None) -> None:
         """Waits (at most ``timeout``, default :attr:`TIMEOUT`, seconds) until
