@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import re
 import threading
@@ -168,7 +169,12 @@ class StopWatch:
         finally:
             end_ns = time.perf_counter_ns()
             annotation.__exit__(exc_type, exc, tb)
+        self._finished(start_ns, end_ns, exc_type)
+
+    def _finished(self, start_ns: int, end_ns: int, exc_type: Any) -> None:
+        """Counts, traces, logs and records one span (``exc_type``: it raised)."""
         seconds = (end_ns - start_ns) / 1e9
+        self._local.last = seconds  # this call's, for a decorated function
         with self._lock:  # with the count: .data reads them together
             self.seconds = seconds
             if exc_type is None:
@@ -190,9 +196,21 @@ class StopWatch:
             self.history.attach({self.name: seconds}, step=self.step)
 
     def __call__(self, fn: Callable) -> Callable:
-        """As a decorator: a fresh stop watch times each call of ``fn``."""
+        """As a decorator: times each call of ``fn`` (of an ``async def``, the
+        call and its await, each call on its own even where tasks overlap on
+        one thread). The wrapper's ``last`` is the seconds of the latest call
+        to finish. A generator function is a TypeError: its call
+        only makes the generator."""
         if not callable(fn):
             raise TypeError(f"StopWatch decorates a function, got {fn!r}")
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            raise TypeError(
+                f"StopWatch cannot time generator function {fn.__qualname__!r}: "
+                "calling it only makes the generator; time the loop that "
+                "consumes it (with stop_watch: for x in gen(): ...)"
+            )
+        if inspect.iscoroutinefunction(fn):
+            return self._timed_async(fn)
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
@@ -200,8 +218,33 @@ class StopWatch:
                 out = fn(*args, **kwargs)
                 if self.block is True:
                     self.wait(out)
-            wrapper.last = self.seconds
+            wrapper.last = self._local.last
             return out
+
+        wrapper.last = None
+        return wrapper
+
+    def _timed_async(self, fn: Callable) -> Callable:
+        """The decorator's wrapper of a coroutine function: the span of each
+        call is kept by the call itself (tasks interleave on one thread, so
+        the per-thread stack of :meth:`__enter__` would mix their spans)."""
+
+        @functools.wraps(fn)
+        async def wrapper(*args, **kwargs):
+            start_ns, exc_type = time.perf_counter_ns(), None
+            _trace_state.span_opened(self.msg)
+            try:
+                out = await fn(*args, **kwargs)
+                if self.block is True:
+                    jax.block_until_ready(out)
+                return out
+            except BaseException as err:
+                exc_type = type(err)
+                raise
+            finally:
+                _trace_state.span_closed()
+                self._finished(start_ns, time.perf_counter_ns(), exc_type)
+                wrapper.last = self._local.last
 
         wrapper.last = None
         return wrapper

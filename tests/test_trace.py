@@ -439,6 +439,56 @@ def test_stopwatch_decorator_times_every_call_into_a_history():
     assert h.state.steps("timing/load").tolist() == [0, 1, 2]
 
 
+def test_a_decorated_async_function_is_timed_over_its_await():
+    """@StopWatch on an async def timed only the call that made the coroutine
+    (microseconds) and recorded that. Now the await is timed, each call on
+    its own even where tasks overlap on one thread (the stop watch's span
+    stack is per thread, which interleaved tasks would mix up)."""
+    import asyncio
+
+    h = jh.History(distributed_history=False)
+    sw = jh.StopWatch("fetch", history=h)
+    gates = {}
+
+    @sw
+    async def fetch(name):
+        await gates[name].wait()
+        return name
+
+    async def main():
+        gates.update(a=asyncio.Event(), b=asyncio.Event())
+        first = asyncio.create_task(fetch("a"))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(fetch("b"))  # starts 50 ms after "a"
+        await asyncio.sleep(0.05)
+        gates["a"].set()  # "a" ends ~100 ms after it started
+        assert await first == "a"
+        first_took = fetch.last
+        await asyncio.sleep(0.2)
+        gates["b"].set()  # "b" ends ~250 ms after it started
+        assert await second == "b"
+        return first_took, fetch.last
+
+    a, b = asyncio.run(main())
+    assert a >= 0.09 and b >= 0.24, (a, b)  # each from its own start
+    h.update({"loss": 0.0})
+    assert sorted(h.state.values("timing/fetch").tolist()) == [b]  # the later
+
+
+def test_a_generator_function_is_refused_by_the_decorator():
+    """Its call only makes the generator: timing it timed nothing."""
+
+    def gen():
+        yield 1
+
+    async def agen():
+        yield 1
+
+    for fn in (gen, agen):
+        with pytest.raises(TypeError, match="generator"):
+            jh.StopWatch("g")(fn)
+
+
 def test_a_block_that_raises_is_traced_but_not_recorded(tmp_path):
     h = jh.History(distributed_history=False)
     with (
