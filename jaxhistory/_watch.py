@@ -118,6 +118,11 @@ def _leaves(tree: Any) -> list[tuple[str, jax.Array]]:
             raise TypeError(f"watch: leaf {name or '<root>'!r} is None, not an array")
         if name in seen:
             raise ValueError(f"watch: two leaves are named {name!r}")
+        if not name and len(pairs) > 1:  # its entries would be the total's
+            raise ValueError(
+                "watch: a leaf has an empty name (a dict key ''); name it, or "
+                "watch it alone"
+            )
         seen.add(name)
         leaf = flatten_metrics({"": value} if not name else {name: value})[0][0]
         out.append((name, leaf.value))
@@ -203,8 +208,11 @@ def _plan(
     names = []
     for base in columns:
         layers = layers_of[base]
-        full = f"{prefix}/{base}" if prefix and base else prefix or base
-        names += [full] if layers is None else [f"{full}/{i}" for i in range(layers)]
+        full = "/".join(p for p in (prefix, base) if p)
+        if layers is None:
+            names.append(full)
+        else:
+            names += [f"{full}/{i}" if full else str(i) for i in range(layers)]
     names.append(prefix)  # the global column: every leaf together
     dtype = jnp.result_type(*[acc_dtype(v.dtype) for _, v in leaves])
     counts.append(sum(counts))
@@ -486,7 +494,10 @@ def _finish(ext: dict, sums: dict, plan: _Plan, stats: tuple[str, ...]) -> jax.A
 def _stats_of(leaves, wheres, blocks_fn, prefix, stats, split, groups) -> Stats:
     plan = _plan(leaves, wheres, prefix, split, groups)
     ext, sums = blocks_fn(plan, stats)
-    return Stats(plan.names, _finish(ext, sums, plan, stats), rows=stats)
+    names, table = plan.names, _finish(ext, sums, plan, stats)
+    if len(names) == 2 and names[0] == names[1]:  # one array: its entry is the total
+        names, table = names[1:], table[:, 1:]
+    return Stats(names, table, rows=stats)
 
 
 def _check_prefix(prefix: Any) -> str:

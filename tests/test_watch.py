@@ -382,3 +382,19 @@ def test_no_operation_reads_a_leaf_without_values(sharded, mesh):
     text = jax.jit(lambda t: jh.watch(t, stats=jh.WATCH_STATS)).lower(tree).as_text()
     body = [line for line in text.splitlines() if "func.func" not in line]
     assert not [line for line in body if re.search(r"tensor<(\d+x)*0x", line)]
+
+
+def test_a_bare_array_is_its_own_total_and_history_records_it():
+    """A tree that is one array has one entry, the total: its leaf's name is
+    empty, and a column of it beside the total gave two entries of one name
+    (History refused the packed row)."""
+    x = jnp.arange(4.0)
+    out = jh.watch(x, stats=("norm",))
+    assert out.names == ("",) and float(out["norm"]) == pytest.approx(math.sqrt(14))
+    h = jh.History(distributed_history=False)
+    h.update({"g": out}, step=0)
+    assert h.state.values("g/norm").tolist() == pytest.approx([math.sqrt(14)])
+    layers = jh.watch(jnp.ones((3, 2)), stats=("norm",), split_layers=True)
+    assert set(layers) == {"0/norm", "1/norm", "2/norm", "norm"}
+    with pytest.raises(ValueError, match="empty name"):
+        jh.watch({"": x, "b": x})
