@@ -191,10 +191,10 @@ def _plan(
         if base not in columns:
             layers_of[base] = layers
             columns[base] = len(counts)
-            counts += [0] * (layers or 1)
+            counts += [0] * (1 if layers is None else layers)
         start = columns[base]
         per = math.prod(value.shape[1:]) if layers is not None else value.size
-        for i in range(layers or 1):
+        for i in range(1 if layers is None else layers):
             counts[start + i] += per * where.copies
         lead = where.lead if layers is not None else ()
         parts.append(_Part(start, layers, lead, where.axes))
@@ -434,7 +434,8 @@ def _columns(rows: list[jax.Array], plan: _Plan, how: str) -> jax.Array:
             start = (_lead_offset(part.lead_axes, block.shape[0]), 0)
             block = lax.dynamic_update_slice(full, block, start)
         placed.append(block)
-        ids.append(np.arange(part.column, part.column + (part.layers or 1)))
+        count = 1 if part.layers is None else part.layers
+        ids.append(np.arange(part.column, part.column + count))
     table = jnp.concatenate(placed)
     ids = np.concatenate(ids)
     if np.array_equal(ids, np.arange(c)):  # a column per part, in order

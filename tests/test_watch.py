@@ -398,3 +398,16 @@ def test_a_bare_array_is_its_own_total_and_history_records_it():
     assert set(layers) == {"0/norm", "1/norm", "2/norm", "norm"}
     with pytest.raises(ValueError, match="empty name"):
         jh.watch({"": x, "b": x})
+
+
+def test_a_stack_of_no_layers_has_no_entries():
+    """split_layers on a leaf whose leading axis is 0 long gave it one column
+    in the counts and none in the names: a broadcasting TypeError."""
+    tree = {"a": jnp.zeros((0, 3)), "b": jnp.arange(3.0)}
+    out = jh.watch(tree, stats=("norm", "mean"), split_layers=True)
+    assert set(out) == {f"b/{i}/{s}" for i in range(3) for s in ("norm", "mean")} | {
+        "norm",
+        "mean",
+    }
+    assert float(out["norm"]) == pytest.approx(math.sqrt(5))
+    assert float(out["mean"]) == pytest.approx(1.0)
