@@ -82,7 +82,10 @@ def _patterns(value: Any, what: str) -> tuple[str, ...]:
         return ("**",)
     if isinstance(value, str):
         return (value,)
-    items = tuple(value)
+    try:
+        items = tuple(value)
+    except TypeError:
+        items = (value,)  # refused below, naming it
     if not all(isinstance(p, str) and p for p in items):
         raise TypeError(f"watch: {what} must be glob patterns (str), got {value!r:.80}")
     return items
@@ -172,15 +175,20 @@ def _plan(
     counts: list[int] = []
     parts: list[_Part] = []
     used = dict.fromkeys(groups, False)
+    matched = dict.fromkeys(groups, False)  # by a leaf, taken or not
+    splits = dict.fromkeys(split, False)
     for (name, value), where in zip(leaves, wheres, strict=True):
-        base = name
+        base, taken = name, False
         for pattern in groups:
             found = _match(pattern, name)
             if found is not None:
-                base, used[pattern] = found, True
-                break
+                matched[pattern] = True
+                if not taken:  # a leaf takes the first pattern that matches
+                    base, used[pattern], taken = found, True, True
         layers = None
-        if value.ndim >= 1 and any(_match(p, name) is not None for p in split):
+        hits = [p for p in split if _match(p, name) is not None]
+        splits.update(dict.fromkeys(hits, True))
+        if value.ndim >= 1 and hits:
             layers = value.shape[0]
         if base in layers_of and layers_of[base] != layers:
             raise ValueError(
@@ -198,12 +206,19 @@ def _plan(
             counts[start + i] += per * where.copies
         lead = where.lead if layers is not None else ()
         parts.append(_Part(start, layers, lead, where.axes))
-    unused = [p for p, hit in used.items() if not hit]
-    if unused:
-        shown = ", ".join(repr(n) for n, _ in leaves[:3])
+    shown = ", ".join(repr(n) for n, _ in leaves[:3])
+    for what, hits in (("group", matched), ("split_layers", splits)):
+        missed = [p for p, hit in hits.items() if not hit]
+        if missed:
+            raise ValueError(
+                f"watch: {what} pattern(s) {missed!r} match no leaf (leaves are "
+                f"named like {shown})"
+            )
+    shadowed = [p for p, hit in used.items() if not hit]
+    if shadowed:
         raise ValueError(
-            f"watch: group pattern(s) {unused!r} match no leaf (leaves are named "
-            f"like {shown})"
+            f"watch: group pattern(s) {shadowed!r} match only leaves an earlier "
+            "pattern took (a leaf takes the first pattern that matches it)"
         )
     names = []
     for base in columns:
@@ -533,13 +548,15 @@ def watch(
             ``nnx.vmap`` stacks) becomes one entry per layer,
             ``{path}/{i}/{stat}``. True: every leaf with an axis; glob
             patterns: the leaves whose path they match (``"layers"``: every
-            leaf under ``layers``).
+            leaf under ``layers``); a pattern that matches no leaf is a
+            ValueError.
         groups: glob patterns matched against the start of each leaf's path,
             segment by segment (``"layers/*"`` groups ``layers/3/attn/kernel``
             into ``layers/3``): each group is one entry, all its leaves'
             values together. A leaf takes the first pattern that matches;
             leaves that none matches keep entries of their own. A pattern that
-            matches nothing is a ValueError.
+            matches nothing, or only leaves an earlier pattern took, is a
+            ValueError.
         prefix: put before every name (``"grads"`` gives ``grads/norm`` and
             ``grads/layers/0/kernel/norm``).
 
@@ -551,10 +568,11 @@ def watch(
         :class:`~jaxhistory.History` records it as one packed row.
 
     Raises:
-        ValueError: an empty tree, an unknown statistic, a group pattern that
-            matches no leaf, leaves of one group split into different numbers
-            of layers.
-        TypeError: a leaf that is not numeric (a string, None, an object).
+        ValueError: an empty tree, an unknown statistic, a group or
+            split_layers pattern that matches no leaf, leaves of one group
+            split into different numbers of layers.
+        TypeError: a leaf that is not numeric (a string, None, an object);
+            ``split_layers`` or ``groups`` not glob patterns.
 
     Values accumulate in float32 (float64 for float64 leaves): ``norm`` and
     ``rms`` overflow to inf above about 1.8e19 in float32. NaN and infinite

@@ -326,6 +326,15 @@ def test_a_watch_result_is_a_pytree_that_keeps_its_rows():
         ({"a": jnp.ones(2)}, {"groups": "layers/*"}, ValueError, "match no leaf"),
         ({"a": jnp.ones(2)}, {"groups": [1]}, TypeError, "glob"),
         ({"a": jnp.ones(2)}, {"prefix": 3}, TypeError, "prefix"),
+        ({"a": jnp.ones(2)}, {"split_layers": 3}, TypeError, "split_layers"),
+        ({"a": jnp.ones(2)}, {"groups": 3}, TypeError, "groups"),
+        ({"a": jnp.ones(2)}, {"split_layers": "b"}, ValueError, "split_layers"),
+        (
+            {"a": {"b": jnp.ones(2)}},
+            {"groups": ["a", "a/b"]},
+            ValueError,
+            r"'a/b'\] match only leaves an earlier pattern took",
+        ),
     ],
 )
 def test_bad_input_is_refused_naming_it(tree, kw, error, match):
