@@ -19,11 +19,13 @@ Two ways, by what a leaf holds:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "BINS",
@@ -44,9 +46,11 @@ BINS = 2048  # histogram bins per leaf
 def check_quantiles(quantiles: Any, caller: str) -> tuple[tuple[float, ...], tuple]:
     """The quantiles as floats in (0, 1), and their row names (``p50``,
     ``p99.9``); ValueError naming a bad one."""
-    if isinstance(quantiles, int | float):
-        quantiles = (quantiles,)
+    if isinstance(quantiles, numbers.Real) or getattr(quantiles, "shape", 0) == ():
+        quantiles = (quantiles,)  # one number (a NumPy or JAX scalar too)
     try:
+        if isinstance(quantiles, str | bytes):
+            raise TypeError
         qs = tuple(quantiles)
     except TypeError:
         raise TypeError(
@@ -55,16 +59,35 @@ def check_quantiles(quantiles: Any, caller: str) -> tuple[tuple[float, ...], tup
         ) from None
     out = []
     for q in qs:
-        if isinstance(q, bool) or not isinstance(q, int | float) or not 0 < q < 1:
+        f = _real(q)
+        if f is None or not 0 < f < 1:
             raise ValueError(
                 f"{caller}: quantile {q!r:.30} is not a number strictly between 0 "
                 "and 1 (use max and min for 1 and 0)"
             )
-        out.append(float(q))
+        out.append(f)
     names = tuple(f"p{100 * q:.10g}" for q in out)
     if len(set(names)) != len(names):
         raise ValueError(f"{caller}: quantiles {qs!r} repeat one")
     return tuple(out), names
+
+
+def _real(q: Any) -> float | None:
+    """``q`` as a float: a Python, NumPy or (concrete) JAX real number; None
+    for anything else (a bool, a str, an array of several values)."""
+    if isinstance(q, bool | np.bool_):
+        return None
+    if isinstance(q, numbers.Real):
+        return float(q)
+    dtype = getattr(q, "dtype", None)
+    if getattr(q, "shape", None) != () or dtype is None:
+        return None
+    if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+        return None
+    try:
+        return float(q)
+    except Exception:  # a traced value: not known before the step runs
+        return None
 
 
 def exact_quantiles(v: jax.Array, qs: Sequence[float]) -> jax.Array:

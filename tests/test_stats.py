@@ -668,3 +668,24 @@ def test_history_records_quantiles_and_plots_them_as_bands(tmp_path, mesh):
     assert sorted(p.name for p in (tmp_path / "plots" / "mplot").glob("*.png")) == [
         "loss_l.png"
     ]
+
+
+@pytest.mark.parametrize(
+    "quantiles",
+    [
+        np.float32(0.5),
+        np.array([0.5, 0.9], np.float32),
+        jnp.array([0.5, 0.9]),
+        [np.float32(0.5), np.int64(0) + 0.9],
+    ],
+)
+def test_quantiles_given_as_numpy_or_jax_numbers_are_taken(quantiles):
+    """A float32 quantile was refused as 'not a number strictly between 0
+    and 1' (only Python floats were numbers)."""
+    out = jh.distributed_stats({"a": jnp.arange(11.0)}, quantiles=quantiles)
+    assert float(out["a/p50"]) == pytest.approx(5.0, abs=0.01)
+
+
+def test_a_quantile_given_as_a_string_is_refused_whole():
+    with pytest.raises(TypeError, match="'0.5'"):
+        jh.distributed_stats({"a": jnp.ones(4)}, quantiles="0.5")
