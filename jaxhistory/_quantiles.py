@@ -239,8 +239,10 @@ def hist_quantiles(
 
 
 def _check_histogram(bins: Any, range: Any, log: Any, caller: str) -> tuple:
-    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+    whole = isinstance(bins, numbers.Integral) and not isinstance(bins, bool | np.bool_)
+    if not whole or bins < 1:  # (a NumPy int is one)
         raise ValueError(f"{caller}: bins must be a positive int, got {bins!r:.30}")
+    bins = int(bins)
     try:
         lo, hi = (float(v) for v in range)
     except (TypeError, ValueError):

@@ -107,3 +107,13 @@ def test_a_histogram_of_an_empty_array_is_all_zeros(mesh):
     for x in (jnp.zeros((8, 0)), jax.device_put(np.zeros((8, 0), np.float32), spread)):
         counts = jax.jit(lambda x: jh.histogram(x, 4, (0.0, 1.0)))(x)
         assert counts.tolist() == [0.0] * 4
+
+
+def test_a_numpy_int_is_a_number_of_bins():
+    """np.int64(4), as a NumPy computation gives it, was refused as 'not a
+    positive int'."""
+    x = jnp.arange(4.0)
+    assert jh.histogram(x, np.int64(4), (0, 4)).tolist() == [1.0] * 4
+    assert jh.histogram(x, np.int32(2), (0, 4)).tolist() == [2.0, 2.0]
+    with pytest.raises(ValueError, match="bins"):
+        jh.histogram(x, np.bool_(True), (0, 4))
