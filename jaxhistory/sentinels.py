@@ -162,9 +162,11 @@ class Spike(Sentinel):
     The robust deviation is 1.4826 times the median absolute deviation of
     those values (the standard deviation, for normal noise), so a spike moves
     neither the median nor the deviation much and the next spike is still
-    seen. It needs ``min_steps`` values first (default a tenth of the window,
-    at least 10). A metric that was constant over the window fires at its
-    first change. Non-finite values are :class:`NonFinite`'s, not counted
+    seen. Where half the values or more equal the median (the median
+    absolute deviation is 0), 1.2533 times their mean absolute deviation
+    from it stands in. It needs ``min_steps`` values first (default a tenth
+    of the window, at least 10). A metric that was constant over the window
+    fires at its first change. Non-finite values are :class:`NonFinite`'s, not counted
     here. The median and the deviation are refreshed every quarter window;
     a value past the threshold is judged against freshly computed ones.
 
@@ -254,10 +256,13 @@ class Spike(Sentinel):
     def _measure(seen: list) -> None:
         values = seen[0]
         median = statistics.median(values)
-        mad = statistics.median([abs(v - median) for v in values])
+        off = [abs(v - median) for v in values]
+        scale = 1.4826 * statistics.median(off)
+        if scale == 0:  # half the values or more at the median: their mean
+            scale = 1.2533 * statistics.fmean(off)  # deviation (Iglewicz-Hoaglin)
         # a floor: a constant window still gives a finite deviation
         seen[1] = median
-        seen[2] = max(1.4826 * mad, 1e-12 * max(1.0, abs(median)))
+        seen[2] = max(scale, 1e-12 * max(1.0, abs(median)))
         seen[3] = 0
 
     def __repr__(self) -> str:

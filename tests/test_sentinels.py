@@ -249,3 +249,20 @@ def test_sentinels_under_several_threads_see_each_threads_values_once():
     assert h.state.values("sentinel/spike").tolist() == [1.0]
     for i in range(4):
         assert h.state.count(f"t{i}/loss") == 1500
+
+
+def test_a_window_mostly_at_one_value_is_not_read_as_constant():
+    """With half the window or more at one value, the median absolute
+    deviation is 0, and every other value was a spike: 1, 2, 1, 2, ... fired
+    at each 2 while the window held more 1s, and 1, 1, 1.5, ... fired at
+    each 1.5. The mean absolute deviation stands in then
+    (Iglewicz and Hoaglin's modified z-score); a constant window still fires
+    at its first change."""
+    for series in ([1.0, 2.0] * 30, [1.0, 1.0, 1.5] * 20):
+        spike = Spike("x", window=20)
+        fired = [s for s, v in enumerate(series) if spike.see("x", s, v)]
+        assert fired == [], (series[:14], fired)
+        assert spike.see("x", len(series), 50.0) is not None  # a real spike
+    steady = Spike("x", window=20)
+    assert all(steady.see("x", s, 3.0) is None for s in range(20))
+    assert steady.see("x", 20, 3.001) is not None
