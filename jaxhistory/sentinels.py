@@ -41,6 +41,7 @@ import dataclasses
 import fnmatch
 import logging
 import math
+import numbers
 import statistics
 import warnings
 from collections.abc import Callable, Sequence
@@ -128,7 +129,10 @@ class NonFinite(Sentinel):
     kind = "nonfinite"
 
     def __init__(self, metrics: str | Sequence[str] = "*", action: Any = "warn"):
-        patterns = (metrics,) if isinstance(metrics, str) else tuple(metrics)
+        try:
+            patterns = (metrics,) if isinstance(metrics, str) else tuple(metrics)
+        except TypeError:
+            patterns = ()  # refused below, naming it
         if not patterns or not all(isinstance(p, str) and p for p in patterns):
             raise TypeError(
                 f"NonFinite: metrics must be glob patterns (str), got {metrics!r:.60}"
@@ -191,22 +195,26 @@ class Spike(Sentinel):
     ):
         if not isinstance(metric, str) or not metric:
             raise TypeError(f"Spike: metric must be a name (str), got {metric!r:.60}")
-        if type(window) is not int or window < 3:
+        if not _whole(window) or window < 3:
             raise ValueError(
                 f"Spike: window must be an int of at least 3, got {window!r}"
             )
-        if not isinstance(threshold, int | float) or not threshold > 0:
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, numbers.Real)
+            or not threshold > 0
+        ):
             raise ValueError(f"Spike: threshold must be above 0, got {threshold!r}")
         if min_steps is None:
             min_steps = min(window, max(10, window // 10))
-        if type(min_steps) is not int or not 2 <= min_steps <= window:
+        if not _whole(min_steps) or not 2 <= min_steps <= window:
             raise ValueError(
                 f"Spike: min_steps must be an int from 2 to window ({window}), "
                 f"got {min_steps!r}"
             )
         self.patterns = (metric,)
-        self.window, self.threshold = window, float(threshold)
-        self.min_steps = min_steps
+        self.window, self.threshold = int(window), float(threshold)
+        self.min_steps = int(min_steps)
         self.action = _check_action(action)
         self._refresh = max(1, window // 4)
         self._seen: dict[str, list] = {}  # name -> [values, median, scale, age]
@@ -279,6 +287,11 @@ class Guard:
     INFLIGHT = 8  # device rows waited for at most this many updates later
 
     def __init__(self, sentinels: Sequence[Any]):
+        if isinstance(sentinels, Sentinel):
+            raise TypeError(
+                f"sentinels must be a list of NonFinite or Spike objects: "
+                f"sentinels=[{sentinels!r}], not sentinels={sentinels!r}"
+            )
         sentinels = list(sentinels)
         for s in sentinels:
             if not isinstance(s, Sentinel):
@@ -426,6 +439,11 @@ class Guard:
     def unmatched(self) -> list[Sentinel]:
         """Sentinels that matched no recorded metric."""
         return [s for s in self.sentinels if id(s) not in self.matched]
+
+
+def _whole(n: Any) -> bool:
+    """Whether ``n`` is an integer (a NumPy one too), not a bool."""
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool | np.bool_)
 
 
 def _ready(values: tuple) -> bool:

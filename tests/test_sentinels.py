@@ -180,6 +180,10 @@ def test_spike_needs_enough_values_and_ignores_nonfinite_and_arrays():
         (lambda: Spike("x", threshold=math.nan), ValueError, "threshold"),
         (lambda: Spike("x", window=10, min_steps=11), ValueError, "min_steps"),
         (lambda: jh.History(sentinels=["loss"]), TypeError, "NonFinite or Spike"),
+        (lambda: NonFinite(metrics=5), TypeError, "glob"),
+        (lambda: Spike("x", threshold=True), ValueError, "threshold"),
+        (lambda: jh.History(sentinels=Spike("x")), TypeError, r"\[Spike"),
+        (lambda: Spike("x", window=True), ValueError, "window"),
     ],
 )
 def test_bad_sentinels_are_refused_naming_what_was_wrong(make, error, match):
@@ -266,3 +270,10 @@ def test_a_window_mostly_at_one_value_is_not_read_as_constant():
     steady = Spike("x", window=20)
     assert all(steady.see("x", s, 3.0) is None for s in range(20))
     assert steady.see("x", 20, 3.001) is not None
+
+
+def test_numpy_numbers_configure_a_spike():
+    spike = Spike(
+        "x", window=np.int64(20), threshold=np.float32(4), min_steps=np.int32(5)
+    )
+    assert (spike.window, spike.threshold, spike.min_steps) == (20, 4.0, 5)
