@@ -194,12 +194,13 @@ def _read(counts: jax.Array, r: jax.Array, lo: jax.Array, hi: jax.Array):
 
 
 def hist_quantiles(
-    counts: jax.Array, bounds: jax.Array, qs: Sequence[float]
+    counts: jax.Array, bounds: jax.Array, qs: Sequence[float], integer: bool = False
 ) -> jax.Array:
     """``(Q, k)``: the quantiles read from the all-reduced ``counts`` (``(k,
     WIDTH)``, :func:`hist_block`), NumPy's linear rule on ranks; between a
     finite value and an infinity, the infinity (as ``jnp.quantile``); NaN for a
-    leaf without values."""
+    leaf without values. ``integer``: the leaves' values are integers, so each
+    end of the interpolation (one of the values) is rounded to one."""
     k = counts.shape[0]
     bins = _Bins(*(b.reshape(k, 1) for b in bounds))
     linear, logged = counts[:, :HALF], counts[:, HALF : 2 * HALF]
@@ -223,6 +224,8 @@ def hist_quantiles(
             v = jnp.where(c2 < c1, e2, e1)
             v = jnp.clip(v, jnp.maximum(a1, a2), jnp.minimum(b1, b2))
             v = jnp.clip(v, bins.lo, bins.hi)
+            if integer:  # (within the bounds: they are values too)
+                v = jnp.round(v)
             v = jnp.where(zero, 0, v)
             v = jnp.where(f < 0, -jnp.inf, jnp.where(r >= n - pos_inf, jnp.inf, v))
             ends.append(v)

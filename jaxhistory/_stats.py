@@ -395,7 +395,8 @@ def _two_pass(
     table = _finish(c, ext[: 2 * k], sums[: 3 * k], counts, scale)
     if quantiles:
         counted = sums[sums.shape[0] - k * WIDTH :].reshape(k, WIDTH)
-        found = hist_quantiles(counted, bounds, quantiles)
+        integer = source is not None and not jnp.issubdtype(source, jnp.inexact)
+        found = hist_quantiles(counted, bounds, quantiles, integer)
         if (
             source is not None
             and jnp.issubdtype(source, jnp.floating)
