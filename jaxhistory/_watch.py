@@ -228,6 +228,12 @@ def _plan(
             names.append(full)
         else:
             names += [f"{full}/{i}" if full else str(i) for i in range(layers)]
+    if len(set(names)) < len(names):  # a layer named like a leaf or a group
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(
+            f"watch: two entries are named {twice[0]!r} (a layer of a split "
+            "leaf and a leaf or group of that name); rename one"
+        )
     names.append(prefix)  # the global column: every leaf together
     dtype = jnp.result_type(*[acc_dtype(v.dtype) for _, v in leaves])
     counts.append(sum(counts))

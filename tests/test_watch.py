@@ -420,3 +420,12 @@ def test_a_stack_of_no_layers_has_no_entries():
     }
     assert float(out["norm"]) == pytest.approx(math.sqrt(5))
     assert float(out["mean"]) == pytest.approx(1.0)
+
+
+def test_a_layer_named_like_another_leaf_is_refused_naming_it():
+    """A split leaf's layer 1 and a leaf named 'w/1' were two entries of one
+    name: History refused the packed row ('packed metric names must be
+    unique'), naming neither."""
+    tree = {"w": jnp.ones((2, 3)), "w/1": jnp.float32(5.0)}
+    with pytest.raises(ValueError, match="'w/1'"):
+        jh.watch(tree, split_layers=True)
