@@ -170,9 +170,11 @@ class Spike(Sentinel):
     absolute deviation is 0), 1.2533 times their mean absolute deviation
     from it stands in. It needs ``min_steps`` values first (default a tenth
     of the window, at least 10). A metric that was constant over the window
-    fires at its first change. Non-finite values are :class:`NonFinite`'s, not counted
-    here. The median and the deviation are refreshed every quarter window;
-    a value past the threshold is judged against freshly computed ones.
+    fires at its first change larger than float32 rounding (``threshold``
+    times 2**-22 of its value: 1.4e-6 of it by default). Non-finite values
+    are :class:`NonFinite`'s, not counted here. The median and the
+    deviation are refreshed every quarter window; a value past the threshold
+    is judged against freshly computed ones.
 
     Args:
         metric: the metric name (a glob pattern: each metric it matches has
@@ -268,9 +270,11 @@ class Spike(Sentinel):
         scale = 1.4826 * statistics.median(off)
         if scale == 0:  # half the values or more at the median: their mean
             scale = 1.2533 * statistics.fmean(off)  # deviation (Iglewicz-Hoaglin)
-        # a floor: a constant window still gives a finite deviation
+        # a floor: a constant window still gives a finite deviation, above
+        # float32 rounding (2**-23 of a value): a change by a few rounding
+        # steps is no spike
         seen[1] = median
-        seen[2] = max(scale, 1e-12 * max(1.0, abs(median)))
+        seen[2] = max(scale, 2**-22 * abs(median), 1e-12)
         seen[3] = 0
 
     def __repr__(self) -> str:

@@ -277,3 +277,22 @@ def test_numpy_numbers_configure_a_spike():
         "x", window=np.int64(20), threshold=np.float32(4), min_steps=np.int32(5)
     )
     assert (spike.window, spike.threshold, spike.min_steps) == (20, 4.0, 5)
+
+
+def test_a_constant_float32_metric_moving_by_its_rounding_is_no_spike():
+    """A constant window fired at any change, 1e-12 of the value or more: a
+    float32 metric off by one rounding step (1.2e-7 of it: a learning rate
+    recomputed on the device) was a spike. Changes within float32 rounding
+    (8 steps) are not; a larger change still fires at once."""
+    lr = np.float32(1e-3)
+    for nudge in (1, -1, 8):
+        spike = Spike("lr", window=20)
+        assert all(spike.see("lr", s, float(lr)) is None for s in range(20))
+        moved = lr + nudge * np.spacing(lr)
+        assert spike.see("lr", 20, float(moved)) is None, nudge
+    spike = Spike("lr", window=20)
+    assert all(spike.see("lr", s, float(lr)) is None for s in range(20))
+    assert spike.see("lr", 20, float(lr) * (1 + 1e-5)) is not None
+    zero = Spike("count", window=20)
+    assert all(zero.see("count", s, 0.0) is None for s in range(20))
+    assert zero.see("count", 20, 1e-9) is not None  # from 0: any change
