@@ -269,14 +269,27 @@ def _check_histogram(bins: Any, range: Any, log: Any, caller: str) -> tuple:
 def _local_counts(x: jax.Array, bins: int, lo: float, hi: float, log: bool):
     """This device's counts of ``x`` per bin (NumPy's rule: the last bin
     holds ``high``; values outside the range and NaN left out)."""
-    v = jnp.ravel(x).astype(jnp.promote_types(x.dtype, jnp.float32))
+    dtype = jnp.promote_types(x.dtype, jnp.float32)
+    largest = float(jnp.finfo(dtype).max)
+    if max(abs(lo), abs(hi)) > largest:
+        raise ValueError(
+            f"histogram: range ({lo:g}, {hi:g}) is past the largest {dtype} value "
+            f"({largest:g}), which the values are counted in"
+        )
+    v = jnp.ravel(x).astype(dtype)
     if log:
         t = jnp.log(jnp.where(v > 0, v, jnp.nan))
         t_lo, t_hi = math.log(lo), math.log(hi)
     else:
         t, t_lo, t_hi = v, lo, hi
     keep = (t >= t_lo) & (t <= t_hi)  # False for NaN
-    idx = jnp.floor((t - t_lo) / (t_hi - t_lo) * bins)
+    # (t - lo) * bins / (hi - lo), as NumPy reckons it, one factor: a
+    # division by the width would be folded into a factor 1 / width, below
+    # float32's smallest normal number (read as 0) for widths past 8.5e37.
+    # Over a width past 2**100, eighths: t - lo may overflow, and the factor
+    # of a wide range and few bins be below the smallest normal number too.
+    part = 8.0 if t_hi - t_lo > 2.0**100 else 1.0
+    idx = jnp.floor((t / part - t_lo / part) * (bins * part / (t_hi - t_lo)))
     idx = jnp.clip(jnp.where(t == t_hi, bins - 1, idx), 0, bins - 1).astype(jnp.int32)
     counts = jnp.zeros(bins, jnp.int32).at[idx].add(keep.astype(jnp.int32))
     return counts.astype(jnp.float32)  # (int32: float32 counts stop at 2**24)
@@ -307,7 +320,9 @@ def histogram(
 
     Raises:
         ValueError: ``bins`` not a positive int; ``range`` not two finite
-            numbers in order; ``log`` with ``low <= 0``.
+            numbers in order, or past the largest value of the dtype the
+            values are counted in (float32, or float64 for float64 values);
+            ``log`` with ``low <= 0``.
 
     Examples:
         >>> import jax, jax.numpy as jnp

@@ -117,3 +117,23 @@ def test_a_numpy_int_is_a_number_of_bins():
     assert jh.histogram(x, np.int32(2), (0, 4)).tolist() == [2.0, 2.0]
     with pytest.raises(ValueError, match="bins"):
         jh.histogram(x, np.bool_(True), (0, 4))
+
+
+def test_a_range_spanning_past_the_float32_maximum_counts_like_numpy():
+    """A range wider than about 8.5e37 put every value in bin 0: the bin
+    index was divided by the width, whose reciprocal is below float32's
+    smallest normal number (read as 0), or which overflowed ((-3e38, 3e38):
+    [5, 0, 0, 0] where NumPy gives [1, 1, 2, 1]; (-5e37, 5e37) too). A range
+    past float32's values is refused."""
+    x = np.array([-2e38, -1e38, 0, 1e38, 2e38], np.float32)
+    got = jax.jit(lambda v: jh.histogram(v, 4, (-3e38, 3e38)))(x)
+    want = np.histogram(x.astype(np.float64), 4, (-3e38, 3e38))[0]
+    assert got.tolist() == want.tolist()
+    with pytest.raises(ValueError, match="float32"):
+        jh.histogram(jnp.asarray(x), 4, (-1e300, 1e300))
+
+    y = np.array([-0.9e38, -0.4e38, 0, 0.4e38, 0.9e38], np.float32)
+    got = jax.jit(lambda v: jh.histogram(v, 4, (-5e37, 5e37)))(y)
+    assert (
+        got.tolist() == np.histogram(y.astype(np.float64), 4, (-5e37, 5e37))[0].tolist()
+    )
