@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import warnings
 from typing import Any
 
 from jaxhistory import _trace_state
@@ -28,6 +27,7 @@ from jaxhistory._run_log import RunLog
 from jaxhistory._side_values import SideValues
 from jaxhistory._stats import Stats
 from jaxhistory._summary import SummaryLine
+from jaxhistory._writer import logger, warn_quietly
 from jaxhistory.sentinels import Guard, SentinelError
 
 __all__ = ["Finished", "Recorder"]
@@ -332,7 +332,8 @@ class Recorder:
         stops the hang watch, reduces what waits in batches, flushes, and
         returns what the outputs are written from. A value that differed
         across processes and a sentinel's raise become warnings here: the
-        run is over and its outputs still come."""
+        run is over and its outputs still come. So do warnings, which go to
+        the ``jaxhistory`` logger where the filters make them errors."""
         self.job.stop_watch()
         if self.job.reduce_host:
             try:
@@ -340,18 +341,19 @@ class Recorder:
                     self._finish_batch()
                     self._same_everywhere(wait_all=True)
             except ValueError as err:
-                warnings.warn(str(err), RuntimeWarning, stacklevel=3)
+                warn_quietly(str(err), stacklevel=3)
         try:
             self.flush()
         except SentinelError as err:
-            warnings.warn(f"sentinel at finalize: {err}", RuntimeWarning, stacklevel=3)
+            warn_quietly(f"sentinel at finalize: {err}", stacklevel=3)
+        except Warning as err:  # a "warn" sentinel's, made an error (-W error)
+            logger.warning("%s", err)
         guard = self.guard
         if guard is not None:
             for sentinel in guard.unmatched():
-                warnings.warn(
+                warn_quietly(
                     f"{sentinel!r} matched no recorded metric (metrics are named "
                     f"like {', '.join(map(repr, self.state.keys[:3]))})",
-                    RuntimeWarning,
                     stacklevel=3,
                 )
         with self.lock:

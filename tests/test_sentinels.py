@@ -296,3 +296,21 @@ def test_a_constant_float32_metric_moving_by_its_rounding_is_no_spike():
     zero = Spike("count", window=20)
     assert all(zero.see("count", s, 0.0) is None for s in range(20))
     assert zero.see("count", 20, 1e-9) is not None  # from 0: any change
+
+
+def test_finalize_writes_its_outputs_where_warnings_are_errors(tmp_path, caplog):
+    """Under -W error (pytest's filterwarnings = error), a "warn" sentinel's
+    warning at finalize, or one for a sentinel that matched nothing, was
+    raised out of finalize, and no dataset or report was written. The
+    warnings go to the jaxhistory logger there, and the outputs come."""
+    h = jh.History(
+        distributed_history=False, sentinels=[NonFinite("x"), Spike("never")]
+    )
+    h.update({"x": jnp.array(jnp.nan)}, step=0)  # a device value: seen later
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, "jaxhistory"):
+        warnings.simplefilter("error", RuntimeWarning)
+        h.finalize(tmp_path, plot=False)
+    assert (tmp_path / "dataset.nc").is_file() and (tmp_path / "report.md").is_file()
+    assert "matched no recorded metric" in caplog.text
+    assert "'x'" in caplog.text and "NaN" in caplog.text
+    assert h.state.values("sentinel/nonfinite").tolist() == [1.0]
