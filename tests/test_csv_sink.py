@@ -150,6 +150,20 @@ def test_appending_continues_the_file_and_drops_a_row_cut_by_a_crash(tmp_path):
     assert path.read_text() == ""
 
 
+def test_widening_a_file_with_crlf_rows_keeps_them_whole(tmp_path):
+    path = tmp_path / "m.csv"
+    with open(path, "w", newline="") as f:  # csv.writer ends rows with \r\n
+        csv.writer(f).writerows([["step", "timestamp", "loss"], [0, 0.5, 0.25]])
+    sink = CsvSink(path)
+    sink.write(Record(step=1, timestamp=1.0, metrics={"loss": 0.5, "lr": 0.1}))
+    sink.close()
+    assert _rows(path) == [
+        ["step", "timestamp", "loss", "lr"],
+        ["0", "0.5", "0.25", ""],
+        ["1", "1.0", "0.5", "0.1"],
+    ]
+
+
 def test_a_file_that_is_no_csv_of_this_sink_is_refused_untouched(tmp_path):
     for content in (b"a,b\n1,2\n", b"\xff\xfe\x00garbage\n", b'"never ended\n'):
         path = tmp_path / "other.csv"

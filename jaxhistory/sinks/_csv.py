@@ -329,7 +329,9 @@ class CsvSink(FileSink):
             with open(tmp, "wb") as out:
                 out.write(head)
                 for line in old:
-                    if line.endswith(b"\n"):
+                    if line.endswith(b"\r\n"):  # a row csv.writer ended
+                        out.write(line[:-2] + pad + b"\n")
+                    elif line.endswith(b"\n"):
                         out.write(line[:-1] + pad + b"\n")
                     else:  # a row cut by a failed write: ended, as appending does
                         out.write(line + b"\n")
