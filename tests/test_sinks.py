@@ -192,6 +192,15 @@ def test_every_sink_takes_every_record_and_closes(kind, tmp_path, request):
         assert any(r.get("agent/lat.ms") == 1.5 for r in rows)
 
 
+def test_tensorboard_sinks_in_one_logdir_keep_each_others_events(tmp_path):
+    # a resumed run in the same second: its own event file, the first one kept
+    for step in (0, 1):
+        sink = TensorBoardSink(tmp_path / "tb")
+        sink.write(Record(step=step, timestamp=100.0 + step, metrics={"a": step}))
+        sink.close()
+    assert _read_tensorboard(tmp_path / "tb")[0]["a"] == [(0, 0.0), (1, 1.0)]
+
+
 # ----- History fan-out ------------------------------------------------------------
 class Collect:
     all_processes = False

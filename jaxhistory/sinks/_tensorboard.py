@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -12,13 +13,20 @@ from jaxhistory.sinks._base import values
 
 __all__ = ["TensorBoardSink"]
 
+# tensorboardX names an event file by the second and the host, and opens it
+# truncated: two sinks in one logdir within a second (a resumed run) would
+# share the file, the second wiping the first's events. Each sink's file also
+# gets the process id and a number of its own.
+_numbers = itertools.count()
+
 
 class TensorBoardSink:
     """Writes every scalar of each record (metrics and aggregated statistics) as a
     TensorBoard scalar at the record's step; array metrics as histograms.
 
     Records without a step (published metrics) are numbered per tag. Event files
-    go to ``logdir`` (view them with ``tensorboard --logdir``); no TensorFlow is
+    go to ``logdir`` (view them with ``tensorboard --logdir``), one of its own
+    for each sink (a resumed run adds one). No TensorFlow is
     needed. Needs ``pip install 'jaxhistory[tensorboard]'``.
 
     Examples:
@@ -38,7 +46,10 @@ class TensorBoardSink:
         self._summary = Summary
         self.logdir = os.fspath(logdir)
         self._writer = tbx.SummaryWriter(
-            self.logdir, flush_secs=flush_secs, max_queue=1024
+            self.logdir,
+            flush_secs=flush_secs,
+            max_queue=1024,
+            filename_suffix=f".{os.getpid()}.{next(_numbers)}",
         )
         self._counts: dict[str, int] = {}
 
