@@ -201,6 +201,18 @@ def test_tensorboard_sinks_in_one_logdir_keep_each_others_events(tmp_path):
     assert _read_tensorboard(tmp_path / "tb")[0]["a"] == [(0, 0.0), (1, 1.0)]
 
 
+def test_a_closed_tensorboard_sink_writes_nothing_more(tmp_path):
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.write(Record(step=0, timestamp=100.0, metrics={"a": 1.0}))
+    sink.close()
+    threads = threading.active_count()
+    sink.write(Record(step=1, timestamp=101.0, metrics={"a": 2.0}))
+    sink.flush()
+    sink.close()
+    assert threading.active_count() == threads  # no writer started again
+    assert _read_tensorboard(tmp_path / "tb")[0]["a"] == [(0, 1.0)]
+
+
 # ----- History fan-out ------------------------------------------------------------
 class Collect:
     all_processes = False

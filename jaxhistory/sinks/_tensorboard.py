@@ -26,8 +26,8 @@ class TensorBoardSink:
 
     Records without a step (published metrics) are numbered per tag. Event files
     go to ``logdir`` (view them with ``tensorboard --logdir``), one of its own
-    for each sink (a resumed run adds one). No TensorFlow is
-    needed. Needs ``pip install 'jaxhistory[tensorboard]'``.
+    for each sink (a resumed run adds one); once closed, the sink writes nothing
+    more. No TensorFlow is needed. Needs ``pip install 'jaxhistory[tensorboard]'``.
 
     Examples:
         >>> import tempfile
@@ -52,6 +52,8 @@ class TensorBoardSink:
             filename_suffix=f".{os.getpid()}.{next(_numbers)}",
         )
         self._counts: dict[str, int] = {}
+        # tensorboardX starts a new writer (and file) for a write after close
+        self._closed = False
 
     def _step(self, tag: str, step: int | None) -> int:
         if step is not None:
@@ -61,6 +63,8 @@ class TensorBoardSink:
         return n
 
     def write(self, record: Any) -> None:
+        if self._closed:
+            return
         Value = self._summary.Value
         scalars = []  # one event for all the scalars of a record with a step
         for tag, number, arr in values(record):
@@ -87,7 +91,9 @@ class TensorBoardSink:
         )
 
     def flush(self) -> None:
-        self._writer.flush()
+        if not self._closed:
+            self._writer.flush()
 
     def close(self) -> None:
+        self._closed = True
         self._writer.close()
