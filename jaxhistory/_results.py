@@ -16,6 +16,7 @@ import orjson
 
 from jaxhistory._files import atomic_write, check_target
 from jaxhistory._history_state import HistoryState
+from jaxhistory._names import printable
 
 __all__ = ["log_metrics", "metrics_format", "save_metrics", "save_state"]
 
@@ -120,7 +121,8 @@ def log_metrics(split: str, metrics: Mapping[str, Any]) -> str:
     """Prints ``metrics`` as an aligned table sorted by key, on process 0 only.
 
     The table is ``***** {split} metrics *****`` followed by ``  key = value``
-    lines, values formatted by :func:`metrics_format`. It is also logged (INFO) to
+    lines, values formatted by :func:`metrics_format` (control characters in
+    the split, keys and values shown as ``\\xNN``). It is also logged (INFO) to
     the ``jaxhistory`` logger. Other processes print and log nothing. Returns the
     table (``""`` on other processes).
 
@@ -136,12 +138,14 @@ def log_metrics(split: str, metrics: Mapping[str, Any]) -> str:
     formatted = metrics_format(metrics)
     if jax.process_index() != 0:
         return ""
-    lines = [f"***** {split} metrics *****"]
+    lines = [f"***** {printable(split)} metrics *****"]
     if formatted:
-        keys = sorted(formatted, key=str)
-        k_width = max(len(str(k)) for k in keys)
-        v_width = max(len(str(v)) for v in formatted.values())
-        lines += [f"  {k!s:<{k_width}} = {formatted[k]!s:>{v_width}}" for k in keys]
+        # a control character in a name (a terminal escape, a newline) is shown
+        # as \xNN, as in the summary line
+        shown = sorted((printable(k), printable(v)) for k, v in formatted.items())
+        k_width = max(len(k) for k, _ in shown)
+        v_width = max(len(v) for _, v in shown)
+        lines += [f"  {k:<{k_width}} = {v:>{v_width}}" for k, v in shown]
     text = "\n".join(lines)
     print(text)
     logger.info("%s", text)

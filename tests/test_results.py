@@ -100,6 +100,20 @@ def test_log_metrics_prints_an_aligned_sorted_table_and_logs_it(capsys, caplog):
     assert text in caplog.text
 
 
+def test_log_metrics_shows_control_characters_in_names_as_escapes(capsys):
+    tracker = jh.MemoryTracker()
+    with tracker.stage("ev\x1b[2Jal\n"):  # a stage name with a terminal escape
+        pass
+    text = jh.log_metrics("tr\rain", tracker.metrics())
+    assert "\x1b" not in text and "\r" not in text
+    lines = text.splitlines()
+    assert lines[0] == "***** tr\\x0dain metrics *****" and len(lines) == 7
+    assert lines[1].startswith("  before_init_mem_cpu ")
+    assert lines[3].startswith("  ev\\x1b[2Jal\\x0a_mem_cpu_alloc_delta ")
+    assert len({line.index("=") for line in lines[1:]}) == 1  # still aligned
+    assert capsys.readouterr().out == text + "\n"
+
+
 def test_log_metrics_of_nothing_prints_the_header(capsys):
     assert jh.log_metrics("eval", {}) == "***** eval metrics *****"
     assert capsys.readouterr().out == "***** eval metrics *****\n"
