@@ -19,7 +19,7 @@ import pytest
 import xarray as xr
 
 import jaxhistory as jh
-from jaxhistory._files import in_use
+from jaxhistory._files import NotAFile, in_use
 from jaxhistory.sinks import (
     ConsoleSink,
     CsvSink,
@@ -433,6 +433,18 @@ def test_named_sinks_are_closed_when_the_history_cannot_start(no_env_sinks, tmp_
     holder.close()
     made = list(tmp_path.glob("*.csv"))
     assert made and not any(in_use(p) for p in made)
+
+
+def test_the_tensorboard_folder_is_never_a_link(no_env_sinks, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "tensorboard").symlink_to(elsewhere)
+    with pytest.raises(NotAFile, match="symbolic link"):
+        jh.History(
+            distributed_history=False, sinks="tensorboard", report_dir=tmp_path / "run"
+        )
+    assert not list(elsewhere.iterdir())
 
 
 def test_wandb_by_name(no_env_sinks, monkeypatch, tmp_path):

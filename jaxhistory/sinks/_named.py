@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jaxhistory._files import check_target
 from jaxhistory._optional import require_optional
 from jaxhistory.sinks._console import ConsoleSink
 from jaxhistory.sinks._csv import CsvSink
@@ -120,7 +121,8 @@ def named_sinks(
 ) -> list[Any]:
     """Makes the sinks ``names`` (checked by :func:`sink_names`): ``csv``
     writes ``{folder}/{run_id}.csv`` (appended to unless ``overwrite``),
-    ``tensorboard`` ``{folder}/tensorboard/{run_id}``; ``wandb`` logs to the
+    ``tensorboard`` ``{folder}/tensorboard/{run_id}`` (either folder a link or
+    no folder: :class:`~jaxhistory._files.NotAFile`); ``wandb`` logs to the
     active run (ValueError without one), unless ``wandb`` is False. If one
     cannot be made, those made already are closed."""
     made: list[Any] = []
@@ -131,7 +133,12 @@ def named_sinks(
             elif name == "csv":
                 made.append(CsvSink(Path(folder) / f"{run_id}.csv", overwrite))
             elif name == "tensorboard":
-                made.append(TensorBoardSink(Path(folder) / "tensorboard" / run_id))
+                # folders this names, as the plots folder: never written
+                # through a link (NotAFile)
+                logdir = Path(folder) / "tensorboard" / run_id
+                check_target(logdir.parent, folder=True)
+                check_target(logdir, folder=True)
+                made.append(TensorBoardSink(logdir))
             elif name == "wandb" and wandb:
                 made.append(WandbSink())
     except BaseException:
