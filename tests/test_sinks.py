@@ -201,6 +201,25 @@ def test_tensorboard_sinks_in_one_logdir_keep_each_others_events(tmp_path):
     assert _read_tensorboard(tmp_path / "tb")[0]["a"] == [(0, 0.0), (1, 1.0)]
 
 
+def test_tensorboard_histograms_count_values_past_1e20(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import (
+        EventAccumulator,
+    )
+
+    sink = TensorBoardSink(tmp_path / "tb")
+    big = np.array([3e38, -3e38], np.float32)  # past the buckets of tensorboardX
+    spread = np.array([1e300, -1e25, 0.0, 1.0])
+    sink.write(Record(step=0, timestamp=1.0, metrics={"loss": 0.5, "w": big}))
+    sink.write(Record(step=1, timestamp=2.0, metrics={"w": spread}))
+    sink.close()
+    assert _read_tensorboard(tmp_path / "tb")[0]["loss"] == [(0, 0.5)]
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"histograms": 0})
+    acc.Reload()
+    histograms = [e.histogram_value for e in acc.Histograms("w")]
+    assert [(h.num, sum(h.bucket)) for h in histograms] == [(2, 2), (4, 4)]
+    assert histograms[0].max == np.float32(3e38) and histograms[1].max == 1e300
+
+
 def test_a_closed_tensorboard_sink_writes_nothing_more(tmp_path):
     sink = TensorBoardSink(tmp_path / "tb")
     sink.write(Record(step=0, timestamp=100.0, metrics={"a": 1.0}))

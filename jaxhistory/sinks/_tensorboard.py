@@ -52,6 +52,12 @@ class TensorBoardSink:
             filename_suffix=f".{os.getpid()}.{next(_numbers)}",
         )
         self._counts: dict[str, int] = {}
+        # TensorFlow's histogram buckets: tensorboardX's, which stop at 1e20
+        # (a value past them went uncounted, and an array of only such values
+        # raised, losing the record), closed by -DBL_MAX and DBL_MAX as
+        # TensorFlow closes them
+        top = float(np.finfo(np.float64).max)
+        self._bins = [-top, *self._writer.default_bins, top]
         # tensorboardX starts a new writer (and file) for a write after close
         self._closed = False
 
@@ -78,9 +84,14 @@ class TensorBoardSink:
             step = self._step(tag, record.step)
             finite = arr[np.isfinite(arr)].astype(np.float64)
             if finite.size:
-                self._writer.add_histogram(
-                    tag, finite, global_step=step, walltime=record.timestamp
-                )
+                with np.errstate(over="ignore"):  # sums past 1e308 are inf
+                    self._writer.add_histogram(
+                        tag,
+                        finite,
+                        global_step=step,
+                        bins=self._bins,
+                        walltime=record.timestamp,
+                    )
 
         if scalars:
             self._add(scalars, record.step, record)
