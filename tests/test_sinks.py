@@ -418,6 +418,19 @@ def test_wandb_sink_skips_steps_that_go_back(wandb_run):
     assert losses == {5: 1.0, 6: 0.5}
 
 
+def test_wandb_histograms_of_float32_arrays_spanning_its_range(wandb_run):
+    import wandb
+
+    sink = WandbSink()
+    wide = np.array([3e38, -3e38, 0.0, np.nan], np.float32)
+    sink.write(Record(step=0, timestamp=0.0, metrics={"loss": 1.0, "w": wide}))
+    run_dir = Path(wandb.run.dir).parent
+    wandb.finish()
+    (row,) = [r for r in _wandb_history(run_dir) if "loss" in r]
+    assert row["loss"] == 1.0 and row["w/_type"] == "histogram"
+    assert sum(row["w/values"]) == 3 and row["w/bins"][-1] == pytest.approx(3e38)
+
+
 def test_wandb_switches(wandb_run, monkeypatch):
     assert not any(isinstance(s, WandbSink) for s in jh.History(use_wandb=False).sinks)
     monkeypatch.setenv("WANDB_DISABLED", "true")

@@ -54,7 +54,10 @@ class WandbSink:
             if number is not None:
                 data[name] = number
             elif arr.size:
-                data[name] = self.wandb.Histogram(arr[np.isfinite(arr)])
+                # in float64: binned in float32, a range past its largest value
+                # raises ("Too many bins for data range"), losing the record
+                finite = arr[np.isfinite(arr)].astype(np.float64)
+                data[name] = self.wandb.Histogram(finite)
         if not data:
             return
         step = record.step
