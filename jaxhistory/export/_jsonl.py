@@ -103,8 +103,9 @@ def _row_dicts(names: list[str], keys: tuple, lists: list[list], n: int) -> list
 
 
 def _column_list(column) -> list:
-    """A column's values as Python numbers (nested lists for array metrics),
-    floats widened to float64 and non-finite ones as the log's strings."""
+    """A column's values as Python numbers (nested lists for float array
+    metrics, NumPy rows for integer ones), floats widened to float64 and
+    non-finite ones as the log's strings."""
     if column.dtype.kind == "f" and column.dtype != "float64":
         column = column.astype("float64")
     if column.dtype.kind not in "biuf":
@@ -116,6 +117,8 @@ def _column_list(column) -> list:
         return values
     if column.dtype.kind == "f":
         return [jsonable(row) for row in column]
+    if column.ndim > 1:  # rows stay NumPy: a list of ints past int64 would be
+        return list(column)  # read by NumPy (when cleaned) as float64, rounded
     return column.tolist()
 
 
