@@ -26,8 +26,21 @@ SUMMARY_STATS = (
 def column_summary(values: np.ndarray) -> dict[str, float]:
     """Mean, std, median, p10, p90, min and max of the finite values (all
     elements of array metrics), the last value (the last record's mean for
-    arrays), how many values there are and how many are NaN or infinite."""
-    values = np.asarray(values, np.float64)
+    arrays), how many values there are and how many are NaN or infinite.
+    Integers keep their min, max and last value exactly (Python ints), where
+    float64 would round them past 2**53."""
+    stats = _float_summary(np.asarray(values, np.float64))
+    ints = np.asarray(values)
+    if ints.dtype.kind in "iu" and ints.size:
+        flat = ints.reshape(-1)
+        low, high = (flat[0], flat[0]) if flat.size == 1 else (flat.min(), flat.max())
+        stats.update(min=int(low), max=int(high))
+        if ints.ndim == 1:
+            stats["last"] = int(flat[-1])
+    return stats
+
+
+def _float_summary(values: np.ndarray) -> dict[str, float]:
     flat = values.reshape(-1)
     stats = dict.fromkeys(SUMMARY_STATS, math.nan)
     if flat.size == 1:  # one value (a metric per sample): no NumPy calls

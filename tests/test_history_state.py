@@ -969,6 +969,26 @@ def test_summary_of_single_values_matches_numpy():
     assert math.isnan(got["m1"]["last"]) and got["m2"]["last"] == math.inf
 
 
+def test_summary_keeps_the_extremes_and_last_value_of_integers_exact(tmp_path):
+    """Found by a round trip: every statistic went through float64, so a token
+    count of 2**53 + 1 had min, max and last 2**53 (a value never recorded) and
+    2**64 - 1 in uint64 had a max of 2**64; the report showed those."""
+    s = jh.HistoryState()
+    for i, v in enumerate((2**53 + 1, 2**53 + 3, -(2**63), 2**63 - 1, 2**53 + 1)):
+        s = s.update({"tokens": v, "u": np.uint64(2**64 - 2 + i % 2)})
+    got = s.summary()["tokens"]
+    assert (got["min"], got["max"], got["last"]) == (-(2**63), 2**63 - 1, 2**53 + 1)
+    assert type(got["last"]) is int
+    assert got["mean"] == s.values("tokens").mean()  # as NumPy reckons it
+    assert (s.summary()["u"]["min"], s.summary()["u"]["max"]) == (2**64 - 2, 2**64 - 1)
+    one = jh.HistoryState().update({"n": 2**53 + 1}).summary()["n"]
+    assert one["min"] == one["max"] == one["last"] == 2**53 + 1
+    grid = jh.HistoryState().update({"a": np.array([[2**62 + 1, 3]])}).summary()["a"]
+    assert grid["max"] == 2**62 + 1 and grid["min"] == 3
+    text = jh.export.to_markdown(s, tmp_path / "r.md").read_text()
+    assert f"| {2**53 + 1} | 0 | 5 |" in text  # last, nonfinite, count
+
+
 def test_the_appender_makes_a_state_only_when_read():
     rec = Appender()
     for s in range(5):
