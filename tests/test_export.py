@@ -1328,6 +1328,19 @@ def test_a_full_disk_never_stops_training(tmp_path):
 # ----- report, log and summary: one metric's rows together --------------------------
 
 
+def test_an_integer_metric_that_changed_is_never_listed_as_a_constant(tmp_path):
+    """Found by a round trip: the report's constants allow float32 rounding
+    (1e-6 of the value), so a counter of 10**10 that grew by 1 a step was
+    listed as "the same at every record"; integers are compared exactly."""
+    s = jh.HistoryState()
+    for i in range(4):
+        s = s.update({"samples": 10**10 + i, "fixed": 10**10, "lr": 3e-3})
+    report = export.to_markdown(s, tmp_path / "r.md").read_text()
+    assert f"| samples | {10**10 + 1.5:g} |" in report
+    assert f"| {10**10} | {10**10 + 3} | {10**10 + 3} | 0 | 4 |" in report
+    assert f"fixed = {10**10}, lr = 0.003" in report
+
+
 def test_one_metrics_statistics_stay_together_and_constants_print_once(tmp_path):
     import json
 

@@ -152,7 +152,10 @@ def stats_table(
 
 def _constant(stats: dict) -> bool:
     """Whether a metric's summary shows one value at every record (to within a
-    few float32 roundings: :func:`same_value`)."""
+    few float32 roundings: :func:`same_value`; integers, whose extremes the
+    summary holds as ints, exactly)."""
+    if type(stats["min"]) is int:
+        return stats["count"] >= 2 and stats["min"] == stats["max"]
     return bool(
         stats["count"] >= 2
         and not stats["nonfinite"]
