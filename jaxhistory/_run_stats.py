@@ -62,7 +62,8 @@ def _float_summary(values: np.ndarray) -> dict[str, float]:
             max=float(finite.max()),
         )
     if len(values):
-        stats["last"] = float(np.mean(values[-1]))
+        last = values[-1]  # a scalar metric's as recorded (np.mean drops -0.0's sign)
+        stats["last"] = float(last if last.ndim == 0 else np.mean(last))
     stats["count"] = int(flat.size)
     stats["nonfinite"] = int(flat.size - finite.size)
     return stats

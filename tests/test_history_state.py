@@ -989,6 +989,14 @@ def test_summary_keeps_the_extremes_and_last_value_of_integers_exact(tmp_path):
     assert f"| {2**53 + 1} | 0 | 5 |" in text  # last, nonfinite, count
 
 
+def test_summary_last_is_the_last_value_recorded(tmp_path):
+    """Found by a round trip: the last value of a scalar metric was the mean of
+    it, which made a recorded -0.0 into 0.0 (the report: ``x = 0``)."""
+    s = jh.HistoryState().update({"x": -0.0}).update({"x": -0.0})
+    assert math.copysign(1.0, s.summary()["x"]["last"]) == -1.0
+    assert "x = -0" in jh.export.to_markdown(s, tmp_path / "r.md").read_text()
+
+
 def test_the_appender_makes_a_state_only_when_read():
     rec = Appender()
     for s in range(5):
