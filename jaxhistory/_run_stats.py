@@ -51,13 +51,18 @@ def _float_summary(values: np.ndarray) -> dict[str, float]:
         return stats
     finite = flat[np.isfinite(flat)]
     if finite.size:
-        p10, median, p90 = np.percentile(finite, [10, 50, 90])
+        with np.errstate(over="ignore", invalid="ignore"):
+            spread = _spread(finite)
+            if not all(map(math.isfinite, spread)):  # sums past float64's range:
+                e = int(np.frexp(np.abs(finite).max())[1])  # scaled by 2**-e, exact
+                spread = [float(np.ldexp(v, e)) for v in _spread(np.ldexp(finite, -e))]
+        mean, std, p10, median, p90 = spread
         stats.update(
-            mean=float(finite.mean()),
-            std=float(finite.std()),
-            median=float(median),
-            p10=float(p10),
-            p90=float(p90),
+            mean=mean,
+            std=std,
+            median=median,
+            p10=p10,
+            p90=p90,
             min=float(finite.min()),
             max=float(finite.max()),
         )
@@ -67,3 +72,10 @@ def _float_summary(values: np.ndarray) -> dict[str, float]:
     stats["count"] = int(flat.size)
     stats["nonfinite"] = int(flat.size - finite.size)
     return stats
+
+
+def _spread(finite: np.ndarray) -> list[float]:
+    """Mean, std, p10, median and p90 of finite values."""
+    return [float(finite.mean()), float(finite.std())] + [
+        float(v) for v in np.percentile(finite, [10, 50, 90])
+    ]

@@ -2,6 +2,7 @@
 integers never rounded, many key sets recorded without scanning the tables."""
 
 import math
+import warnings
 from unittest import mock
 
 import jax
@@ -995,6 +996,26 @@ def test_summary_last_is_the_last_value_recorded(tmp_path):
     s = jh.HistoryState().update({"x": -0.0}).update({"x": -0.0})
     assert math.copysign(1.0, s.summary()["x"]["last"]) == -1.0
     assert "x = -0" in jh.export.to_markdown(s, tmp_path / "r.md").read_text()
+
+
+def test_summary_of_values_near_the_largest_float(tmp_path):
+    """Found by a round trip: the sums of the mean and std overflowed, so finite
+    values had a mean of inf, with NumPy's overflow warning, which where
+    warnings are errors ended finalize before report.md was written."""
+    big = np.array([1.7e308, 1.7e308, 1.0e308, -1.7e308])
+    s = jh.HistoryState()
+    for v in big:
+        s = s.update({"x": float(v)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = s.summary()["x"]
+        jh.export.to_markdown(s, tmp_path / "r.md")
+    unit = np.ldexp(big, -1024)  # NumPy's statistics of these, 2**1024 times
+    want = [unit.mean(), unit.std(), *np.percentile(unit, [10, 50, 90])]
+    got_all = [got[k] for k in ("mean", "std", "p10", "median", "p90")]
+    assert got_all == [np.ldexp(v, 1024) for v in want]
+    assert math.isclose(got["mean"], 0.675e308, rel_tol=1e-15)
+    assert (got["min"], got["max"], got["last"]) == (-1.7e308, 1.7e308, -1.7e308)
 
 
 def test_the_appender_makes_a_state_only_when_read():
