@@ -350,7 +350,8 @@ class HistoryState:
         For each metric: mean, std, median, p10, p90, min and max of its finite
         values (all elements of array metrics), the last value (last element of the
         last record's mean for arrays), how many values were recorded and how many
-        of them are NaN or infinite.
+        of them are NaN or infinite. An integer metric's min, max and last are
+        Python ints, exact.
         """
         return {
             name: column_summary(values)
