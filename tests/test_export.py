@@ -1341,6 +1341,37 @@ def test_an_integer_metric_that_changed_is_never_listed_as_a_constant(tmp_path):
     assert f"fixed = {10**10}, lr = 0.003" in report
 
 
+def test_a_float64_metric_that_changed_is_never_listed_as_a_constant(tmp_path):
+    """The constants' tolerance (1e-6 of the value) is float32 rounding: a
+    float64 metric that moved by less, a wall-clock time (1.7e9 + 3 s) or a
+    count held as a float (1e10 + i), was listed as "the same at every
+    record", drawn as one value and left without a row or a plot. Values
+    float32 cannot hold keep float64's tolerance; a float32 statistic a few
+    ulps apart is still one value."""
+    s = jh.HistoryState()
+    for i in range(4):
+        s = s.update(
+            {
+                "wall": 1.7e9 + i + 0.25,
+                "count": 1e10 + i,
+                "lr": 3e-3,
+                "f32": float(
+                    np.float32(0.003) if i % 2 else np.float32(0.003) * (1 + 2**-22)
+                ),
+            }
+        )
+    report = export.to_markdown(s, tmp_path / "r.md").read_text()
+    assert "| wall |" in report and "| count |" in report
+    constants = report.split("Constant (the same at every record): ", 1)[1]
+    assert "wall" not in constants and "count" not in constants
+    assert "lr = 0.003" in constants and "f32 = " in constants
+    text = export.to_terminal(s, tmp_path / "txt")
+    assert not any(
+        t.startswith(("wall: constant", "count: constant")) for t in text.values()
+    )
+    assert any(t.startswith("f32: constant") for t in text.values())
+
+
 def test_one_metrics_statistics_stay_together_and_constants_print_once(tmp_path):
     import json
 

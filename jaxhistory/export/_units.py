@@ -293,6 +293,10 @@ DECADES = 3  # a positive series whose middle 90% spans this many decades: log a
 # Values this close count as one (a float32 statistic of one value held on every
 # process is off by a few float32 ulps: 0.003 comes back as 0.0030000000261).
 RELATIVE_TOLERANCE = 1e-6
+# ... where both are float32 values; others are float64 data, which that
+# tolerance would flatten (a wall-clock time 1.7e9 + 3 s, a count 1e10 + 1):
+# one value to within a few float64 ulps
+FLOAT64_TOLERANCE = 1e-12
 HUGE = 1e300  # values this large are drawn divided by a power of ten
 # Names of schedules, never given a log axis: a cosine decay to ~0 would look
 # like a cliff on one.
@@ -301,12 +305,16 @@ _SCHEDULE = re.compile(r"(^|[/_.])(lr|learning_rate)$", re.IGNORECASE)
 
 def same_value(lo: float, hi: float, scale: float | None = None) -> bool:
     """Whether ``lo`` and ``hi`` are one value to within
-    :data:`RELATIVE_TOLERANCE` of ``scale`` (default: the larger magnitude)."""
+    :data:`RELATIVE_TOLERANCE` of ``scale`` (default: the larger magnitude)
+    where float32 holds both, else (float64 data) :data:`FLOAT64_TOLERANCE`."""
     if not (np.isfinite(lo) and np.isfinite(hi)):
         return False
     if scale is None:
         scale = max(abs(lo), abs(hi))
-    return bool(abs(hi - lo) <= RELATIVE_TOLERANCE * abs(scale))
+    with np.errstate(over="ignore"):  # past float32's range: not float32 data
+        float32 = float(np.float32(lo)) == lo and float(np.float32(hi)) == hi
+    tolerance = RELATIVE_TOLERANCE if float32 else FLOAT64_TOLERANCE
+    return bool(abs(hi - lo) <= tolerance * abs(scale))
 
 
 def constant(y: np.ndarray) -> float | None:
