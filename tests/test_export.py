@@ -1370,6 +1370,14 @@ def test_a_float64_metric_that_changed_is_never_listed_as_a_constant(tmp_path):
         t.startswith(("wall: constant", "count: constant")) for t in text.values()
     )
     assert any(t.startswith("f32: constant") for t in text.values())
+    # whole numbers that float32 holds, one float32 step apart: a count that
+    # moved (the report compares integers exactly, and so do the plots)
+    s = jh.HistoryState()
+    for i in range(4):
+        s = s.update({"big": 2**30 + 128 * (i % 2), "same": 2**30})
+    text = export.to_terminal(s, tmp_path / "ints")
+    assert not any(t.startswith("big: constant") for t in text.values())
+    assert any(t.startswith("same: constant") for t in text.values())
 
 
 def test_one_metrics_statistics_stay_together_and_constants_print_once(tmp_path):

@@ -320,14 +320,15 @@ def same_value(lo: float, hi: float, scale: float | None = None) -> bool:
 def constant(y: np.ndarray) -> float | None:
     """The value of a series of 2 or more records whose values are all finite
     and one value to within :data:`RELATIVE_TOLERANCE` (a learning rate held
-    fixed, or a float32 statistic of one), else None. The value is their mean."""
+    fixed, or a float32 statistic of one; two whole numbers only if equal),
+    else None. The value is their mean."""
     if y.ndim != 1 or len(y) < 2:
         return None
     if not np.isfinite(y).all():
         return None
     lo, hi = float(y.min()), float(y.max())
-    if not same_value(lo, hi):
-        return None
+    if not same_value(lo, hi) or (lo != hi and lo.is_integer() and hi.is_integer()):
+        return None  # (two whole numbers: a count that moved, never one value)
     mean = float(np.mean(y, dtype=np.float64))
     if not same_value(lo, hi, mean if mean else None):
         return None
