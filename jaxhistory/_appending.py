@@ -164,7 +164,7 @@ def prepare(state: HistoryState, keys, row, ptypes, step):
     table, n = writable(state, keys, tuple(dtypes), tuple(shapes))
     if ptypes is not ALL_FLOATS and int in ptypes:
         check_ints(keys, row, table.dtypes)
-    check_exact(keys, values, table.dtypes)
+    check_exact(keys, values, table.dtypes, found)
     # Later rows with the same Python scalar types may skip these checks (not
     # where an ``iter`` entry was stored as a metric: it may be the step).
     if ptypes is ALL_FLOATS:
@@ -306,17 +306,28 @@ def check_widening(table: Table, n: int, wider: tuple) -> None:
                 )
 
 
-def check_exact(keys: tuple, values: list, dtypes: tuple) -> None:
-    """Refuses integers that a float column would round."""
+def check_exact(keys: tuple, values: list, dtypes: tuple, before=None) -> None:
+    """Refuses integers that a float column would round (``before``: each
+    metric's dtype before this row, which the message names where the row
+    widened it)."""
     for name, value, dtype in zip(keys, values, dtypes, strict=True):
         if dtype.kind != "f" or isinstance(value, jax.Array | float):
             continue
         bad = first_inexact(value)
-        if bad is not None:
+        if bad is None:
+            continue
+        old = (before or {}).get(name)
+        if old is not None and old.kind in "iub":  # (int64 and uint64: float64)
             raise ValueError(
-                f"metric {name!r} is stored as {dtype} and cannot hold the integer "
-                f"{bad} exactly; record it as float or keep it integer"
+                f"metric {name!r} is stored as {old}; a {np.asarray(value).dtype} "
+                f"value would make it {dtype}, which cannot hold the integer {bad} "
+                "exactly; record it in one integer type (or as float from its "
+                "first step)"
             )
+        raise ValueError(
+            f"metric {name!r} is stored as {dtype} and cannot hold the integer "
+            f"{bad} exactly; record it as float or keep it integer"
+        )
 
 
 def append_row(table: Table, n: int, step: int, row: Any, on_device: bool = False):

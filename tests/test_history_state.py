@@ -1227,3 +1227,16 @@ def test_a_metric_named_step_is_refused_by_extend_and_update_packed():
         state.update_packed(("step", "y"), np.ones(2, np.float32), step=5)
     assert state.values("x").tolist() == [1.0]  # nothing lost
     state.to_xarray()
+
+
+def test_a_uint64_that_would_widen_an_int64_metric_names_both_dtypes():
+    """An int64 metric given a uint64 past int64 was refused with "is stored
+    as float64", a dtype it never had (the two widen to float64). The message
+    names the metric's int64 and the uint64 value; nothing is recorded."""
+    s = jh.HistoryState().update({"m": 1})
+    with pytest.raises(ValueError) as info:
+        s.update({"m": np.uint64(2**64 - 1)})
+    message = str(info.value)
+    assert "stored as int64" in message and "a uint64 value" in message, message
+    assert "float64" in message and str(2**64 - 1) in message
+    assert s.values("m").tolist() == [1] and s.values("m").dtype == np.int64
