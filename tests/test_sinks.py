@@ -225,7 +225,8 @@ def test_a_closed_tensorboard_sink_writes_nothing_more(tmp_path):
     sink.write(Record(step=0, timestamp=100.0, metrics={"a": 1.0}))
     sink.close()
     threads = threading.active_count()
-    sink.write(Record(step=1, timestamp=101.0, metrics={"a": 2.0}))
+    with pytest.warns(RuntimeWarning, match=r"after close\(\)"):
+        sink.write(Record(step=1, timestamp=101.0, metrics={"a": 2.0}))
     sink.flush()
     sink.close()
     assert threading.active_count() == threads  # no writer started again
@@ -522,3 +523,28 @@ def test_finalize_bounds_and_guards_each_sinks_extras(tmp_path, monkeypatch):
     assert any("log_table did not return within 0.5 s" in t for t in texts)
     assert ds["loss"].values.tolist() == [0.0, 1.0, 2.0]
     assert [t[0] for t in tables] == ["training_history"]  # the others went on
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv", "tensorboard"])
+def test_a_sink_written_after_close_warns_once_and_keeps_its_file(tmp_path, kind):
+    """A file sink written after close() (two Histories sharing it, the first
+    closed it) dropped the records without a word. It still drops them, and
+    warns once, naming the sink and that it was closed; the file keeps what
+    was written before."""
+    make = {
+        "jsonl": lambda: JsonlSink(tmp_path / "m.jsonl"),
+        "csv": lambda: jh.sinks.CsvSink(tmp_path / "m.csv"),
+        "tensorboard": lambda: TensorBoardSink(tmp_path / "tb"),
+    }[kind]
+    sink = make()
+    sink.write(RECORDS[0])
+    sink.close()
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    before = [p.read_bytes() for p in files]
+    with pytest.warns(RuntimeWarning, match=r"after close\(\)") as caught:
+        sink.write(RECORDS[1])
+        sink.write(RECORDS[1])
+    assert len([w for w in caught if "after close" in str(w.message)]) == 1
+    assert type(sink).__name__ in str(caught[0].message)
+    assert sorted(p for p in tmp_path.rglob("*") if p.is_file()) == files
+    assert [p.read_bytes() for p in files] == before

@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxhistory._moved import moved
 from jaxhistory._record import Record
+from jaxhistory._writer import warn_quietly
 
 __all__ = [
     "FileSink",
@@ -19,6 +20,7 @@ __all__ = [
     "scalars",
     "values",
     "writes_here",
+    "written_after_close",
 ]
 
 
@@ -47,6 +49,23 @@ class FileSink:
                     self._file.close()
                 except Exception as err:
                     self.error = err
+
+    def _after_close(self) -> None:
+        """Warns, once, that records given after :meth:`close` are dropped."""
+        written_after_close(self, getattr(self, "path", ""))
+
+
+def written_after_close(sink: Any, where: Any = "") -> None:
+    """Warns, once per sink, that ``sink`` was written after its close (two
+    histories sharing it, the first closed it): those records are dropped."""
+    if not getattr(sink, "_told_closed", False):
+        sink._told_closed = True
+        at = f" {where}" if where else ""
+        warn_quietly(
+            f"{type(sink).__name__}{at} was written after close(); those records "
+            "are dropped from it (the history keeps them)",
+            stacklevel=4,
+        )
 
 
 @runtime_checkable

@@ -236,6 +236,7 @@ class CsvSink(FileSink):
         ]
         with self._lock:
             if self._file.closed:
+                self._after_close()
                 return
             head = b""
             rows, new = self._rows(parsed)

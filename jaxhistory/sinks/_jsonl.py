@@ -61,6 +61,7 @@ class JsonlSink(FileSink):
             text = self._encode_each(batch)
         with self._lock:
             if self._file.closed:
+                self._after_close()
                 return
             try:
                 if self._broken:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from jaxhistory._optional import import_optional
-from jaxhistory.sinks._base import values
+from jaxhistory.sinks._base import values, written_after_close
 
 __all__ = ["TensorBoardSink"]
 
@@ -70,6 +70,7 @@ class TensorBoardSink:
 
     def write(self, record: Any) -> None:
         if self._closed:
+            written_after_close(self, self.logdir)
             return
         Value = self._summary.Value
         scalars = []  # one event for all the scalars of a record with a step
