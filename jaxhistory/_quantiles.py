@@ -66,10 +66,21 @@ def check_quantiles(quantiles: Any, caller: str) -> tuple[tuple[float, ...], tup
                 "and 1 (use max and min for 1 and 0)"
             )
         out.append(f)
-    names = tuple(f"p{100 * q:.10g}" for q in out)
+    names = tuple(map(_row_name, out))
     if len(set(names)) != len(names):
         raise ValueError(f"{caller}: quantiles {qs!r} repeat one")
     return tuple(out), names
+
+
+def _row_name(q: float) -> str:
+    """``p50``, ``p99.9``: the percent with up to 10 significant digits, more
+    where fewer would round it to 0 or 100 (0.99999999999: ``p99.999999999``,
+    not ``p100``, the max)."""
+    for digits in range(10, 18):
+        text = f"{100 * q:.{digits}g}"
+        if 0 < float(text) < 100:
+            return f"p{text}"
+    return f"p{100 * q!r}"
 
 
 def _real(q: Any) -> float | None:

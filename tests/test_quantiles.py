@@ -137,3 +137,14 @@ def test_a_range_spanning_past_the_float32_maximum_counts_like_numpy():
     assert (
         got.tolist() == np.histogram(y.astype(np.float64), 4, (-5e37, 5e37))[0].tolist()
     )
+
+
+def test_a_quantile_near_0_or_1_is_named_as_it_is():
+    """Names had 10 significant digits: 0.99999999999 was named p100, as if it
+    were the max. Each name now keeps the digits that keep it inside (0,
+    100)."""
+    x = jnp.arange(1000.0)
+    stats = jh.distributed_stats({"x": x}, quantiles=(0.5, 0.999, 0.99999999999))
+    rows = stats.rows
+    assert {"p50", "p99.9", "p99.999999999"} <= set(rows), rows
+    assert "p100" not in rows
