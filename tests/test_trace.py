@@ -681,14 +681,21 @@ def test_the_handler_writes_on_one_writer_thread_and_names_its_threads(tmp_path)
         check_valid(events)
 
 
+def _linked_first_file(tmp_path, name):
+    """A folder ``name`` whose first trace file is a link to ``victim.txt``
+    ("keep"); returns both."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "ep0-ba0-rank0.json").symlink_to(victim)
+    return folder, victim
+
+
 def test_a_trace_file_that_is_a_link_is_never_written_through(tmp_path):
     from jaxhistory._files import NotAFile
 
-    victim = tmp_path / "victim.txt"
-    victim.write_text("keep")
-    folder = tmp_path / "traces"
-    folder.mkdir()
-    (folder / "ep0-ba0-rank0.json").symlink_to(victim)
+    folder, victim = _linked_first_file(tmp_path, "traces")
     t = trace.JSONTraceHandler(
         folder=str(folder), merged_trace_filename=None, overwrite=True
     )
@@ -943,11 +950,7 @@ def test_the_folder_and_file_names_may_be_paths(tmp_path):
         trace.JSONTraceHandler(folder=tmp_path / "{step}")
     with pytest.raises(ValueError, match="folder must be a non-empty str or a path"):
         trace.JSONTraceHandler(folder=b"traces")
-    victim = tmp_path / "victim.txt"
-    victim.write_text("keep")
-    linked = tmp_path / "linked"
-    linked.mkdir()
-    (linked / "ep0-ba0-rank0.json").symlink_to(victim)
+    linked, victim = _linked_first_file(tmp_path, "linked")
     t = trace.JSONTraceHandler(
         folder=linked, merged_trace_filename=None, overwrite=True
     )
