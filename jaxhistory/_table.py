@@ -529,7 +529,10 @@ class Tables:
             source = _pending_source(arrays)
             if source is not None:  # flattened and rebuilt as it was
                 tables[keys] = source
-            elif all(isinstance(a, np.ndarray) for a in arrays):
+            elif all(map(_concrete, arrays)):
+                # JAX arrays (a jitted function's output, device_put) are read
+                # to the host: a state keeps its records in NumPy
+                steps, *values = jax.device_get(arrays)
                 steps = np.asarray(steps, np.int64)
                 tables[keys] = (Table.from_arrays(keys, steps, values), len(steps))
             else:
@@ -574,6 +577,14 @@ class PendingColumn:
 
     def __repr__(self) -> str:
         return f"PendingColumn(shape={self.shape}, dtype={self.dtype})"
+
+
+def _concrete(leaf: Any) -> bool:
+    """Whether ``leaf`` holds values: a NumPy array, or a JAX array that is
+    not a tracer (not a placeholder of a tree transformation)."""
+    if isinstance(leaf, np.ndarray):
+        return True
+    return isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
 
 
 def _pending_source(leaves: list) -> tuple[Table, int] | None:

@@ -1240,3 +1240,23 @@ def test_a_uint64_that_would_widen_an_int64_metric_names_both_dtypes():
     assert "stored as int64" in message and "a uint64 value" in message, message
     assert "float64" in message and str(2**64 - 1) in message
     assert s.values("m").tolist() == [1] and s.values("m").dtype == np.int64
+
+
+def test_a_state_through_jit_or_device_put_comes_back_a_working_state():
+    """Leaves that come back as JAX arrays (a jitted function's output,
+    ``jax.device_put``) rebuild a state that reads and records, as NumPy
+    leaves do."""
+    s = jh.HistoryState().update({"a": 1.0, "i": 3, "w": np.arange(2.0)}, step=0)
+    s = s.update({"a": 2.0, "i": 4, "w": np.arange(2.0) + 1}, step=5)
+    doubled = jax.jit(lambda st: jax.tree.map(lambda x: x * 2, st))(s)
+    same = jax.jit(lambda st: st)(s)
+    for out, scale in ((same, 1), (doubled, 2), (jax.device_put(s), 1)):
+        assert type(out) is jh.HistoryState and out.keys == s.keys
+        assert out.steps("a").dtype == np.int64
+        assert out.steps("i").tolist() == [0, 5 * scale]
+        assert out.values("i").tolist() == [3 * scale, 4 * scale]
+        assert out.values("w").tolist() == [[0.0, scale], [scale, 2.0 * scale]]
+        assert out.next_step == 6 * scale
+        more = out.update({"a": 9.0, "i": 9, "w": np.zeros(2)})
+        assert more.values("a")[-1] == 9.0 and more.count("i") == 3
+        assert more.steps("a")[-1] == 6 * scale
