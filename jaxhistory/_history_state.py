@@ -451,8 +451,37 @@ class HistoryState:
     def __repr__(self) -> str:
         return f"HistoryState({len(self)} metrics, next_step={self.next_step})"
 
+    def __copy__(self) -> HistoryState:
+        return self  # never changes
+
+    def __reduce__(self):
+        """Pickles (and deep-copies) the rows this state sees, table by
+        table, as NumPy arrays (device values are read now); the tables'
+        locks and the run's values in flight stay behind."""
+        tables = []
+        for keys, (table, n) in self.data.tables.items():
+            if isinstance(table, Table):
+                steps, values = table.view(n)
+                tables.append((keys, steps, values, table.dtypes, table.shapes))
+            else:  # placeholders from a tree transformation
+                tables.append((keys, table, n, None, None))
+        return _unpickled, (tables, self.next_step, self.attrs)
+
 
 _EXACT_F = float(2**53)  # beyond this magnitude not every integer is a float64
+
+
+def _unpickled(tables: list, next_step: int, attrs: tuple) -> HistoryState:
+    """The state :meth:`HistoryState.__reduce__` pickled."""
+    data = {}
+    for keys, steps, values, dtypes, shapes in tables:
+        if dtypes is None:
+            data[keys] = (steps, values)
+        elif len(steps):
+            data[keys] = (Table.from_arrays(keys, steps, list(values)), len(steps))
+        else:  # no rows yet: the declared types
+            data[keys] = (Table(keys, dtypes, shapes), 0)
+    return HistoryState(data=Tables(data), next_step=next_step, attrs=attrs)
 
 
 _new_state = functools.partial(object.__new__, HistoryState)

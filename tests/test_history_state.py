@@ -1260,3 +1260,38 @@ def test_a_state_through_jit_or_device_put_comes_back_a_working_state():
         more = out.update({"a": 9.0, "i": 9, "w": np.zeros(2)})
         assert more.values("a")[-1] == 9.0 and more.count("i") == 3
         assert more.steps("a")[-1] == 6 * scale
+
+
+def test_a_state_pickles_and_deep_copies_with_every_record_and_dtype(tmp_path):
+    """pickle (a launched function's return value, a checkpoint) and
+    copy.deepcopy keep every record, dtype, step, attribute and the table
+    layout, device values not read yet included; the copy records on its
+    own and the original is unchanged."""
+    import copy
+    import pickle
+
+    s = jh.HistoryState().update({"a": 1.0, "i": 2**53 + 1, "b": True}, step=0)
+    s = s.update({"w": np.arange(3, dtype=np.float32), "u": np.uint64(2**63)}, step=4)
+    s = s.update({"d": jnp.float32(1.5) + 0, "n": jnp.int32(7) + 0}, step=7)
+    s = s.with_attrs(run="r1", tags=["x"])
+    log = tmp_path / "run.jsonl"
+    jh.export.to_jsonl(jh.HistoryState().update({"loss": 0.5}, step=3), log)
+    resumed = jh.HistoryState.from_jsonl(log).update({"loss": 0.25})
+    for state in (s, resumed, jh.HistoryState()):
+        for back in (pickle.loads(pickle.dumps(state)), copy.deepcopy(state)):
+            assert type(back) is jh.HistoryState
+            assert back.keys == state.keys and back.next_step == state.next_step
+            assert back.attrs == state.attrs
+            assert [k for k, _, _ in back.blocks()] == [k for k, _, _ in state.blocks()]
+            for name in state.keys:
+                assert back.dtype(name) == state.dtype(name)
+                np.testing.assert_array_equal(back.steps(name), state.steps(name))
+                np.testing.assert_array_equal(back.values(name), state.values(name))
+                assert back.values(name).dtype == state.values(name).dtype
+    back = copy.deepcopy(s)
+    assert back.values("i")[0] == 2**53 + 1 and back.values("u")[0] == 2**63
+    back.attrs[1][1].append("y")  # its attrs are its own
+    assert dict(s.attrs)["tags"] == ["x"]
+    more = back.update({"d": jnp.float32(2.5) + 0, "n": jnp.int32(8) + 0})
+    assert more.values("d").tolist() == [1.5, 2.5] and s.values("d").tolist() == [1.5]
+    assert copy.copy(s).values("n").tolist() == [7]
