@@ -533,7 +533,10 @@ class Tables:
                 # JAX arrays (a jitted function's output, device_put) are read
                 # to the host: a state keeps its records in NumPy
                 steps, *values = jax.device_get(arrays)
-                steps = np.asarray(steps, np.int64)
+                # arrays the caller may change later are copied (this
+                # state's own read-only views are not)
+                steps = _kept(np.asarray(steps, np.int64))
+                values = [_kept(np.asarray(v)) for v in values]
                 tables[keys] = (Table.from_arrays(keys, steps, values), len(steps))
             else:
                 tables[keys] = (tuple(arrays), None)
@@ -577,6 +580,11 @@ class PendingColumn:
 
     def __repr__(self) -> str:
         return f"PendingColumn(shape={self.shape}, dtype={self.dtype})"
+
+
+def _kept(array: np.ndarray) -> np.ndarray:
+    """``array``, copied where it is writable (the caller's own)."""
+    return array.copy() if array.flags.writeable else array
 
 
 def _concrete(leaf: Any) -> bool:

@@ -1295,3 +1295,17 @@ def test_a_state_pickles_and_deep_copies_with_every_record_and_dtype(tmp_path):
     more = back.update({"d": jnp.float32(2.5) + 0, "n": jnp.int32(8) + 0})
     assert more.values("d").tolist() == [1.5, 2.5] and s.values("d").tolist() == [1.5]
     assert copy.copy(s).values("n").tolist() == [7]
+
+
+def test_a_state_unflattened_from_arrays_keeps_them_from_later_changes():
+    """The caller's arrays handed to ``jax.tree.unflatten`` (an orbax
+    restore, a ``jax.tree.map``) may be changed afterwards: the state is
+    immutable and keeps what it was given."""
+    s = jh.HistoryState().update({"a": 1.0}, step=0).update({"a": 2.0}, step=1)
+    leaves, treedef = jax.tree.flatten(s)
+    mine = [np.array(x) for x in leaves]
+    back = jax.tree.unflatten(treedef, mine)
+    mine[0][0], mine[1][0] = 50, 99.0
+    assert back.steps("a").tolist() == [0, 1]
+    assert back.values("a").tolist() == [1.0, 2.0]
+    assert back.update({"a": 3.0}).values("a").tolist() == [1.0, 2.0, 3.0]
