@@ -30,7 +30,8 @@ def selected(state: HistoryState, prefixes: tuple) -> dict:
     def wanted(k: str) -> bool:
         return any(k == h or k.startswith(h + "/") for h in heads)
 
-    tables = {}
+    tables: dict = {}
+    parts: dict[tuple, list] = {}  # key set -> rows taken out of wider tables
     for ks, (t, n) in state.data.tables.items():
         idx = [j for j, k in enumerate(ks) if wanted(k)]
         if len(idx) == len(ks):
@@ -38,8 +39,20 @@ def selected(state: HistoryState, prefixes: tuple) -> dict:
         elif idx:
             steps, values = t.view(n)
             sub = tuple(ks[j] for j in idx)
-            cols = [np.array(values[j]) for j in idx]
-            tables[sub] = (Table.from_arrays(sub, np.array(steps), cols), n)
+            tables.setdefault(sub, None)  # (its place in recording order)
+            parts.setdefault(sub, []).append((steps, [values[j] for j in idx]))
+    for sub, rows in parts.items():
+        # a key set that is also a table of its own, or that several wider
+        # tables narrow to, holds the rows of all of them, in step order
+        whole = tables[sub]
+        if whole is not None and whole[1]:
+            rows.insert(0, whole[0].view(whole[1]))
+        steps = np.concatenate([r[0] for r in rows])
+        cols = [np.concatenate([r[1][j] for r in rows]) for j in range(len(sub))]
+        if len(rows) > 1:
+            order = np.argsort(steps, kind="stable")
+            steps, cols = steps[order], [c[order] for c in cols]
+        tables[sub] = (Table.from_arrays(sub, steps, cols), len(steps))
     return tables
 
 

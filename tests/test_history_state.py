@@ -916,6 +916,27 @@ def test_select_names_a_prefix_that_is_not_a_string():
     assert s.select("a").keys == ("a",)
 
 
+def test_select_keeps_every_record_of_a_metric_recorded_in_several_groupings():
+    """A metric recorded alone and beside others: selecting it keeps the
+    records of both groupings, in step order (one overwrote the other)."""
+    s = jh.HistoryState().update({"a": 1.0}, step=0)
+    s = s.update({"a": 2.0, "b": 5.0}, step=1).update({"a": 3.0}, step=2)
+    picked = s.select("a")
+    assert picked.keys == ("a",)
+    assert picked.steps("a").tolist() == [0, 1, 2]
+    assert picked.values("a").tolist() == [1.0, 2.0, 3.0]
+    s = jh.HistoryState().update({"t/a": 1, "b": 5.0, "c": 1.0}, step=0)
+    s = s.update({"t/a": 2, "c": 2.0}, step=3).update({"c": 3.0}, step=4)
+    s = s.update({"t/a": 4, "b": 6.0, "c": 4.0}, step=5)
+    picked = s.select("t", "c")
+    assert picked.keys == ("t/a", "c")
+    for name in picked.keys:
+        assert picked.steps(name).tolist() == s.steps(name).tolist()
+        assert picked.values(name).tolist() == s.values(name).tolist()
+        assert picked.dtype(name) == s.dtype(name)
+    assert picked.update({"t/a": 7, "c": 7.0}).values("t/a").tolist() == [1, 2, 4, 7]
+
+
 # ----- many key sets: linear recording; summary of single values --------------------
 
 
