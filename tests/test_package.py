@@ -98,9 +98,7 @@ def test_public_functions_have_runnable_examples():
         "_history",
         "_names",
         "_codec",
-        "_files",
         "_distributed",
-        "_summary",
         "sinks._jsonl",
         "sinks._csv",
         "sinks._named",
@@ -108,17 +106,24 @@ def test_public_functions_have_runnable_examples():
         "_timing",
         "_env",
         "export._netcdf",
-        "export._jsonl",
         "_results",
         "_memory",
         "_watch",
         "sentinels",
         "_quantiles",
+        "_dtypes",
+        "_row",
+        "_views",
+        "publish",
+        "trace",
+        "sinks",
+        "sinks._tensorboard",
     ],
 )
 def test_docstring_examples_run(module):
     mod = importlib.import_module(f"jaxhistory.{module}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{module} has no docstring example"
     assert result.failed == 0
 
 
