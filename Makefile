@@ -23,8 +23,8 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 lint: $(STAMP)
-	$(BIN)/ruff check jaxhistory tests benchmarks examples docs/make_images.py
-	$(BIN)/ruff format --check jaxhistory tests benchmarks examples docs/make_images.py
+	$(BIN)/ruff check jaxhistory tests benchmarks examples docs/make_images.py docs/griffe_roles.py
+	$(BIN)/ruff format --check jaxhistory tests benchmarks examples docs/make_images.py docs/griffe_roles.py
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix jaxhistory tests benchmarks examples docs/make_images.py
