@@ -27,8 +27,8 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check jaxhistory tests benchmarks examples docs/make_images.py docs/griffe_roles.py
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix jaxhistory tests benchmarks examples docs/make_images.py
-	$(BIN)/ruff format jaxhistory tests benchmarks examples docs/make_images.py
+	$(BIN)/ruff check --fix jaxhistory tests benchmarks examples docs/make_images.py docs/griffe_roles.py
+	$(BIN)/ruff format jaxhistory tests benchmarks examples docs/make_images.py docs/griffe_roles.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_reducers.py --out benchmarks/results/reducers.md
