@@ -525,13 +525,16 @@ class Average(_OfOutput):
     count), an optional ``mask`` and, with :meth:`from_output`'s ``weights=``, a
     weight per example. Scalars count as one example.
 
-    The state is the weighted mean and the total weight (merged as
-    ``(w1 * m1 + w2 * m2) / (w1 + w2)`` with the weights' shares taken first), so
-    values near float32's largest (3e38) average without overflow.
+    The state is the weighted mean, the total weight and what the mean lost
+    to rounding (``residual``). Merges pool the means as offsets from their
+    midrange, weighted by their shares of the total weight, so values near
+    float32's largest (3e38) average without overflow and a mean merged over
+    10^5 batches keeps its digits.
     """
 
     mean: jax.Array
     weight: jax.Array
+    residual: jax.Array  # what ``mean`` lost to rounding
 
     weightname: ClassVar[str | None] = None
 
@@ -544,7 +547,11 @@ class Average(_OfOutput):
     @classmethod
     def identity(cls, n):
         f = _float()
-        return {"mean": jnp.zeros(n, f), "weight": jnp.zeros(n, f)}
+        return {
+            "mean": jnp.zeros(n, f),
+            "weight": jnp.zeros(n, f),
+            "residual": jnp.zeros(n, f),
+        }
 
     @classmethod
     def from_batch(cls, batch, outputs):
@@ -565,22 +572,40 @@ class Average(_OfOutput):
         weight = _sum(w)
         share = w / _nonzero(weight).reshape((-1,) + (1,) * (v.ndim - 1))
         # where, not a product: a masked NaN must not count
-        return cls(mean=_sum(jnp.where(w != 0, v * share, 0)), weight=weight)
+        mean = _sum(jnp.where(w != 0, v * share, 0))
+        return cls(mean=mean, weight=weight, residual=jnp.zeros_like(mean))
 
     def combine(self, o):
-        n = self.weight + o.weight
-        mean = self.mean * (self.weight / _nonzero(n)) + o.mean * (
-            o.weight / _nonzero(n)
-        )
-        return self.replace(mean=mean, weight=n)
+        both = [jnp.stack([self.weight, o.weight]), jnp.stack([self.mean, o.mean])]
+        n, mean, lost = _pooled_mean(*both, jnp.stack([self.residual, o.residual]))
+        return self.replace(mean=mean[0], weight=n[0], residual=lost[0])
 
     def fold(self):
-        n = jnp.sum(self.weight, keepdims=True)[:1]
-        mean = jnp.sum(self.mean * (self.weight / _nonzero(n)), keepdims=True)[:1]
-        return self.replace(mean=mean, weight=n)
+        n, mean, lost = _pooled_mean(self.weight, self.mean, self.residual)
+        return self.replace(mean=mean[:1], weight=n[:1], residual=lost[:1])
 
     def result(self):
-        return jnp.where(self.weight[0] != 0, self.mean[0], jnp.nan)
+        return jnp.where(self.weight[0] != 0, self.mean[0] + self.residual[0], jnp.nan)
+
+
+def _pooled_mean(weight, mean, residual):
+    """The weighted mean of the groups (weight, mean + residual) along axis 0,
+    kept: (the total weight, the mean rounded, what the rounding lost). The
+    means are pooled as offsets from their midrange (no overflow near the
+    dtype's largest; close means lose no digits), weighted by their shares of
+    the total; groups of weight 0 are never read."""
+    has = weight != 0
+    n = jnp.sum(weight, axis=0, keepdims=True)
+    share = jnp.where(has, weight / _nonzero(n), 0)
+    hi = jnp.max(
+        jnp.where(has, mean, -jnp.inf), axis=0, keepdims=True, initial=-jnp.inf
+    )
+    lo = jnp.min(jnp.where(has, mean, jnp.inf), axis=0, keepdims=True, initial=jnp.inf)
+    ref = hi / 2 + lo / 2  # (halves: no overflow near the dtype's largest)
+    ref = jnp.where(jnp.isfinite(ref), ref, 0)
+    offset = jnp.where(has, (mean - ref) + residual, 0)  # a masked NaN stays out
+    total, lost = _two_sum(ref, jnp.sum(share * offset, axis=0, keepdims=True))
+    return n, total, lost
 
 
 class Sum(_OfOutput):

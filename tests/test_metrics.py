@@ -875,6 +875,36 @@ def test_a_float32_std_over_many_merges_keeps_its_digits():
     assert float(run(x)) == pytest.approx(x.astype(np.float64).std(), rel=1e-5)
 
 
+def test_a_float32_average_over_many_merges_keeps_its_digits():
+    """10^5 batches of 1e4 + normal noise merged in a scan, and the same over
+    8 shards folded, are within 2 float32 steps of NumPy's float64 mean (9
+    steps off before: each merge rounded the weighted shares of both means)."""
+    x = (1e4 + np.random.default_rng(0).normal(size=(100_000, 64))).astype(np.float32)
+    want = x.astype(np.float64).mean()
+    step = float(np.spacing(np.float32(want)))
+    for shards in (1, 8):
+        run = jax.jit(
+            lambda x, shards=shards: jax.lax.scan(
+                lambda m, b: (m.update(values=b), None),
+                M.Average.empty(num_shards=shards),
+                x,
+            )[0].compute()
+        )
+        assert abs(float(run(x)) - want) <= 2 * step
+
+
+def test_an_average_of_means_near_the_float32_limits_stays_finite():
+    """Batches whose means are near +-3e38 merge without overflow, and
+    equal means merge to exactly that mean."""
+    big = np.float32(3e38)
+    m = M.Average.empty().update(values=np.array([big, big], np.float32))
+    m = m.merge(M.Average.empty().update(values=np.array([-big, -big], np.float32)))
+    assert float(m.compute()) == 0.0
+    m = M.Average.empty().update(values=np.array([big], np.float32))
+    m = m.merge(M.Average.empty().update(values=np.array([big], np.float32)))
+    assert float(m.compute()) == float(big)
+
+
 class DeclaredMetrics(jh.metrics.Collection):
     loss: jh.metrics.Average.from_output("loss")
     accuracy: jh.metrics.Accuracy
