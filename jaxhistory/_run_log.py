@@ -5,7 +5,6 @@ during the run and the user's sinks, through the one background
 from __future__ import annotations
 
 import array
-import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from jaxhistory._codec import read_stamps
 from jaxhistory._fan_out import FanOut
 from jaxhistory._files import in_use
 from jaxhistory._row import Row
-from jaxhistory._writer import Writer
+from jaxhistory._writer import Writer, warn_quietly
 from jaxhistory.sinks._feed import SinkFeed
 from jaxhistory.sinks._jsonl import JsonlSink
 
@@ -99,15 +98,15 @@ class RunLog:
                 self.log = JsonlSink(self.path, overwrite=self.overwrite)
                 self.streamed = True
             except OSError as err:  # the step is recorded; only the log stops
-                warnings.warn(
-                    f"cannot write the JSONL log {self.path} ({err}); finalize "
-                    "will write it from the history instead",
-                    RuntimeWarning,
-                    stacklevel=6,
-                )
-                self.path = None
+                path, self.path = self.path, None
                 self.failed = True
                 self.writing = self.live_feed() is not None
+                # (-W error: to the logger, never into the training thread)
+                warn_quietly(
+                    f"cannot write the JSONL log {path} ({err}); finalize "
+                    "will write it from the history instead",
+                    stacklevel=5,
+                )
         feed = self.live_feed()
         sinks = [self.log] if self.log is not None else []
         fan_out = FanOut(sinks, self.on_stats, run_id=self.run_id, feed=feed)

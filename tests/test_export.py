@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -733,6 +734,24 @@ def test_an_unwritable_log_path_warns_once_and_recording_goes_on(tmp_path):
         h.update({"a": 1.0})
     h.update({"a": 2.0})
     assert h.state.values("a").tolist() == [1.0, 2.0]
+    h.finalize(tmp_path / "out", plot=False)
+    assert jh.HistoryState.from_jsonl(tmp_path / "out" / f"{h.run_id}.jsonl").values(
+        "a"
+    ).tolist() == [1.0, 2.0]
+
+
+def test_with_warnings_as_errors_an_unwritable_log_never_stops_training(
+    tmp_path, caplog
+):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    h = jh.History(distributed_history=False, jsonl_path=blocker / "log.jsonl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as pytest -W error does
+        h.update({"a": 1.0})
+        h.update({"a": 2.0})
+    assert h.state.values("a").tolist() == [1.0, 2.0]
+    assert any("cannot write the JSONL log" in r.getMessage() for r in caplog.records)
     h.finalize(tmp_path / "out", plot=False)
     assert jh.HistoryState.from_jsonl(tmp_path / "out" / f"{h.run_id}.jsonl").values(
         "a"
