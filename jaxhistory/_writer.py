@@ -80,6 +80,7 @@ class Writer:
         self._wake = threading.Event()
         self._closed = False
         self._closed_here = False  # close() was called on the thread itself
+        self._done = False  # a close() has written what was queued
         self._warned: set[str] = set()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -187,15 +188,19 @@ class Writer:
             warn_quietly(text, stacklevel=3)
 
     def close(self) -> None:
-        """Writes what is queued and stops the thread (idempotent)."""
+        """Writes what is queued and stops the thread (idempotent: a close cut
+        short, by Ctrl-C while it waits, is completed by the next one)."""
         with self._lock:
-            if self._closed:
+            if self._done:
                 return
-            self._closed_here = self._thread is threading.current_thread()
-            self._closed = True
-        self._wake.set()
-        with self._space:
-            self._space.notify_all()
+            first = not self._closed
+            if first:
+                self._closed_here = self._thread is threading.current_thread()
+                self._closed = True
+        if first:
+            self._wake.set()
+            with self._space:
+                self._space.notify_all()
         if self._closed_here:
             # On the thread itself (a finalizer the garbage collector ran there,
             # maybe in the middle of a write that holds the drain lock): the
@@ -203,3 +208,4 @@ class Writer:
             return
         self._thread.join(self.MAX_WAIT)  # (bounded: a stuck write stays stuck)
         self.flush()
+        self._done = True  # (not where the join or the flush raised)

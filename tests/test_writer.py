@@ -2,6 +2,7 @@
 
 import threading
 import time
+from unittest import mock
 
 import pytest
 
@@ -149,3 +150,22 @@ def test_flush_and_close_never_wait_longer_than_max_wait_on_a_hung_target(
     assert done.wait(10)  # bounded (before: forever)
     assert writer.pending() == 1  # "b" still queued, not lost silently
     release.set()
+
+
+def test_a_close_interrupted_by_ctrl_c_is_completed_by_the_next_close():
+    """Ctrl-C while close waits for the thread: the items still queued, and the
+    target's final write, come with the next close (a ``finally:``, atexit)."""
+    target = Target()
+    writer = _writer.Writer(target)
+    for k in range(10):
+        writer.add(k)
+    with (
+        mock.patch.object(writer._thread, "join", side_effect=KeyboardInterrupt),
+        pytest.raises(KeyboardInterrupt),
+    ):
+        writer.close()
+    writer.close()
+    assert target.items() == list(range(10))
+    assert target.calls[-1][1] is True
+    writer.close()  # idempotent once done
+    assert target.items() == list(range(10))
