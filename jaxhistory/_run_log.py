@@ -130,7 +130,7 @@ class RunLog:
         close (outside the caller's lock) the first time."""
         if self.writer is not None:
             self.writer.close()
-            self.failed |= bool(self.writer.dropped)
+            self.failed |= bool(self.writer.dropped) or self.writer.broken
             self.writer = None
         if self.log is not None:
             self.log.close()
@@ -148,7 +148,7 @@ class RunLog:
         again from the history)."""
         if self.log is not None and self.log.error is not None:
             self.failed = True
-        if self.writer is not None and self.writer.dropped:
+        if self.writer is not None and (self.writer.dropped or self.writer.broken):
             self.failed = True
 
     def streamed_path(self) -> Path | None:

@@ -73,6 +73,7 @@ class Writer:
         self.target = target
         self.what, self.kept = what, kept
         self.dropped = 0  # items dropped because the target could not keep up
+        self.broken = False  # a write raised: the target may lack its items
         self._queue: list = []
         self._lock = threading.Lock()  # add() against close()
         self._drain_lock = threading.Lock()  # one write at a time, in order
@@ -174,7 +175,11 @@ class Writer:
             items = self._take()
             with self._space:
                 self._space.notify_all()
-            self.target.write(items, final)
+            try:
+                self.target.write(items, final)
+            except BaseException:  # (Ctrl-C on a flush's thread, too)
+                self.broken = True  # what it was given may be lost
+                raise
         finally:
             self._drain_lock.release()
 

@@ -758,6 +758,31 @@ def test_with_warnings_as_errors_an_unwritable_log_never_stops_training(
     ).tolist() == [1.0, 2.0]
 
 
+def test_a_log_write_cut_short_by_ctrl_c_is_written_again_at_finalize(tmp_path):
+    """Ctrl-C while flush writes the log on the training thread (waiting for
+    device values, or in the write itself): the lines it was writing are not
+    in the log, so finalize writes the log again from the history."""
+    h = jh.History(distributed_history=False, report_dir=tmp_path, run_name="r")
+    h.update({"a": 0.0}, step=0)
+    out = h._recorder.out
+    out.writer.target.HOLD = 1e9  # the latest step waits for a final write
+    for s in range(1, 6):
+        h.update({"a": float(s)}, step=s)
+    log = out.log
+
+    def interrupted(batch):
+        raise KeyboardInterrupt
+
+    with (
+        mock.patch.object(log, "write_batch", interrupted),
+        pytest.raises(KeyboardInterrupt),
+    ):
+        h.flush()
+    h.finalize(plot=False)
+    logged = jh.HistoryState.from_jsonl(tmp_path / f"{h.run_id}.jsonl")
+    assert logged.steps("a").tolist() == list(range(6))
+
+
 def test_a_dropped_history_closes_its_log(tmp_path):
     import gc
     import threading
