@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import warnings
@@ -83,6 +84,7 @@ class Writer:
         self._closed_here = False  # close() was called on the thread itself
         self._done = False  # a close() has written what was queued
         self._warned: set[str] = set()
+        self._pid = os.getpid()  # the process whose items these are
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         ref = weakref.ref(self)
@@ -161,6 +163,11 @@ class Writer:
         """Hands every queued item to the target now (on the calling thread);
         ``final``: the target holds nothing back. The thread calls this with
         ``final=False`` on its own schedule."""
+        if os.getpid() != self._pid:
+            # A child of os.fork() (whose copy of the thread is gone), closing
+            # or flushing what it inherited: the items are the parent's, which
+            # writes them itself; the target (the parent's log) is not touched.
+            return
         # A write that has not returned for MAX_WAIT seconds (a stuck file
         # system) is not waited for longer: flush and close go on without it.
         if not self._drain_lock.acquire(timeout=self.MAX_WAIT):

@@ -783,6 +783,51 @@ def test_a_log_write_cut_short_by_ctrl_c_is_written_again_at_finalize(tmp_path):
     assert logged.steps("a").tolist() == list(range(6))
 
 
+def test_a_forked_child_never_writes_the_parents_log(tmp_path):
+    """A child of os.fork() that closes the History it inherited (a
+    ``finally:`` its exit runs through, atexit) must not write the parent's
+    lines, which the parent writes itself, into the parent's log."""
+    import os
+
+    class Sink:
+        def write(self, record):
+            pass
+
+        def flush(self):
+            pass
+
+        def close(self):
+            pass
+
+    h = jh.History(
+        distributed_history=False, report_dir=tmp_path, run_name="r", sinks=[Sink()]
+    )
+    h.update({"a": 0.0}, step=0)
+    h._recorder.out.writer.target.HOLD = 1e9  # step 6 waits for a final write
+    for s in range(1, 4):
+        h.update({"a": float(s)}, step=s)
+    h.flush()  # (the sink's thread runs)
+    for s in range(4, 7):
+        h.update({"a": float(s)}, step=s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # JAX's warning about fork
+        pid = os.fork()
+    if pid == 0:  # the child
+        warned = [1]
+        try:
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")
+                h.close()  # (it waited for the parent's sink threads, and warned)
+        finally:
+            os._exit(min(len(warned), 100))
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # no warning in the child
+    h.update({"a": 7.0}, step=7)
+    h.close()
+    steps = [json.loads(line)["step"] for line in h.log_path.read_text().splitlines()]
+    assert steps == list(range(8))
+
+
 def test_a_dropped_history_closes_its_log(tmp_path):
     import gc
     import threading

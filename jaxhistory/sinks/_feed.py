@@ -21,6 +21,7 @@ first record), so a hung sink holds back no other sink either.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -213,6 +214,7 @@ class SinkFeed:
     MAX_QUEUED = 16384  # records a sink may fall behind before they are dropped
 
     def __init__(self, sinks: Sequence[Any]):
+        self._pid = os.getpid()  # the process whose threads write the sinks
         many = len(sinks) > 1
         self._feeds = [
             _Feed(s, sink_name(s, i if many else None), self.MAX_QUEUED)
@@ -245,6 +247,10 @@ class SinkFeed:
         self._wait(True, self.TIMEOUT if timeout is None else timeout)
 
     def _wait(self, close: bool, timeout: float) -> None:
+        if os.getpid() != self._pid:
+            # A child of os.fork(): the sinks' threads are the parent's (gone
+            # here), and so are the sinks, which the parent flushes and closes.
+            return
         here = threading.current_thread()
         now = time.monotonic()
         waits = []
