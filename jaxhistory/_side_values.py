@@ -4,7 +4,6 @@ attached from any thread (timings, published metrics) and memory samples."""
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import Any
 
 from jaxhistory import _memory
@@ -12,6 +11,7 @@ from jaxhistory._dtypes import as_step, host_value
 from jaxhistory._history_state import HistoryState
 from jaxhistory._names import flatten
 from jaxhistory._summary import memory_token
+from jaxhistory._writer import warn_quietly
 
 __all__ = ["SideValues"]
 
@@ -129,9 +129,10 @@ def _record_local(state: HistoryState, values: dict, step: int):
     try:
         return state.update(values, step=step), True
     except (TypeError, ValueError) as err:  # e.g. already recorded there
-        warnings.warn(
+        # (-W error: to the logger, never out of the update, flush or finalize
+        # that records them)
+        warn_quietly(
             f"attached values {sorted(values)} were not recorded at step {step}: {err}",
-            RuntimeWarning,
-            stacklevel=5,
+            stacklevel=4,
         )
         return state, False

@@ -1313,6 +1313,31 @@ def test_with_warnings_as_errors_a_failing_sink_costs_the_log_nothing(tmp_path, 
     assert any("disk gone" in r.getMessage() for r in caplog.records)
 
 
+def test_with_warnings_as_errors_an_unrecordable_attach_costs_the_update_nothing(
+    tmp_path, caplog
+):
+    """Attached values that cannot be recorded at their step (the metric has
+    a later record) are a warning: with warnings as errors, that warning must
+    not raise out of the update that records them (its row already in the
+    history, not yet in the log), nor out of flush or finalize."""
+    h = jh.History(distributed_history=False, report_dir=tmp_path, run_name="r")
+    h.attach({"t": 1.0}, step=5)
+    h.update({"loss": 0.5}, step=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as pytest -W error does
+        h.attach({"t": 2.0}, step=2)  # before t's record at 5
+        h.update({"loss": 0.25}, step=6)
+        h.attach({"t": 3.0}, step=3)
+        h.flush()
+        h.attach({"t": 4.0}, step=4)
+        h.finalize(plot=False)
+    assert h.state.steps("loss").tolist() == [5, 6]
+    logged = jh.HistoryState.from_jsonl(h.log_path)
+    assert logged.steps("loss").tolist() == [5, 6]
+    assert (tmp_path / "dataset.nc").is_file()
+    assert any("were not recorded at step 2" in r.getMessage() for r in caplog.records)
+
+
 def test_a_log_deleted_mid_run_is_started_again_and_rewritten_whole(tmp_path):
     import shutil
 
