@@ -97,15 +97,14 @@ class Writer:
     def add(self, item: Any) -> None:
         """Queues one item (the writer keeps it: pass one nobody changes later).
         Raises ValueError after :meth:`close`."""
-        lock = self._lock
-        lock.acquire()
-        if self._closed:
-            lock.release()
-            raise ValueError("the writer is closed")
-        queue = self._queue
-        queue.append(item)
-        n = len(queue)
-        lock.release()
+        # (a with: Ctrl-C landing between an acquire and its release would
+        # leave the lock held, and every later add and close waiting forever)
+        with self._lock:
+            if self._closed:
+                raise ValueError("the writer is closed")
+            queue = self._queue
+            queue.append(item)
+            n = len(queue)
         if n == self.WAKE_AT:  # (the thread then takes every item queued)
             self._wake.set()
         elif n >= self.MAX_PENDING:

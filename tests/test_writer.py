@@ -169,3 +169,31 @@ def test_a_close_interrupted_by_ctrl_c_is_completed_by_the_next_close():
     assert target.calls[-1][1] is True
     writer.close()  # idempotent once done
     assert target.items() == list(range(10))
+
+
+def test_ctrl_c_inside_add_leaves_the_writer_usable():
+    """Ctrl-C (a signal handler's exception) landing inside add, while it holds
+    the writer's lock: later adds, the thread and close go on, and nothing hangs."""
+
+    class Interrupted(list):
+        def append(self, item):
+            raise KeyboardInterrupt
+
+    target = Target()
+    writer = _writer.Writer(target)
+    writer.add(0)
+    with writer._drain_lock:  # (the thread takes nothing meanwhile)
+        writer._queue = Interrupted(writer._queue)
+        with pytest.raises(KeyboardInterrupt):
+            writer.add(1)
+        writer._queue = list(writer._queue)
+
+    def go_on():
+        writer.add(2)
+        writer.close()
+
+    thread = threading.Thread(target=go_on, daemon=True)
+    thread.start()
+    thread.join(60)  # (only so that a hang fails the test instead of blocking it)
+    assert not thread.is_alive(), "the writer's lock was left held"
+    assert target.items() == [0, 2]
