@@ -85,15 +85,19 @@ class Recorder:
             # copy of the dict, which the log's encoder writes fastest).
             row = self.rec.take(metrics, now, logged) if step is None else None
             if row is not None and not self.side.due and self.guard is None:
-                self.updates += 1
-                out.stamp_steps.append(row.step)
-                out.stamp_times.append(now)
-                if logged:
-                    writer = out.writer
-                    if writer is not None:
-                        writer.add(row)
-                    else:
-                        out.add(row)  # (starts the writer)
+                try:
+                    self.updates += 1
+                    out.stamp_steps.append(row.step)
+                    out.stamp_times.append(now)
+                    if logged:
+                        writer = out.writer
+                        if writer is not None:
+                            writer.add(row)
+                        else:
+                            out.add(row)  # (starts the writer)
+                except BaseException:  # Ctrl-C: recorded, maybe not queued
+                    out.failed = True  # finalize writes the log from the state
+                    raise
                 if not summarize or row.step % self.log_every:
                     return ""
                 line = self.line.format_floats  # (out of the lock)
@@ -120,6 +124,25 @@ class Recorder:
         row, the memory token and the sentinels' events."""
         if row is None:
             row = self._recorded(metrics, step, now, summarize)
+        try:
+            token = self._logged(row, now)
+        except BaseException:
+            # The row is in the history: where this stopped before it was
+            # queued (Ctrl-C; the log cannot be opened), the log lacks it, and
+            # finalize writes the log again from the history.
+            self.out.failed = True
+            raise
+        found = self._checked(row) if self.guard is not None else None
+        if self.pending_found:  # from earlier rows reduced in a batch
+            found = [*self.pending_found, *(found or [])]
+            self.pending_found = []
+        if self.job.reduce_host:
+            self._same_everywhere()
+        return row, token, found
+
+    def _logged(self, row: Row, now: float) -> str:
+        """Stamps the recorded ``row``, records its side values and queues its
+        log line (the caller holds the lock). Returns the memory token."""
         self.updates += 1
         out = self.out
         out.stamp(row.step, now)
@@ -141,13 +164,7 @@ class Recorder:
                 )
         if out.writing or _trace_state.active() is not None:
             out.add(logged)
-        found = self._checked(row) if self.guard is not None else None
-        if self.pending_found:  # from earlier rows reduced in a batch
-            found = [*self.pending_found, *(found or [])]
-            self.pending_found = []
-        if self.job.reduce_host:
-            self._same_everywhere()
-        return row, token, found
+        return token
 
     def _recorded(self, metrics: Any, step: Any, now: float, summarize: bool) -> Row:
         """Parses, completes (progress), reduces and records one update (the

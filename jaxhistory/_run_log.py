@@ -164,7 +164,8 @@ class RunLog:
         dataset's time coordinate and a log written from the state; the log's
         times for steps this run did not record (a resumed run's)."""
         steps, times = self.stamp_steps, self.stamp_times
-        stamps = dict(zip(reversed(steps), reversed(times), strict=True))
+        n = min(len(steps), len(times))  # (Ctrl-C between the two appends)
+        stamps = dict(zip(reversed(steps[:n]), reversed(times[:n]), strict=True))
         path = self.path
         if (
             path is not None

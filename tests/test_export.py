@@ -783,6 +783,32 @@ def test_a_log_write_cut_short_by_ctrl_c_is_written_again_at_finalize(tmp_path):
     assert logged.steps("a").tolist() == list(range(6))
 
 
+@pytest.mark.parametrize("path", ["slow", "repeated dict"])
+def test_ctrl_c_between_the_history_and_the_log_is_mended_at_finalize(tmp_path, path):
+    """Ctrl-C landing in an update after its row joined the history and before
+    it was queued for the log (recording the values attached meanwhile, or
+    stamping the step): finalize writes a log that has the step, as the
+    dataset does."""
+    h = jh.History(distributed_history=False, report_dir=tmp_path, run_name="r")
+    for s in range(3):
+        h.update({"a": float(s)})
+    recorder = h._recorder
+    if path == "slow":
+        h.attach({"t": 0.5})
+        target, name = recorder.side, "at_update"
+        stand_in = mock.Mock(side_effect=KeyboardInterrupt)
+    else:
+        target, name = recorder.out, "stamp_times"  # (after stamp_steps)
+        stand_in = mock.Mock(**{"append.side_effect": KeyboardInterrupt})
+    with mock.patch.object(target, name, stand_in), pytest.raises(KeyboardInterrupt):
+        h.update({"a": 3.0})
+    assert h.state.steps("a").tolist() == [0, 1, 2, 3]
+    h.update({"a": 4.0})
+    h.finalize(plot=False)
+    logged = jh.HistoryState.from_jsonl(tmp_path / f"{h.run_id}.jsonl")
+    assert logged.steps("a").tolist() == [0, 1, 2, 3, 4]
+
+
 def test_a_forked_child_never_writes_the_parents_log(tmp_path):
     """A child of os.fork() that closes the History it inherited (a
     ``finally:`` its exit runs through, atexit) must not write the parent's
