@@ -329,3 +329,28 @@ def test_sigkill_leaves_every_complete_row(tmp_path):
         again = CsvSink(path)  # a cut row is dropped, the columns read back
     again.close()
     assert path.read_bytes() == complete
+
+
+def test_a_csv_deleted_during_the_run_is_started_again_with_its_header(tmp_path):
+    """The CSV's folder removed mid-run (a clean-up): later rows went into the
+    deleted file and were lost without a word. A new file with the header is
+    started at the path, with one warning saying what the old one held."""
+    import shutil
+
+    path = tmp_path / "run" / "m.csv"
+    sink = CsvSink(path)
+    sink.write(Record(step=0, timestamp=1.0, metrics={"loss": 1.0}))
+    shutil.rmtree(tmp_path / "run")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sink.write(Record(step=1, timestamp=2.0, metrics={"loss": 0.5}))
+        sink.write(Record(step=2, timestamp=3.0, metrics={"loss": 0.25}))
+    sink.close()
+    texts = [str(w.message) for w in caught]
+    assert len(texts) == 1 and "was deleted" in texts[0], texts
+    assert str(path) in texts[0]
+    assert _rows(path) == [
+        ["step", "timestamp", "loss"],
+        ["1", "2.0", "0.5"],
+        ["2", "3.0", "0.25"],
+    ]

@@ -299,6 +299,8 @@ class CsvSink(FileSink):
 
     def _append(self, text: bytes, count: int) -> None:
         try:
+            if self._header_end and os.fstat(self._file.fileno()).st_nlink == 0:
+                self._reopen()
             if self._broken:
                 self._file.write(b"\n")
                 self._broken = False
@@ -313,6 +315,22 @@ class CsvSink(FileSink):
                 f"CSV {self.path}: writing failed ({err!r}); {count} record(s) "
                 "not written, later ones are tried",
             )
+
+    def _reopen(self) -> None:
+        """The file was deleted while this sink wrote it (its folder removed,
+        a clean-up): starts a new one at :attr:`path` with the header, for
+        the rows from here on (the caller holds the lock)."""
+        self._warn(
+            "deleted",
+            f"CSV {self.path} was deleted while the run wrote it; a new one is "
+            "started there, with the rows from here on (the history keeps "
+            "every step)",
+        )
+        new = open_log(self.path)
+        self._file.close()
+        head = _row_text([self._columns])
+        new.write(head)
+        self._file, self._header_end, self._broken = new, len(head), False
 
     def _widen(self, names: list[str]) -> None:
         """Rewrites the file with ``names`` added to the header and empty cells
