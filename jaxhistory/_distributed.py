@@ -154,6 +154,7 @@ class Reducer:
         self._inflight: list[tuple] = []  # batches started, not yet fetched
         self._batches = itertools.count()  # numbers batches alike in every process
         self._last: HostBatch | None = None  # the latest batch started
+        self.batch_error: Exception | None = None  # of a batch fetched, not raised
         # reductions (one per update, or per batch) so far: when checksums are due
         self._clock = 0
 
@@ -356,12 +357,15 @@ class Reducer:
             )
         return row, rows, mesh
 
-    def run_batch(self) -> None:
+    def run_batch(self, closing: bool = False) -> None:
         """Starts the reduction of the waiting batch (on the host, through the
         distributed runtime's key-value store, on a background thread: no
-        device program; :meth:`collect` fetches it)."""
+        device program; :meth:`collect` fetches it). With ``closing`` (close
+        and finalize, on every process), an empty batch too, once batches
+        have run: a process with nothing left still posts, so that one with
+        updates the others lack fails naming them instead of waiting."""
         batch, self._batch = self._batch, []
-        if not batch:
+        if not batch and not (closing and self._last is not None):
             return
         updates, arrays = [], []
         for step, now, items in batch:  # host scalars checked at their update
@@ -391,13 +395,18 @@ class Reducer:
         """Fetches the batches started before the newest (all of them with
         ``everything``): one row of each update's statistics and straggler
         values at its step; and the mesh of the per-device values (None if
-        there were none)."""
+        there were none). A batch that failed stops the fetching: its error
+        waits in :attr:`batch_error` (:meth:`raise_batch_error`)."""
         rows, found = [], None
         keep = 0 if everything else 1
         while len(self._inflight) > keep:
             batch, handle, mesh, has, names, due = self._inflight.pop(0)
             found = mesh if has else found
-            results = handle.result()
+            try:
+                results = handle.result()
+            except Exception as err:  # raised once the rows before are recorded
+                self.batch_error = err
+                break
             for (step, now, _), (stats, straggler, differs) in zip(
                 batch, results, strict=True
             ):
@@ -407,6 +416,12 @@ class Reducer:
                 values = (stats, *straggler.values())
                 rows.append(Row(step, ("", *straggler), values, RowKind.VALUES))
         return rows, found
+
+    def raise_batch_error(self) -> None:
+        """Raises what a batch fetched by :meth:`collect` failed with (once)."""
+        err, self.batch_error = self.batch_error, None
+        if err is not None:
+            raise err
 
     def answer_names(self) -> str | None:
         """Answers, from another thread, a process whose metric names changed

@@ -436,30 +436,46 @@ class HostBatch:
         mine = [d for d in self._mesh.devices.flat if d.process_index == me]
         holder = min((index[d.id] for d in mine), default=-1)
         items = [items for _, _, items in self.updates]
-        posted = partials(items, len(mine), holder, index)
+        steps = np.asarray([step for step, _, _ in self.updates], np.int64)
+        if items:
+            posted = partials(items, len(mine), holder, index)
+        else:  # a process with nothing left at close still posts, so that
+            posted = np.zeros((0, len(FIELDS), 0))  # the others' extra steps show
         client, result = self._client, f"{self.key}/result"
         if me != LEADER:
-            client.key_value_set_bytes(f"{self.key}/{me}", posted.tobytes())
+            mine_post = pack({"parts": posted, "steps": steps})
+            client.key_value_set_bytes(f"{self.key}/{me}", mine_post)
             _let_others_run()
             arrays = unpack(self._read(result))
             # the leader has read this process's post: it goes
             with contextlib.suppress(Exception):
                 client.key_value_delete(f"{self.key}/{me}")
-            return self._results(items[0], arrays)
-        everyone = {me: posted}
+            _check_alike(arrays)
+            return self._results(items[0], arrays) if items else []
+        everyone, their_steps = {me: posted}, {me: steps}
         for other in range(jax.process_count()):
             if other != me:
                 _let_others_run()
-                raw = self._read(f"{self.key}/{other}")
-                everyone[other] = np.frombuffer(raw, np.float64).reshape(posted.shape)
+                theirs = unpack(self._read(f"{self.key}/{other}"))
+                everyone[other], their_steps[other] = theirs["parts"], theirs["steps"]
         if self._previous_key is not None:  # all posted this one: read that one
             # a store that refuses keeps two results: harmless
             with contextlib.suppress(Exception):
                 client.key_value_delete(f"{self._previous_key}/result")
         _let_others_run()
-        arrays = self._combine(items[0], everyone)
+        alike = all(
+            np.array_equal(their_steps[p], steps) and everyone[p].shape == posted.shape
+            for p in everyone
+        )
+        if not alike:  # every process raises, naming each one's steps
+            arrays = {f"steps/{p}": s for p, s in sorted(their_steps.items())}
+        elif not items:
+            arrays = {}
+        else:
+            arrays = self._combine(items[0], everyone)
         client.key_value_set_bytes(result, pack(arrays))
-        return self._results(items[0], arrays)
+        _check_alike(arrays)
+        return self._results(items[0], arrays) if items else []
 
     def _read(self, key: str) -> bytes:
         """Waits for ``key`` while the runtime lasts (a process left behind
@@ -479,6 +495,33 @@ class HostBatch:
             except Exception as err:
                 if "DEADLINE_EXCEEDED" not in str(err) and "eadline" not in str(err):
                     raise
+
+
+def _check_alike(arrays: dict[str, np.ndarray]) -> None:
+    """Raises ValueError when the leader found that the processes posted
+    different updates (or different values) for one batch: their steps are
+    then all the result holds."""
+    posts = {k: v for k, v in arrays.items() if k.startswith("steps/")}
+    if not posts:
+        return
+    each = "; ".join(
+        f"process {key.removeprefix('steps/')} at steps {_steps_text(steps)}"
+        for key, steps in sorted(posts.items(), key=lambda kv: int(kv[0][6:]))
+    )
+    raise ValueError(
+        "the processes recorded different updates for one batch of History's "
+        f"log_every reduction: {each}. With distributed history every process "
+        "must call History.update for the same steps with the same metric names, "
+        "and close or finalize at the same point"
+    )
+
+
+def _steps_text(steps: np.ndarray) -> str:
+    """Steps as a list, the middle of a long one left out."""
+    shown = [int(s) for s in steps]
+    if len(shown) <= 8:
+        return str(shown)
+    return f"[{shown[0]}, {shown[1]}, ..., {shown[-1]}] ({len(shown)} updates)"
 
 
 _QUEUE: queue.SimpleQueue[HostBatch] = queue.SimpleQueue()

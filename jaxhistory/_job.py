@@ -141,12 +141,19 @@ class JobSync:
         returns the rows of earlier updates they give."""
         if not (self.reduce_host and log_every > 1):
             return []
-        self.reducer.run_batch()
+        self.reducer.run_batch(closing=True)
         rows, _ = self.reducer.collect(everything=True)
         return rows
 
+    def raise_batch_error(self) -> None:
+        """Raises what a batch failed with (processes that posted different
+        updates: ValueError), once its earlier rows are recorded."""
+        self.reducer.raise_batch_error()
+
     def check_same(self, wait_all: bool = False) -> None:
         """Raises ValueError where a value recorded as it is differed across
-        processes (``wait_all``: waits for every batch's check)."""
+        processes (``wait_all``: waits for every batch's check), or where a
+        batch failed."""
         if self.reduce_host:
+            self.reducer.raise_batch_error()
             self.reducer.check_same(wait_all)

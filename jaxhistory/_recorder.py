@@ -255,6 +255,7 @@ class Recorder:
         if rows:
             self._record_reduced(rows)
             self._record_scores(self.job.scores())
+        self.job.raise_batch_error()
 
     def _record_scores(self, rows: list) -> None:
         """Records and logs straggler score rows (the caller holds the lock)."""
@@ -333,8 +334,12 @@ class Recorder:
     def close(self) -> None:
         """:meth:`History.close <jaxhistory.History.close>`."""
         self.job.stop_watch()
+        failed = None
         with self.lock:
-            self._finish_batch()
+            try:
+                self._finish_batch()
+            except Exception as err:  # raised once the log and sinks are closed
+                failed = err
             self._record_leftover()
             feed = self.out.close()
         host_copies.send()  # device scalars left waiting: none stays behind
@@ -342,6 +347,8 @@ class Recorder:
             # Not under the lock: a sink that records or closes from its write
             # must not wait on it. Bounded; a stuck sink gets a warning.
             feed.close()
+        if failed is not None:
+            raise failed
 
     def finish(self) -> Finished:
         """Ends the run's recording for :meth:`History.finalize

@@ -791,3 +791,30 @@ def stacked_copies_run(steps: int) -> dict:
         "fully_addressable": addressable,
         "total": float(data.sum()),
     }
+
+
+def uneven_batches(updates: int, extra_on: int) -> dict:
+    """log_every=4: every process records ``updates`` steps of a host scalar,
+    process ``extra_on`` one more; then each closes. What close raised, and
+    how long it took."""
+    import time
+
+    import jax
+
+    import jaxhistory as jh
+
+    history = jh.History(distributed_history=True, log_every=4, hang_timeout=2.0)
+    count = updates + (jax.process_index() == extra_on)
+    for step in range(count):
+        history.update({"lr": 0.1 * step}, step=step, summarize=False)
+    start = time.monotonic()
+    try:
+        history.close()
+        raised = None
+    except ValueError as err:
+        raised = str(err)
+    return {
+        "raised": raised,
+        "seconds": time.monotonic() - start,
+        "steps": history.state.steps("lr/mean").tolist(),
+    }

@@ -1355,3 +1355,26 @@ def test_a_log_deleted_mid_run_is_started_again_and_rewritten_whole(tmp_path):
     h.finalize(plot=False)
     lines = [orjson.loads(x) for x in h.log_path.read_bytes().splitlines()]
     assert [x["step"] for x in lines] == list(range(100))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("updates", "extra_on"), [(6, 1), (5, 1), (5, 0)])
+def test_in_batches_processes_that_reduce_different_steps_fail_clearly(
+    updates, extra_on
+):
+    """log_every=4, one process records one update more than the other before
+    close: the extra update in the last batch (6: steps 5 against 5-6) or in
+    a batch of its own (5: none against step 5). Every process's close raises
+    ValueError naming each process's steps, at once, instead of waiting
+    forever for a batch the other never posts (or failing to reshape it)."""
+    results = jh.launch_local(
+        "mp_workers:uneven_batches", 2, 1, args=(updates, extra_on), timeout=60
+    )
+    for r in results:
+        text = r["raised"]
+        assert text is not None and "different updates" in text, r
+        ahead = list(range(5, updates + 1))
+        assert f"process {extra_on} at steps {ahead}" in text, text
+        assert r["seconds"] < 10, r
+        # what was reduced before stays recorded
+        assert r["steps"][:5] == [0, 1, 2, 3, 4], r

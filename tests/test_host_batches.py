@@ -274,8 +274,10 @@ def test_another_process_posts_reads_the_leaders_result_and_deletes_its_post(
     store = Store()
     items = [("loss", 1.5), ("x", 2.0)]
     batch = _batch(store, "k/batch0", updates=[(0, 0.0, items)])
-    raw = store.blocking_key_value_get_bytes("k/batch0/0", 5000)
-    mine = np.frombuffer(raw, np.float64).reshape(2, len(_host_batches.FIELDS), 1)
+    post = unpack(store.blocking_key_value_get_bytes("k/batch0/0", 5000))
+    assert post["steps"].tolist() == [0]  # the leader checks them
+    mine = post["parts"]
+    assert mine.shape == (2, len(_host_batches.FIELDS), 1)
     theirs = partials([[("loss", 3.5), ("x", 2.0)]], 8, 8, {})
     arrays = _distributed._combine_batch(items, {0: mine, 1: theirs})
     store.key_value_set_bytes("k/batch0/result", pack(arrays))
@@ -283,6 +285,28 @@ def test_another_process_posts_reads_the_leaders_result_and_deletes_its_post(
     assert dict(stats)["loss/mean"] == 2.5 and dict(stats)["loss/argmax"] == 8
     assert dict(stats)["x/std"] == 0.0
     assert store.deleted == ["k/batch0/0"]
+
+
+def test_a_process_that_posts_other_steps_makes_every_process_raise(monkeypatch):
+    """The leader (process 0) holds steps 4-5, process 1 posted step 4 alone:
+    the result names each one's steps, and both raise ValueError with them."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    store = Store()
+    theirs = partials([[("x", 1.0)]], 4, 4, {})
+    store.key_value_set_bytes(
+        "k/batch0/1", pack({"parts": theirs, "steps": np.asarray([4])})
+    )
+    updates = [(4, 0.0, [("x", 1.0)]), (5, 0.0, [("x", 2.0)])]
+    batch = _batch(store, "k/batch0", updates=updates)
+    with pytest.raises(ValueError, match="different updates") as info:
+        batch.result()
+    text = str(info.value)
+    assert "process 0 at steps [4, 5]; process 1 at steps [4]" in text, text
+    result = unpack(store.data["k/batch0/result"])
+    assert {k: v.tolist() for k, v in result.items()} == {
+        "steps/0": [4, 5],
+        "steps/1": [4],
+    }
 
 
 def test_what_the_thread_meets_is_raised_at_result():
