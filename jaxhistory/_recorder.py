@@ -333,13 +333,16 @@ class Recorder:
 
     def close(self) -> None:
         """:meth:`History.close <jaxhistory.History.close>`."""
-        self.job.stop_watch()
         failed = None
         with self.lock:
             try:
                 self._finish_batch()
             except Exception as err:  # raised once the log and sinks are closed
                 failed = err
+        # Stopped once the last batch is in: while it waits, the watch names a
+        # process that never gets there and answers one whose names changed.
+        self.job.stop_watch()
+        with self.lock:
             self._record_leftover()
             feed = self.out.close()
         host_copies.send()  # device scalars left waiting: none stays behind
@@ -358,14 +361,15 @@ class Recorder:
         across processes and a sentinel's raise become warnings here: the
         run is over and its outputs still come. So do warnings, which go to
         the ``jaxhistory`` logger where the filters make them errors."""
-        self.job.stop_watch()
-        if self.job.reduce_host:
-            try:
+        try:
+            if self.job.reduce_host:
                 with self.lock:
                     self._finish_batch()
                     self._same_everywhere(wait_all=True)
-            except ValueError as err:
-                warn_quietly(str(err), stacklevel=3)
+        except ValueError as err:
+            warn_quietly(str(err), stacklevel=3)
+        finally:
+            self.job.stop_watch()  # after the last batch, as in close
         try:
             self.flush()
         except SentinelError as err:

@@ -818,3 +818,28 @@ def uneven_batches(updates: int, extra_on: int) -> dict:
         "seconds": time.monotonic() - start,
         "steps": history.state.steps("lr/mean").tolist(),
     }
+
+
+def metric_added_in_batches() -> dict:
+    """log_every=4, 8 steps: at step 4 (where a batch closes) process 1 adds
+    "extra"; each process stops at its first error and closes. What update
+    and close raised, and how long it all took."""
+    import time
+
+    import jax
+
+    import jaxhistory as jh
+
+    history = jh.History(distributed_history=True, log_every=4, hang_timeout=2.0)
+    start, raised = time.monotonic(), {}
+    try:
+        for step in range(8):
+            extra = {"extra": 1.0} if jax.process_index() == 1 and step >= 4 else {}
+            history.update({"lr": 0.1 * step, **extra}, step=step, summarize=False)
+    except (ValueError, TimeoutError) as err:
+        raised["update"] = f"{type(err).__name__}: {err}"
+    try:
+        history.close()
+    except ValueError as err:
+        raised["close"] = str(err)
+    return {"raised": raised, "seconds": time.monotonic() - start}

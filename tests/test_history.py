@@ -1378,3 +1378,20 @@ def test_in_batches_processes_that_reduce_different_steps_fail_clearly(
         assert r["seconds"] < 10, r
         # what was reduced before stays recorded
         assert r["steps"][:5] == [0, 1, 2, 3, 4], r
+
+
+@pytest.mark.slow
+def test_in_batches_a_metric_added_on_one_process_fails_fast_naming_it():
+    """log_every=4: process 0 never waits in a reduction before close, so
+    its hang watch must still answer from close: process 1 gets the names'
+    ValueError within seconds (not the 120 s timeout blaming process 0), and
+    both closes end with an error instead of waiting."""
+    results = jh.launch_local("mp_workers:metric_added_in_batches", 2, 1, timeout=90)
+    first, second = results
+    assert "update" not in first["raised"], first
+    assert "different updates" in first["raised"].get("close", ""), first
+    text = second["raised"].get("update", "")
+    assert text.startswith("ValueError"), second
+    assert "process 1 has ['extra'] (at step 4)" in text, text
+    for r in results:
+        assert r["seconds"] < 30, r
