@@ -843,3 +843,26 @@ def metric_added_in_batches() -> dict:
     except ValueError as err:
         raised["close"] = str(err)
     return {"raised": raised, "seconds": time.monotonic() - start}
+
+
+def steps_that_differ(log_every: int) -> dict:
+    """Each process records 12 updates of a host scalar, process 1 one step
+    ahead of process 0 (steps 1-12 against 0-11); each stops at its first
+    ValueError and closes."""
+    import jax
+
+    import jaxhistory as jh
+
+    history = jh.History(distributed_history=True, log_every=log_every)
+    me, raised = jax.process_index(), None
+    try:
+        for k in range(12):
+            history.update({"lr": 0.1}, step=k + me, summarize=False)
+        history.flush()
+    except ValueError as err:
+        raised = str(err)
+    try:
+        history.close()
+    except ValueError as err:
+        raised = raised or str(err)
+    return {"raised": raised, "keys": list(history.state.keys)}
