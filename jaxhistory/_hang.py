@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import json
 import logging
+import numbers
 import socket
 import threading
 import time
@@ -32,6 +33,8 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from jaxhistory import _trace_state
 
@@ -77,7 +80,7 @@ def check_hang_timeout(value: Any) -> float | None:
     """``hang_timeout`` as seconds, or None for off (``None``, ``0``, ``False``)."""
     if value is None or value is False or (type(value) is int and value == 0):
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"hang_timeout must be seconds (a number) or None, got {value!r:.40}"
         )

@@ -4,6 +4,7 @@ import json
 import logging
 import time
 
+import numpy as np
 import pytest
 
 import jaxhistory as jh
@@ -252,3 +253,15 @@ def test_a_process_leaving_histories_open_exits_cleanly(shutdown):
         "mp_workers:unclosed_histories", 2, 1, args=(8, shutdown), timeout=120
     )
     assert got == [8, 8]
+
+
+def test_hang_timeouts_from_numpy_are_seconds_too():
+    """A timeout read from a NumPy array or a config (np.float32, np.int64)
+    is a number of seconds, not a TypeError saying it is not a number."""
+    assert check_hang_timeout(np.float32(2.5)) == 2.5
+    assert check_hang_timeout(np.int64(300)) == 300.0
+    assert type(check_hang_timeout(np.int64(300))) is float
+    with pytest.raises(ValueError, match="hang_timeout"):
+        check_hang_timeout(np.float32("nan"))
+    with pytest.raises(TypeError, match="hang_timeout"):
+        check_hang_timeout(np.bool_(True))
