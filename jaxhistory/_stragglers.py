@@ -21,6 +21,7 @@ on the number of processes; per window it is one pass over the window.
 from __future__ import annotations
 
 import logging
+import numbers
 import warnings
 from typing import Any
 
@@ -44,11 +45,15 @@ logger = logging.getLogger("jaxhistory")
 
 def check_window(value: Any) -> int:
     """``straggler_window`` as a number of updates (an int of 2 or more)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+    if (
+        isinstance(value, bool | np.bool_)
+        or not isinstance(value, numbers.Integral)
+        or value < 2
+    ):
         raise ValueError(
             f"straggler_window must be an int of 2 or more (updates), got {value!r:.40}"
         )
-    return value
+    return int(value)
 
 
 class StragglerScores:

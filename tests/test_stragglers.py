@@ -84,3 +84,12 @@ def test_the_table_needs_per_process_arrays():
         "| 1 | 4.00 | 6.00 | 3 of 3 |",
         "| 2 | 1.00 | 2.00 | 0 of 3 |",
     ]
+
+
+def test_a_window_given_as_a_numpy_integer_is_taken():
+    """np.int64(50) from an array or a config is an int of updates."""
+    assert check_window(np.int64(50)) == 50 and type(check_window(np.int64(50))) is int
+    with pytest.raises(ValueError, match="straggler_window"):
+        check_window(np.int64(1))
+    with pytest.raises(ValueError, match="straggler_window"):
+        check_window(np.bool_(True))
