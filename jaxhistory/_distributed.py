@@ -157,6 +157,7 @@ class Reducer:
         self._inflight: list[tuple] = []  # batches started, not yet fetched
         self._batches = itertools.count()  # numbers batches alike in every process
         self._last: HostBatch | None = None  # the latest batch started
+        self._open = False  # whether updates were batched since the last close
         self.batch_error: Exception | None = None  # of a batch fetched, not raised
         # reductions (one per update, or per batch) so far: when checksums are due
         self._clock = 0
@@ -346,6 +347,7 @@ class Reducer:
             if self._batch and names != self._batch_names:
                 self.run_batch()
             self._batch.append((row.step, now, arrived))
+            self._open = True  # close posts a batch, empty or not
             self._batch_names = names
         closes = bool(self._batch) and (
             row.step % every == 0
@@ -374,11 +376,16 @@ class Reducer:
         """Starts the reduction of the waiting batch (on the host, through the
         distributed runtime's key-value store, on a background thread: no
         device program; :meth:`collect` fetches it). With ``closing`` (close
-        and finalize, on every process), an empty batch too, once batches
-        have run: a process with nothing left still posts, so that one with
-        updates the others lack fails naming them instead of waiting."""
+        and finalize, on every process), an empty batch too where updates were
+        batched since the last close: a process with nothing left still
+        posts, so that one with updates the others lack fails naming them
+        instead of waiting."""
         batch, self._batch = self._batch, []
-        if not batch and not (closing and self._last is not None):
+        if closing:
+            # nothing recorded since the last close: nothing to post (a close
+            # after finalize on one process only must not wait for the others)
+            closing, self._open = self._open, False
+        if not batch and not closing:
             return
         updates, arrays = [], []
         for step, now, items in batch:  # host scalars checked at their update

@@ -866,3 +866,20 @@ def steps_that_differ(log_every: int) -> dict:
     except ValueError as err:
         raised = raised or str(err)
     return {"raised": raised, "keys": list(history.state.keys)}
+
+
+def close_after_finalize_on_one_process(outdir: str) -> list:
+    """log_every=4, 6 updates, finalize on every process, then close (twice)
+    on process 0 alone: nothing was recorded since, so nothing waits."""
+    import jax
+
+    import jaxhistory as jh
+
+    history = jh.History(distributed_history=True, log_every=4, hang_timeout=2.0)
+    for step in range(6):
+        history.update({"lr": 0.1 * step}, step=step, summarize=False)
+    history.finalize(outdir, plot=False)
+    if jax.process_index() == 0:
+        history.close()
+        history.close()
+    return history.state.steps("lr/mean").tolist()

@@ -1411,3 +1411,15 @@ def test_processes_recording_different_steps_fail_naming_the_step(log_every):
         text = r["raised"]
         assert text is not None and "steps" in text, r
         assert "History.update for the same steps" in text, text
+
+
+@pytest.mark.slow
+def test_in_batches_a_close_with_nothing_new_on_one_process_does_not_wait(tmp_path):
+    results = jh.launch_local(
+        "mp_workers:close_after_finalize_on_one_process",
+        2,
+        1,
+        args=(str(tmp_path),),
+        timeout=60,
+    )
+    assert results == [list(range(6))] * 2
