@@ -67,9 +67,6 @@ STRAGGLER = ("straggler/process", "straggler/lag")
 # same on every process: a checksum of it rides in the reduction as a host
 # scalar under this prefix (never recorded), and differs -> max != min.
 SAME = "\x00same/"
-# With several processes, each update's step rides the same way (the step
-# modulo 2**24, exact in float32): processes at different steps raise.
-STEP_CHECK = SAME + "\x00step"
 LAGS = "\x00lags"  # each process's arrival lag (not recorded as such)
 SAME_WINDOW = 8  # updates later the checksums are read (all processes alike)
 BATCH_MAX = 64  # updates a batch of values to reduce holds at most
@@ -189,14 +186,6 @@ class Reducer:
         while pending and (wait_all or pending[0][0] <= self._clock):
             _, step, names, differs = pending.popleft()
             bad = [n for n, d in zip(names, np.asarray(differs), strict=True) if d]
-            if STEP_CHECK.removeprefix(SAME) in bad:
-                pending.clear()
-                raise ValueError(
-                    f"the processes reduced one update at different steps (step "
-                    f"{step} on process {jax.process_index()}): its statistics "
-                    "would mix steps. With distributed history every process "
-                    "must call History.update for the same steps, in the same order"
-                )
             if bad:
                 pending.clear()
                 raise ValueError(
@@ -299,8 +288,6 @@ class Reducer:
         (``{}`` with one process) and the mesh of the per-device values (None
         if there were none)."""
         items, now = self._arrived(items, step)
-        if self.multi_process:  # (batches compare their steps themselves)
-            items = [*items, (STEP_CHECK, float(int(step) % 2**24))]
         (stats, straggler, differs), mesh, has = self._program(items)
         names = tuple(sorted(n for n, _ in items))
         self._clock += 1
