@@ -102,15 +102,38 @@ def weights_for(leaf: Leaf, weights: Any, mask: Any) -> jax.Array | None:
     try:
         if weights is not None:
             w = jnp.broadcast_to(jnp.asarray(weights, acc_dtype(x.dtype)), x.shape)
+            w = _sharded_like(w, x)
         if mask is not None:
             m = jnp.broadcast_to(jnp.asarray(mask).astype(bool), x.shape)
-            w = jnp.where(m, w, 0)
+            w = jnp.where(_sharded_like(m, x), w, 0)
     except (ValueError, TypeError) as err:
         raise ValueError(
             f"weights/mask for metric {leaf.name!r} do not broadcast to its shape "
             f"{x.shape}: {err}"
         ) from None
     return jnp.broadcast_to(w, x.shape)
+
+
+def _spec_of(a: Any) -> tuple | None:
+    sharding = getattr(jax.typeof(a), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return None if spec is None else tuple(spec) + (None,) * (a.ndim - len(spec))
+
+
+def _sharded_like(a: jax.Array, x: jax.Array) -> jax.Array:
+    """``a`` (broadcast to ``x``'s shape) resharded like ``x`` where both are
+    sharded over Explicit mesh axes in different ways: their product would be
+    refused as a sharding clash. Left as it is otherwise (no data moves)."""
+    a_spec, x_spec = _spec_of(a), _spec_of(x)
+    if a_spec is None or x_spec is None or a_spec == x_spec:
+        return a
+    if all(e is None for e in a_spec) or all(e is None for e in x_spec):
+        return a
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    explicit = jax.sharding.AxisType.Explicit
+    if not any(t == explicit for t in getattr(mesh, "axis_types", ())):
+        return a
+    return jax.sharding.reshard(a, jax.typeof(x).sharding)
 
 
 def require_elements(leaf: Leaf, op: str) -> None:

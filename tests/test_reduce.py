@@ -135,6 +135,21 @@ def test_weighted_mean_on_a_sharded_batch(mesh):
     np.testing.assert_allclose(out["v"], np.sum(v * w) / np.sum(w), rtol=1e-5)
 
 
+def test_weights_and_mask_sharded_unlike_the_values(mesh2d):
+    # Explicit axes: values on ("data", "model"), weights the other way round,
+    # a mask over "model" columns only; the specs clash when multiplied.
+    rng = np.random.default_rng(2)
+    v, w = rng.normal(size=(8, 4)).astype(np.float32), rng.random((8, 4))
+    mask = rng.random((8, 4)) > 0.3
+    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh2d, P(*spec)))
+    args = (put(v, "data", "model"), put(w.astype(np.float32), "model", "data"))
+    args += (put(mask, None, "model"),)
+    fn = lambda v, w, m: jh.reduce_mean({"v": v}, weights=w, mask=m)["v"]
+    want = np.sum(v * w * mask) / np.sum(w * mask)
+    np.testing.assert_allclose(jax.jit(fn)(*args), want, rtol=1e-5)
+    np.testing.assert_allclose(fn(*args), want, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("reducer", [jh.reduce_sum, jh.reduce_mean, jh.reduce_std])
 def test_low_precision_accumulates_in_float32(dtype, reducer):
