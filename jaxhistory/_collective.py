@@ -26,6 +26,7 @@ __all__ = [
     "all_gather",
     "collect_from_devices",
     "fused_by_dtype",
+    "psum",
     "reduce_custom_collective",
     "reduce_max_collective",
     "reduce_mean_collective",
@@ -75,6 +76,22 @@ def varying_axes(x: Any) -> frozenset:
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)  # jax 0.10: the manual-axes type of a value
     return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", ()))
+
+
+def psum(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """``lax.psum`` of ``x`` over ``axis_name``, where ``x`` may vary over some
+    of the axes and not others (a block sharded over "model" only, reduced
+    over ("data", "model")): it is first typed as varying over all of them,
+    which moves no data, so every device's copy is counted, as ``lax.psum``
+    counts a value that varies over none."""
+    axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    held = varying_axes(x)
+    if held:  # (under check_vma=True; a value typed as varying over nothing
+        # is summed as it is)
+        missing = tuple(a for a in axes if a not in held)
+        if missing:
+            x = lax.pcast(x, missing, to="varying")
+    return lax.psum(x, axis_name)
 
 
 def fused_by_dtype(
@@ -189,7 +206,7 @@ def collective_reduce(
             parts = _ops.local_extreme_parts(leaf, "min")
             plan.append(("min", len(mins), len(parts)))
             mins += parts
-    sums = fused(lax.psum, sums, axis_name)
+    sums = fused(psum, sums, axis_name)
     maxs = fused(lax.pmax, maxs, axis_name)
     mins = fused(lax.pmin, mins, axis_name)
 
@@ -202,7 +219,7 @@ def collective_reduce(
             x = leaf.value.astype(acc_dtype(leaf.value.dtype))
             square_of[i] = len(squares)
             squares.append(jnp.sum(jnp.square(x - mean)))
-    squares = fused(lax.psum, squares, axis_name)
+    squares = fused(psum, squares, axis_name)
 
     results = []
     for i, (leaf, (kind, *rest)) in enumerate(zip(leaves, plan, strict=True)):

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxhistory._collective import psum
+
 __all__ = [
     "BINS",
     "HALF",
@@ -377,4 +379,4 @@ def histogram_collective(
     block the same on every device (invariant, under ``check_vma=True``) is
     counted once per device, as ``lax.psum`` does."""
     bins, lo, hi, log = _check_histogram(bins, range, log, "collective.histogram")
-    return jax.lax.psum(_local_counts(jnp.asarray(x), bins, lo, hi, log), axis_name)
+    return psum(_local_counts(jnp.asarray(x), bins, lo, hi, log), axis_name)

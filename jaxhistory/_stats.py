@@ -43,7 +43,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxhistory._collective import AxisName, bound_axis_size, check_axis_name
+from jaxhistory._collective import AxisName, bound_axis_size, check_axis_name, psum
 from jaxhistory._names import PROVENANCE, STATS
 from jaxhistory._provenance import (
     Layout,
@@ -274,7 +274,7 @@ def _collective_issue(axis_name: AxisName) -> _Issue:
 
         return reduce
 
-    return _Issue(issue(jnp.max, lax.pmax), issue(jnp.sum, lax.psum), _centred_squares)
+    return _Issue(issue(jnp.max, lax.pmax), issue(jnp.sum, psum), _centred_squares)
 
 
 def _shift(mx: jax.Array, mn: jax.Array) -> jax.Array:

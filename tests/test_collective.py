@@ -91,6 +91,33 @@ def test_a_value_that_is_the_same_on_every_device_counts_once_per_device(mesh):
     assert float(out["c"]) == 2.0
 
 
+def test_a_value_sharded_over_one_of_the_reduced_axes(mesh2d):
+    # Over ("data", "model"), a block that varies over "model" only (copies
+    # along "data") counts once per device, as for a fully replicated value;
+    # lax.psum alone refuses its mixed type.
+    v = np.arange(8.0, dtype=np.float32)
+    x = jax.device_put(v, NamedSharding(mesh2d, P("model")))
+    axes, copies = ("data", "model"), mesh2d.shape["data"]
+
+    def body(b):
+        stats = jh.collective.distributed_stats({"v": b}, axes)
+        return (
+            jh.collective.reduce_mean({"v": b}, axes)["v"],
+            jh.collective.reduce_sum({"v": b}, axes)["v"],
+            jh.collective.reduce_std({"v": b}, axes)["v"],
+            stats.table,
+            jh.collective.histogram(b, axes, 4, (0.0, 8.0)),
+        )
+
+    fn = jax.shard_map(body, mesh=mesh2d, in_specs=P("model"), out_specs=P())
+    mean, total, std, table, hist = jax.jit(fn)(x)
+    assert float(mean) == 3.5 and float(total) == copies * 28.0
+    np.testing.assert_allclose(std, v.std(), rtol=1e-6)
+    want = [v.mean(), v.max(), v.min(), v.std()]
+    np.testing.assert_allclose(table[:, 0], want, rtol=1e-6)
+    np.testing.assert_array_equal(hist, copies * np.histogram(v, 4, (0, 8))[0])
+
+
 def test_std_collective_is_two_pass_stable(mesh):
     x = np.array([1e4 - 1, 1e4 + 1] * 4, np.float32)
     out = run(
