@@ -347,6 +347,14 @@ def histogram(
     x = jnp.asarray(x)
     if x.size == 0:  # no values: nothing to count (nor devices to count on)
         return jnp.zeros(bins, jnp.float32)
+    if not isinstance(x, jax.core.Tracer):  # outside jit: one cached program
+        return _counts_jitted(x, bins, lo, hi, log)
+    return _counts(x, bins, lo, hi, log)
+
+
+def _counts(x: jax.Array, bins: int, lo: float, hi: float, log: bool) -> jax.Array:
+    """:func:`histogram` of ``x`` (not empty): in a ``shard_map`` over the mesh
+    ``x`` is sharded on, each device's counts in one psum."""
     sharding = getattr(jax.typeof(x), "sharding", None)
     spec = getattr(sharding, "spec", None)
     axes = tuple(
@@ -364,6 +372,10 @@ def histogram(
     return jax.shard_map(
         body, mesh=sharding.mesh, in_specs=spec, out_specs=jax.sharding.PartitionSpec()
     )(x)
+
+
+# (a shard_map called outside jit compiles again at every call)
+_counts_jitted = jax.jit(_counts, static_argnums=(1, 2, 3, 4))
 
 
 def histogram_collective(

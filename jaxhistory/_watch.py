@@ -607,12 +607,11 @@ def watch(
     leaves = _leaves(tree)
     arrays = [v for _, v in leaves]
     if not any(isinstance(v, jax.core.Tracer) for v in arrays):
-        # outside jit: the same computation, jitted (one compile per structure)
-        return jax.jit(
-            lambda t: watch(
-                t, stats=stats, split_layers=split, groups=groups, prefix=prefix
-            )
-        )(dict(leaves))
+        # outside jit: the same computation, jitted (one compile per structure,
+        # cached: a function made per call would compile at every call)
+        return _watch_jitted(
+            dict(leaves), stats=stats, split_layers=split, groups=groups, prefix=prefix
+        )
     mesh, specs = _mesh_and_specs(arrays)
     if mesh is None:  # every leaf replicated: nothing to all-reduce
         wheres = [_Where((), frozenset(), 1)] * len(arrays)
@@ -657,6 +656,11 @@ def watch(
         )(*(arrays[i] for i in live))
 
     return _stats_of(leaves, wheres, sharded, prefix, stats, split, groups)
+
+
+_watch_jitted = jax.jit(
+    watch, static_argnames=("stats", "split_layers", "groups", "prefix")
+)
 
 
 def _same(table: jax.Array) -> jax.Array:
