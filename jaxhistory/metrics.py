@@ -526,10 +526,11 @@ class Average(_OfOutput):
     weight per example. Scalars count as one example.
 
     The state is the weighted mean, the total weight and what the mean lost
-    to rounding (``residual``). Merges pool the means as offsets from their
-    midrange, weighted by their shares of the total weight, so values near
-    float32's largest (3e38) average without overflow and a mean merged over
-    10^5 batches keeps its digits.
+    to rounding (``residual``). A merge moves the mean toward the other's by
+    the other's share of the total weight and keeps what that addition lost,
+    so a mean merged over 10^5 batches keeps its digits; means too far apart
+    for their difference (near float32's largest, 3e38) are pooled by their
+    shares instead, without overflow.
     """
 
     mean: jax.Array
@@ -576,9 +577,24 @@ class Average(_OfOutput):
         return cls(mean=mean, weight=weight, residual=jnp.zeros_like(mean))
 
     def combine(self, o):
-        both = [jnp.stack([self.weight, o.weight]), jnp.stack([self.mean, o.mean])]
-        n, mean, lost = _pooled_mean(*both, jnp.stack([self.residual, o.residual]))
-        return self.replace(mean=mean[0], weight=n[0], residual=lost[0])
+        # the mean moved toward o's by o's share of the weight, and what that
+        # addition lost kept (elementwise: one fused loop in the step)
+        n = self.weight + o.weight
+        share = o.weight / _nonzero(n)
+        step = ((o.mean - self.mean) + (o.residual - self.residual)) * share
+        mean, lost = _two_sum(self.mean, step)
+        residual = self.residual + lost
+        # means too far apart for their difference (near +-3e38): shares first
+        far = ~jnp.isfinite(step) & jnp.isfinite(self.mean) & jnp.isfinite(o.mean)
+        mean = jnp.where(
+            far, self.mean * (self.weight / _nonzero(n)) + o.mean * share, mean
+        )
+        residual = jnp.where(far, 0, residual)
+        # merging nothing returns the other side exactly
+        keep, take = o.weight == 0, self.weight == 0
+        mean = jnp.where(keep, self.mean, jnp.where(take, o.mean, mean))
+        residual = jnp.where(keep, self.residual, jnp.where(take, o.residual, residual))
+        return self.replace(mean=mean, weight=n, residual=residual)
 
     def fold(self):
         n, mean, lost = _pooled_mean(self.weight, self.mean, self.residual)
