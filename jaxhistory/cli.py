@@ -73,7 +73,7 @@ def _max_plots(text: str) -> int | None:
 
 
 WARMUP_HELP = (
-    "steps left out of the statistics and plots: a fraction of the steps below 1 "
+    "steps left out of the {what}: a fraction of the steps below 1 "
     "(0.05) or a number of steps (10); default: the warmup recorded with the run "
     "(a dataset file), else 0"
 )
@@ -102,7 +102,12 @@ def _parser() -> _Parser:
     report = sub.add_parser("report", help="regenerate every output of a saved run")
     report.add_argument("run", help="a run's JSONL log, dataset.nc or output folder")
     report.add_argument("-o", "--outdir", required=True, help="where to write")
-    report.add_argument("--warmup", type=_warmup, default=None, help=WARMUP_HELP)
+    report.add_argument(
+        "--warmup",
+        type=_warmup,
+        default=None,
+        help=WARMUP_HELP.format(what="statistics and plots"),
+    )
     report.add_argument(
         "--num-chains",
         type=_num_chains,
@@ -121,7 +126,12 @@ def _parser() -> _Parser:
     )
     summary = sub.add_parser("summary", help="print the statistics of a saved run")
     summary.add_argument("run", help="a run's JSONL log, dataset.nc or output folder")
-    summary.add_argument("--warmup", type=_warmup, default=None, help=WARMUP_HELP)
+    summary.add_argument(
+        "--warmup",
+        type=_warmup,
+        default=None,
+        help=WARMUP_HELP.format(what="statistics"),
+    )
     merge = sub.add_parser(
         "merge-traces", help="merge Chrome trace files onto one clock"
     )
