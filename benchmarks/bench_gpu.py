@@ -139,9 +139,12 @@ def bench_reducers(sizes: tuple[int, ...], calls: int) -> str:
     )
 
 
-def bench_quantiles_section(arrays: int, sizes: tuple[int, ...], calls: int) -> str:
+def bench_quantiles_section(
+    arrays: int, sizes: tuple[int, ...], calls: int, rank_sizes: tuple[int, ...]
+) -> str:
     """Quantiles from histograms on the device: rank errors over random arrays
-    (``bench_watch``'s), the cost of asking for them, and a bin past 2**24."""
+    of ``rank_sizes`` in turn (``bench_watch``'s), the cost of asking for
+    them, and a bin past 2**24."""
     qs = (0.1, 0.5, 0.9)
     plain = jax.jit(lambda x: jh.distributed_stats({"x": x}))
     with_q = jax.jit(lambda x: jh.distributed_stats({"x": x}, quantiles=qs))
@@ -173,7 +176,7 @@ def bench_quantiles_section(arrays: int, sizes: tuple[int, ...], calls: int) -> 
     match = all(abs(g - w) < 1e-3 for g, w in zip(read, want, strict=True))
     return "\n".join(
         [
-            bench_watch.bench_quantiles(arrays, (10_000, 100_000, 1_000_000)),
+            bench_watch.bench_quantiles(arrays, rank_sizes),
             f"Cost on the device (float32 values N(0, 1), median of {calls} "
             "jitted calls in three alternating blocks, each call waited for):",
             "",
@@ -437,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes, calls, layers, watch_repeats = (10_000, 100_000), 3, 20, 3
         loop, loop_repeats, mem_steps, mem_repeats = (8, 8), 2, 200, 2
         scalar_calls, scalar_steps, scalar_repeats = 40, 40, 2
-        q_arrays, q_sizes = 3, (10_000,)
+        q_arrays, q_sizes, rank_sizes = 3, (10_000,), (10_000,)
     else:
         sizes, calls, layers, watch_repeats = (
             (10_000, 1_000_000, 10_000_000),
@@ -451,10 +454,13 @@ def main(argv: list[str] | None = None) -> int:
         # H100, 70 arrays of random sizes per dtype did not finish in 5
         # minutes, nor 14 in 100 s; compiles are the likely cost)
         q_arrays, q_sizes = 70, (1_000_000, 10_000_000, 100_000_000)
+        rank_sizes = (10_000, 100_000, 1_000_000)
     start = time.perf_counter()
     runs = {
         "reducers": lambda: bench_reducers(sizes, calls),
-        "quantiles": lambda: bench_quantiles_section(q_arrays, q_sizes, calls),
+        "quantiles": lambda: bench_quantiles_section(
+            q_arrays, q_sizes, calls, rank_sizes
+        ),
         "watch": lambda: (
             "## Per-layer watch in a train step\n\n"
             + bench_watch.bench(layers, watch_repeats, fsdp=False)
