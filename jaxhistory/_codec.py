@@ -8,7 +8,10 @@ statistics (``name/mean``, ``name/max``, ``name/min``, ``name/std``). NaN and
 infinities are written as the strings ``"NaN"``, ``"Infinity"`` and
 ``"-Infinity"`` (strict JSON has no bare tokens for them) and read back as floats.
 Array metrics are nested lists. Floats are written exactly: the shortest text that
-reads back as the same float64.
+reads back as the same float64. A line holding uint64 metrics names them in a
+``"uint64"`` list after ``aggregated`` (``"uint64":["tokens"]``): a JSON number
+says nothing of its dtype, and without it a uint64 that int64 holds would come
+back as int64.
 
 Every JSONL line jaxhistory writes comes from :func:`encode_records`: a batch of
 records is written by one orjson call (about half a microsecond per record of ten
@@ -53,6 +56,8 @@ NONFINITE_TEXT = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 _FROM_TEXT = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
 _U64 = 2**64
+_UINT64 = np.dtype(np.uint64)
+_ZEROS = itertools.repeat(0.0)
 _CHUNK = 4096  # lines put together by one %-format
 
 
@@ -104,6 +109,20 @@ def _clean(values: Mapping[str, Any]) -> Mapping[str, Any]:
     return {k: jsonable(v) for k, v in values.items()}
 
 
+def _uint64_names(values: Mapping[str, Any]) -> list[str]:
+    """The names of the uint64 values (NumPy scalars and arrays) of a record's
+    metrics. Only records :func:`_clean` had to clean can hold one: a uint64
+    never passes its check."""
+    return [k for k, v in values.items() if getattr(v, "dtype", None) == _UINT64]
+
+
+def _uint64_mark(values: Mapping[str, Any]) -> bytes:
+    """``,"uint64":[...]`` naming the uint64 values of a record's metrics, or
+    nothing."""
+    names = _uint64_names(values)
+    return b',"uint64":' + orjson.dumps(names) if names else b""
+
+
 def jsonl_value(value: Any) -> bytes:
     """The JSON text of one metric value (numbers, NumPy/JAX scalars and arrays).
 
@@ -134,15 +153,22 @@ def _bodies(dicts: list, k: int) -> list[bytes] | None:
     return parts
 
 
-def _all_clean(dicts: list) -> list:
-    """``dicts``, with each one that orjson cannot write as it is cleaned."""
+def _all_clean(dicts: list) -> tuple[list, list | None]:
+    """``dicts``, with each one that orjson cannot write as it is cleaned, and
+    each record's :func:`_uint64_mark` (None where no record has one)."""
     try:  # NaN and Inf survive a sum: one pass over every value finds them
-        total = sum(map(sum, map(dict.values, dicts)), 0.0)
+        # (each record's sum starts at 0.0: NumPy uint64s summed as themselves
+        # would overflow, with a warning)
+        total = sum(map(sum, map(dict.values, dicts), _ZEROS), 0.0)
         if type(total) is float and total - total == 0.0:
-            return dicts
+            return dicts, None
     except Exception:  # arrays, or a mapping that is not a dict
         pass
-    return [_clean(d) for d in dicts]
+    cleaned = [_clean(d) for d in dicts]
+    marks = [
+        b"" if c is d else _uint64_mark(d) for c, d in zip(cleaned, dicts, strict=True)
+    ]
+    return cleaned, marks if any(marks) else None
 
 
 def encode_records(batch: Batch) -> bytes:
@@ -172,12 +198,17 @@ def encode_records(batch: Batch) -> bytes:
         metrics = [m if type(m) is dict else dict(m) for m in metrics]
     if batch.groups is not None and any(g is not None for g in batch.groups):
         return _encode_each(batch)
-    bodies = _bodies(metrics if batch.finite else _all_clean(metrics), k)
-    columns = [bodies]
+    marks = None
+    if not batch.finite:
+        metrics, marks = _all_clean(metrics)
+    columns = [_bodies(metrics, k)]
     agg = b"{}"
     if aggregated is not None and any(aggregated):
-        columns.append(_bodies(_all_clean([dict(a) for a in aggregated]), k))
+        columns.append(_bodies(_all_clean([dict(a) for a in aggregated])[0], k))
         agg = b"{%s}"
+    if marks is not None:
+        columns.append(marks)
+        agg += b"%s"
     if any(c is None for c in columns):
         return _encode_each(batch)
     if not batch.finite:  # (finite: History's own times, Python floats)
@@ -283,6 +314,9 @@ def _encode_each(batch: Batch) -> bytes:
             record["group"] = r.group
         record["metrics"] = _clean(r.metrics)
         record["aggregated"] = _clean(r.aggregated) if r.aggregated else {}
+        unsigned = [] if record["metrics"] is r.metrics else _uint64_names(r.metrics)
+        if unsigned:
+            record["uint64"] = unsigned
         out.append(orjson.dumps(record, option=_NUMPY) + b"\n")
     return b"".join(out)
 
@@ -304,8 +338,9 @@ class StepEntryError(ValueError):
     than the line's step: two steps for one record."""
 
 
-def decode_line(line: bytes | str) -> tuple[int, dict[str, Any]]:
-    """The step and the values (metrics and aggregated) of one line.
+def decode_line(line: bytes | str) -> tuple[int, dict[str, Any], list[str]]:
+    """The step, the values (metrics and aggregated) and the names the line marks
+    as uint64 of one line.
 
     A ``step`` entry in the metrics or the aggregated values is the step of the
     record, as :meth:`~jaxhistory.HistoryState.update` takes one given beside
@@ -326,13 +361,16 @@ def decode_line(line: bytes | str) -> tuple[int, dict[str, Any]]:
             raise ValueError("no integer step")
         if not -(2**63) <= step < 2**63:
             raise ValueError(f"step {step} is outside int64")
+        unsigned = record.get("uint64", [])
+        if type(unsigned) is not list or not all(type(n) is str for n in unsigned):
+            raise ValueError("its 'uint64' is not a list of names")
     except (KeyError, TypeError, AttributeError) as err:
         raise ValueError(f"not a record: {err}") from None
     if "step" in items:
         _check_step_entry(step, metrics, "metric")
         _check_step_entry(step, aggregated, "aggregated value")
         del items["step"]
-    return step, {k: _decode(v) for k, v in items.items()}
+    return step, {k: _decode(v) for k, v in items.items()}, unsigned
 
 
 def _check_step_entry(step: int, values: dict, what: str) -> None:
@@ -363,12 +401,14 @@ def _shown(entry: Any) -> Any:
 
 def read_columns(
     path: Path,
-) -> tuple[dict[str, tuple[list[int], list[Any]]], list[int], int]:
+) -> tuple[dict[str, tuple[list[int], list[Any]]], list[int], int, set[str]]:
     """Every metric's steps and values in a JSONL log, in line order, the
-    numbers of the lines that are not complete records, and how many are."""
+    numbers of the lines that are not complete records, how many are, and the
+    names some line marks as uint64."""
     columns: dict[str, tuple[list[int], list[Any]]] = {}
     bad = []
     records = 0
+    unsigned: set[str] = set()
     with open(path, "rb") as f:  # bytes: a damaged line costs only itself
         for number, line in enumerate(f, 1):
             if number == 1 and line.startswith(b"\xef\xbb\xbf"):
@@ -376,18 +416,19 @@ def read_columns(
             if not line.strip():
                 continue
             try:
-                step, items = decode_line(line)
+                step, items, marked = decode_line(line)
             except StepEntryError as err:  # a record, but with two steps
                 raise ValueError(f"{printable(path)}, line {number}: {err}") from None
             except (ValueError, RecursionError):  # (JSON nested past the stack)
                 bad.append(number)
                 continue
             records += 1
+            unsigned.update(marked)
             for name, value in items.items():
                 steps, values = columns.setdefault(name, ([], []))
                 steps.append(step)
                 values.append(value)
-    return columns, bad, records
+    return columns, bad, records, unsigned
 
 
 # The start of every line jaxhistory writes: read without decoding the line.
@@ -434,7 +475,7 @@ def read_log(path: str | os.PathLike) -> tuple[dict[str, tuple], int, str | None
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no JSONL log at {path}")
-    raw, bad, records = read_columns(path)
+    raw, bad, records, unsigned = read_columns(path)
     if bad and not records and not _cut_first_line(path, bad):
         gzip = " (gzip data: decompress it first)" if _gzipped(path) else ""
         raise ValueError(
@@ -452,7 +493,7 @@ def read_log(path: str | os.PathLike) -> tuple[dict[str, tuple], int, str | None
     columns = {}
     for name, (steps, values) in raw.items():
         try:
-            arr = _log_column(name, values)
+            arr = _log_column(name, values, name in unsigned)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
         steps_arr = np.asarray(steps, np.int64)
@@ -464,9 +505,11 @@ def read_log(path: str | os.PathLike) -> tuple[dict[str, tuple], int, str | None
     return columns, next_step, run_id
 
 
-def _log_column(name: str, values: list) -> np.ndarray:
+def _log_column(name: str, values: list, unsigned: bool = False) -> np.ndarray:
     """The values of a metric read from a log, in the dtype that holds them all
-    exactly (ValueError naming the metric where none does)."""
+    exactly (ValueError naming the metric where none does); ``unsigned``: a
+    line marks it as uint64, which it is where every value is a whole number
+    that uint64 holds."""
     try:
         arr = np.asarray(values)
     except ValueError:
@@ -474,6 +517,8 @@ def _log_column(name: str, values: list) -> np.ndarray:
     if arr.dtype.kind not in "biuf":
         raise ValueError(f"metric {name!r} has non-numeric values")
     if arr.dtype.kind != "f":
+        if unsigned and arr.dtype.kind == "i" and not (arr < 0).any():
+            return arr.astype(np.uint64)
         return arr  # integers within int64, or bools
     # NumPy turns ints beyond int64 (and ints beside floats) into float64.
     flat = values if arr.ndim == 1 else np.asarray(values, object).ravel().tolist()

@@ -38,13 +38,17 @@ _STEP, _NAMES, _VALUES_OF, _KIND, _STAMP = map(operator.itemgetter, range(5))
 _OWN_DICT = operator.itemgetter(6)  # Row.metrics
 _VALUES = RowKind.VALUES
 _ALL_FINITE = {RowKind.FINITE_FLOATS}
+_UINT64 = np.dtype(np.uint64)
 
 
 def _host(value: Any) -> Any:
     """A recorded value on the host: Python numbers stay, 0-d arrays become Python
-    numbers, arrays NumPy arrays (this is where device values are waited for)."""
+    numbers (a uint64 a NumPy uint64, which the JSONL log marks as one), arrays
+    NumPy arrays (this is where device values are waited for)."""
     arr = to_host(value)
     if arr.ndim == 0:
+        if arr.dtype == _UINT64:
+            return arr[()]
         return arr.item() if arr.dtype.kind in "biuf" else float(arr)
     return arr
 

@@ -419,10 +419,12 @@ class HistoryState:
         or one cut off before a resumed run appended) are skipped with a warning;
         every other record is kept. Where several lines record a metric at the
         same step (a run resumed from an earlier checkpoint), the later line wins.
-        Integers come back as int64 (uint64 where some are beyond int64 and none
-        is negative), other numbers as float64; a metric whose values no dtype
-        holds exactly is a ValueError naming it. A ``step`` entry in a line's
-        metrics (or aggregated values) is the step of its record, as
+        Integers come back as int64 (uint64 where a line marks the metric as
+        uint64, as the log does for values recorded as uint64, or where some are
+        beyond int64, and none is negative), other numbers as float64; a
+        metric whose values no dtype holds exactly is a ValueError naming it.
+        A ``step`` entry in a line's metrics (or aggregated values) is the
+        step of its record, as
         :meth:`update` takes one beside an explicit step: left out where it is
         the line's step, a ValueError naming the file and the line where it is
         not. The run id of the log's lines

@@ -17,7 +17,8 @@ class Record:
     Attributes:
         step: the step (None for published metrics, which have none).
         timestamp: wall-clock seconds (``time.time()``) of the update.
-        metrics: name -> Python number or NumPy array, as recorded.
+        metrics: name -> Python number or NumPy array, as recorded (a uint64
+            scalar as a NumPy uint64).
         aggregated: name -> float: cross-device statistics (``loss/mean``, ...).
         process_index: the process that recorded it.
         group: the metric group of a published metric, else None.

@@ -277,3 +277,53 @@ def test_a_batch_of_value_tuples_gives_sinks_its_dicts():
         "loss": 9.0,
         "lr": 2.0,
     }
+
+
+# ----- dtypes a log keeps -------------------------------------------------------------
+
+
+def test_a_uint64_metric_comes_back_as_uint64_from_its_log(tmp_path):
+    """Finding: the log wrote a uint64 as a bare JSON integer, so one whose values
+    all fit int64 came back int64, and a resumed run recording a uint64 past
+    2**63 into it was refused (or the metric changed dtype on the way)."""
+    log = tmp_path / "run.jsonl"
+    h = jh.History(distributed_history=False, jsonl_path=log)
+    h.update({"u": np.uint64(3), "a": np.array([1, 2], np.uint64), "x": 0.5}, step=0)
+    h.update({"u": np.uint64(7), "a": np.array([3, 4], np.uint64), "x": 0.25}, step=1)
+    h.update({"i": 5}, step=1)  # another key set, merged into the step's line
+    h.close()
+    lines = [orjson.loads(line) for line in log.read_bytes().splitlines()]
+    assert [r["metrics"]["u"] for r in lines] == [3, 7]  # numbers, as before
+    back = jh.HistoryState.from_jsonl(log)
+    assert back.dtype("u") == np.uint64 and back.values("u").tolist() == [3, 7]
+    assert back.dtype("a") == np.uint64 and back.values("a").tolist() == [
+        [1, 2],
+        [3, 4],
+    ]
+    assert back.dtype("i") == np.int64 and back.dtype("x") == np.float64
+    # a resumed run goes on recording uint64 past int64 into the same metrics
+    again = jh.History(distributed_history=False, resume=log)
+    big = 2**64 - 1
+    again.update({"u": np.uint64(big), "a": np.array([big, 0], np.uint64)}, step=2)
+    again.close()
+    assert again.state.dtype("u") == np.uint64
+    assert again.state.values("u").tolist() == [3, 7, big]
+    final = jh.HistoryState.from_jsonl(log)
+    assert final.dtype("u") == np.uint64 and final.values("u").tolist() == [3, 7, big]
+    assert final.values("a").tolist() == [[1, 2], [3, 4], [big, 0]]
+    # a state written whole keeps them too, as do the dataset and the CLI's
+    export.to_jsonl(final, tmp_path / "whole.jsonl")
+    whole = jh.HistoryState.from_jsonl(tmp_path / "whole.jsonl")
+    assert whole.dtype("u") == np.uint64 and whole.dtype("a") == np.uint64
+    assert whole.values("u").tolist() == [3, 7, big]
+    small = jh.HistoryState().update({"u": np.uint64(1)}, step=0)
+    export.to_jsonl(small, tmp_path / "small.jsonl")
+    assert jh.HistoryState.from_jsonl(tmp_path / "small.jsonl").dtype("u") == np.uint64
+    export.to_netcdf(final, tmp_path / "d.nc")
+    ds = jh.HistoryState.from_netcdf(tmp_path / "d.nc")
+    assert ds.dtype("u") == np.uint64 and ds.values("u").tolist() == [3, 7, big]
+    out = run_cli("report", log, "--outdir", tmp_path / "r", "--no-plots")
+    assert out.returncode == 0, out.stderr
+    cli = jh.HistoryState.from_netcdf(tmp_path / "r" / "dataset.nc")
+    assert cli.dtype("u") == np.uint64 and cli.values("u").tolist() == [3, 7, big]
+    assert cli.dtype("a") == np.uint64

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from jaxhistory._codec import encode_records, jsonable, jsonl_value
 from jaxhistory._fan_out import FanOut
 from jaxhistory._files import atomic_write, open_log
@@ -104,8 +106,8 @@ def _row_dicts(names: list[str], keys: tuple, lists: list[list], n: int) -> list
 
 def _column_list(column) -> list:
     """A column's values as Python numbers (nested lists for float array
-    metrics, NumPy rows for integer ones), floats widened to float64 and
-    non-finite ones as the log's strings."""
+    metrics, NumPy rows for integer ones, NumPy values for uint64), floats
+    widened to float64 and non-finite ones as the log's strings."""
     if column.dtype.kind == "f" and column.dtype != "float64":
         column = column.astype("float64")
     if column.dtype.kind not in "biuf":
@@ -117,8 +119,10 @@ def _column_list(column) -> list:
         return values
     if column.dtype.kind == "f":
         return [jsonable(row) for row in column]
-    if column.ndim > 1:  # rows stay NumPy: a list of ints past int64 would be
-        return list(column)  # read by NumPy (when cleaned) as float64, rounded
+    # rows stay NumPy: a list of ints past int64 would be read by NumPy (when
+    # cleaned) as float64, rounded; uint64 values too: the log marks them
+    if column.ndim > 1 or column.dtype == np.uint64:
+        return list(column)
     return column.tolist()
 
 
