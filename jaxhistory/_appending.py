@@ -126,30 +126,32 @@ def writable(
     return table, n
 
 
-def placed(state: HistoryState, entry, keys, row, ptypes, step):
+def placed(state: HistoryState, entry, keys, row, ptypes, step, owned=False):
     """Where a row of device values (or of values that need the checks) goes:
     ``(table, rows seen, values, on_device)``. The same JAX arrays (types,
     dtypes, shapes, shardings) as a row that passed the checks, at a step past
-    everything recorded, skip them; their copies to the host start here."""
+    everything recorded, skip them; their copies to the host start here.
+    ``owned``: the row's NumPy arrays are copies of its own (not copied again)."""
     dsig = None if entry is None else entry[0].dsig
     if dsig is not None and step >= state.next_step and device_signature(row) == dsig:
         table, n = entry
         state.inflight.add(row, table.async_copy)
         return table, n, row, True
-    table, n, values, on_device = prepare(state, keys, row, ptypes, step)
+    table, n, values, on_device = prepare(state, keys, row, ptypes, step, owned)
     if on_device:
         arrays = [v for v in values if isinstance(v, jax.Array)]
         state.inflight.add(arrays, table.async_copy)
     return table, n, values, on_device
 
 
-def prepare(state: HistoryState, keys, row, ptypes, step):
-    """The slow path of update: validates every value; returns the table."""
+def prepare(state: HistoryState, keys, row, ptypes, step, owned=False):
+    """The slow path of update: validates every value; returns the table
+    (``owned``: as for :func:`placed`)."""
     values, dtypes, shapes, on_device = [], [], [], False
     for name, value in zip(keys, row, strict=True):
         dtype = PY_SCALARS.get(type(value))
         if dtype is None:
-            value, dtype, shape = host_value(name, value)
+            value, dtype, shape = host_value(name, value, not owned)
             on_device = on_device or isinstance(value, jax.Array)
         else:
             shape = ()
@@ -362,9 +364,10 @@ def floats_hold(values: tuple) -> bool:
     return all(-_EXACT_F < v < _EXACT_F for v in values if type(v) is int)
 
 
-def with_stats(state: HistoryState, row: Row) -> HistoryState:
+def with_stats(state: HistoryState, row: Row, owned: bool = False) -> HistoryState:
     """``state`` with ``row``, which holds :class:`~jaxhistory.Stats` values:
-    each recorded as one packed row named ``{key}/{metric}/{stat}``."""
+    each recorded as one packed row named ``{key}/{metric}/{stat}``
+    (``owned``: as for :meth:`HistoryState.append`)."""
     step = row.step
     plain = [
         (n, v)
@@ -374,7 +377,7 @@ def with_stats(state: HistoryState, row: Row) -> HistoryState:
     out = state
     if plain:
         names, values = zip(*plain, strict=True)
-        out = state.append(Row(step, names, values, RowKind.VALUES))
+        out = state.append(Row(step, names, values, RowKind.VALUES), owned=owned)
     for key, stats in zip(row.names, row.values, strict=True):
         if type(stats) is Stats:
             prefix = f"{key}/" if key else ""

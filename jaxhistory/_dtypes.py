@@ -72,8 +72,14 @@ def device_storage_dtype(name: str, dtype: Any, min_float_bytes: int) -> np.dtyp
     return out
 
 
-def host_value(name: str, value: Any) -> tuple[Any, np.dtype, tuple[int, ...]]:
-    """Validates one metric value; returns (value, storage dtype, record shape)."""
+def host_value(
+    name: str, value: Any, copy: bool = True
+) -> tuple[Any, np.dtype, tuple[int, ...]]:
+    """Validates one metric value; returns (value, storage dtype, record shape).
+
+    A NumPy array comes back as a copy of its own unless ``copy`` is False (an
+    array the caller already copied for the record); anything read through a
+    view of someone else's buffer is copied either way."""
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
             f"metric {name!r} is a JAX tracer: a HistoryState cannot record inside "
@@ -105,7 +111,7 @@ def host_value(name: str, value: Any) -> tuple[Any, np.dtype, tuple[int, ...]]:
         arr = np.asarray(value)
     except Exception as err:
         raise TypeError(f"metric {name!r} cannot become an array: {err}") from None
-    if arr is value or not arr.flags.owndata:
+    if (arr is value and copy) or not arr.flags.owndata:
         arr = arr.copy()  # the caller may reuse its buffer; rows stay staged a while
     if arr.dtype.kind not in "biuf":
         if jnp.issubdtype(arr.dtype, jnp.floating):  # ml_dtypes bfloat16 and friends

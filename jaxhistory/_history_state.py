@@ -204,9 +204,13 @@ class HistoryState:
             metrics = {"": metrics}
         return self.append(parse_row(metrics, step, self.next_step))
 
-    def append(self, row: Row) -> HistoryState:
+    def append(self, row: Row, owned: bool = False) -> HistoryState:
         """Records one parsed :class:`~jaxhistory._row.Row`; returns the new state
-        (:meth:`update` parses and appends). Raises as :meth:`update` does."""
+        (:meth:`update` parses and appends). Raises as :meth:`update` does.
+
+        ``owned``: the row's NumPy arrays are copies nobody changes (as
+        :func:`~jaxhistory._row.owned` makes for the log): the state keeps
+        them rather than copying them again."""
         step, names, values, kind = row[:4]
         if step > INT64_MAX:  # the step after a record at the last int64 step
             raise ValueError(f"'step' is {step}, outside the int64 range of steps")
@@ -225,7 +229,7 @@ class HistoryState:
         if kind is RowKind.VALUES and Stats in set(map(type, values)):
             # each Stats is one packed row (its whole table, still on device if
             # it is), named {key}/{metric}/{stat}
-            return _appending.with_stats(self, row)
+            return _appending.with_stats(self, row, owned)
         ptypes = ALL_FLOATS if kind >= RowKind.FLOATS else tuple(map(type, values))
         if entry is not None and entry[0].ptypes == ptypes and step >= self.next_step:
             # Fast path: same metrics, same Python scalar types as last time, and a
@@ -238,7 +242,7 @@ class HistoryState:
             new[names] = (table, n + 1)
             return self._derive(new, step + 1, appended=names)
         table, n, values, on_device = _appending.placed(
-            self, entry, names, values, ptypes, step
+            self, entry, names, values, ptypes, step, owned
         )
         table = _appending.append_row(table, n, step, values, on_device)
         new = tables.copy()
@@ -532,13 +536,13 @@ class Appender:
             self._table = None
         return self._state
 
-    def append(self, row: Row) -> None:
+    def append(self, row: Row, owned: bool = False) -> None:
         """Records ``row`` (raises as :meth:`HistoryState.append` does; nothing is
-        recorded then)."""
+        recorded then; ``owned`` as there)."""
         step, names, values, kind = row[:4]
         if kind >= _FLOATS and self.append_floats(names, values, step):
             return
-        state = self.state.append(row)
+        state = self.state.append(row, owned)
         self._state, self.next_step = state, state.next_step
         entry = state.data.tables.get(names) if kind >= _FLOATS else None
         if entry is not None and entry[0].ptypes is ALL_FLOATS:

@@ -171,8 +171,11 @@ class Recorder:
         caller holds the lock)."""
         rec, job = self.rec, self.job
         row = parse_row(metrics, step, rec.next_step, now)
-        if row.kind is RowKind.VALUES:
-            row = owned(row)  # (the log and the sentinels read it later)
+        copied = row.kind is RowKind.VALUES
+        if copied:
+            # the log and the sentinels read it later; the history keeps the
+            # same copies (one copy of an array in all)
+            row = owned(row)
         if job.watching:
             job.beat(row.step)  # before the reduction, which may wait
         if self.progress is not None:
@@ -186,7 +189,7 @@ class Recorder:
                 self.mesh = mesh
             if earlier:
                 self._record_reduced(earlier)
-        rec.append(row)
+        rec.append(row, copied)
         if step is None and self.progress is None and job.plain:
             rec.remember(metrics, row)  # the next dict like it takes rec.take
         if job.reduce_host:

@@ -237,6 +237,9 @@ class Table:
             for name, dst, column in zip(
                 self.keys, self.values, zip(*rows, strict=True), strict=True
             ):
+                if dst.ndim > 1:  # arrays: each straight into its row (stacking
+                    _put_rows(name, dst, a, column)  # them first copied each twice)
+                    continue
                 try:
                     dst[a:b] = np.asarray(column, dst.dtype)
                 except (TypeError, ValueError, OverflowError):
@@ -362,6 +365,15 @@ def _add_meta(meta: dict, keys: tuple[str, ...], table: Table) -> None:
         have = meta.get(name)
         dtype = dtype if have is None else np.result_type(have[1], dtype)
         meta[name] = (tuple(shape), dtype)
+
+
+def _put_rows(name: str, dst: np.ndarray, a: int, column: tuple) -> None:
+    """Writes the staged array values ``column`` into ``dst`` from row ``a``."""
+    for i, value in enumerate(column, a):
+        try:
+            dst[i] = value
+        except (TypeError, ValueError, OverflowError):
+            dst[i] = _coerce(name, value, dst.dtype)
 
 
 def _scalar_dtype(dtypes, shapes) -> np.dtype | None:
