@@ -500,8 +500,10 @@ def _finish(ext: dict, sums: dict, plan: _Plan, stats: tuple[str, ...]) -> jax.A
         ref = top / 2 + bottom / 2
         ref = jnp.where(jnp.isfinite(ref), ref, 0)
         has = counts > 0
-        # in units of the largest column scale (a power of two): no overflow
-        unit = jnp.max(jnp.where(has, scale, 1))
+        # in units of the largest column scale or of the range of every value,
+        # whichever is larger (a power of two): no overflow, even where the
+        # columns lie far apart and each spans nothing (a constant leaf)
+        unit = jnp.maximum(jnp.max(jnp.where(has, scale, 1)), shift_scale(top, bottom))
         delta = jnp.where(has, (centre - ref) / unit + d1 * (scale / unit), 0)
         g_delta = jnp.sum(counts * delta) / total
         spread = jnp.square(std / unit) + jnp.square(delta - g_delta)

@@ -206,6 +206,43 @@ def test_the_total_mean_and_std_keep_their_digits_far_from_zero(mesh):
     assert float(out["mean"]) == pytest.approx(both.mean(), rel=1e-7)
 
 
+@pytest.mark.parametrize(
+    "values",
+    [
+        [2e19, 0.0],  # the spread between the leaves squared: past float32
+        [3e38, 1.0],  # their shift from the midrange of everything, too
+        [3e38, -3e38],
+        [2e19, -2e19, 1.0, 3.0],
+        [1e30, 1e30],
+    ],
+    ids=["2e19,0", "3e38,1", "3e38,-3e38", "2e19,-2e19,1,3", "1e30,1e30"],
+)
+def test_the_total_mean_and_std_of_constant_leaves_far_apart(mesh, values):
+    """Finding: the total mean and std were inf for leaves of one value each
+    (each leaf's own range 0) lying 1.8e19 or more apart in float32, where
+    NumPy's (float64) are finite; the leaves' differences are now taken in
+    units of the range of every value."""
+    leaves = {
+        f"l{i}": jax.device_put(
+            jnp.full((8 * (i + 1),), v, jnp.float32), NamedSharding(mesh, P("data"))
+        )
+        for i, v in enumerate(values)
+    }
+    both = np.concatenate([np.asarray(x, np.float64) for x in leaves.values()])
+    stats = ("mean", "std")
+    for out in (
+        jax.jit(lambda t: jh.watch(t, stats=stats))(leaves),
+        jh.watch(leaves, stats=stats),
+    ):
+        for stat, want in (("mean", both.mean()), ("std", both.std())):
+            got = float(out[stat])
+            assert math.isfinite(got), (stat, got)
+            # float32 rounding of values of the size of the largest
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-6 * np.abs(both).max())
+    counts = jh.collective_counts(lambda t: jh.watch(t, stats=stats), leaves)
+    assert sum(counts.values()) <= 2, counts
+
+
 def test_integer_and_bool_leaves_are_watched_as_float32():
     out = jh.watch({"steps": jnp.arange(5), "mask": jnp.array([True, False])})
     assert out.table.dtype == jnp.float32
