@@ -7,6 +7,7 @@ import os
 import struct
 import threading
 import time
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -231,6 +232,81 @@ def test_a_closed_tensorboard_sink_writes_nothing_more(tmp_path):
     sink.close()
     assert threading.active_count() == threads  # no writer started again
     assert _read_tensorboard(tmp_path / "tb")[0]["a"] == [(0, 1.0)]
+
+
+def test_a_tensorboard_logdir_deleted_mid_run_is_started_again(tmp_path):
+    """The logdir removed mid-run (a clean-up): later events went into the
+    deleted file and were lost without a word. A new event file is started in
+    the logdir, with one warning, as the CSV and JSONL sinks do."""
+    import shutil
+
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.write(Record(step=0, timestamp=1.0, metrics={"loss": 1.0}))
+    sink.flush()
+    shutil.rmtree(tmp_path / "tb")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sink.write(Record(step=1, timestamp=2.0, metrics={"loss": 0.5}))
+        sink.write(Record(step=2, timestamp=3.0, metrics={"w": np.ones(3)}))
+        sink.close()
+    texts = [str(w.message) for w in caught]
+    assert len(texts) == 1 and "was deleted" in texts[0], texts
+    assert str(tmp_path / "tb") in texts[0]
+    scalars, histograms = _read_tensorboard(tmp_path / "tb")
+    assert scalars == {"loss": [(1, 0.5)]} and histograms == ["w"]
+
+
+_FULL_DISK = """
+import resource, signal, sys, time, warnings
+import jaxhistory as jh
+from jaxhistory.sinks import TensorBoardSink
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead: a full disk
+sink = TensorBoardSink(sys.argv[1])
+history = jh.History(sinks=[sink])
+resource.setrlimit(resource.RLIMIT_FSIZE, (4000, resource.RLIM_INFINITY))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for step in range(3000):
+        history.update({"step": step, "loss": float(step)}, summarize=False)
+    history.flush()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (-1, -1))  # room again
+    history.update({"step": 3000, "loss": 0.5}, summarize=False)
+    start = time.monotonic()
+    history.close()
+    took = time.monotonic() - start
+print("close took", round(took, 1), "s; lost", sink.lost, "; error", repr(sink.error))
+print(*{str(w.message) for w in caught}, sep="\\n")
+"""
+
+
+def test_a_tensorboard_sink_on_a_full_disk_warns_and_the_process_exits(tmp_path):
+    """A write that failed (a full disk) ended tensorboardX's writer thread
+    with a traceback on stderr; its queue then filled, the sink's write hung,
+    close gave up on it after 5 s, and the process never exited (an exit
+    handler waited on that queue). The sink now writes its events itself: a
+    failed write warns once, counts what it lost, is cut off the file, and
+    nothing hangs."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, str(tmp_path / "tb")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "Exception" not in done.stderr
+    out = done.stdout
+    assert "close took 0." in out, out
+    assert "File too large" in out and "writing failed" in out, out
+    assert "did not finish" not in out, out
+    assert int(out.split("lost ")[1].split()[0]) > 0, out
+    # what failed was cut off: the file reads, with the step written since
+    assert _read_tensorboard(tmp_path / "tb")[0]["loss"][-1] == (3000, 0.5)
 
 
 # ----- History fan-out ------------------------------------------------------------
