@@ -495,6 +495,31 @@ def test_wandb_sink_skips_steps_that_go_back(wandb_run):
     assert losses == {5: 1.0, 6: 0.5}
 
 
+def test_a_second_wandb_sink_warns_of_steps_the_run_has_passed(wandb_run):
+    """A second W&B sink on the run (a second History, an evaluation loop) or
+    one attached after the run logged later steps: W&B dropped its records at
+    earlier steps, and the sink, comparing only with its own steps, said
+    nothing. The run's own step counts too: one RuntimeWarning, and a record
+    at the run's current step still joins it."""
+    import wandb
+
+    train, evaluation = WandbSink(), WandbSink()
+    for step in range(5):
+        train.write(Record(step=step, timestamp=0.0, metrics={"loss": float(step)}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in (0, 2):
+            evaluation.write(Record(step=step, timestamp=0.0, metrics={"acc": 0.5}))
+        evaluation.write(Record(step=4, timestamp=0.0, metrics={"acc": 0.75}))
+        evaluation.write(Record(step=6, timestamp=0.0, metrics={"acc": 0.875}))
+    texts = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    assert len(texts) == 1 and "cannot log step 0 after step 4" in texts[0], texts
+    run_dir = Path(wandb.run.dir).parent
+    wandb.finish()
+    acc = {r["_step"]: r["acc"] for r in _wandb_history(run_dir) if "acc" in r}
+    assert acc == {4: 0.75, 6: 0.875}
+
+
 def test_wandb_histograms_of_float32_arrays_spanning_its_range(wandb_run):
     import wandb
 

@@ -31,9 +31,10 @@ class WandbSink:
 
     ``run`` defaults to the active run (``wandb.run``). Scalars are logged as
     numbers, array metrics as ``wandb.Histogram``. W&B needs steps that never go
-    back: a record at an earlier step than one already logged is left out of W&B
-    (one RuntimeWarning). A record without a step (a published metric) joins the
-    next step W&B commits. :meth:`log_outputs` logs a finished history as a
+    back: a record at an earlier step than the run has reached (by this sink,
+    another one, or ``wandb.log``) is left out of W&B (one RuntimeWarning). A
+    record without a step (a published metric) joins the next step W&B
+    commits. :meth:`log_outputs` logs a finished history as a
     ``wandb.Table`` and PNG plots as ``wandb.Image``. Needs
     ``pip install 'jaxhistory[wandb]'``.
     """
@@ -63,13 +64,20 @@ class WandbSink:
         step = record.step
         if step is None:  # a published metric: joins the next step W&B commits
             self.run.log(data, commit=False)
-        elif self._last_step is None or step >= self._last_step:
+            return
+        last = self._last_step
+        # the run's own step: another sink or the user's wandb.log may have
+        # taken it further, and W&B drops what comes below it
+        current = getattr(self.run, "step", None)
+        if type(current) is int and (last is None or current > last):
+            last = current
+        if last is None or step >= last:
             self._last_step = step
             self.run.log(data, step=step)
         elif not self._warned:
             self._warned = True
             warnings.warn(
-                f"W&B cannot log step {step} after step {self._last_step}: such "
+                f"W&B cannot log step {step} after step {last}: such "
                 "records are left out of W&B (the history keeps them)",
                 RuntimeWarning,
                 stacklevel=2,
