@@ -87,7 +87,10 @@ def _format(key: str, value: Any) -> Any:
     if key.endswith("_flos"):  # floating-point operations, shown in 2**30 units
         return f"{int(value) >> 30}GF"
     if isinstance(value, float):
-        return round(value, 4)
+        rounded = round(value, 4)
+        if rounded == 0 and value != 0:  # a learning rate of 1e-5 is not 0
+            return float(f"{value:.4g}")
+        return rounded
     return value
 
 
@@ -98,7 +101,8 @@ def metrics_format(metrics: Mapping[str, Any]) -> dict[str, Any]:
     ``_runtime`` (seconds) become ``H:MM:SS.cc``, keys ending in ``_flos``
     (``total_flos``) whole multiples of 2**30 floating-point operations
     (``"12GF"``), other floats are rounded to 4
-    decimals and ints stay as they are. NumPy and JAX scalars count as numbers.
+    decimals (one that this would make 0, ``1e-05``, keeps 4 significant
+    digits instead) and ints stay as they are. NumPy and JAX scalars count as numbers.
     NaN and infinities become ``"nan"``/``"inf"``/``"-inf"``, None becomes
     ``"n/a"``, and anything else (a string such as ``"Not available"``, a list) is
     kept as it is. ``metrics`` is not changed.

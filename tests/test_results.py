@@ -43,6 +43,22 @@ def test_format_rounds_centiseconds_without_showing_100():
     assert jh.metrics_format({"x_runtime": 59.999})["x_runtime"] == "0:01:00.00"
 
 
+def test_format_keeps_small_floats_from_reading_as_zero():
+    """Rounded to 4 decimals, a learning rate of 1e-5 read ``learning_rate =
+    0.0`` (and -1e-5 ``-0.0``): a float that rounding would make 0 keeps 4
+    significant digits instead."""
+    out = jh.metrics_format(
+        {"learning_rate": 1e-5, "grad": -2.345678e-7, "tiny": 5e-300, "zero": 0.0}
+    )
+    assert out == {
+        "learning_rate": 1e-05,
+        "grad": -2.346e-07,
+        "tiny": 5e-300,
+        "zero": 0.0,
+    }
+    assert "learning_rate = 1e-05" in jh.log_metrics("train", {"learning_rate": 1e-5})
+
+
 def test_format_handles_empty_nan_none_and_non_numeric_values():
     assert jh.metrics_format({}) == {}
     out = jh.metrics_format(
