@@ -6,7 +6,7 @@ import contextlib
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -107,6 +107,29 @@ def _stat(stats: Any, key: str) -> int | None:
     return value
 
 
+def _devices(devices: Sequence[Any] | None) -> list[Any]:
+    """``devices`` as a list (this process's devices for None); TypeError
+    naming what is no device (a name such as ``"cpu"`` measured nothing, with
+    no word), ValueError for none at all."""
+    if devices is None:
+        return list(jax.local_devices())
+    if isinstance(devices, str | bytes) or not isinstance(devices, Iterable):
+        raise TypeError(
+            "devices must be a sequence of devices (jax.devices() or some of "
+            f"them), got {type(devices).__name__} {devices!r:.60}"
+        )
+    out = list(devices)
+    if not out:
+        raise ValueError("devices is empty: there is nothing to measure")
+    for i, device in enumerate(out):
+        if not callable(getattr(device, "memory_stats", None)):
+            raise TypeError(
+                f"devices[{i}] is {type(device).__name__} {device!r:.60}, not a "
+                "device (use jax.devices() or jax.local_devices())"
+            )
+    return out
+
+
 def device_memory(devices: Sequence[Any] | None = None) -> MemorySample:
     """Device memory in use (and its high-water mark) over ``devices``.
 
@@ -114,6 +137,8 @@ def device_memory(devices: Sequence[Any] | None = None) -> MemorySample:
     ``jax.Device.memory_stats()`` where the backend has it (GPU, TPU); a device
     whose stats are None, lack ``bytes_in_use`` or report -1 falls back to the
     bytes of the live JAX arrays on it, and then the peak is unknown (None).
+    Anything in ``devices`` that is no device (a name such as ``"cpu"``) is a
+    TypeError naming it; an empty ``devices`` a ValueError.
 
     Examples:
         >>> import jaxhistory as jh
@@ -121,7 +146,7 @@ def device_memory(devices: Sequence[Any] | None = None) -> MemorySample:
         >>> sample.source, sample.peak
         ('live_arrays', None)
     """
-    devices = list(jax.local_devices() if devices is None else devices)
+    devices = _devices(devices)
     in_use, peak, fallback, sources, per_device = 0, 0, [], set(), []
     for device in devices:
         try:
@@ -210,7 +235,7 @@ class MemoryTracker:
     ):
         if not isinstance(interval, int | float) or not 0 < interval <= 10:
             raise ValueError(f"interval must be in (0, 10] seconds, got {interval!r}")
-        self.devices = list(jax.local_devices() if devices is None else devices)
+        self.devices = _devices(devices)
         self.interval = float(interval)
         self._rss = rss
         self._lock = threading.Lock()

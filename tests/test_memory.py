@@ -36,6 +36,21 @@ class FakeRss:
 
 
 # ----- device_memory ---------------------------------------------------------------
+def test_devices_that_are_no_devices_are_a_clear_error():
+    """``devices=["cpu"]`` (a name, not a device) measured 0 bytes without a
+    word, one device not in a list raised "'Device' object is not iterable",
+    and ``devices=[]`` measured nothing. Each is now an error naming it."""
+    device = jax.devices()[0]
+    for call in (jh.device_memory, lambda d: jh.MemoryTracker(devices=d)):
+        with pytest.raises(TypeError, match=r"devices\[1\] is str 'cpu', not a"):
+            call([device, "cpu"])
+        with pytest.raises(TypeError, match=r"a sequence of devices .*, got Device"):
+            call(device)
+        with pytest.raises(ValueError, match="devices is empty"):
+            call([])
+    assert jh.device_memory((device,)).in_use >= 0  # a tuple is a sequence
+
+
 def test_device_memory_sums_reported_stats():
     a = FakeDevice({"bytes_in_use": 100, "peak_bytes_in_use": 300})
     b = FakeDevice({"bytes_in_use": 50, "peak_bytes_in_use": 80, "extra": 1})
