@@ -1,8 +1,9 @@
 """New states' tables made from whole states: a selection of metrics, and two
-histories merged."""
+histories merged; and whether two states hold the same records."""
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -14,7 +15,32 @@ from jaxhistory._table import Table
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState
 
-__all__ = ["merged", "selected"]
+__all__ = ["merged", "same_records", "selected"]
+
+
+def same_records(a: HistoryState, b: HistoryState) -> bool:
+    """Whether ``a`` and ``b`` hold the same metrics with the same steps, values
+    (NaN equal to NaN), dtypes and shapes, however their records are split
+    into tables. States from a tree transformation (placeholder leaves) are the
+    same only where their leaves are the same objects."""
+    if any(not isinstance(t, Table) for s in (a, b) for t, _ in s.data.tables.values()):
+        if a.data.tables.keys() != b.data.tables.keys():
+            return False
+        left, right = a.data.tree_flatten()[0], b.data.tree_flatten()[0]
+        return len(left) == len(right) and all(map(operator.is_, left, right))
+    if set(a.keys) != set(b.keys):
+        return False
+    for name in a.keys:
+        if a.dtype(name) != b.dtype(name) or a.shape(name) != b.shape(name):
+            return False
+        steps, values = a.records(name)
+        other_steps, other_values = b.records(name)
+        if not np.array_equal(steps, other_steps):
+            return False
+        nan = values.dtype.kind in "fc"
+        if not np.array_equal(values, other_values, equal_nan=nan):
+            return False
+    return True
 
 
 def selected(state: HistoryState, prefixes: tuple) -> dict:

@@ -322,8 +322,11 @@ class HistoryState:
         return out.with_attrs(**dict(self.attrs)) if self.attrs else out
 
     def with_attrs(self, **attrs: Any) -> HistoryState:
-        """A state with run metadata ``attrs`` added (carried into exports)."""
-        merged = dict(self.attrs) | attrs
+        """A state with run metadata ``attrs`` added (carried into exports).
+
+        Dicts, lists, tuples and sets among the values are copied, all the way
+        down: changing the caller's objects later does not change the state."""
+        merged = dict(self.attrs) | {k: _plain_copy(v) for k, v in attrs.items()}
         return self._derive(
             dict(self.data.tables), self.next_step, tuple(sorted(merged.items()))
         )
@@ -457,6 +460,25 @@ class HistoryState:
     def __repr__(self) -> str:
         return f"HistoryState({len(self)} metrics, next_step={self.next_step})"
 
+    def __eq__(self, other: object) -> bool:
+        """Equal content: the same metrics (in any order) with the same steps,
+        values (NaN equal to NaN), dtypes and shapes, and the same
+        ``next_step`` and ``attrs``, however the records are split into tables
+        (a state equals the one :meth:`from_xarray` rebuilds from its
+        dataset). Reads device values not read yet."""
+        if other is self:
+            return True
+        if not isinstance(other, HistoryState):
+            return NotImplemented
+        if self.next_step != other.next_step or self.attrs != other.attrs:
+            return False
+        return self.data is other.data or _combining.same_records(self, other)
+
+    def __hash__(self) -> int:
+        # from what equal states share and costs nothing to read (attrs may
+        # hold dicts, which have no hash)
+        return hash((self.next_step, frozenset(self.keys)))
+
     def __copy__(self) -> HistoryState:
         return self  # never changes
 
@@ -475,6 +497,17 @@ class HistoryState:
 
 
 _EXACT_F = float(2**53)  # beyond this magnitude not every integer is a float64
+
+
+def _plain_copy(value: Any) -> Any:
+    """``value`` with its dicts, lists, tuples and sets copied, all the way
+    down (anything else as it is)."""
+    kind = type(value)
+    if kind is dict:
+        return {k: _plain_copy(v) for k, v in value.items()}
+    if kind in (list, tuple, set, frozenset):
+        return kind(_plain_copy(v) for v in value)
+    return value
 
 
 def _unpickled(tables: list, next_step: int, attrs: tuple) -> HistoryState:

@@ -1374,3 +1374,53 @@ def test_a_state_unflattened_from_arrays_keeps_them_from_later_changes():
     assert back.steps("a").tolist() == [0, 1]
     assert back.values("a").tolist() == [1.0, 2.0]
     assert back.update({"a": 3.0}).values("a").tolist() == [1.0, 2.0, 3.0]
+
+
+def test_states_with_equal_content_are_equal():
+    """Finding: ``==`` compared the storage by identity, so two states recording
+    the same values separately (or a state and its dataset read back) were
+    unequal. Equal metrics (steps, values with NaN equal to NaN, dtypes),
+    next_step and attrs now make equal states, however the records were split
+    into tables; equal states hash alike."""
+
+    def run(loss):
+        s = jh.HistoryState().update({"loss": loss, "n": 3}, step=0)
+        s = s.update({"w": np.arange(3.0), "loss": math.nan, "n": 4})
+        return s.update({"eval/acc": 0.5}, step=5).with_attrs(run="r")
+
+    a, b = run(1.0), run(1.0)
+    assert a == b and hash(a) == hash(b)
+    assert (a != b) is False
+    assert a == jh.HistoryState.from_xarray(a.to_xarray())  # one table per metric
+    assert jh.HistoryState() == jh.HistoryState()
+    assert a != run(2.0)  # a value
+    assert a != a.with_attrs(run="other")  # the attrs
+    assert a != jh.HistoryState(data=a.data, next_step=a.next_step + 1, attrs=a.attrs)
+    assert a != a.select("loss", "n", "w")  # a metric fewer
+    assert a == a.update({"eval/acc": 0.5}, step=6).before(6)  # taken off again
+    assert a != a.update({"eval/acc": 0.5}, step=6)
+    ints = jh.HistoryState().update({"x": 1}, step=0)
+    floats = jh.HistoryState().update({"x": 1.0}, step=0)
+    assert ints != floats  # int64 against float64
+    later = jh.HistoryState().update({"x": 1}, step=0).update({"x": 1}, step=2)
+    assert later != jh.HistoryState().update({"x": 1}, step=0).update({"x": 1}, step=1)
+    assert a.__eq__("a") is NotImplemented and a != "a"
+
+
+def test_with_attrs_keeps_copies_of_the_callers_containers():
+    """Finding: with_attrs kept the caller's dict and list, so changing them
+    later changed the state's attrs (and every state sharing them)."""
+    config = {"lr": 1e-3, "layers": [64, 64], "opt": {"betas": (0.9, [0.99])}}
+    tags = ["a"]
+    s = jh.HistoryState().with_attrs(config=config, tags=tags)
+    config["lr"] = 1.0
+    config["layers"].append(128)
+    config["opt"]["betas"][1].append(0.5)
+    tags.append("b")
+    attrs = dict(s.attrs)
+    assert attrs["config"] == {
+        "lr": 1e-3,
+        "layers": [64, 64],
+        "opt": {"betas": (0.9, [0.99])},
+    }
+    assert attrs["tags"] == ["a"]
