@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import threading
 import warnings
 from typing import Any
@@ -43,6 +44,18 @@ __all__ = [
 
 STAGE = 256  # rows staged before a bulk move into NumPy
 _MIN_CAPACITY = 64
+# Large rows (array metrics) start with room for fewer rows, bounded in bytes:
+# 64 rows of a 400 MB array asked for 25 GiB at its first record.
+_MIN_CAPACITY_BYTES = 1 << 24
+# Past this many bytes a table grows by an eighth instead of doubling.
+_DOUBLING_BYTES = 1 << 30
+
+
+def _row_bytes(dtypes: tuple[np.dtype, ...], shapes: tuple) -> int:
+    """Bytes of one row: its step and its values."""
+    return 8 + sum(
+        d.itemsize * math.prod(s) for d, s in zip(dtypes, shapes, strict=True)
+    )
 
 
 def _coerce(name: str, value, dtype: np.dtype):
@@ -93,10 +106,11 @@ class Table:
         shapes: tuple[tuple[int, ...], ...],
         capacity: int = 0,
     ):
-        cap = max(capacity, _MIN_CAPACITY)
+        self.dtypes = tuple(np.dtype(d) for d in dtypes)
+        room = _MIN_CAPACITY_BYTES // _row_bytes(self.dtypes, shapes)
+        cap = max(capacity, min(_MIN_CAPACITY, room), 1)
         self.lock = threading.Lock()
         self.keys = keys
-        self.dtypes = tuple(np.dtype(d) for d in dtypes)
         self.shapes = shapes
         self.steps = np.empty(cap, np.int64)
         self.values = [
@@ -267,10 +281,13 @@ class Table:
         cap = len(self.steps)
         if need <= cap:
             return
-        # Double up to 262,144 rows (each row is copied about once in all), then
-        # grow by an eighth: at most 12.5% slack on long runs (1M steps x 16
-        # float64 metrics stay under 10 bytes per value).
-        cap = max(need, 2 * cap if cap < 1 << 18 else cap + cap // 8)
+        # Double up to 262,144 rows or 1 GiB (each row is copied about once in
+        # all), then grow by an eighth: at most 12.5% slack on long runs (1M
+        # steps x 16 float64 metrics stay under 10 bytes per value).
+        small = cap < 1 << 18 and cap * _row_bytes(self.dtypes, self.shapes) < (
+            _DOUBLING_BYTES
+        )
+        cap = max(need, 2 * cap if small else cap + max(cap // 8, 1))
         steps = np.empty(cap, np.int64)
         steps[: self.fill] = self.steps[: self.fill]
         values = []

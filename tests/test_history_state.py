@@ -1424,3 +1424,33 @@ def test_with_attrs_keeps_copies_of_the_callers_containers():
         "opt": {"betas": (0.9, [0.99])},
     }
     assert attrs["tags"] == ["a"]
+
+
+def test_a_large_array_metric_reserves_room_in_bytes_not_in_rows():
+    """Finding: the first record of an array metric set aside room for 64 rows,
+    so a 400 MB array asked for 25 GiB and failed with MemoryError (a 40 MB one
+    reserved 2.5 GB). Room for large rows is now bounded in bytes, and grows
+    from there; every record is kept."""
+    import tracemalloc
+
+    a = np.ones(10_000_000, np.float32)  # 40 MB
+    tracemalloc.start()
+    try:
+        s = jh.HistoryState().update({"a": a}, step=0)
+        s.values("a")
+        _, first = tracemalloc.get_traced_memory()
+        for step in range(1, 5):
+            s = s.update({"a": a * step}, step=step)
+        got = s.values("a")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert first < 3 * a.nbytes, first / a.nbytes
+    assert peak < 16 * a.nbytes, peak / a.nbytes
+    assert got.shape == (5, 10_000_000)
+    assert [float(row[0]) for row in got] == [1.0, 1.0, 2.0, 3.0, 4.0]
+    # small rows keep their 64 rows of room (no regrowth on short runs)
+    t = jh.HistoryState()
+    for step in range(64):
+        t = t.update({"x": 1.0}, step=step)
+    assert t.count("x") == 64
