@@ -9,7 +9,10 @@ distributed runtime's key-value store, and reads everyone's. A process that has
 not reached the step the others are at, unchanged for ``timeout`` seconds (or,
 when nobody moves, a process whose posts stopped too: it does not respond), is
 named in a report: a ``RuntimeWarning``, a ``jaxhistory`` logger record, and
-whatever ``report`` does with it (History writes it to its log and trace).
+whatever ``report`` does with it (History writes it to its log and trace). So
+is a process that closed (its last post says so, with its step) behind a step
+where the others have stayed for ``timeout`` seconds: they wait for it in a
+collective it will never join.
 
 The training thread only stores the step (:meth:`HangWatch.beat`): no
 collective, no I/O. So what a report says of a process (its step, its span) is
@@ -99,8 +102,12 @@ class Stalled:
     seconds: float  # how long it has been behind at that step, as seen here
     span: str | None  # its innermost open StopWatch span
     responding: bool  # whether its posts still arrive
+    closed: bool = False  # its History was closed (step: the last it recorded)
 
     def text(self) -> str:
+        if self.closed:
+            at = f"at step {self.step}" if self.step >= 0 else "before any step"
+            return f"process {self.process} ({self.host!r}) closed {at}"
         where = f" in {self.span!r}" if self.span else ""
         step = f"step {self.step}" if self.step >= 0 else "no step yet"
         state = "" if self.responding else ", not responding"
@@ -184,7 +191,8 @@ class HangWatch:
         self.thread_id = threading.get_ident()
 
     def stop(self) -> None:
-        """Posts that this process is done (never reported as behind) and ends
+        """Posts that this process is done, at its latest step (reported only
+        where the others wait at a later step: it closed behind them), and ends
         the thread, waiting for it at most one period. Stopping again does
         nothing."""
         with _LIVE_LOCK:
@@ -262,7 +270,7 @@ class HangWatch:
         if not live:
             return [], -1
         front = max(s.step for s in live.values())
-        for s in live.values():  # since when someone has been ahead of it
+        for s in self._seen.values():  # since when someone has been ahead of it
             if s.step >= front:
                 s.behind_since = None
             elif s.behind_since is None:
@@ -278,6 +286,17 @@ class HangWatch:
             and now - max(s.step_since, s.behind_since) >= self.timeout
             and p != self._me
         ]
+        if any(live[p].step == front for p in quiet):
+            # Those at the front have waited there: for a process that closed
+            # behind them, in a collective it will never join.
+            named += [
+                p
+                for p, s in self._seen.items()
+                if s.done
+                and s.behind_since is not None
+                and now - s.behind_since >= self.timeout
+                and p != self._me
+            ]
         if not named and quiet == set(live):  # nobody moves: a long pause, or
             # a process that stopped (its posts stopped too)
             named = [
@@ -293,7 +312,11 @@ class HangWatch:
         self._reported = episode
         out = []
         for p in sorted(named):
-            s = live[p]
+            s = self._seen[p]
+            if s.done:
+                seconds = now - (s.behind_since or now)
+                out.append(Stalled(p, s.host, s.step, seconds, None, True, True))
+                continue
             responding = now - s.seq_since < 2 * self.period + 0.5
             since = max(s.step_since, s.behind_since or s.step_since)
             out.append(Stalled(p, s.host, s.step, now - since, s.span, responding))

@@ -883,3 +883,53 @@ def close_after_finalize_on_one_process(outdir: str) -> list:
         history.close()
         history.close()
     return history.state.steps("lr/mean").tolist()
+
+
+def closed_behind(close_at: int, last: int, timeout: float, log: bool) -> dict:
+    """Process 0 records steps 0 to ``close_at`` of a host scalar (one
+    collective each) and closes, while process 1 goes on to ``last``; once
+    process 1 has reported the hang, process 0 records the steps it left out
+    (joining the collective process 1 waits in) and closes again. ``log``:
+    each process streams a JSONL log (closing it waits for the values).
+    Returns what each reported, and how long after process 0 closed."""
+    import logging
+    import os
+    import tempfile
+
+    import jax
+
+    import jaxhistory as jh
+    from jaxhistory._distributed import distributed_client
+
+    client = distributed_client()
+    me = jax.process_index()
+    reports = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            if "may hang" in record.getMessage():
+                if not reports:
+                    client.key_value_set(f"test/reported/{me}", "1")
+                reports.append((time.time(), record.getMessage()))
+
+    logging.getLogger("jaxhistory").addHandler(Catch())
+    path = os.path.join(tempfile.mkdtemp(), "run{process_index}.jsonl")
+    history = jh.History(
+        distributed_history=True, hang_timeout=timeout, jsonl_path=path if log else None
+    )
+    first = close_at + 1 if me == 0 else last + 1
+    for step in range(first):
+        history.update({"lr": 0.1 * step}, step=step, summarize=not log)
+    if me == 0:
+        history.close()
+        client.key_value_set("test/closed", repr(time.time()))
+        client.blocking_key_value_get("test/reported/1", 60_000)
+        for step in range(first, last + 1):
+            history.update({"lr": 0.1 * step}, step=step, summarize=not log)
+    history.close()
+    closed = float(client.blocking_key_value_get("test/closed", 60_000))
+    return {
+        "reports": [text for _, text in reports],
+        "latency": reports[0][0] - closed if reports else None,
+        "steps": history.state.steps("lr/mean").tolist(),
+    }

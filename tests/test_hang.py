@@ -87,10 +87,65 @@ def test_a_process_that_never_posted_is_named(watch):
     assert "no step yet" in stalled[0].text()
 
 
-def test_a_process_that_is_done_is_never_named(watch):
-    watch.check([entry(0, 9, 1), entry(1, 4, 1, done=True), entry(2, 9, 1)], 0.0)
-    posts = [entry(0, 9, 2), entry(1, 4, 1, done=True), entry(2, 9, 2)]
+def test_a_process_that_closed_level_with_the_others_is_never_named(watch):
+    """Done at the step the others wait at: it is not the one they wait for."""
+    watch.check([entry(0, 9, 1), entry(1, 9, 1, done=True), entry(2, 9, 1)], 0.0)
+    posts = [entry(0, 9, 2), entry(1, 9, 1, done=True), entry(2, 9, 2)]
     assert watch.check(posts, 100.0)[0] == []
+
+
+def test_a_process_that_closed_while_the_others_move_is_not_named(watch):
+    watch.check([entry(0, 5, 1), entry(1, 4, 1, done=True), entry(2, 5, 1)], 0.0)
+    for t in range(1, 30):  # the others go on, a step every second
+        posts = [entry(0, 5 + t, t), entry(1, 4, 1, done=True), entry(2, 5 + t, t)]
+        assert watch.check(posts, float(t))[0] == []
+
+
+def test_a_process_that_closed_behind_the_others_is_named_once_they_wait(watch):
+    """Process 1 closed at step 4 while the others went on to step 5, where
+    they wait for it (in a collective it will never join)."""
+    watch.check([entry(0, 4, 1), entry(1, 4, 1), entry(2, 4, 1)], 0.0)
+    posts = [entry(0, 5, 2), entry(1, 4, 2, done=True), entry(2, 5, 2)]
+    assert watch.check(posts, 1.0)[0] == []
+    assert watch.check(posts, 10.9)[0] == []
+    stalled, front = watch.check(posts, 11.0)
+    assert front == 5 and [s.process for s in stalled] == [1]
+    (s,) = stalled
+    assert s.closed and s.step == 4
+    assert s.text() == "process 1 ('host1') closed at step 4"
+    assert watch.check(posts, 20.0)[0] == []  # the same episode
+
+
+def test_a_process_that_closed_before_any_step_is_named_so(watch):
+    watch.check([entry(0, 0, 1), entry(1, -1, 1, done=True), entry(2, 0, 1)], 0.0)
+    posts = [entry(0, 0, 2), entry(1, -1, 1, done=True), entry(2, 0, 2)]
+    (s,), _ = watch.check(posts, 10.0)
+    assert s.text() == "process 1 ('host1') closed before any step"
+
+
+def test_the_only_process_left_names_the_one_that_closed(caplog):
+    """Process 0 made one update more than process 1, which closed: process
+    0 alone is live, waiting; its report names process 1 and its step."""
+    w = HangWatch(10.0, Store(), "k", me=0, count=2)
+    w._stop.set()
+    try:
+        w.check([entry(0, 41, 1), entry(1, 41, 1)], 0.0)
+        posts = [entry(0, 42, 2), entry(1, 41, 2, done=True)]
+        assert w.check(posts, 1.0)[0] == []
+        stalled, front = w.check(posts, 11.0)
+        assert front == 42 and [s.text() for s in stalled] == [
+            "process 1 ('host1') closed at step 41"
+        ]
+        with (
+            caplog.at_level(logging.WARNING, logger="jaxhistory"),
+            pytest.warns(RuntimeWarning, match="closed at step 41"),
+        ):
+            w._tell(stalled, front)
+        assert "process 1 ('host1') closed at step 41; the others are at " in (
+            caplog.text
+        )
+    finally:
+        w.stop()
 
 
 def test_this_process_does_not_name_itself_as_behind(watch):
@@ -265,3 +320,20 @@ def test_hang_timeouts_from_numpy_are_seconds_too():
         check_hang_timeout(np.float32("nan"))
     with pytest.raises(TypeError, match="hang_timeout"):
         check_hang_timeout(np.bool_(True))
+
+
+@pytest.mark.slow
+def test_the_others_name_a_process_that_closed_early():
+    """Process 0 closes at step 2 while process 1 goes on: process 1 waits in
+    step 3's reduction, and its report names process 0 and the step it closed
+    at, within hang_timeout + 5 s of the close."""
+    results = jh.launch_local(
+        "mp_workers:closed_behind", 2, 1, args=(2, 5, 2.0, False), timeout=60
+    )
+    first, second = results
+    assert first["reports"] == [], results
+    text = second["reports"][0]
+    assert "process 0 (" in text and ") closed at step 2;" in text, text
+    assert "the others are at step 3" in text, text
+    assert second["latency"] <= 2.0 + 5, second
+    assert [r["steps"] for r in results] == [list(range(6))] * 2
