@@ -158,6 +158,9 @@ class Reducer:
         self.batch_error: Exception | None = None  # of a batch fetched, not raised
         # reductions (one per update, or per batch) so far: when checksums are due
         self._clock = 0
+        # the latest reduction's statistics (a device array): done, every one
+        # this process launched is (each device runs them in order)
+        self.last_reduced: Any = None
 
     def split(self, items: list[tuple[str, Any]]) -> tuple[list, list]:
         """(recorded as they are, reduced across devices/processes)."""
@@ -289,6 +292,7 @@ class Reducer:
         if there were none)."""
         items, now = self._arrived(items, step)
         (stats, straggler, differs), mesh, has = self._program(items)
+        self.last_reduced = stats.table
         names = tuple(sorted(n for n, _ in items))
         self._clock += 1
         due = self._clock + SAME_WINDOW

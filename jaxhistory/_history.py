@@ -154,7 +154,10 @@ class History(RunViews):
             ``RuntimeWarning``, a ``jaxhistory`` logger record, a ``hang/*``
             line in the log); None turns the watch off. Its background thread
             starts at the first update and stops at :meth:`close` or
-            :meth:`finalize`; with one process there is nothing to watch.
+            :meth:`finalize` (once the values they wait for are in), posting
+            the step this process closed at: a process that closed behind the
+            step the others wait at is named too. With one process there is
+            nothing to watch.
         straggler_window: with several processes, updates per window of the
             straggler scores: at the end of each, every process's median and
             p90 arrival lag (``straggler/median_lag``, ``straggler/p90_lag``),

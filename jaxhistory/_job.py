@@ -113,8 +113,15 @@ class JobSync:
         values = (first.process, first.step, round(first.seconds, 3), len(stalled))
         self._post(Row(max(front, 0), _HANG_NAMES, values, RowKind.VALUES, time.time()))
 
-    def stop_watch(self) -> None:
-        """Stops the hang watch (the run is over, or paused)."""
+    def stop_watch(self, settle: bool = False) -> None:
+        """Stops the hang watch (the run is over, or paused); with ``settle``,
+        once this process's reductions are done: one that waits for a process
+        that closed before it (a device collective, which nothing cancels)
+        is named by the watch meanwhile."""
+        if settle and self._hang is not None:
+            reduced = self.reducer.last_reduced
+            if reduced is not None:
+                jax.block_until_ready(reduced)
         hang, self._hang = self._hang, None
         if hang is not None:
             hang.stop()

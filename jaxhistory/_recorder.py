@@ -342,12 +342,13 @@ class Recorder:
                 self._finish_batch()
             except Exception as err:  # raised once the log and sinks are closed
                 failed = err
-        # Stopped once the last batch is in: while it waits, the watch names a
-        # process that never gets there and answers one whose names changed.
-        self.job.stop_watch()
         with self.lock:
             self._record_leftover()
             feed = self.out.close()
+        # Stopped once the last batch is in and the log has every value: while
+        # either waits, the watch names a process that never gets there (or
+        # closed before) and answers one whose names changed.
+        self.job.stop_watch()
         host_copies.send()  # device scalars left waiting: none stays behind
         if feed is not None:
             # Not under the lock: a sink that records or closes from its write
@@ -371,8 +372,12 @@ class Recorder:
                     self._same_everywhere(wait_all=True)
         except ValueError as err:
             warn_quietly(str(err), stacklevel=3)
-        finally:
-            self.job.stop_watch()  # after the last batch, as in close
+        except BaseException:
+            self.job.stop_watch()
+            raise
+        # After the last batch, as in close, and once the last reduction is
+        # done: the outputs read every value, so a wait for it comes anyway.
+        self.job.stop_watch(settle=True)
         try:
             self.flush()
         except SentinelError as err:

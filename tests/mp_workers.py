@@ -885,13 +885,21 @@ def close_after_finalize_on_one_process(outdir: str) -> list:
     return history.state.steps("lr/mean").tolist()
 
 
-def closed_behind(close_at: int, last: int, timeout: float, log: bool) -> dict:
+def closed_behind(
+    close_at: int,
+    last: int,
+    timeout: float,
+    summarize: bool = True,
+    log: bool = False,
+    end: str = "close",
+) -> dict:
     """Process 0 records steps 0 to ``close_at`` of a host scalar (one
-    collective each) and closes, while process 1 goes on to ``last``; once
-    process 1 has reported the hang, process 0 records the steps it left out
-    (joining the collective process 1 waits in) and closes again. ``log``:
-    each process streams a JSONL log (closing it waits for the values).
-    Returns what each reported, and how long after process 0 closed."""
+    collective each) and closes, while process 1 goes on to ``last`` and ends
+    with ``end`` ("close" or "finalize"); once process 1 has reported the
+    hang, process 0 records the steps it left out (joining the collective
+    process 1 waits in) and ends the same way. ``log``: each process streams
+    a JSONL log (closing it waits for the values). Returns what each
+    reported, and how long after process 0 closed."""
     import logging
     import os
     import tempfile
@@ -913,20 +921,25 @@ def closed_behind(close_at: int, last: int, timeout: float, log: bool) -> dict:
                 reports.append((time.time(), record.getMessage()))
 
     logging.getLogger("jaxhistory").addHandler(Catch())
-    path = os.path.join(tempfile.mkdtemp(), "run{process_index}.jsonl")
+    folder = tempfile.mkdtemp()
     history = jh.History(
-        distributed_history=True, hang_timeout=timeout, jsonl_path=path if log else None
+        distributed_history=True,
+        hang_timeout=timeout,
+        jsonl_path=os.path.join(folder, "run{process_index}.jsonl") if log else None,
     )
     first = close_at + 1 if me == 0 else last + 1
     for step in range(first):
-        history.update({"lr": 0.1 * step}, step=step, summarize=not log)
+        history.update({"lr": 0.1 * step}, step=step, summarize=summarize)
     if me == 0:
         history.close()
         client.key_value_set("test/closed", repr(time.time()))
         client.blocking_key_value_get("test/reported/1", 60_000)
         for step in range(first, last + 1):
-            history.update({"lr": 0.1 * step}, step=step, summarize=not log)
-    history.close()
+            history.update({"lr": 0.1 * step}, step=step, summarize=summarize)
+    if end == "finalize":
+        history.finalize(folder, plot=False)
+    else:
+        history.close()
     closed = float(client.blocking_key_value_get("test/closed", 60_000))
     return {
         "reports": [text for _, text in reports],

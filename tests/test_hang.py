@@ -328,12 +328,46 @@ def test_the_others_name_a_process_that_closed_early():
     step 3's reduction, and its report names process 0 and the step it closed
     at, within hang_timeout + 5 s of the close."""
     results = jh.launch_local(
-        "mp_workers:closed_behind", 2, 1, args=(2, 5, 2.0, False), timeout=60
+        "mp_workers:closed_behind", 2, 1, args=(2, 5, 2.0), timeout=60
     )
     first, second = results
     assert first["reports"] == [], results
     text = second["reports"][0]
     assert "process 0 (" in text and ") closed at step 2;" in text, text
     assert "the others are at step 3" in text, text
+    assert second["latency"] <= 2.0 + 5, second
+    assert [r["steps"] for r in results] == [list(range(6))] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("devices", "summarize", "log", "end"),
+    [
+        (1, True, False, "close"),
+        (2, False, True, "close"),
+        (2, False, False, "finalize"),
+    ],
+    ids=["in-update", "in-close", "in-finalize"],
+)
+def test_one_update_more_on_one_process_is_named(devices, summarize, log, end):
+    """log_every=1: process 1 records step 5, process 0 closes after step 4.
+    Process 1 waits in step 5's reduction, a device collective nothing can
+    cancel: in update (one device per process: its launch waits; or for the
+    summary line), or, with two, where close waits for the log's values or
+    finalize for the recorded ones. Its report names process 0 and the step
+    it closed at within hang_timeout + 5 s: the watch runs until the values
+    it waits for are in."""
+    results = jh.launch_local(
+        "mp_workers:closed_behind",
+        2,
+        devices,
+        args=(4, 5, 2.0, summarize, log, end),
+        timeout=60,
+    )
+    first, second = results
+    assert first["reports"] == [], results
+    text = second["reports"][0]
+    assert "process 0 (" in text and ") closed at step 4;" in text, text
+    assert "the others are at step 5" in text, text
     assert second["latency"] <= 2.0 + 5, second
     assert [r["steps"] for r in results] == [list(range(6))] * 2
