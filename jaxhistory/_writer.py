@@ -25,6 +25,7 @@ warning (what is still queued stays queued).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import threading
@@ -77,7 +78,12 @@ class Writer:
         self.broken = False  # a write raised: the target may lack its items
         self._queue: list = []
         self._lock = threading.Lock()  # add() against close()
-        self._drain_lock = threading.Lock()  # one write at a time, in order
+        # One write at a time, in order. An RLock knows its holder: a Ctrl-C
+        # raised as its acquire returns (before the write's ``try:``) still
+        # lets the thread that took it release it, instead of every later
+        # write waiting on a lock nobody holds.
+        self._drain_lock = threading.RLock()
+        self._writing: int | None = None  # the thread in target.write
         self._space = threading.Condition()
         self._wake = threading.Event()
         self._closed = False
@@ -167,17 +173,24 @@ class Writer:
             # or flushing what it inherited: the items are the parent's, which
             # writes them itself; the target (the parent's log) is not touched.
             return
-        # A write that has not returned for MAX_WAIT seconds (a stuck file
-        # system) is not waited for longer: flush and close go on without it.
-        if not self._drain_lock.acquire(timeout=self.MAX_WAIT):
-            self._warn_once(
-                "stuck",
-                f"a write to {self.what} has not returned for {self.MAX_WAIT:.0f} s "
-                f"(a stuck file system?); went on without it, {self.pending()} "
-                "item(s) still queued",
-            )
-            return
+        me = threading.get_ident()
+        if self._writing == me:
+            return  # called from inside this thread's own write: it goes on
+        lock = self._drain_lock
+        got = False
         try:
+            # A write that has not returned for MAX_WAIT seconds (a stuck file
+            # system) is not waited for longer: flush and close go on without it.
+            got = lock.acquire(timeout=self.MAX_WAIT)
+            if not got:
+                self._warn_once(
+                    "stuck",
+                    f"a write to {self.what} has not returned for "
+                    f"{self.MAX_WAIT:.0f} s (a stuck file system?); went on "
+                    f"without it, {self.pending()} item(s) still queued",
+                )
+                return
+            self._writing = me
             items = self._take()
             with self._space:
                 self._space.notify_all()
@@ -187,7 +200,13 @@ class Writer:
                 self.broken = True  # what it was given may be lost
                 raise
         finally:
-            self._drain_lock.release()
+            if got:
+                self._writing = None
+            # Released also where ``got`` was never set (Ctrl-C as the acquire
+            # returned): an RLock this thread does not hold refuses
+            # (RuntimeError), one it holds is released.
+            with contextlib.suppress(RuntimeError):
+                lock.release()
 
     def flush(self) -> None:
         """Writes every queued item now and has the target hold nothing back."""

@@ -197,3 +197,58 @@ def test_ctrl_c_inside_add_leaves_the_writer_usable():
     thread.join(60)  # (only so that a hang fails the test instead of blocking it)
     assert not thread.is_alive(), "the writer's lock was left held"
     assert target.items() == [0, 2]
+
+
+def test_ctrl_c_as_the_drain_lock_is_taken_leaves_it_free():
+    """Ctrl-C (a signal handler's exception) raised just as the drain lock's
+    acquire returns, before the write's ``try:``: the lock must not stay
+    held, or every later write waits and the log stops."""
+
+    class Interrupted:
+        def __init__(self, lock):
+            self.lock, self.armed = lock, True
+
+        def acquire(self, *args, **kwargs):
+            got = self.lock.acquire(*args, **kwargs)
+            if got and self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+            return got
+
+        def release(self):
+            self.lock.release()
+
+    target = Target()
+    writer = _writer.Writer(target)
+    writer.add(0)
+    writer._drain_lock = Interrupted(writer._drain_lock)
+    with pytest.raises(KeyboardInterrupt):
+        writer.flush()
+    writer._drain_lock = writer._drain_lock.lock
+    writer.add(1)
+    done = threading.Event()
+
+    def go_on():
+        writer.flush()
+        writer.close()
+        done.set()
+
+    threading.Thread(target=go_on, daemon=True).start()
+    # (a held lock: the flush gives up after MAX_WAIT with a warning)
+    assert done.wait(writer.MAX_WAIT / 2), "the drain lock was left held"
+    assert target.items() == [0, 1]
+    assert not writer._warned
+
+
+def test_ctrl_c_in_a_write_leaves_the_drain_lock_free():
+    target = Target()
+    writer = _writer.Writer(target)
+    writer.add(0)
+    with (
+        mock.patch.object(writer, "_take", side_effect=KeyboardInterrupt),
+        pytest.raises(KeyboardInterrupt),
+    ):
+        writer.flush()
+    writer.flush()
+    writer.close()
+    assert target.items() == [0] and not writer._warned
