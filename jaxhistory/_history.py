@@ -477,6 +477,8 @@ class History(RunViews):
             config=config,
             env_info=env_info,
         )
+        if done.streamed is None and save:  # the log was written again
+            self._recorder.rewritten(Path(outdir) / f"{self.run_id}.jsonl")
         images = [p for p in files if p.suffix == ".png"]
         # e.g. W&B: the history table and the plots (each sink bounded in time)
         call_extras(self.sinks, "log_outputs", state, images)

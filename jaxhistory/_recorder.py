@@ -12,8 +12,10 @@ options, the outputs and the documentation; this holds the run while it runs.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from jaxhistory import _trace_state
@@ -356,6 +358,18 @@ class Recorder:
             feed.close()
         if failed is not None:
             raise failed
+
+    def rewritten(self, path: Path) -> None:
+        """Finalize wrote the log at ``path`` again from the history (the
+        streamed one had failed), in place of the file the run still writes:
+        later lines are appended to the new file."""
+        with self.lock:
+            log = self.out.log
+            if log is None:
+                return  # closed: a later update opens the file at its path
+            with contextlib.suppress(OSError):
+                if os.path.samefile(log.path, path):
+                    log.follow()
 
     def finish(self) -> Finished:
         """Ends the run's recording for :meth:`History.finalize

@@ -1357,6 +1357,38 @@ def test_a_log_deleted_mid_run_is_started_again_and_rewritten_whole(tmp_path):
     assert [x["step"] for x in lines] == list(range(100))
 
 
+def test_a_log_rewritten_by_finalize_is_appended_to_not_reported_deleted(
+    tmp_path, caplog
+):
+    """finalize writes a failed log again, atomically: a new file in place of
+    the open one. Updates after it go on in that file, with no warning that
+    the log was deleted, and no line lost to the replaced file."""
+    import shutil
+
+    folder = tmp_path / "run"
+    h = jh.History(distributed_history=False, report_dir=folder)
+    for s in range(50):
+        h.update({"loss": float(s)}, summarize=False)
+    h.flush()
+    shutil.rmtree(folder)
+    with pytest.warns(RuntimeWarning, match="was deleted while the run wrote it"):
+        h.update({"loss": 50.0}, summarize=False)
+        h.flush()
+    h.finalize(plot=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for s in range(51, 60):
+            h.update({"loss": float(s)}, summarize=False)
+        h.flush()
+        lines = [orjson.loads(x) for x in h.log_path.read_bytes().splitlines()]
+        assert [x["step"] for x in lines] == list(range(60))
+        h.close()
+    assert not any("deleted" in r.getMessage() for r in caplog.records)
+    h.finalize(plot=False)
+    lines = [orjson.loads(x) for x in h.log_path.read_bytes().splitlines()]
+    assert [x["step"] for x in lines] == list(range(60))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("updates", "extra_on"), [(6, 1), (5, 1), (5, 0)])
 def test_in_batches_processes_that_reduce_different_steps_fail_clearly(

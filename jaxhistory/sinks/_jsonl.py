@@ -96,6 +96,30 @@ class JsonlSink(FileSink):
         old, self._file = self._file, open_log(self.path)
         old.close()
 
+    def follow(self) -> bool:
+        """Where a new file was put at :attr:`path` in place of the one this
+        writes (History's ``finalize`` writing a failed log again, atomically),
+        appends to that one from now on; returns whether it did. Without this
+        the next write would find its file gone and report the log deleted."""
+        with self._lock:
+            if self._file.closed:
+                return False
+            try:
+                now = os.fstat(self._file.fileno())
+                there = os.stat(self.path, follow_symlinks=False)
+            except OSError:
+                return False  # nothing there: the next write reports it
+            if (now.st_dev, now.st_ino) == (there.st_dev, there.st_ino):
+                return False
+            try:
+                new = open_log(self.path)
+            except OSError:
+                return False  # the next write finds its file gone: reported
+            old, self._file = self._file, new
+            self._broken = False  # (a cut line stayed in the old file)
+            old.close()
+            return True
+
     def _encode_each(self, batch: Batch) -> bytes:
         parts = []
         for record in batch.records():
