@@ -281,11 +281,15 @@ class Recorder:
             self._write_log()
             raise
 
-    def _act(self, found: list) -> None:
+    def _act(self, found: list, bounded: bool = False) -> None:
         """Warns, calls back, or raises for the sentinels' events (not under the
-        lock: a callback may record); a raise once the step's line is in the
-        log."""
-        error = self.guard.act(found)
+        lock: a callback may record); a callback or a raise once the step's
+        line is in the log (a callback may hang, or end the process).
+        ``bounded``: at finalize, callbacks are waited for a bounded time."""
+        guard = self.guard
+        if guard.calls(found):
+            self._write_log()
+        error = guard.act(found, bounded)
         if error is not None:
             self._write_log()
             raise error
@@ -320,8 +324,9 @@ class Recorder:
         with self.lock:
             self.rec.set(state)
 
-    def flush(self) -> None:
-        """:meth:`History.flush <jaxhistory.History.flush>`."""
+    def flush(self, bounded: bool = False) -> None:
+        """:meth:`History.flush <jaxhistory.History.flush>` (``bounded``: at
+        finalize, the sentinels' callbacks are waited for a bounded time)."""
         with self.lock:
             self._record_leftover(with_step_only=True)
             if self.job.reduce_host:  # every process flushes: reads line up
@@ -334,7 +339,7 @@ class Recorder:
         if feed is not None:  # waits a bounded time; warns naming a stuck sink
             feed.flush()
         if found:
-            self._act(found)
+            self._act(found, bounded)
 
     def close(self) -> None:
         """:meth:`History.close <jaxhistory.History.close>`."""
@@ -393,7 +398,7 @@ class Recorder:
         # done: the outputs read every value, so a wait for it comes anyway.
         self.job.stop_watch(settle=True)
         try:
-            self.flush()
+            self.flush(bounded=True)
         except SentinelError as err:
             warn_quietly(f"sentinel at finalize: {err}", stacklevel=3)
         except Warning as err:  # a "warn" sentinel's, made an error (-W error)

@@ -12,7 +12,10 @@ the device and its process. The action is ``"warn"`` (a ``RuntimeWarning`` and
 a record on the ``jaxhistory`` logger), ``"raise"`` (:class:`SentinelError`) or
 a callable that receives the :class:`Event`. The counts ``sentinel/nonfinite``
 and ``sentinel/spike`` are recorded at the step of each event, and the report
-lists the events.
+lists the events. A callable runs on the thread whose update or flush found
+the event, after the step's line is in the JSONL log (one that hangs holds
+that thread); at finalize, on a thread of its own, waited for at most
+:data:`ACTION_TIMEOUT` seconds, with a warning naming the sentinel.
 
 When they act: values of Python numbers at the update that records them;
 device values (JAX arrays, ``Stats``) once they are on the host, at an update
@@ -53,6 +56,8 @@ from jaxhistory._host_copies import host_copies, is_done, to_host
 from jaxhistory._names import PROVENANCE, printable, stat_names
 from jaxhistory._stats import STATS, Stats
 from jaxhistory._summary import nonfinite_notes
+from jaxhistory._writer import warn_quietly
+from jaxhistory.sinks._feed import call_bounded
 
 __all__ = ["Event", "Guard", "NonFinite", "Sentinel", "SentinelError", "Spike"]
 
@@ -60,6 +65,7 @@ logger = logging.getLogger("jaxhistory")
 logger.addHandler(logging.NullHandler())  # shown where the user sets up logging
 ACTIONS = ("warn", "raise")
 MAX_EVENTS = 1000  # events kept for the report (the counts count them all)
+ACTION_TIMEOUT = 60.0  # seconds finalize waits for one call of a callable action
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,17 +423,48 @@ class Guard:
             out[event.kind] = (step, float(self.counts[event.kind]))
         return [(step, f"sentinel/{kind}", n) for kind, (step, n) in out.items()]
 
-    def act(self, events: list) -> SentinelError | None:
+    @staticmethod
+    def calls(events: list) -> bool:
+        """Whether the action of any of the ``(sentinel, event)`` pairs is a
+        callable (the user's code: it may hang, or end the process)."""
+        return any(s.action not in ACTIONS for s, _ in events)
+
+    def act(self, events: list, bounded: bool = False) -> SentinelError | None:
         """Warns and calls the callables for ``events``; returns the error to
         raise for the first event whose action is ``"raise"`` (the caller
-        raises it once the step's line is in the log)."""
+        raises it once the step's line is in the log). ``bounded`` (at
+        finalize): the callables run on a thread of their own, each call waited
+        for at most :data:`ACTION_TIMEOUT` seconds, and what they raise is a
+        warning; a sentinel whose action did not return is not called again."""
         error = None
+        hung: set[int] = set()  # sentinels whose action did not return
         for s, event in events:
             if s.action == "warn":
                 logger.warning("sentinel: %s", event)
                 warnings.warn(str(event), RuntimeWarning, stacklevel=4)
             elif s.action == "raise":
                 error = error or SentinelError(event)
+            elif bounded:
+                if id(s) in hung:
+                    continue  # (its thread still runs the earlier call)
+                returned, err = call_bounded(
+                    s.action, (event,), ACTION_TIMEOUT, "jaxhistory-sentinel-action"
+                )
+                if not returned:
+                    hung.add(id(s))
+                    warn_quietly(
+                        f"the action of {s!r} did not return within "
+                        f"{ACTION_TIMEOUT:g} s for {event}; finalize went on "
+                        "without it (it is left to its thread, and not called "
+                        "for this finalize's later events)",
+                        stacklevel=4,
+                    )
+                elif err is not None:
+                    warn_quietly(
+                        f"the action of {s!r} raised {err!r} for {event}; "
+                        "finalize goes on",
+                        stacklevel=4,
+                    )
             else:
                 try:
                     s.action(event)

@@ -314,3 +314,76 @@ def test_finalize_writes_its_outputs_where_warnings_are_errors(tmp_path, caplog)
     assert "matched no recorded metric" in caplog.text
     assert "'x'" in caplog.text and "NaN" in caplog.text
     assert h.state.values("sentinel/nonfinite").tolist() == [1.0]
+
+
+def test_a_callable_action_runs_once_the_steps_line_is_in_the_log(tmp_path):
+    """A callable that never returns, or ends the process, must cost the log
+    no line: the step that fired it is on disk when it is called."""
+    on_disk = []
+
+    def look(event):
+        steps = [json.loads(x)["step"] for x in h.log_path.read_text().splitlines()]
+        on_disk.append(event.step in steps)
+
+    h = jh.History(
+        distributed_history=False,
+        report_dir=tmp_path,
+        sentinels=[NonFinite(["loss", "x"], action=look)],
+    )
+    h.update({"loss": 1.0}, step=0)
+    h.update({"loss": math.nan, "lr": 0.1}, step=1)
+    h.update({"x": jnp.array(jnp.inf)}, step=2)  # a device value: checked at flush
+    h.flush()
+    assert on_disk == [True, True]
+    h.close()
+
+
+def test_finalize_waits_a_bounded_time_for_a_hung_or_exiting_callable(
+    tmp_path, monkeypatch, caplog
+):
+    """At finalize (sentinels run on device values still in flight) a callable
+    action that hangs, or raises SystemExit, gets a warning naming the
+    sentinel; finalize goes on and writes its outputs. A hung action is not
+    called again for the next event."""
+    import threading
+
+    from jaxhistory import sentinels as sentinels_module
+
+    monkeypatch.setattr(sentinels_module, "ACTION_TIMEOUT", 0.5)
+    release = threading.Event()
+    called = []
+
+    def hang(event):
+        called.append(event.metric)
+        release.wait(60)
+
+    def leave(event):
+        raise SystemExit(3)
+
+    hung, leaving = NonFinite("x*", action=hang), NonFinite("y", action=leave)
+    h = jh.History(distributed_history=False, sentinels=[hung, leaving])
+    nan = jnp.array(jnp.nan)
+    h.update({"x": nan, "x2": nan, "y": jnp.array(jnp.inf)}, step=0)
+    outcome = []
+
+    def run():
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                h.finalize(tmp_path, plot=False)
+            outcome.append([str(w.message) for w in caught])
+        except BaseException as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)  # (only so that a hang fails the test instead of blocking it)
+    release.set()
+    assert not thread.is_alive(), "finalize waited for the hung action"
+    (messages,) = outcome
+    assert isinstance(messages, list), messages
+    assert any(repr(hung) in m and "did not return within 0.5 s" in m for m in messages)
+    assert any(repr(leaving) in m and "SystemExit(3)" in m for m in messages)
+    assert (tmp_path / "dataset.nc").is_file() and (tmp_path / "report.md").is_file()
+    assert h.state.values("sentinel/nonfinite").tolist() == [3.0]
+    assert called == ["x"]  # not called again while its first call hangs

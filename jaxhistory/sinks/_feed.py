@@ -32,7 +32,14 @@ import numpy as np
 from jaxhistory._record import Batch
 from jaxhistory._writer import warn_quietly
 
-__all__ = ["EXTRAS_TIMEOUT", "SinkFeed", "call_extras", "copied", "sink_name"]
+__all__ = [
+    "EXTRAS_TIMEOUT",
+    "SinkFeed",
+    "call_bounded",
+    "call_extras",
+    "copied",
+    "sink_name",
+]
 
 
 def sink_name(sink: Any, index: int | None = None) -> str:
@@ -293,27 +300,40 @@ def call_extras(sinks: Sequence[Any], method: str, *args: Any) -> None:
         if not callable(call):
             continue
         name = sink_name(sink, index if many else None)
-        failed: list[BaseException] = []
-
-        def run(call=call, failed=failed):
-            try:
-                call(*args)
-            except BaseException as err:  # (SystemExit from a sink included)
-                failed.append(err)
-
-        thread = threading.Thread(
-            target=run, name=f"jaxhistory-sink-{method}", daemon=True
+        returned, error = call_bounded(
+            call, args, EXTRAS_TIMEOUT, f"jaxhistory-sink-{method}"
         )
-        thread.start()
-        thread.join(EXTRAS_TIMEOUT)
-        if thread.is_alive():
+        if not returned:
             text = (
                 f"sink {name}: {method} did not return within "
                 f"{EXTRAS_TIMEOUT:g} s; finalize went on without it"
             )
-        elif failed:
+        elif error is not None:
             what = f"{method}({args[0]!r})" if method == "log_table" else method
-            text = f"sink {name}: {what} failed: {failed[0]!r}"
+            text = f"sink {name}: {what} failed: {error!r}"
         else:
             continue
         warn_quietly(text, stacklevel=3)  # (-W error: never into finalize)
+
+
+def call_bounded(
+    call: Any, args: tuple, timeout: float, name: str
+) -> tuple[bool, BaseException | None]:
+    """Calls the user's ``call(*args)`` in a thread of its own (named
+    ``name``) and waits for it at most ``timeout`` seconds: returns whether it
+    returned, and what it raised (SystemExit included). One still running then
+    is left to its thread."""
+    failed: list[BaseException] = []
+
+    def run():
+        try:
+            call(*args)
+        except BaseException as err:  # (SystemExit from the user's code too)
+            failed.append(err)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        return False, None
+    return True, failed[0] if failed else None
