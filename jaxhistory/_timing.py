@@ -154,13 +154,14 @@ class StopWatch:
         # recursively or shared between threads.
         annotation = jax.profiler.TraceAnnotation(self.msg)
         annotation.__enter__()
-        self._frames().append((time.perf_counter_ns(), annotation, []))
-        _trace_state.span_opened(self.msg)
+        start_ns = time.perf_counter_ns()
+        span = _trace_state.span_opened(self.msg, start_ns)
+        self._frames().append((start_ns, annotation, [], span))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        start_ns, annotation, pending = self._frames().pop()
-        _trace_state.span_closed()
+        start_ns, annotation, pending, span = self._frames().pop()
+        _trace_state.span_closed(span)
         try:
             block = None if self.block is True else self.block
             wait = [a for a in (block, *pending) if a is not None]
@@ -232,7 +233,7 @@ class StopWatch:
         @functools.wraps(fn)
         async def wrapper(*args, **kwargs):
             start_ns, exc_type = time.perf_counter_ns(), None
-            _trace_state.span_opened(self.msg)
+            span = _trace_state.span_opened(self.msg, start_ns)
             try:
                 out = await fn(*args, **kwargs)
                 if self.block is True:
@@ -242,7 +243,7 @@ class StopWatch:
                 exc_type = type(err)
                 raise
             finally:
-                _trace_state.span_closed()
+                _trace_state.span_closed(span)
                 self._finished(start_ns, time.perf_counter_ns(), exc_type)
                 wrapper.last = self._local.last
 

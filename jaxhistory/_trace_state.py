@@ -12,6 +12,7 @@ __all__ = [
     "deactivate",
     "drain",
     "innermost_span",
+    "open_spans",
     "register_stream",
     "span_closed",
     "span_opened",
@@ -20,28 +21,46 @@ __all__ = [
 _lock = threading.Lock()
 _stack: list[Any] = []
 _streams: weakref.WeakSet = weakref.WeakSet()  # History background writers
-_spans: dict[int, list[str]] = {}  # thread id -> its open StopWatch spans
+# thread id -> its open StopWatch spans, (name, start in perf_counter_ns)
+_spans: dict[int, list[tuple[str, int]]] = {}
 
 
-def span_opened(name: str) -> None:
-    """Notes that this thread entered the StopWatch span ``name``."""
-    _spans.setdefault(threading.get_ident(), []).append(name)
+def span_opened(name: str, start_ns: int) -> tuple[str, int]:
+    """Notes that this thread entered the StopWatch span ``name`` at
+    ``start_ns``; returns the span, for :func:`span_closed`."""
+    span = (name, start_ns)
+    _spans.setdefault(threading.get_ident(), []).append(span)
+    return span
 
 
-def span_closed() -> None:
-    """Notes that this thread left its innermost StopWatch span."""
+def span_closed(span: tuple[str, int]) -> None:
+    """Notes that this thread left ``span`` (its innermost one, but for async
+    calls interleaved on the thread)."""
     spans = _spans.get(threading.get_ident())
     if spans:
-        spans.pop()
+        for i in range(len(spans) - 1, -1, -1):
+            if spans[i] is span:
+                del spans[i]
+                return
 
 
 def innermost_span(thread_id: int) -> str | None:
     """The innermost StopWatch span open on thread ``thread_id``, or None."""
     spans = _spans.get(thread_id)
     try:
-        return spans[-1] if spans else None
+        return spans[-1][0] if spans else None
     except IndexError:  # emptied by its thread meanwhile
         return None
+
+
+def open_spans() -> list[tuple[int, str, int]]:
+    """``(thread id, name, start ns)`` of every StopWatch span open now, each
+    thread's outermost first."""
+    return [
+        (ident, name, start)
+        for ident, spans in list(_spans.items())
+        for name, start in list(spans)
+    ]
 
 
 def register_stream(stream: Any) -> None:

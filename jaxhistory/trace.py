@@ -106,6 +106,9 @@ class JSONTraceHandler:
     all-gather in a multi-process run, the barrier the clocks are synced at).
     A file opened by :meth:`rotate` that gets no event before :meth:`close` (the
     file after the last epoch) is deleted there, not left holding only metadata.
+    A :class:`~jaxhistory.StopWatch` span still open at :meth:`close` (on any
+    thread) is written ending at the close, with ``"open_at_close": true`` in
+    its args.
     Files are JSON arrays written one event per line by the one background
     writer, and flushed at least every ``Writer.INTERVAL`` (0.2) seconds, so a
     file cut off by a crash still loads (:func:`load_trace`, and Perfetto,
@@ -237,6 +240,7 @@ class JSONTraceHandler:
         _trace_state.drain()  # counters History has queued reach this file first
         _trace_state.deactivate(self)
         self._started = False
+        self._write_open_spans()  # (deactivated first: none is written twice)
         if self._writer is not None:
             self._writer.close()  # every queued event written
             self._writer = None
@@ -253,6 +257,24 @@ class JSONTraceHandler:
             own = named_files(self.folder, self.filename_template)  # subfolders
             done = merge_folder(self.folder, merged, own)
             self.merged_path = done or self.merged_path
+
+    def _write_open_spans(self) -> None:
+        """Writes the StopWatch spans open now (the close inside one, Ctrl-C on
+        its way out, a thread still working), each ending now, with
+        ``"open_at_close": true`` in its args. Those of threads that ended are
+        left out."""
+        now = time.perf_counter_ns()
+        threads = {t.ident: t for t in threading.enumerate()}
+        for ident, name, start_ns in _trace_state.open_spans():
+            thread = threads.get(ident)
+            if thread is None:
+                continue
+            ts, dur = start_ns / 1e3, max(0, now - start_ns) / 1e3
+            event = {"name": name, "cat": "StopWatch", "ph": "X", "ts": ts}
+            event.update(dur=dur, args={"open_at_close": True})
+            with self._lock:
+                event.update(pid=self._pid, tid=self._tid(thread))
+                self._event(event)
 
     def _path(self, names: dict) -> Path:
         """The file ``names`` (``epoch``, ``batch``, ``step`` among them) name."""
@@ -285,18 +307,27 @@ class JSONTraceHandler:
         with self._out.lock:
             self._out.write_event(event)
 
-    def _tid(self) -> int:
-        """This thread's id in the trace (1, 2, ... in the order threads first
-        trace something), named in the metadata of this file and of later
-        ones while it lives."""
+    def _tid(self, thread: Any = None) -> int:
+        """This thread's (or ``thread``'s) id in the trace (1, 2, ... in the
+        order threads first trace something), named in the metadata of this
+        file and of later ones while it lives (the caller holds the lock)."""
+        if thread is not None and thread is not threading.current_thread():
+            for tid, (_, ref) in self._threads.items():
+                if ref() is thread:
+                    return tid
+            return self._new_tid(thread)
         tid = getattr(self._local, "tid", None)
         if tid is None:
-            self._tids += 1
-            tid = self._local.tid = self._tids
-            thread = threading.current_thread()
-            self._threads[tid] = (thread.name, weakref.ref(thread))
-            for event in thread_metadata(self._pid, tid, thread.name):
-                self._event(event)
+            tid = self._local.tid = self._new_tid(threading.current_thread())
+        return tid
+
+    def _new_tid(self, thread: Any) -> int:
+        """A new trace id for ``thread``, its name in the metadata."""
+        self._tids += 1
+        tid = self._tids
+        self._threads[tid] = (thread.name, weakref.ref(thread))
+        for event in thread_metadata(self._pid, tid, thread.name):
+            self._event(event)
         return tid
 
     def _on_thread(self, event: dict, args: Mapping[str, Any] | None) -> None:

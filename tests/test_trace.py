@@ -1209,3 +1209,47 @@ def test_event_arguments_that_are_no_mapping_are_a_type_error_naming_them(tmp_pa
         t.instant("fine", {"a": 1})
     events = [e for e in trace.load_trace(t.paths[0]) if e["ph"] != "M"]
     assert [(e["name"], e["args"]) for e in events] == [("fine", {"a": 1})]
+
+
+def test_spans_open_at_close_are_written_ending_at_the_close(tmp_path):
+    """A handler closed while StopWatch spans are open (the close in a
+    ``finally`` inside the span, Ctrl-C on its way out, a worker thread still
+    in its span) writes each of them, ending at the close and marked
+    ``open_at_close``; the file is strict JSON whose spans nest."""
+    t = trace.JSONTraceHandler(folder=str(tmp_path), merged_trace_filename=None)
+    t.start()
+    started, release = threading.Event(), threading.Event()
+
+    def work():
+        with jh.StopWatch("loader"):
+            started.set()
+            release.wait(30)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    assert started.wait(10)
+    with pytest.raises(KeyboardInterrupt), jh.StopWatch("train"):
+        try:
+            with jh.StopWatch("step"):
+                time.sleep(0.002)
+            raise KeyboardInterrupt
+        finally:
+            t.close()
+    release.set()
+    worker.join()
+    events = json.loads(t.paths[0].read_text())  # the whole file, strict JSON
+    check_valid(events)
+    spans = [e for e in events if e["ph"] == "X"]
+    assert sorted(e["name"] for e in spans) == ["loader", "step", "train"]
+    by_name = {e["name"]: e for e in spans}
+    train, step, loader = by_name["train"], by_name["step"], by_name["loader"]
+    assert train["args"] == {"open_at_close": True}
+    assert loader["args"] == {"open_at_close": True}
+    assert "args" not in step
+    assert train["ts"] <= step["ts"] and step["ts"] + step["dur"] <= (
+        train["ts"] + train["dur"]
+    )
+    assert train["tid"] == step["tid"] != loader["tid"]
+    named = [e for e in events if e["name"] == "thread_name"]
+    names = {(e["tid"], e["args"]["name"]) for e in named}
+    assert (loader["tid"], worker.name) in names
