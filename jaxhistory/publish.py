@@ -149,7 +149,9 @@ class SinkHandler(MetricHandler):
     raises warns once, naming the sink, instead of raising where the metric was
     published. :meth:`flush` and :meth:`close` wait at most ``timeout`` seconds
     (5 s by default), then warn naming a sink that did not finish; at exit,
-    what was published is flushed the same way.
+    what was published is flushed the same way. A handler dropped (replaced by
+    :func:`configure`, or by :func:`reset`) has its thread hand the sink what
+    was published, flush it and end; the sink is not closed.
     """
 
     def __init__(self, sink: Any):
@@ -157,6 +159,10 @@ class SinkHandler(MetricHandler):
         self._feed = SinkFeed([sink])
         ref = weakref.ref(self)
         atexit.register(lambda: (h := ref()) and h.flush())
+        # Dropped (configure replaced it, reset): the sink's thread writes what
+        # was published, flushes the sink and ends, instead of idling forever.
+        # (Not at exit: a close() at exit still closes the sink.)
+        weakref.finalize(self, self._feed.retire).atexit = False
 
     def emit(self, metric_data: MetricData) -> None:
         if not writes_here(self.sink):

@@ -250,6 +250,34 @@ def test_a_sink_that_hangs_holds_back_neither_put_metric_nor_close():
     assert sink.written == [{"a": 1}, {"b": 2}] and sink.flushes >= 1 and sink.closed
 
 
+def test_a_replaced_sink_handler_s_thread_ends_with_its_records_written():
+    """configure called again for a group (or reset) drops a SinkHandler:
+    its sink's thread waited forever, one idle thread per replacement. It
+    writes what was published, flushes the sink (not closed: the sink is the
+    caller's, maybe configured elsewhere too) and ends."""
+    first, second = _Untrusted(raises=False), _Untrusted(raises=False)
+    first.go.set()
+    second.go.set()
+    with publish.scoped():
+        before = set(threading.enumerate())
+        publish.configure(first, group="io")
+        publish.put_metric("a", 1, metric_group="io")
+        publish.flush()
+        (thread,) = set(threading.enumerate()) - before
+        publish.configure(second, group="io")  # the first handler is dropped
+        thread.join(5)
+        assert not thread.is_alive(), "the replaced handler's thread stayed"
+        assert first.written == [{"a": 1}] and first.flushes >= 1
+        assert not first.closed
+        publish.put_metric("b", 2, metric_group="io")
+        publish.flush()
+        (thread,) = set(threading.enumerate()) - before
+        publish.reset()
+        thread.join(5)
+        assert not thread.is_alive()
+    assert second.written == [{"b": 2}] and not second.closed
+
+
 # ----- prof ------------------------------------------------------------------------
 def test_prof_bare_publishes_success_and_float_ms_duration():
     handler = Collect()

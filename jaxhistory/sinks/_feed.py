@@ -76,12 +76,13 @@ def copied(batch: Batch) -> Batch:
 
 
 class _Mark:
-    """A flush or close request in a sink's queue; ``done`` once carried out."""
+    """A flush or close request in a sink's queue; ``done`` once carried out
+    (``stop``: the thread ends after the flush, the sink left open)."""
 
-    __slots__ = ("close", "done")
+    __slots__ = ("close", "done", "stop")
 
-    def __init__(self, close: bool):
-        self.close = close
+    def __init__(self, close: bool, stop: bool = False):
+        self.close, self.stop = close, stop
         self.done = threading.Event()
 
 
@@ -145,6 +146,18 @@ class _Feed:
             self._cond.notify()
         return mark
 
+    def retire(self) -> None:
+        """Has the thread hand the sink what is queued, flush it and end,
+        without closing it; waits for nothing. Later records are not taken."""
+        with self._cond:
+            if self.closing:
+                return
+            self.closing = True
+            if self.thread is None:
+                return  # never started: nothing to end
+            self._items.append(_Mark(False, stop=True))
+            self._cond.notify()
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -163,7 +176,7 @@ class _Feed:
             if item.close:
                 self._call("close", self.sink.close)
             item.done.set()
-            if item.close:
+            if item.close or item.stop:
                 return
 
     def _deliver(self, batch: Batch) -> None:
@@ -252,6 +265,15 @@ class SinkFeed:
         records are not taken. A sink still busy then is left to its thread,
         with a warning naming it."""
         self._wait(True, self.TIMEOUT if timeout is None else timeout)
+
+    def retire(self) -> None:
+        """Ends the sinks' threads once each has handed its sink what is queued
+        and flushed it; closes no sink (the caller's, maybe fed elsewhere too)
+        and waits for nothing. Later records are not taken."""
+        if os.getpid() != self._pid:
+            return  # (a child of os.fork(): the threads are the parent's)
+        for feed in self._feeds:
+            feed.retire()
 
     def _wait(self, close: bool, timeout: float) -> None:
         if os.getpid() != self._pid:
