@@ -118,6 +118,7 @@ def test_public_functions_have_runnable_examples():
         "trace",
         "sinks",
         "sinks._tensorboard",
+        "sinks._feed",
     ],
 )
 def test_docstring_examples_run(module):

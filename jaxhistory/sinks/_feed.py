@@ -216,18 +216,17 @@ class _Feed:
 class SinkFeed:
     """Feeds ``sinks`` from threads of their own (see the module docstring).
 
-        Examples:
-            >>> import io
-            >>> from jaxhistory.sinks import ConsoleSink, Record
-            >>> from jaxhistory.sinks._feed import SinkFeed
-            >>> from jaxhistory._record import Batch
-    from jaxhistory._writer import warn_quietly
-            >>> sink = ConsoleSink(stream=io.StringIO())
-            >>> feed = SinkFeed([sink])
-            >>> feed.put(Batch.of([Record(step=1, timestamp=0.0, metrics={"x": 0.5})]))
-            >>> feed.close()
-            >>> sink.stream.getvalue()
-            'step=1 x=0.500000\\n'
+    Examples:
+        >>> import io
+        >>> from jaxhistory.sinks import ConsoleSink, Record
+        >>> from jaxhistory.sinks._feed import SinkFeed
+        >>> from jaxhistory._record import Batch
+        >>> sink = ConsoleSink(stream=io.StringIO())
+        >>> feed = SinkFeed([sink])
+        >>> feed.put(Batch.of([Record(step=1, timestamp=0.0, metrics={"x": 0.5})]))
+        >>> feed.close()
+        >>> sink.stream.getvalue()
+        'step=1 x=0.500000\\n'
     """
 
     TIMEOUT = 5.0  # seconds flush and close wait for all the sinks together
