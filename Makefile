@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -n 2 --dist worksteal tests
 
 docs: $(STAMP)
 	$(BIN)/python docs/make_images.py
