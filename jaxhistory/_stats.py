@@ -602,7 +602,10 @@ def distributed_stats(
             in the sum. Under jit it reads each value's sharding from its
             type, which is exact on Explicit mesh axes (``jax.make_mesh``'s
             default), and the mesh's devices from ``jax.set_mesh`` or
-            ``mesh``.
+            ``mesh``. A value with no mesh in its type (an array on one
+            device) is named, under jit, as the first device of that mesh,
+            else JAX's default device: which device it is on is not in its
+            type (outside jit it is read from the array).
         mesh: the mesh the values are on, for ``provenance`` under jit outside
             ``jax.set_mesh``. Its devices in another order than the values'
             mesh's (or other devices) make jit refuse to compile the call,
