@@ -1,6 +1,8 @@
 """History: summary lines, distributed history, settings, attach, run names and
 the log each run owns, the dict view, resume, progress (steps/s, ETA, MFU)."""
 
+import copy
+import functools
 import json
 import threading
 import time
@@ -893,13 +895,26 @@ def test_equal_processes_are_never_flagged(tmp_path):
     assert [r["flagged"] for r in results] == [[], [], []], results
 
 
+@functools.cache
+def _one_program_per_update() -> list:
+    return jh.launch_local("mp_workers:batched_run", 2, 2, args=(1, 10), timeout=180)
+
+
+def one_program_per_update() -> list:
+    """The reference the batched runs are compared with: 2 processes x 2
+    devices, 10 updates, one device program each (log_every=1). The run is
+    deterministic, so it is launched once per test process; each test gets a
+    copy of its results."""
+    return copy.deepcopy(_one_program_per_update())
+
+
 @pytest.mark.slow
 def test_with_log_every_values_are_reduced_in_batches_and_recorded_at_their_steps():
     """2 processes x 2 devices, log_every=4, 10 updates: 4 batches reduced on
     the host (at steps 0, 4 and 8, and the rest at close) and no device
     program, instead of 10 programs; the same records at the same steps as one
     program per update, summary lines at 0, 4 and 8."""
-    each = jh.launch_local("mp_workers:batched_run", 2, 2, args=(1, 10), timeout=180)
+    each = one_program_per_update()
     batched = jh.launch_local("mp_workers:batched_run", 2, 2, args=(4, 10), timeout=180)
     assert [(r["programs"], r["batches"]) for r in each] == [([1] * 10, [])] * 2
     assert [(r["programs"], r["batches"]) for r in batched] == [([], [1, 4, 4, 1])] * 2
@@ -928,7 +943,7 @@ def test_batches_fetched_later_record_the_same(summarize):
     """Without a summary line at a batch's last update (on every process, or
     only on process 0), a batch is fetched at the next one or at close: the
     records are the same."""
-    each = jh.launch_local("mp_workers:batched_run", 2, 2, args=(1, 10), timeout=180)
+    each = one_program_per_update()
     late = jh.launch_local(
         "mp_workers:batched_run", 2, 2, args=(4, 10, summarize), timeout=180
     )
