@@ -1018,7 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
             "set JAX_NUM_CPU_DEVICES=8 before JAX starts"
         )
     if args.quick:
-        host, memory, traced, loop = (1_000, 10_000), 50_000, 20_000, (16, 16)
+        host, memory, traced, loop = (1_000, 10_000), 50_000, 20_000, (8, 8)
         host_repeats, loop_repeats = args.repeats or 2, args.repeats or 3
         thread_updates, thread_repeats = 2_000, args.repeats or 1
         kill_seconds, kill_runs = 2.0, 1
