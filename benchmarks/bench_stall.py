@@ -139,7 +139,7 @@ def bench_hang(cases: list[tuple[str, float]]) -> list[str]:
     return rows
 
 
-def bench_beat() -> str:
+def bench_beat(n: int = 200_000) -> str:
     from jaxhistory._hang import HangWatch
 
     class Store:
@@ -150,7 +150,6 @@ def bench_beat() -> str:
             return []
 
     watch = HangWatch(300.0, Store(), "bench", 0, 2)
-    n = 200_000
     runs = [timeit.timeit(lambda: watch.beat(5), number=n) / n for _ in range(7)]
     watch.stop()
     return (
@@ -207,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         strag = bench_stragglers(
             [(2, 0.1), (2, 0.2), (-1, 0.0), (-1, 0.0), (-1, 0.0)], steps, window
         )
-    beat = bench_beat()
+    beat = bench_beat(20_000 if args.quick else 200_000)
     import jax
     from _common import report
 
