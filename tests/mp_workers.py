@@ -462,13 +462,30 @@ def run_ids(sleep_on: int, seconds: float) -> dict:
     return {"ids": [first.run_id, second.run_id]}
 
 
+def hang_reports(client, me: int) -> list:
+    """The hang reports this process's watch makes, as (time, text), filled in
+    as they come; the first also posts ``test/reported/{me}``."""
+    import logging
+
+    reports = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            if "may hang" in record.getMessage():
+                if not reports:
+                    client.key_value_set(f"test/reported/{me}", "1")
+                reports.append((time.time(), record.getMessage()))
+
+    logging.getLogger("jaxhistory").addHandler(Catch())
+    return reports
+
+
 def hang_run(how: str, timeout: float) -> dict:
     """Process 1 stops at step 3 inside a StopWatch span ("sleep": for
     ``timeout`` + 4 s; "stop": SIGSTOP until process 0, once it has reported,
     sends SIGCONT). Returns each process's reports, how long after the stop
     the first came, and what its log says."""
     import json
-    import logging
     import os
     import signal
     import tempfile
@@ -481,16 +498,7 @@ def hang_run(how: str, timeout: float) -> dict:
 
     client = distributed_client()
     me = jax.process_index()
-    reports = []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            if "may hang" in record.getMessage():
-                if not reports:
-                    client.key_value_set(f"test/reported/{me}", "1")
-                reports.append((time.time(), record.getMessage()))
-
-    logging.getLogger("jaxhistory").addHandler(Catch())
+    reports = hang_reports(client, me)
     log = os.path.join(tempfile.mkdtemp(), "run{process_index}.jsonl")
     history = jh.History(distributed_history=True, hang_timeout=timeout, jsonl_path=log)
     if me == 0 and how == "stop":
@@ -900,7 +908,6 @@ def closed_behind(
     process 1 waits in) and ends the same way. ``log``: each process streams
     a JSONL log (closing it waits for the values). Returns what each
     reported, and how long after process 0 closed."""
-    import logging
     import os
     import tempfile
 
@@ -911,16 +918,7 @@ def closed_behind(
 
     client = distributed_client()
     me = jax.process_index()
-    reports = []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            if "may hang" in record.getMessage():
-                if not reports:
-                    client.key_value_set(f"test/reported/{me}", "1")
-                reports.append((time.time(), record.getMessage()))
-
-    logging.getLogger("jaxhistory").addHandler(Catch())
+    reports = hang_reports(client, me)
     folder = tempfile.mkdtemp()
     history = jh.History(
         distributed_history=True,

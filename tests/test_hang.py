@@ -322,6 +322,18 @@ def test_hang_timeouts_from_numpy_are_seconds_too():
         check_hang_timeout(np.bool_(True))
 
 
+def assert_named_closed(results: list, closed_at: int, front: int) -> None:
+    """Process 1 alone reported, within hang_timeout (2 s) + 5 s, that process 0
+    closed at ``closed_at`` while it is at ``front``; both recorded every step."""
+    first, second = results
+    assert first["reports"] == [], results
+    text = second["reports"][0]
+    assert "process 0 (" in text and f") closed at step {closed_at};" in text, text
+    assert f"the others are at step {front}" in text, text
+    assert second["latency"] <= 2.0 + 5, second
+    assert [r["steps"] for r in results] == [list(range(6))] * 2
+
+
 @pytest.mark.slow
 def test_the_others_name_a_process_that_closed_early():
     """Process 0 closes at step 2 while process 1 goes on: process 1 waits in
@@ -330,13 +342,7 @@ def test_the_others_name_a_process_that_closed_early():
     results = jh.launch_local(
         "mp_workers:closed_behind", 2, 1, args=(2, 5, 2.0), timeout=60
     )
-    first, second = results
-    assert first["reports"] == [], results
-    text = second["reports"][0]
-    assert "process 0 (" in text and ") closed at step 2;" in text, text
-    assert "the others are at step 3" in text, text
-    assert second["latency"] <= 2.0 + 5, second
-    assert [r["steps"] for r in results] == [list(range(6))] * 2
+    assert_named_closed(results, closed_at=2, front=3)
 
 
 @pytest.mark.slow
@@ -364,10 +370,4 @@ def test_one_update_more_on_one_process_is_named(devices, summarize, log, end):
         args=(4, 5, 2.0, summarize, log, end),
         timeout=60,
     )
-    first, second = results
-    assert first["reports"] == [], results
-    text = second["reports"][0]
-    assert "process 0 (" in text and ") closed at step 4;" in text, text
-    assert "the others are at step 5" in text, text
-    assert second["latency"] <= 2.0 + 5, second
-    assert [r["steps"] for r in results] == [list(range(6))] * 2
+    assert_named_closed(results, closed_at=4, front=5)
