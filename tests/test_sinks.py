@@ -256,6 +256,31 @@ def test_a_tensorboard_logdir_deleted_mid_run_is_started_again(tmp_path):
     assert scalars == {"loss": [(1, 0.5)]} and histograms == ["w"]
 
 
+def test_a_tensorboard_event_file_that_could_not_be_started_again_is_retried(
+    tmp_path,
+):
+    """The event file deleted, and the new one could not be made at once (the
+    logdir's path taken by a file meanwhile): the sink kept the closed file,
+    and every later write failed on it ('I/O operation on closed file') even
+    once the logdir could be made again."""
+    import shutil
+
+    logdir = tmp_path / "tb"
+    sink = TensorBoardSink(logdir)
+    sink.write(Record(step=0, timestamp=1.0, metrics={"loss": 1.0}))
+    shutil.rmtree(logdir)
+    logdir.write_text("in the way")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sink.write(Record(step=1, timestamp=2.0, metrics={"loss": 0.5}))
+        assert sink.lost == 1
+        logdir.unlink()
+        sink.write(Record(step=2, timestamp=3.0, metrics={"loss": 0.25}))
+        sink.close()
+    assert sink.lost == 1, repr(sink.error)
+    assert _read_tensorboard(logdir)[0] == {"loss": [(2, 0.25)]}
+
+
 _FULL_DISK = """
 import resource, signal, sys, time, warnings
 import jaxhistory as jh

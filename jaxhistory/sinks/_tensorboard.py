@@ -210,7 +210,9 @@ class TensorBoardSink:
             raise
 
     def _restart(self) -> None:
-        """Closes the event file and opens a new one (the caller holds the lock)."""
+        """Closes the event file and opens a new one (the caller holds the lock);
+        where opening fails, the sink stays broken: the next write tries again."""
+        self._broken = True
         old = self._file
         try:
             old.close()
