@@ -470,7 +470,9 @@ class HistoryState:
             return True
         if not isinstance(other, HistoryState):
             return NotImplemented
-        if self.next_step != other.next_step or self.attrs != other.attrs:
+        if self.next_step != other.next_step:
+            return False
+        if not _same_attr(dict(self.attrs), dict(other.attrs)):
             return False
         return self.data is other.data or _combining.same_records(self, other)
 
@@ -508,6 +510,29 @@ def _plain_copy(value: Any) -> Any:
     if kind in (list, tuple, set, frozenset):
         return kind(_plain_copy(v) for v in value)
     return value
+
+
+def _same_attr(a: Any, b: Any) -> bool:
+    """Whether attribute values ``a`` and ``b`` are equal: NumPy arrays by
+    dtype, shape and values (NaN equal to NaN), dicts, lists and tuples item by
+    item, anything else by ``==`` (one whose answer is no bool is unequal)."""
+    if a is b:
+        return True
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.dtype == b.dtype
+            and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_attr(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same_attr, a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # (an array-like of several values)
+        return False
 
 
 def _unpickled(tables: list, next_step: int, attrs: tuple) -> HistoryState:

@@ -1407,6 +1407,21 @@ def test_states_with_equal_content_are_equal():
     assert a.__eq__("a") is NotImplemented and a != "a"
 
 
+def test_states_with_array_attrs_compare_without_raising():
+    """Finding: ``==`` compared the attrs as tuples, so a NumPy array among them
+    (a config's shape, a dataset's attribute) raised 'The truth value of an
+    array ... is ambiguous' instead of answering; states used as dict keys
+    (equal hashes) raised too."""
+    s = jh.HistoryState().update({"x": 1.0}, step=0)
+    a = s.with_attrs(shape=np.arange(3), cfg={"w": np.ones(2)})
+    b = s.with_attrs(shape=np.arange(3), cfg={"w": np.ones(2)})
+    assert a == b and hash(a) == hash(b)
+    assert a != s.with_attrs(shape=np.arange(4), cfg={"w": np.ones(2)})
+    assert a != s.with_attrs(shape=np.arange(3), cfg={"w": np.zeros(2)})
+    assert a != s.with_attrs(shape=[0, 1, 2], cfg={"w": np.ones(2)})
+    assert {a: 1}[b] == 1
+
+
 def test_with_attrs_keeps_copies_of_the_callers_containers():
     """Finding: with_attrs kept the caller's dict and list, so changing them
     later changed the state's attrs (and every state sharing them)."""
