@@ -349,13 +349,16 @@ class Recorder:
                 self._finish_batch()
             except Exception as err:  # raised once the log and sinks are closed
                 failed = err
-        with self.lock:
-            self._record_leftover()
-            feed = self.out.close()
-        # Stopped once the last batch is in and the log has every value: while
-        # either waits, the watch names a process that never gets there (or
-        # closed before) and answers one whose names changed.
-        self.job.stop_watch()
+        try:
+            with self.lock:
+                self._record_leftover()
+                feed = self.out.close()
+        finally:
+            # Stopped once the last batch is in and the log has every value
+            # (or closing it raised): while either waits, the watch names a
+            # process that never gets there (or closed before) and answers
+            # one whose names changed.
+            self.job.stop_watch()
         host_copies.send()  # device scalars left waiting: none stays behind
         if feed is not None:
             # Not under the lock: a sink that records or closes from its write

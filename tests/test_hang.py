@@ -371,3 +371,23 @@ def test_one_update_more_on_one_process_is_named(devices, summarize, log, end):
         timeout=60,
     )
     assert_named_closed(results, closed_at=4, front=5)
+
+
+def test_close_stops_the_watch_also_where_closing_the_log_raises(monkeypatch):
+    """close stops the hang watch once the log is closed; where closing it
+    raised (a device value that failed to arrive, Ctrl-C), the watch was never
+    stopped: its thread went on posting this process as live at its last step
+    after close, for the others to report as behind."""
+    h = jh.History(distributed_history=False)
+    h.update({"x": 1.0}, step=0)
+    recorder = h._recorder
+    stopped = []
+    monkeypatch.setattr(recorder.job, "stop_watch", lambda **kw: stopped.append(1))
+
+    def fail():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recorder.out, "close", fail)
+    with pytest.raises(KeyboardInterrupt):
+        h.close()
+    assert stopped == [1]
