@@ -118,13 +118,15 @@ class JobSync:
         once this process's reductions are done: one that waits for a process
         that closed before it (a device collective, which nothing cancels)
         is named by the watch meanwhile."""
-        if settle and self._hang is not None:
-            reduced = self.reducer.last_reduced
-            if reduced is not None:
-                jax.block_until_ready(reduced)
-        hang, self._hang = self._hang, None
-        if hang is not None:
-            hang.stop()
+        try:
+            if settle and self._hang is not None:
+                reduced = self.reducer.last_reduced
+                if reduced is not None:
+                    jax.block_until_ready(reduced)
+        finally:  # (stopped also where the wait raised)
+            hang, self._hang = self._hang, None
+            if hang is not None:
+                hang.stop()
 
     def scores(self, wait_all: bool = False) -> list[tuple[int, dict]]:
         """Hands the reduced arrival lags to the straggler scores and returns

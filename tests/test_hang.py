@@ -391,3 +391,25 @@ def test_close_stops_the_watch_also_where_closing_the_log_raises(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         h.close()
     assert stopped == [1]
+
+
+def test_a_settling_stop_stops_the_watch_also_where_the_reduction_failed():
+    """stop_watch(settle=True) (finalize) waits for this process's last
+    reduction first; where that wait raised (a device computation that
+    failed), the watch was left running after finalize raised."""
+
+    class Watch:
+        stopped = False
+
+        def stop(self):
+            Watch.stopped = True
+
+    class Failed:
+        def block_until_ready(self):
+            raise RuntimeError("the reduction failed")
+
+    job = jh.History(distributed_history=False)._recorder.job
+    job._hang, job.reducer.last_reduced = Watch(), Failed()
+    with pytest.raises(RuntimeError, match="the reduction failed"):
+        job.stop_watch(settle=True)
+    assert Watch.stopped and job._hang is None
