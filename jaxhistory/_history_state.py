@@ -325,8 +325,9 @@ class HistoryState:
         """A state with run metadata ``attrs`` added (carried into exports).
 
         Dicts, lists, tuples and sets among the values are copied, all the way
-        down: changing the caller's objects later does not change the state."""
-        merged = dict(self.attrs) | {k: _plain_copy(v) for k, v in attrs.items()}
+        down: changing the caller's objects later does not change the state.
+        One that holds itself is a ValueError naming it (the state unchanged)."""
+        merged = dict(self.attrs) | {k: _plain_copy(v, k) for k, v in attrs.items()}
         return self._derive(
             dict(self.data.tables), self.next_step, tuple(sorted(merged.items()))
         )
@@ -501,15 +502,22 @@ class HistoryState:
 _EXACT_F = float(2**53)  # beyond this magnitude not every integer is a float64
 
 
-def _plain_copy(value: Any) -> Any:
+def _plain_copy(value: Any, name: str, inside: frozenset = frozenset()) -> Any:
     """``value`` with its dicts, lists, tuples and sets copied, all the way
-    down (anything else as it is)."""
+    down (anything else as it is); ValueError naming attr ``name`` where one
+    holds itself."""
     kind = type(value)
+    if kind not in (dict, list, tuple, set, frozenset):
+        return value
+    if id(value) in inside:
+        raise ValueError(
+            f"attr {name!r} holds itself (a {kind.__name__} inside itself): "
+            "attrs must be plain data that can be copied and written out"
+        )
+    inside = inside | {id(value)}
     if kind is dict:
-        return {k: _plain_copy(v) for k, v in value.items()}
-    if kind in (list, tuple, set, frozenset):
-        return kind(_plain_copy(v) for v in value)
-    return value
+        return {k: _plain_copy(v, name, inside) for k, v in value.items()}
+    return kind(_plain_copy(v, name, inside) for v in value)
 
 
 def _same_attr(a: Any, b: Any) -> bool:

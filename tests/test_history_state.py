@@ -1469,3 +1469,16 @@ def test_a_large_array_metric_reserves_room_in_bytes_not_in_rows():
     for step in range(64):
         t = t.update({"x": 1.0}, step=step)
     assert t.count("x") == 64
+
+
+def test_an_attr_that_holds_itself_is_a_clear_error():
+    """Finding: with_attrs copies plain containers all the way down; a list
+    holding itself ended in a bare RecursionError."""
+    s = jh.HistoryState().update({"x": 1.0}, step=0).with_attrs(lr=0.1)
+    loop = [1]
+    loop.append(loop)
+    with pytest.raises(ValueError, match="'cfg' holds itself"):
+        s.with_attrs(cfg={"a": loop})
+    shared = [1, 2]  # the same object twice is no loop
+    t = s.with_attrs(pair=[shared, shared])
+    assert dict(t.attrs)["pair"] == [[1, 2], [1, 2]] and dict(s.attrs) == {"lr": 0.1}
