@@ -239,3 +239,15 @@ def test_the_docs_site_has_a_reference_page_per_public_namespace():
         found = [p for text, p in pages.items() if f"\n::: {name}\n" in text]
         assert found, f"no API page renders {name}"
         assert f"api/{found[0].name}" in config, f"{found[0].name} is not in the nav"
+
+
+def test_the_license_text_ships_with_the_distributions():
+    """pyproject declares Apache-2.0 and names the file holding its text, which
+    the wheel and the sdist then carry (a license-files pattern that matches
+    nothing fails the build)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License\n" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
