@@ -251,3 +251,25 @@ def test_the_license_text_ships_with_the_distributions():
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License\n" in text and "Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_the_lower_bounds_of_the_dependencies_are_releases_that_work():
+    """Each declared lower bound installs beside jax 0.10.2 (which needs numpy 2)
+    and passes the tests: netCDF4 before 1.7 is compiled against numpy 1 (its
+    import fails), and up to 1.7.2 a process whose dataset.nc write met a full
+    disk crashes (SIGSEGV) as it exits; plotext 6.0 raises on a NaN in a terminal
+    plot; matplotlib before 3.8.4 requires numpy<2."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lowest = {}
+    for line in project["dependencies"]:
+        req = Requirement(line)
+        (spec,) = [s for s in req.specifier if s.operator == ">="]
+        lowest[req.name] = Version(spec.version)
+    assert lowest["netCDF4"] >= Version("1.7.3")
+    assert lowest["plotext"] >= Version("6.1")
+    assert lowest["numpy"] >= Version("2.0")
+    assert lowest["matplotlib"] >= Version("3.8.4")
+    assert lowest["jax"] >= Version("0.10.2")
