@@ -273,3 +273,18 @@ def test_the_lower_bounds_of_the_dependencies_are_releases_that_work():
     assert lowest["numpy"] >= Version("2.0")
     assert lowest["matplotlib"] >= Version("3.8.4")
     assert lowest["jax"] >= Version("0.10.2")
+
+
+def test_the_sdist_carries_the_tests_and_what_they_read():
+    """The sdist ships the tests, so it ships the files they read from the
+    repository root; its patterns are anchored there (an unanchored
+    ``README.md`` also matched ``benchmarks/README.md`` and nothing else of
+    that folder)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = config["tool"]["hatch"]["build"]["targets"]["sdist"]["include"]
+    assert all(pattern.startswith("/") for pattern in include), include
+    read_by_tests = [".ci", "benchmarks", "docs", "examples", "notebooks"]
+    read_by_tests += ["mkdocs.yml", "README.md", "pyproject.toml", "LICENSE"]
+    for name in ["jaxhistory", "tests", *read_by_tests]:
+        assert (ROOT / name).exists(), name
+        assert f"/{name}" in include, name
