@@ -288,3 +288,12 @@ def test_the_sdist_carries_the_tests_and_what_they_read():
     for name in ["jaxhistory", "tests", *read_by_tests]:
         assert (ROOT / name).exists(), name
         assert f"/{name}" in include, name
+
+
+def test_the_readme_example_says_which_extra_it_needs():
+    """The first example imports flax and optax, which ``pip install jaxhistory``
+    does not bring; the text before it names the extra that does."""
+    readme = (ROOT / "README.md").read_text()
+    before, block = readme.split("## Example", 1)[1].split("```python", 1)
+    assert "from flax import nnx" in block and "import optax" in block
+    assert "pip install 'jaxhistory[nnx]'" in before
