@@ -40,6 +40,10 @@ __all__ = [
 FULL_BELOW = 1 << 20  # bytes free under which a failed write is put down to space
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+# a file opened inside a folder held open (where the system can): the folder
+# checked and used in one step, so a link swapped in between is never followed
+_IN_FOLDER = bool(_DIRECTORY and _NOFOLLOW) and os.open in os.supports_dir_fd
 # The private folder of one atomic write: .{name}.{pid}.{random}.tmp
 _TMP = re.compile(r"\.(?P<name>.*)\.(?P<pid>\d+)\.[A-Za-z0-9_]{8}\.tmp")
 
@@ -288,14 +292,31 @@ def read_regular(path: Path) -> bytes:
             os.close(fd)
 
 
-def open_log(path: Path, overwrite: bool = False) -> BinaryIO:
+def _open_folder(folder: Path) -> int:
+    """A descriptor of ``folder``, opened without following a link; one that
+    is a link, or no folder, is :class:`NotAFile`."""
+    try:
+        return os.open(folder, os.O_RDONLY | _DIRECTORY | _NOFOLLOW)
+    except OSError as err:
+        if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+    check_target(folder, folder=True)  # says what it is
+    raise NotAFile(folder, "a symbolic link", "a folder")  # swapped back since
+
+
+def open_log(
+    path: Path, overwrite: bool = False, real_folder: bool = False
+) -> BinaryIO:
     """Opens a line log for writing: truncated, or appended to.
 
     A ``path`` that is a symbolic link (dangling or not), a folder, a device or
     a pipe is refused (:class:`NotAFile`): the log is opened without following
-    a link. When appending to a file whose last line was cut off (a killed run),
-    a newline is written first, so the next line starts on a line of its own
-    and the cut line stays the only damaged one.
+    a link. With ``real_folder``, so is a folder of the log that is a link
+    (the log opened inside the folder held open, where the system allows, so a
+    link swapped in after the check is refused too). When appending to a file
+    whose last line was cut off (a killed run), a newline is written first, so
+    the next line starts on a line of its own and the cut line stays the only
+    damaged one.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -303,12 +324,23 @@ def open_log(path: Path, overwrite: bool = False) -> BinaryIO:
     if overwrite and in_use(path):  # truncating would cut a live writer's log
         raise LogInUse(path)
     flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | _NOFOLLOW | _NONBLOCK
+    folder_fd = None
+    if real_folder and _IN_FOLDER:
+        folder_fd = _open_folder(path.parent)
+    elif real_folder:
+        check_target(path.parent, folder=True)
     try:
-        fd = os.open(path, flags, 0o666)
+        if folder_fd is None:
+            fd = os.open(path, flags, 0o666)
+        else:
+            fd = os.open(path.name, flags, 0o666, dir_fd=folder_fd)
     except OSError as err:
         if err.errno == errno.ELOOP:  # made a link since the check
             raise NotAFile(path, "a symbolic link") from None
         raise
+    finally:
+        if folder_fd is not None:
+            os.close(folder_fd)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):

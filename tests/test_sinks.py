@@ -4,6 +4,7 @@ import io
 import json
 import math
 import os
+import re
 import struct
 import threading
 import time
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 import jaxhistory as jh
+from jaxhistory._files import NotAFile
 from jaxhistory.sinks import (
     ConsoleSink,
     JsonlSink,
@@ -279,6 +281,62 @@ def test_a_tensorboard_event_file_that_could_not_be_started_again_is_retried(
         sink.close()
     assert sink.lost == 1, repr(sink.error)
     assert _read_tensorboard(logdir)[0] == {"loss": [(2, 0.25)]}
+
+
+def test_a_tensorboard_logdir_that_is_a_link_is_refused(tmp_path):
+    """A logdir given as a symbolic link was written through (the event file
+    went where the link points): it is refused, naming it, as the CSV and
+    JSONL sinks refuse a link, and nothing is written where it points."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "tb").symlink_to(elsewhere)
+    (tmp_path / "dangling").symlink_to(tmp_path / "absent")
+    for logdir in (tmp_path / "tb", tmp_path / "dangling"):
+        with pytest.raises(
+            NotAFile, match=re.escape(f"{logdir}: it is a symbolic link")
+        ):
+            TensorBoardSink(logdir)
+        assert logdir.is_symlink()  # left as it was
+    assert not list(elsewhere.iterdir()) and not (tmp_path / "absent").exists()
+
+
+def test_a_tensorboard_logdir_made_a_link_mid_run_is_not_written_through(
+    tmp_path, monkeypatch
+):
+    """The logdir removed and a link put in its place mid-run: the new event
+    file was not written through it only because of a check before the open
+    (a link swapped in after the check went through). The open itself refuses
+    the link: the records are counted lost with one warning naming the logdir,
+    and once a real logdir is back, the next ones are written there."""
+    import shutil
+
+    from jaxhistory.sinks import _tensorboard
+
+    logdir, elsewhere = tmp_path / "tb", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    sink = TensorBoardSink(logdir)
+    sink.write(Record(step=0, timestamp=1.0, metrics={"loss": 1.0}))
+    shutil.rmtree(logdir)
+    logdir.symlink_to(elsewhere)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sink.write(Record(step=1, timestamp=2.0, metrics={"loss": 0.5}))
+        # as if the link came between the check and the open
+        monkeypatch.setattr(_tensorboard, "check_target", lambda *a, **k: None)
+        sink.write(Record(step=2, timestamp=3.0, metrics={"loss": 0.25}))
+        monkeypatch.undo()
+    assert sink.lost == 2 and isinstance(sink.error, NotAFile), repr(sink.error)
+    assert not list(elsewhere.iterdir())
+    assert logdir.is_symlink()  # left as it was
+    texts = [str(w.message) for w in caught]
+    assert any(f"{logdir}: it is a symbolic link" in t for t in texts), texts
+    logdir.unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sink.write(Record(step=3, timestamp=4.0, metrics={"loss": 0.125}))
+    sink.close()
+    assert sink.lost == 2 and not list(elsewhere.iterdir())
+    assert _read_tensorboard(logdir)[0] == {"loss": [(3, 0.125)]}
 
 
 _FULL_DISK = """

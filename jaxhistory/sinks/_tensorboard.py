@@ -55,7 +55,11 @@ class TensorBoardSink:
     records it could not write in :attr:`lost`, cuts the file back to its last
     whole event, and tries the next records. An event file deleted during the
     run (its logdir removed) is started again, with one warning, for the
-    events from there on. No TensorFlow is needed. Needs
+    events from there on. Nothing is written through a symbolic link: a
+    ``logdir`` that is one is refused with an ``OSError`` naming it (as a
+    JSONL or CSV path that is one), and one put in its place mid-run fails the
+    writes as a full disk does, until a real folder is back. No TensorFlow is
+    needed. Needs
     ``pip install 'jaxhistory[tensorboard]'``.
 
     Examples:
@@ -82,9 +86,6 @@ class TensorBoardSink:
         self._counts: dict[str, int] = {}
         self._bins = _buckets()
         self._lock = threading.Lock()
-        # a logdir given as a link is the user's; one that a link replaced
-        # during the run is not written through
-        self._linked = os.path.islink(self.logdir)
         self._file = self._open()
         self._synced = time.monotonic()
         self._closed = False
@@ -99,10 +100,11 @@ class TensorBoardSink:
             f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
             f".{os.getpid()}.{next(_numbers)}"
         )
-        if not self._linked:
-            check_target(Path(self.logdir), folder=True)
-        self.path = Path(self.logdir) / name
-        f = open_log(self.path)
+        # never through a link, given or put in its place mid-run (NotAFile)
+        check_target(Path(self.logdir), folder=True)
+        path = Path(self.logdir) / name
+        f = open_log(path, real_folder=True)
+        self.path = path
         try:
             version = self._event(wall_time=time.time(), file_version="brain.Event:2")
             f.write(self._frame(version))
