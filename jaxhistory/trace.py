@@ -107,8 +107,8 @@ class JSONTraceHandler:
     A file opened by :meth:`rotate` that gets no event before :meth:`close` (the
     file after the last epoch) is deleted there, not left holding only metadata.
     A :class:`~jaxhistory.StopWatch` span still open at :meth:`close` (on any
-    thread) is written ending at the close, with ``"open_at_close": true`` in
-    its args.
+    thread, also one that ended inside it) is written ending at the close, on
+    its thread's track, with ``"open_at_close": true`` in its args.
     Files are JSON arrays written one event per line by the one background
     writer, and flushed at least every ``Writer.INTERVAL`` (0.2) seconds, so a
     file cut off by a crash still loads (:func:`load_trace`, and Perfetto,
@@ -241,6 +241,8 @@ class JSONTraceHandler:
         _trace_state.deactivate(self)
         self._started = False
         self._write_open_spans()  # (deactivated first: none is written twice)
+        if _trace_state.active() is None:  # the last handler open
+            _trace_state.forget_ended()
         if self._writer is not None:
             self._writer.close()  # every queued event written
             self._writer = None
@@ -260,15 +262,11 @@ class JSONTraceHandler:
 
     def _write_open_spans(self) -> None:
         """Writes the StopWatch spans open now (the close inside one, Ctrl-C on
-        its way out, a thread still working), each ending now, with
-        ``"open_at_close": true`` in its args. Those of threads that ended are
-        left out."""
+        its way out, a thread still working, a thread that ended inside one),
+        each ending now, with ``"open_at_close": true`` in its args, on its
+        thread's track."""
         now = time.perf_counter_ns()
-        threads = {t.ident: t for t in threading.enumerate()}
-        for ident, name, start_ns in _trace_state.open_spans():
-            thread = threads.get(ident)
-            if thread is None:
-                continue
+        for thread, name, start_ns in _trace_state.open_spans():
             ts, dur = start_ns / 1e3, max(0, now - start_ns) / 1e3
             event = {"name": name, "cat": "StopWatch", "ph": "X", "ts": ts}
             event.update(dur=dur, args={"open_at_close": True})

@@ -1,5 +1,6 @@
 """Chrome traces and StopWatch."""
 
+import contextlib
 import gzip
 import json
 import logging
@@ -1172,6 +1173,52 @@ def test_a_thread_started_after_another_ended_gets_its_own_named_track(tmp_path)
     assert [e["args"]["name"] for e in later if e["name"] == "thread_name"] == [
         "MainThread"
     ]
+
+
+def test_spans_left_open_by_threads_that_ended_are_written_at_close(tmp_path):
+    """A worker that ended inside a StopWatch span (entered on an ExitStack
+    the worker handed on and nobody closed) had the span left out of the
+    trace at close. It is written ending at the close, marked
+    ``open_at_close``, on the worker's own named track; a thread started after
+    it (which may be handed the same ``threading.get_ident()``) keeps its own
+    span and track. Once written, they are not written again by a later
+    trace."""
+    kept = []
+
+    def work(name):
+        with jh.StopWatch(f"{name} setup"):
+            pass
+        stack = contextlib.ExitStack()
+        stack.enter_context(jh.StopWatch(f"{name} batch"))
+        kept.append(stack)  # never closed
+
+    with trace.JSONTraceHandler(folder=tmp_path, merged_trace_filename=None) as t:
+        for name in ("loader", "reader"):
+            worker = threading.Thread(target=work, args=(name,), name=name)
+            worker.start()
+            worker.join()
+        del worker
+    events = json.loads(t.paths[0].read_text())  # the whole file, strict JSON
+    check_valid(events)
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    spans = {e["name"]: e for e in events if e["ph"] == "X"}
+    assert sorted(spans) == [
+        "loader batch",
+        "loader setup",
+        "reader batch",
+        "reader setup",
+    ]
+    for name in ("loader", "reader"):
+        setup, batch = spans[f"{name} setup"], spans[f"{name} batch"]
+        assert batch["args"] == {"open_at_close": True} and "args" not in setup
+        assert batch["tid"] == setup["tid"] and names[batch["tid"]] == name
+        assert setup["ts"] + setup["dur"] <= batch["ts"]
+    assert spans["loader batch"]["tid"] != spans["reader batch"]["tid"]
+    # written once: a later trace does not show them again
+    with trace.JSONTraceHandler(folder=tmp_path / "next") as later:
+        later.instant("later")
+    names = [e["name"] for e in trace.load_trace(later.paths[0]) if e["ph"] != "M"]
+    assert names == ["later"]
 
 
 def test_an_event_orjson_cannot_write_costs_no_other_event(tmp_path):
