@@ -464,9 +464,11 @@ class HistoryState:
     def __eq__(self, other: object) -> bool:
         """Equal content: the same metrics (in any order) with the same steps,
         values (NaN equal to NaN), dtypes and shapes, and the same
-        ``next_step`` and ``attrs``, however the records are split into tables
-        (a state equals the one :meth:`from_xarray` rebuilds from its
-        dataset). Reads device values not read yet."""
+        ``next_step`` and ``attrs`` (NaN equal to NaN there too, in arrays,
+        scalars and containers alike), however the records are split into
+        tables (a state equals the one :meth:`from_xarray` rebuilds from its
+        dataset, and its pickled and deep copies). Reads device values not
+        read yet."""
         if other is self:
             return True
         if not isinstance(other, HistoryState):
@@ -522,25 +524,69 @@ def _plain_copy(value: Any, name: str, inside: frozenset = frozenset()) -> Any:
 
 def _same_attr(a: Any, b: Any) -> bool:
     """Whether attribute values ``a`` and ``b`` are equal: NumPy arrays by
-    dtype, shape and values (NaN equal to NaN), dicts, lists and tuples item by
-    item, anything else by ``==`` (one whose answer is no bool is unequal)."""
+    dtype, shape and values, dicts, lists and tuples item by item, sets by
+    matching their items, anything else by ``==`` (one whose answer is no bool
+    is unequal). NaN is equal to NaN at the same place (a float, complex or
+    NumPy scalar, in an array or a container), NaT to a NaT of its kind."""
     if a is b:
         return True
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return (
-            isinstance(a, np.ndarray)
-            and isinstance(b, np.ndarray)
-            and a.dtype == b.dtype
-            and np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")
-        )
+        return _same_array(a, b)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same_attr(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(map(_same_attr, a, b))
+    if isinstance(a, (set, frozenset)) and isinstance(b, (set, frozenset)):
+        return type(a) is type(b) and _same_set(a, b)
     try:
-        return bool(a == b)
+        if bool(a == b):
+            return True
     except Exception:  # (an array-like of several values)
         return False
+    kind = _missing(a)
+    return kind is not None and kind == _missing(b)
+
+
+def _same_array(a: Any, b: Any) -> bool:
+    """:func:`_same_attr` of two values, one of them a NumPy array."""
+    if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
+        return False
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype.names:  # a structured array: field by field
+        return all(_same_array(a[name], b[name]) for name in a.dtype.names)
+    if a.dtype.kind == "O":
+        return all(map(_same_attr, a.flat, b.flat))
+    return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fcmM"))
+
+
+def _same_set(a: Any, b: Any) -> bool:
+    """Whether every item of set ``a`` matches one of set ``b`` (by
+    :func:`_same_attr`, so a NaN matches a NaN) and none is left over."""
+    if len(a) != len(b):
+        return False
+    if a == b:
+        return True
+    left = list(b)
+    for item in a:
+        for i, other in enumerate(left):
+            if _same_attr(item, other):
+                del left[i]
+                break
+        else:
+            return False
+    return True
+
+
+def _missing(value: Any) -> str | None:
+    """What kind of missing number ``value`` is: "nan" (a float, complex or
+    NumPy scalar that is NaN), "datetime64" or "timedelta64" (a NaT); else
+    None."""
+    if isinstance(value, (float, complex, np.floating, np.complexfloating)):
+        return "nan" if value != value else None
+    if isinstance(value, (np.datetime64, np.timedelta64)):
+        return type(value).__name__ if np.isnat(value) else None
+    return None
 
 
 def _unpickled(tables: list, next_step: int, attrs: tuple) -> HistoryState:

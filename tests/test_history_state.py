@@ -1422,6 +1422,64 @@ def test_states_with_array_attrs_compare_without_raising():
     assert {a: 1}[b] == 1
 
 
+def test_states_with_nan_attrs_equal_their_copies():
+    """Finding: a NaN among the attrs (a learning rate not set, a NumPy
+    scalar, a NaN in a list or a set) made a state unequal to its pickled or
+    deep copy and to the same state built again, though NaN in metric values
+    and in array attrs already compared equal. NaN at the same places now
+    counts as equal; NaN against a number, a type or a shape apart still
+    differ, and equal states hash alike."""
+    import copy
+    import pickle
+
+    nan = float("nan")
+    s = jh.HistoryState().update({"x": 1.0}, step=0)
+
+    def attrs():
+        return {
+            "lr": float("nan"),
+            "beta": np.float32("nan"),
+            "mix": complex(1.0, float("nan")),
+            "born": np.datetime64("NaT", "s"),
+            "cfg": {"decay": [1.0, (np.float64("nan"), -0.0)]},
+            "tags": {float("nan"), "a"},
+            "w": np.array([1.0, np.nan]),
+            "rows": np.array([(1, np.nan)], dtype=[("n", "i8"), ("v", "f8")]),
+            "objs": np.array([np.nan, "a"], dtype=object),
+        }
+
+    a = s.with_attrs(**attrs())
+    for other in (
+        pickle.loads(pickle.dumps(a)),
+        copy.deepcopy(a),
+        s.with_attrs(**attrs()),
+        jh.HistoryState.from_xarray(s.with_attrs(lr=nan).to_xarray()).with_attrs(
+            **{k: v for k, v in attrs().items() if k != "lr"}
+        ),
+    ):
+        assert other == a and a == other and hash(other) == hash(a)
+    assert s.with_attrs(lr=0.0) == s.with_attrs(lr=-0.0)  # as == has them
+    assert s.with_attrs(w=np.array([0.0])) == s.with_attrs(w=np.array([-0.0]))
+    assert s.with_attrs(lr=np.float64(nan)) == s.with_attrs(lr=nan)
+    unequal = {
+        "lr": 0.1,  # NaN against a number
+        "beta": None,
+        "mix": complex(1.0, 0.0),
+        "born": np.timedelta64("NaT", "s"),  # NaT of another kind
+        "cfg": {"decay": [1.0, (0.0, -0.0)]},
+        "tags": {float("nan"), "b"},
+        "w": np.array([1.0, np.nan], np.float32),  # another dtype
+        "rows": np.array([(1, 0.0)], dtype=[("n", "i8"), ("v", "f8")]),
+        "objs": np.array([np.nan, "b"], dtype=object),
+    }
+    for name, value in unequal.items():
+        assert a != a.with_attrs(**{name: value}), name
+    assert a != a.with_attrs(w=np.array([[1.0, np.nan]]))  # another shape
+    assert a != a.with_attrs(w=np.array([np.nan, 1.0]))  # NaN elsewhere
+    assert a != a.with_attrs(tags={float("nan"), float("nan"), "a"})
+    assert a != a.with_attrs(cfg={"decay": [1.0, [np.float64("nan"), -0.0]]})
+
+
 def test_with_attrs_keeps_copies_of_the_callers_containers():
     """Finding: with_attrs kept the caller's dict and list, so changing them
     later changed the state's attrs (and every state sharing them)."""
