@@ -4,6 +4,7 @@ learning rates, two seeds each)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,12 +84,11 @@ def demo_runs(tmp_path_factory):
     return [base / name for name in configs]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_headless(path, demo_runs, monkeypatch):
+def execute(path: Path, run_dirs, monkeypatch) -> nbformat.NotebookNode:
+    """The notebook at `path` run headless on the demo runs `run_dirs`."""
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.setenv("JAXHISTORY_RUNS", os.pathsep.join(map(str, demo_runs)))
+    monkeypatch.setenv("JAXHISTORY_RUNS", os.pathsep.join(map(str, run_dirs)))
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
         nb,
@@ -105,13 +105,26 @@ def test_notebook_runs_headless(path, demo_runs, monkeypatch):
         if o.output_type == "error"
     ]
     assert not errors
+    return nb
+
+
+def output_text(nb: nbformat.NotebookNode, stream: str = "stdout") -> str:
+    return "".join(
+        o.get("text", "")
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.outputs
+        if o.get("name") == stream
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_headless(path, demo_runs, monkeypatch):
+    nb = execute(path, demo_runs, monkeypatch)
+    assert not output_text(nb, "stderr")  # no warnings
     if path.name == "analysis.ipynb":
-        text = "".join(
-            o.get("text", "")
-            for c in nb.cells
-            if c.cell_type == "code"
-            for o in c.outputs
-        )
+        text = output_text(nb)
         assert "smoothed final loss" in text and "lower:" in text
         assert "eval/loss at steps" in text and "steps/s" in text
         assert "seeds per lr: {0.001: 2, 0.003: 2}" in text
@@ -119,3 +132,27 @@ def test_notebook_runs_headless(path, demo_runs, monkeypatch):
         # the file in plain xarray: the notebook never calls jaxhistory
         code = "".join(c.source for c in nb.cells if c.cell_type == "code")
         assert "jaxhistory" not in code and "jh." not in code
+
+
+@pytest.mark.slow
+def test_analysis_notebook_compares_runs_of_different_lengths(
+    demo_runs, tmp_path, monkeypatch
+):
+    """The lr 1e-3 runs stopped at step 25 of 40: the runs are compared at the
+    last step all of them reached, not at a step where a run has no loss."""
+    import xarray as xr
+
+    runs = list(demo_runs)
+    for i in (1, 3):  # "b" and "b-seed1"
+        short = tmp_path / f"{runs[i].name}-short"
+        short.mkdir()
+        with xr.open_datatree(runs[i] / "dataset.nc") as tree:
+            tree.isel(step=slice(None, 25)).to_netcdf(short / "dataset.nc")
+        runs[i] = short
+    nb = execute(ROOT / "notebooks" / "analysis.ipynb", runs, monkeypatch)
+    text = output_text(nb)
+    assert not output_text(nb, "stderr")  # no FutureWarning from xr.concat
+    assert "nan" not in text.lower(), text
+    finals = re.findall(r"smoothed final loss (\S+)", text)
+    assert len(finals) == 4 and all(float(v.split("±")[0]) > 0 for v in finals)
+    assert "at step 25" in text and "lower:" in text
