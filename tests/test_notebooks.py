@@ -2,6 +2,7 @@
 outputs; the analysis notebook runs on four freshly generated demo runs (two
 learning rates, two seeds each)."""
 
+import ast
 import json
 import os
 import re
@@ -123,6 +124,22 @@ def output_text(nb: nbformat.NotebookNode, stream: str = "stdout") -> str:
 def test_notebook_runs_headless(path, demo_runs, monkeypatch):
     nb = execute(path, demo_runs, monkeypatch)
     assert not output_text(nb, "stderr")  # no warnings
+    if path.name == "reducers.ipynb":
+        # the distributed_stats heading states the count the cell below it shows
+        i = next(
+            i
+            for i, c in enumerate(nb.cells)
+            if c.cell_type == "markdown" and c.source.startswith("## distributed_stats")
+        )
+        heading = nb.cells[i].source.splitlines()[0]
+        cell = next(
+            c
+            for c in nb.cells[i:]
+            if "collective_counts(jh.distributed_stats" in c.source
+        )
+        counts = ast.literal_eval(cell.outputs[0]["data"]["text/plain"])
+        words = {1: "one all-reduce", 2: "two all-reduces"}
+        assert words[counts["all-reduce"]] in heading, (heading, counts)
     if path.name == "analysis.ipynb":
         text = output_text(nb)
         assert "smoothed final loss" in text and "lower:" in text
