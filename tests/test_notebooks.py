@@ -144,6 +144,8 @@ def test_notebook_runs_headless(path, demo_runs, monkeypatch):
         text = output_text(nb)
         assert "smoothed final loss" in text and "lower:" in text
         assert "eval/loss at steps" in text and "steps/s" in text
+        # the time from the first step's record to the last's spans 39 of 40 steps
+        assert "steps 1 to 40: 39 steps in " in text
         assert "seeds per lr: {0.001: 2, 0.003: 2}" in text
         assert text.count("over seeds") == 2
         # the file in plain xarray: the notebook never calls jaxhistory
