@@ -297,3 +297,22 @@ def test_the_readme_example_says_which_extra_it_needs():
     before, block = readme.split("## Example", 1)[1].split("```python", 1)
     assert "from flax import nnx" in block and "import optax" in block
     assert "pip install 'jaxhistory[nnx]'" in before
+
+
+def test_the_formatter_is_pinned_to_one_minor_release():
+    """``make lint`` runs ``ruff format --check``; ruff's minor releases change
+    its style, so an unpinned ruff would fail CI on a new release with no
+    change here. The dev extra holds it to one minor release."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["dev"]
+    (ruff,) = [Requirement(r) for r in dev if Requirement(r).name == "ruff"]
+    bounds = {s.operator: Version(s.version) for s in ruff.specifier}
+    assert set(bounds) == {">=", "<"}, ruff
+    low, high = bounds[">="], bounds["<"]
+    assert (high.major, high.minor) == (low.major, low.minor + 1), ruff
+    installed = Version(importlib.metadata.version("ruff"))
+    assert installed in ruff.specifier
