@@ -181,9 +181,19 @@ def test_a_trace_cut_at_any_byte_still_loads(tmp_path):
     cut_file = tmp_path / "cut.json"
     for cut in [1, 2, len(data) - 1, len(data) - 3, *rng.sample(range(len(data)), 40)]:
         cut_file.write_bytes(data[:cut])
-        events = trace.load_trace(cut_file)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            events = trace.load_trace(cut_file)
         assert events == full[: len(events)]  # a prefix of the events, never garbage
         check_valid(events)
+        # an event cut in half is said, with what was kept (one event a line)
+        said = [str(w.message) for w in caught]
+        tail = data[:cut].rsplit(b"\n", 1)[-1].strip()
+        if tail.startswith(b"{") and not tail.rstrip(b",").endswith(b"}"):
+            assert said, cut
+        for text in said:
+            assert "cut off or damaged" in text
+            assert f"the {len(events)} complete event(s) before it are kept" in text
 
 
 def test_load_trace_forms(tmp_path):
