@@ -33,6 +33,7 @@ __all__ = [
     "reduce_min_collective",
     "reduce_std_collective",
     "reduce_sum_collective",
+    "sharded_axes",
     "varying_axes",
 ]
 
@@ -76,6 +77,21 @@ def varying_axes(x: Any) -> frozenset:
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)  # jax 0.10: the manual-axes type of a value
     return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", ()))
+
+
+def sharded_axes(x: Any) -> tuple[Any, tuple[str, ...]]:
+    """The sharding a traced ``x``'s type carries (None where it carries
+    none) and the mesh axes its dimensions are split over, in order (empty:
+    replicated, or not known)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None) or ()
+    axes = tuple(
+        a
+        for entry in spec
+        if entry is not None
+        for a in (entry if isinstance(entry, tuple) else (entry,))
+    )
+    return sharding, axes
 
 
 def psum(x: jax.Array, axis_name: AxisName) -> jax.Array:

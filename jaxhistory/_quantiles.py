@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxhistory._collective import psum
+from jaxhistory._collective import psum, sharded_axes
 
 __all__ = [
     "BINS",
@@ -355,14 +355,7 @@ def histogram(
 def _counts(x: jax.Array, bins: int, lo: float, hi: float, log: bool) -> jax.Array:
     """:func:`histogram` of ``x`` (not empty): in a ``shard_map`` over the mesh
     ``x`` is sharded on, each device's counts in one psum."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    axes = tuple(
-        a
-        for entry in (spec or ())
-        if entry is not None
-        for a in (entry if isinstance(entry, tuple) else (entry,))
-    )
+    sharding, axes = sharded_axes(x)
     if not axes:
         return _local_counts(x, bins, lo, hi, log)
 
@@ -370,7 +363,10 @@ def _counts(x: jax.Array, bins: int, lo: float, hi: float, log: bool) -> jax.Arr
         return jax.lax.psum(_local_counts(block, bins, lo, hi, log), axes)
 
     return jax.shard_map(
-        body, mesh=sharding.mesh, in_specs=spec, out_specs=jax.sharding.PartitionSpec()
+        body,
+        mesh=sharding.mesh,
+        in_specs=sharding.spec,
+        out_specs=jax.sharding.PartitionSpec(),
     )(x)
 
 

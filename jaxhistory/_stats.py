@@ -43,7 +43,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxhistory._collective import AxisName, bound_axis_size, check_axis_name, psum
+from jaxhistory._collective import (
+    AxisName,
+    bound_axis_size,
+    check_axis_name,
+    psum,
+    sharded_axes,
+)
 from jaxhistory._names import PROVENANCE, STATS
 from jaxhistory._provenance import (
     Layout,
@@ -766,14 +772,7 @@ def _quantile_group(
     ``shard_map`` over the mesh they are sharded on (each device's share of the
     histogram counts rides in the psum), or here where they are replicated."""
     count = math.prod(stacked.shape[1:])
-    sharding = getattr(jax.typeof(stacked), "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    axes = tuple(
-        a
-        for entry in (spec or ())
-        if entry is not None
-        for a in (entry if isinstance(entry, tuple) else (entry,))
-    )
+    sharding, axes = sharded_axes(stacked)
     if not axes:
         local = _reducing_issue(lambda t: t, lambda t: t)
         return _two_pass([stacked], local, count, quantiles=quantiles, source=source)[0]
@@ -784,9 +783,9 @@ def _quantile_group(
         )
         return _two_pass([x], issue, count, quantiles=quantiles, source=source)[0]
 
-    return jax.shard_map(body, mesh=sharding.mesh, in_specs=spec, out_specs=P())(
-        stacked
-    )
+    return jax.shard_map(
+        body, mesh=sharding.mesh, in_specs=sharding.spec, out_specs=P()
+    )(stacked)
 
 
 _quantile_group_jitted = jax.jit(_quantile_group, static_argnums=(1, 2))
