@@ -85,12 +85,14 @@ def demo_runs(tmp_path_factory):
     return [base / name for name in configs]
 
 
-def execute(path: Path, run_dirs, monkeypatch) -> nbformat.NotebookNode:
-    """The notebook at `path` run headless on the demo runs `run_dirs`."""
+def execute(path: Path, run_dirs, monkeypatch, extra_cells=()) -> nbformat.NotebookNode:
+    """The notebook at `path` run headless on the demo runs `run_dirs`, with the
+    code cells `extra_cells` run after its own."""
     monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "8")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("JAXHISTORY_RUNS", os.pathsep.join(map(str, run_dirs)))
     nb = nbformat.read(path, as_version=4)
+    nb.cells += [nbformat.v4.new_code_cell(source) for source in extra_cells]
     client = NotebookClient(
         nb,
         timeout=300,
@@ -151,6 +153,21 @@ def test_notebook_runs_headless(path, demo_runs, monkeypatch):
         # the file in plain xarray: the notebook never calls jaxhistory
         code = "".join(c.source for c in nb.cells if c.cell_type == "code")
         assert "jaxhistory" not in code and "jh." not in code
+
+
+@pytest.mark.slow
+def test_history_notebook_keeps_each_metric_to_one_model(monkeypatch):
+    """The toy loop records eval/loss every 10 steps; the classifier evaluated
+    later is another model, and its loss (about 1.06) must not land under the
+    same name after the loop's ten values near 0.01."""
+    check = (
+        "print(history.state.steps('eval/loss').tolist())\n"
+        "print(max(history.state.values('eval/loss').tolist()))"
+    )
+    nb = execute(ROOT / "notebooks" / "history.ipynb", [], monkeypatch, [check])
+    steps, highest = nb.cells[-1].outputs[0]["text"].splitlines()
+    assert ast.literal_eval(steps) == list(range(9, 100, 10))
+    assert float(highest) < 1.0  # the loop's held-out loss, exp(-0.05 * 9) at most
 
 
 @pytest.mark.slow
