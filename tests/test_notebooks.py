@@ -159,12 +159,22 @@ def test_notebook_runs_headless(path, demo_runs, monkeypatch):
 def test_history_notebook_keeps_each_metric_to_one_model(monkeypatch):
     """The toy loop records eval/loss every 10 steps; the classifier evaluated
     later is another model, and its loss (about 1.06) must not land under the
-    same name after the loop's ten values near 0.01."""
+    same name after the loop's ten values near 0.01. The cells that read the
+    HistoryState `state` run again after the last cell: no later cell rebinds
+    the name."""
+    path = ROOT / "notebooks" / "history.ipynb"
+    cells = nbformat.read(path, as_version=4).cells
+    start, end = (
+        next(i for i, c in enumerate(cells) if c.source.startswith(heading))
+        for heading in ("## Immutability", "## Eval metrics")
+    )
+    again = [c.source for c in cells[start:end] if c.cell_type == "code"]
+    assert len(again) == 3 and all("state." in source for source in again)
     check = (
         "print(history.state.steps('eval/loss').tolist())\n"
         "print(max(history.state.values('eval/loss').tolist()))"
     )
-    nb = execute(ROOT / "notebooks" / "history.ipynb", [], monkeypatch, [check])
+    nb = execute(path, [], monkeypatch, [*again, check])
     steps, highest = nb.cells[-1].outputs[0]["text"].splitlines()
     assert ast.literal_eval(steps) == list(range(9, 100, 10))
     assert float(highest) < 1.0  # the loop's held-out loss, exp(-0.05 * 9) at most
