@@ -142,6 +142,11 @@ def test_notebook_runs_headless(path, demo_runs, monkeypatch):
         counts = ast.literal_eval(cell.outputs[0]["data"]["text/plain"])
         words = {1: "one all-reduce", 2: "two all-reduces"}
         assert words[counts["all-reduce"]] in heading, (heading, counts)
+        # the weighted and the masked mean, each printed beside NumPy's
+        means = re.findall(r"(\w+) mean +(\S+), NumPy (\S+)", output_text(nb))
+        assert [kind for kind, _, _ in means] == ["weighted", "masked"], means
+        for _, ours, numpy in means:
+            assert float(ours) == pytest.approx(float(numpy), rel=1e-5)
     if path.name == "analysis.ipynb":
         text = output_text(nb)
         assert "smoothed final loss" in text and "lower:" in text
