@@ -150,6 +150,9 @@ def test_notebook_runs_headless(path, demo_runs, monkeypatch):
     if path.name == "analysis.ipynb":
         text = output_text(nb)
         assert "smoothed final loss" in text and "lower:" in text
+        # the run's attributes as plain numbers, not NumPy 2's np.int64(8)
+        assert "device_count: 8, mesh: data=8, warmup_steps: " in text
+        assert "np.int" not in text and "np.float" not in text
         assert "eval/loss at steps" in text and "steps/s" in text
         # the time from the first step's record to the last's spans 39 of 40 steps
         assert "steps 1 to 40: 39 steps in " in text
