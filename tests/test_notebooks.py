@@ -164,6 +164,21 @@ def test_notebook_runs_headless(path, demo_runs, monkeypatch):
 
 
 @pytest.mark.slow
+def test_analysis_notebook_names_the_root_metrics_the_demo_records(demo_runs):
+    """The prose lists the metrics the root group holds: those of the file."""
+    import xarray as xr
+
+    nb = nbformat.read(ROOT / "notebooks" / "analysis.ipynb", as_version=4)
+    prose = "".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    listed = re.search(
+        r"the metrics without a `/` \(([^)]*)\)", prose.replace("\n", " ")
+    )
+    with xr.open_datatree(demo_runs[0] / "dataset.nc") as tree:
+        root = set(tree.ds.data_vars)
+    assert set(re.findall(r"`([^`]+)`", listed.group(1))) == root
+
+
+@pytest.mark.slow
 def test_history_notebook_keeps_each_metric_to_one_model(monkeypatch):
     """The toy loop records eval/loss every 10 steps; the classifier evaluated
     later is another model, and its loss (about 1.06) must not land under the
