@@ -10,7 +10,8 @@ across devices without leaving the jitted train step:
   per-example loss (shape ``(batch,)``, sharded like the batch) into one mean loss per
   shard (shape ``(8,)``) without moving data between devices, and
   :func:`jaxhistory.distributed_stats` computes that loss's mean, max, min and
-  standard deviation across the shards on device, in two all-reduces;
+  standard deviation across the shards on device, in one all-reduce (one value
+  per device; larger arrays take two);
 * :func:`jaxhistory.watch` gives the gradients' and the parameter updates' norm,
   rms, largest value, zero fraction and NaN/inf count per layer and over the
   whole model, in the same step (the gradients are replicated: no collective);
