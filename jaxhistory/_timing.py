@@ -6,6 +6,7 @@ import functools
 import inspect
 import logging
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +46,19 @@ class StopWatch:
 
     :attr:`data` holds what it timed so far, with the keys ezpz's
     ``StopWatch.data`` uses (``{wbtag}/dt``, ...), with or without a history.
+
+    One instance may be nested, reused recursively or shared between threads,
+    and a block may end on another thread than the one it began on (a
+    generator suspended in it closed, resumed or collected on another thread;
+    a coroutine resumed there; an ``ExitStack`` closed there): the span ends
+    where it began, taken off the opening thread's open spans (the exiting
+    thread's own stay open), traced on the opening thread's track, from its
+    start to the exit. The span an exit ends is the one entered from the
+    exiting frame (a generator's or coroutine's wherever it runs; also when
+    blocks end out of order on one thread), else the exiting thread's
+    innermost one of this stop watch, else the latest one it opened on another
+    thread. A generator closed inside the block ends it with ``GeneratorExit``
+    (a block that raised). The profiler annotation ends on the exiting thread.
 
     Examples:
         >>> import jax.numpy as jnp, jaxhistory as jh
@@ -134,34 +148,33 @@ class StopWatch:
         """The metric name the timing is recorded under."""
         return f"timing/{self.tag}"
 
-    def _frames(self) -> list:
-        frames = getattr(self._local, "frames", None)
-        if frames is None:
-            frames = self._local.frames = []
-        return frames
-
     def wait(self, *arrays: Any) -> Any:
         """Makes the stop watch wait for ``arrays`` (any pytrees) before it stops;
         returns the (single) argument, so ``out = sw.wait(f(x))`` works."""
-        frames = self._frames()
-        if not frames:
+        span = _trace_state.span_of(self, sys._getframe(1), here_only=True)
+        if span is None:
             raise RuntimeError(f"StopWatch {self.msg!r} is not running")
-        frames[-1][2].extend(arrays)
+        span[5][1].extend(arrays)
         return arrays[0] if len(arrays) == 1 else arrays
 
     def __enter__(self) -> StopWatch:
-        # Per entry and per thread: one instance may be nested, reused
-        # recursively or shared between threads.
+        # Per entry: one instance may be nested, reused recursively or shared
+        # between threads. The span keeps the frame that entered it, which is
+        # the frame that exits it (of a generator or coroutine too, wherever
+        # it is closed or resumed).
         annotation = jax.profiler.TraceAnnotation(self.msg)
         annotation.__enter__()
         start_ns = time.perf_counter_ns()
-        span = _trace_state.span_opened(self.msg, start_ns)
-        self._frames().append((start_ns, annotation, [], span))
+        frame = sys._getframe(1)
+        _trace_state.span_opened(self.msg, start_ns, self, frame, (annotation, []))
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        start_ns, annotation, pending, span = self._frames().pop()
+        span = _trace_state.span_of(self, sys._getframe(1))
+        if span is None:
+            raise RuntimeError(f"StopWatch {self.msg!r} is not running")
         _trace_state.span_closed(span)
+        start_ns, entry, (annotation, pending) = span[1], span[2], span[5]
         try:
             block = None if self.block is True else self.block
             wait = [a for a in (block, *pending) if a is not None]
@@ -170,10 +183,21 @@ class StopWatch:
         finally:
             end_ns = time.perf_counter_ns()
             annotation.__exit__(exc_type, exc, tb)
-        self._finished(start_ns, end_ns, exc_type)
+        # on the track of the thread it began on; not again where a trace
+        # wrote it at its close (that thread had ended inside it)
+        self._finished(start_ns, end_ns, exc_type, entry[0], traced=entry[3])
 
-    def _finished(self, start_ns: int, end_ns: int, exc_type: Any) -> None:
-        """Counts, traces, logs and records one span (``exc_type``: it raised)."""
+    def _finished(
+        self,
+        start_ns: int,
+        end_ns: int,
+        exc_type: Any,
+        thread: Any = None,
+        traced: bool = False,
+    ) -> None:
+        """Counts, traces, logs and records one span (``exc_type``: it raised;
+        ``thread``: the one it began on, whose track it goes on; ``traced``:
+        written by a trace already)."""
         seconds = (end_ns - start_ns) / 1e9
         self._local.last = seconds  # this call's, for a decorated function
         with self._lock:  # with the count: .data reads them together
@@ -182,12 +206,14 @@ class StopWatch:
                 self._spans += 1
                 self._total += seconds
                 self._dt = seconds
-        handler = _trace_state.active()
+        handler = None if traced else _trace_state.active()
         if handler is not None:
             # The span's duration is its time: no per-span arguments, so
             # profilers (speedscope) group every span of one name together.
             args = {} if exc_type is None else {"error": exc_type.__name__}
-            handler.complete(self.msg, start_ns, end_ns, cat="StopWatch", args=args)
+            handler.complete(
+                self.msg, start_ns, end_ns, cat="StopWatch", args=args, thread=thread
+            )
         if exc_type is not None:
             return  # nothing recorded or logged for a block that raised
         logger.info("%s took %.3f seconds", self.msg, self.seconds)
@@ -244,7 +270,8 @@ class StopWatch:
                 raise
             finally:
                 _trace_state.span_closed(span)
-                self._finished(start_ns, time.perf_counter_ns(), exc_type)
+                end_ns, (thread, _, _, traced) = time.perf_counter_ns(), span[2]
+                self._finished(start_ns, end_ns, exc_type, thread, traced=traced)
                 wrapper.last = self._local.last
 
         wrapper.last = None

@@ -328,12 +328,15 @@ class JSONTraceHandler:
             self._event(event)
         return tid
 
-    def _on_thread(self, event: dict, args: Mapping[str, Any] | None) -> None:
-        """Queues ``event`` with this process, this thread and ``args``."""
+    def _on_thread(
+        self, event: dict, args: Mapping[str, Any] | None, thread: Any = None
+    ) -> None:
+        """Queues ``event`` with this process, this thread (or ``thread``) and
+        ``args``."""
         _check_mapping("args", args)
         args = sanitize(args) if args else None
         with self._lock:
-            event.update(pid=self._pid, tid=self._tid())
+            event.update(pid=self._pid, tid=self._tid(thread))
             if args:
                 event["args"] = args
             self._event(event)
@@ -345,11 +348,18 @@ class JSONTraceHandler:
         end_ns: int,
         cat: str = "span",
         args: Mapping[str, Any] | None = None,
+        *,
+        thread: Any = None,
     ) -> None:
-        """An ``X`` event from ``start_ns`` to ``end_ns`` (``time.perf_counter_ns``)."""
+        """An ``X`` event from ``start_ns`` to ``end_ns`` (``time.perf_counter_ns``),
+        on the calling thread's track or on that of ``thread`` (a
+        ``threading.Thread``: the one the span began on, also one that has
+        ended since)."""
+        if thread is not None and not callable(getattr(thread, "is_alive", None)):
+            raise TypeError(f"thread must be a threading.Thread, got {thread!r:.60}")
         ts, dur = start_ns / 1e3, max(0, end_ns - start_ns) / 1e3
         event = {"name": str(name), "cat": cat, "ph": "X", "ts": ts, "dur": dur}
-        self._on_thread(event, args)
+        self._on_thread(event, args, thread)
 
     def instant(
         self, name: str, args: Mapping[str, Any] | None = None, scope: str = "t"

@@ -500,6 +500,228 @@ def test_a_generator_function_is_refused_by_the_decorator():
             jh.StopWatch("g")(fn)
 
 
+def _on_a_thread(fn, name="closer"):
+    """Runs ``fn`` on a new thread; returns what it raised and the exceptions
+    Python reported as ignored meanwhile (a generator's close run by the GC)."""
+    raised, ignored = [], []
+
+    def run():
+        try:
+            fn()
+        except BaseException as err:  # reported to the test
+            raised.append(err)
+
+    with mock.patch.object(sys, "unraisablehook", ignored.append):
+        worker = threading.Thread(target=run, name=name)
+        worker.start()
+        worker.join()
+    return raised, [u.exc_value for u in ignored]
+
+
+def _spans_by_thread(path):
+    """``{thread name: [(span name, ts, dur, args), ...]}`` of a trace file."""
+    events = json.loads(path.read_text())
+    check_valid(events)
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    out = {}
+    for e in events:
+        if e["ph"] == "X":
+            span = (e["name"], e["ts"], e["dur"], e.get("args"))
+            out.setdefault(names[e["tid"]], []).append(span)
+    return out
+
+
+def _suspended_in(watch, how):
+    """A span of ``watch`` entered on this thread and left suspended, and the
+    function that ends it from wherever it is called: a generator closed, a
+    generator resumed to its end, a generator closed, a generator dropped (the
+    GC closes it), a coroutine resumed, an ExitStack closed."""
+    if how == "exit stack":
+        stack = contextlib.ExitStack()
+        stack.enter_context(watch)
+        return stack.close
+    if how == "coroutine":
+
+        async def fetch(gate):
+            with watch:
+                await gate
+
+        class Gate:
+            def __await__(self):
+                yield
+
+        coro = fetch(Gate())
+        coro.send(None)
+
+        def resume():
+            with pytest.raises(StopIteration):
+                coro.send(None)
+
+        return resume
+
+    def batches():
+        with watch:
+            yield 1
+            yield 2
+
+    kept = [batches()]
+    next(kept[0])
+    if how == "generator resumed":
+
+        def resume():
+            with pytest.raises(StopIteration):
+                next(kept[0])
+                next(kept[0])
+
+        return resume
+    if how == "generator closed":
+        return lambda: kept[0].close()
+    return kept.clear  # the last reference: the GC closes it on that thread
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "generator resumed",
+        "generator closed",
+        "generator dropped",
+        "coroutine",
+        "exit stack",
+    ],
+)
+def test_a_span_ended_on_another_thread_is_recorded_once_on_its_own(tmp_path, how):
+    """A ``with StopWatch`` left suspended on one thread (a data-loader
+    generator made on the main thread, closed, resumed or collected on a
+    worker; an ExitStack closed there) was ended by popping the *exiting*
+    thread's span stack: IndexError (``Exception ignored in generator`` when
+    the GC ran it). The span is now ended where it was opened: once, with its
+    own duration, on the opening thread's track, recorded in the History (a
+    generator closed ends it with GeneratorExit: traced as an error, not
+    recorded, as on its own thread)."""
+    h = jh.History(distributed_history=False)
+    watch = jh.StopWatch("load", history=h)
+    with trace.JSONTraceHandler(folder=tmp_path, merged_trace_filename=None) as t:
+        end = _suspended_in(watch, how)
+        time.sleep(0.03)
+        raised, ignored = _on_a_thread(end)
+        assert trace._trace_state.open_spans() == []
+        assert trace._trace_state.innermost_span(threading.get_ident()) is None
+    assert raised == [] and ignored == []
+    spans = _spans_by_thread(t.paths[0])
+    assert list(spans) == ["MainThread"]
+    [(name, _, dur, args)] = spans["MainThread"]
+    assert name == "load" and dur >= 30_000 and watch.seconds >= 0.03
+    h.update({"loss": 1.0})
+    if how in ("generator closed", "generator dropped"):
+        assert args == {"error": "GeneratorExit"} and watch.data == {}
+        assert "timing/load" not in h.state
+    else:
+        assert args is None and watch.data["timing/load/count"] == 1
+        assert h.state.values("timing/load").tolist() == [watch.seconds]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own watch", "same watch"])
+def test_a_span_ended_inside_another_threads_span_leaves_that_span_open(
+    tmp_path, shared
+):
+    """The thread that ends another thread's span (closes its generator) may
+    be inside a span of its own, of another StopWatch or of the same one: that
+    span was popped in the other's place (it ended at the wrong time, in the
+    trace and the History, and the hang watch named the wrong innermost span)
+    or IndexError was raised. Each span now ends as and where it began."""
+    load = jh.StopWatch("load")
+    work = load if shared else jh.StopWatch("work")
+    seen = {}
+    with trace.JSONTraceHandler(folder=tmp_path, merged_trace_filename=None) as t:
+        close = _suspended_in(load, "generator closed")
+        time.sleep(0.02)
+
+        def worker():
+            with work:
+                time.sleep(0.02)
+                close()
+                seen["load"] = load.seconds
+                seen["innermost"] = trace._trace_state.innermost_span(
+                    threading.get_ident()
+                )
+                time.sleep(0.03)
+            seen["work"] = work.seconds
+
+        raised, ignored = _on_a_thread(worker, name="worker")
+        assert trace._trace_state.open_spans() == []
+    assert raised == [] and ignored == []
+    assert seen["innermost"] == work.msg
+    assert seen["load"] >= 0.04 and seen["work"] >= 0.05
+    spans = _spans_by_thread(t.paths[0])
+    [(name, main_ts, main_dur, _)] = spans["MainThread"]
+    [(work_name, work_ts, work_dur, _)] = spans["worker"]
+    assert name == "load" and work_name == work.msg
+    assert main_dur >= 40_000 and work_dur >= 50_000
+    # the generator's span ended inside the worker's, which went on after it
+    assert work_ts < main_ts + main_dur < work_ts + work_dur - 20_000
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["two watches", "one watch"])
+def test_spans_exited_out_of_order_on_one_thread_end_as_they_began(tmp_path, shared):
+    """Two generators suspended in spans on one thread, the one started first
+    closed first (an inner exit after its outer one): with one StopWatch
+    instance in both, the first close ended the second span (the top of the
+    stack) and the second close the first one, each with the other's start."""
+    first = jh.StopWatch("batch")
+    second = first if shared else jh.StopWatch("batch")
+    with trace.JSONTraceHandler(folder=tmp_path, merged_trace_filename=None) as t:
+        close_first = _suspended_in(first, "generator closed")
+        time.sleep(0.03)
+        close_second = _suspended_in(second, "generator closed")
+        time.sleep(0.03)
+        close_first()
+        took_first = first.seconds
+        time.sleep(0.03)
+        close_second()
+        took_second = second.seconds
+        assert trace._trace_state.open_spans() == []
+    assert took_first >= 0.06 and took_second >= 0.06
+    events = [e for e in trace.load_trace(t.paths[0]) if e["ph"] == "X"]
+    early, late = sorted(events, key=lambda e: e["ts"])
+    assert early["ts"] + early["dur"] < late["ts"] + late["dur"]  # ended first
+    assert early["dur"] >= 60_000 and late["dur"] >= 60_000
+
+
+def test_a_span_of_a_thread_that_ended_can_be_ended_later_elsewhere(tmp_path):
+    """A worker that made a generator, entered its span and ended, handing
+    the generator on: closed on the main thread while the trace is open, the
+    span is written once on the worker's track, ending at the close; one
+    still open when the trace closes is written there (``open_at_close``),
+    and closing it afterwards raises nothing and writes it to no later trace."""
+    watch = jh.StopWatch("read")
+    handed = []
+
+    def work():
+        for _ in range(2):
+            handed.append(_suspended_in(watch, "generator closed"))
+
+    with trace.JSONTraceHandler(folder=tmp_path, merged_trace_filename=None) as t:
+        worker = threading.Thread(target=work, name="reader")
+        worker.start()
+        worker.join()
+        time.sleep(0.02)
+        handed[1]()  # the later one closed on the main thread: they nest
+        assert watch.seconds >= 0.02
+        assert len(trace._trace_state.open_spans()) == 1
+    with trace.JSONTraceHandler(folder=tmp_path / "next") as later:
+        raised, ignored = _on_a_thread(handed[0])
+        later.instant("later")
+    assert raised == [] and ignored == []
+    assert trace._trace_state.open_spans() == []
+    spans = _spans_by_thread(t.paths[0])
+    assert list(spans) == ["reader"]
+    at_close, closed = sorted(spans["reader"], key=lambda s: "error" in s[3])
+    assert closed[3] == {"error": "GeneratorExit"} and closed[2] >= 20_000
+    assert at_close[3] == {"open_at_close": True}
+    names = [e["name"] for e in trace.load_trace(later.paths[0]) if e["ph"] != "M"]
+    assert names == ["later"]
+
+
 def test_a_block_that_raises_is_traced_but_not_recorded(tmp_path):
     h = jh.History(distributed_history=False)
     with (
@@ -1261,6 +1483,8 @@ def test_event_arguments_that_are_no_mapping_are_a_type_error_naming_them(tmp_pa
             t.instant("x", 5)
         with pytest.raises(TypeError, match=r"args must be a mapping.*got str"):
             t.complete("z", 1, 2, args="abc")
+        with pytest.raises(TypeError, match=r"thread must be a threading.Thread"):
+            t.complete("z", 1, 2, thread="MainThread")
         with pytest.raises(TypeError, match=r"values must be a mapping.*got float"):
             t.counter("loss", 0.5)
         t.instant("fine", {"a": 1})
