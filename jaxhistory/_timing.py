@@ -103,7 +103,9 @@ class StopWatch:
         self._local = threading.local()
         # what .data reports: ezpz's keys are the wbtag as given
         self._key = wbtag if wbtag is not None else self.name
-        self._lock = threading.Lock()
+        # re-entrant: the garbage collector may end a span of this StopWatch
+        # (a generator suspended in one) on a thread that holds it
+        self._lock = threading.RLock()
         self._spans = 0  # spans finished (not those that raised)
         self._total = 0.0  # their seconds
         self._dt = 0.0  # the latest one's seconds

@@ -137,7 +137,9 @@ class TraceFile:
     """
 
     def __init__(self):
-        self.lock = threading.Lock()
+        # re-entrant, as the handler's: a span the garbage collector ends on a
+        # thread holding it writes its event here once no writer runs
+        self.lock = threading.RLock()
         self.paths: list[Path] = []
         self.path: Path | None = None
         self.file = None

@@ -77,7 +77,9 @@ class Writer:
         self.dropped = 0  # items dropped because the target could not keep up
         self.broken = False  # a write raised: the target may lack its items
         self._queue: list = []
-        self._lock = threading.Lock()  # add() against close()
+        # add() against close(); re-entrant: the garbage collector may end a
+        # StopWatch span (whose event is added here) on a thread inside add()
+        self._lock = threading.RLock()
         # One write at a time, in order. An RLock knows its holder: a Ctrl-C
         # raised as its acquire returns (before the write's ``try:``) still
         # lets the thread that took it release it, instead of every later

@@ -141,7 +141,10 @@ class JSONTraceHandler:
         self.folder: Path | None = None
         self.merged_path: Path | None = None
         self._vars: dict[str, Any] = {}  # the name variables' values now
-        self._lock = threading.Lock()  # the handler's state: threads, file names
+        # the handler's state: threads, file names. Re-entrant: the garbage
+        # collector may end a span (close a generator suspended in one) on a
+        # thread that holds it, and that span's event takes it again
+        self._lock = threading.RLock()
         self._out = TraceFile()  # the open file (the writer's target)
         self._writer: Writer | None = None  # writes the queued events
         self._started = False

@@ -841,10 +841,20 @@ def test_a_gzip_trace_cut_off_loads_its_complete_events(tmp_path):
     path = tmp_path / "t.json.gz"
     for cut in (5, 12, 20, len(data) // 10, len(data) // 2, len(data) - 8):
         path.write_bytes(data[:cut])
-        got = trace.load_trace(path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = trace.load_trace(path)
         assert got == events[: len(got)]
+        # what was lost is said, naming what was kept
+        for w in caught:
+            assert f"the {len(got)} complete event(s) before it are kept" in str(
+                w.message
+            )
+        if 0 < len(got) < len(events):  # cut inside the events
+            assert caught, cut
     path.write_bytes(data[: len(data) // 2])
-    assert len(trace.load_trace(path)) > 100
+    with pytest.warns(RuntimeWarning, match="cut off or damaged"):
+        assert len(trace.load_trace(path)) > 100
 
 
 @pytest.mark.slow
@@ -1534,3 +1544,41 @@ def test_spans_open_at_close_are_written_ending_at_the_close(tmp_path):
     named = [e for e in events if e["name"] == "thread_name"]
     names = {(e["tid"], e["args"]["name"]) for e in named}
     assert (loader["tid"], worker.name) in names
+
+
+@pytest.mark.parametrize("held", ["handler", "stopwatch", "writer"])
+def test_a_span_ended_while_its_thread_holds_a_tracing_lock_does_not_hang(
+    tmp_path, held
+):
+    """The garbage collector may close a generator suspended inside a span at
+    any allocation, so also while that thread is inside the trace handler, the
+    StopWatch or the trace's writer, holding its lock: ending the span there
+    takes the same lock again, which must not wait for itself."""
+    sw = jh.StopWatch("gen")
+
+    def gen():
+        with sw:
+            yield 1
+            yield 2
+
+    done = threading.Event()
+    t = trace.JSONTraceHandler(folder=str(tmp_path), merged_trace_filename=None)
+    t.__enter__()
+    lock = {"handler": t._lock, "stopwatch": sw._lock, "writer": t._writer._lock}
+
+    def run():
+        g = gen()
+        next(g)
+        with lock[held]:  # as when the collector closes g right here
+            g.close()
+        done.set()
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    # (not closed when it hangs: closing would wait on the held lock too)
+    assert done.wait(20), f"ending the span waited on the {held}'s own lock"
+    worker.join()
+    t.close()
+    spans = [e for e in trace.load_trace(t.paths[0]) if e.get("name") == "gen"]
+    assert len(spans) == 1 and spans[0]["ph"] == "X"
+    assert "open_at_close" not in spans[0].get("args", {})
