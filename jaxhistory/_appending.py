@@ -50,6 +50,7 @@ __all__ = [
 ]
 
 _EXACT_F = float(2**53)  # beyond this magnitude not every integer is a float64
+_INT_TYPES = (int, bool)  # Python ints and bools: float64 in a float metric
 
 
 def check_append(state: HistoryState, names, shapes, step: int) -> dict[str, np.dtype]:
@@ -160,8 +161,14 @@ def prepare(state: HistoryState, keys, row, ptypes, step, owned=False):
         shapes.append(shape)
     found = check_append(state, keys, shapes, step)
     for i, value in enumerate(row):
-        if type(value) is int and keys[i] in found and found[keys[i]].kind == "f":
-            dtypes[i] = found[keys[i]]  # an int joins a float metric
+        if (
+            type(value) in _INT_TYPES
+            and keys[i] in found
+            and found[keys[i]].kind == "f"
+        ):
+            # a Python int or bool joins a float metric as float64 (a float32
+            # metric widens: float32 would round ints past 2**24)
+            dtypes[i] = np.result_type(found[keys[i]], np.float64)
     _check_mixing(state, keys, values, dtypes, found)
     table, n = writable(state, keys, tuple(dtypes), tuple(shapes))
     if ptypes is not ALL_FLOATS and int in ptypes:

@@ -938,6 +938,24 @@ def test_integers_are_never_rounded_silently():
     assert h.state.values("f").tolist() == [0.5]
 
 
+def test_a_python_int_into_a_float32_metric_is_stored_as_float64_never_rounded():
+    """A Python int (or bool) recorded into a float32 metric took the metric's
+    float32, so 16777217 read back as 16777216 with no error (only float64's
+    2**53 was checked). The docs say such a value is stored as float64: the
+    metric widens to float64 and keeps the integer exactly, on the first such
+    update and on the later ones that reuse its types; a float32 metric in
+    another grouping reads back float64 too."""
+    s = jh.HistoryState().update({"a": np.float32(0.5)})
+    for value in (2**24 + 1, True):
+        out = s.update({"a": value}).update({"a": 2**24 + 3})
+        assert out.dtype("a") == np.float64 and out.values("a").dtype == np.float64
+        assert out.values("a").tolist() == [0.5, float(value), 2**24 + 3]
+    both = s.update({"a": 2**24 + 1, "b": 1.0})
+    assert both.dtype("a") == np.float64
+    assert both.values("a").tolist() == [0.5, 2**24 + 1]
+    assert s.dtype("a") == np.float32 and s.values("a").tolist() == [0.5]
+
+
 def test_integers_just_past_2_to_53_are_refused_on_every_path():
     big = 2**53 + 1
     for value in (np.int64(big), np.int64(-big)):
