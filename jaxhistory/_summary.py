@@ -92,6 +92,17 @@ class NonfiniteWatch:
         return notes
 
 
+def _mean(arr: np.ndarray) -> Any:
+    """The mean of ``arr`` without NumPy's warnings (inf and -inf together are
+    NaN; a sum past the largest float is taken in parts), which under -W error
+    would make ``update`` raise after recording."""
+    with np.errstate(all="ignore"):
+        mean = arr.mean()
+        if arr.dtype.kind == "f" and not np.isfinite(mean) and np.isfinite(arr).all():
+            mean = (arr / arr.size).sum()
+    return mean
+
+
 def _format(value: Any, precision: int, counter: bool) -> str:
     if type(value) is float and not counter:
         return f"{value:.{precision}f}"
@@ -106,7 +117,7 @@ def _format(value: Any, precision: int, counter: bool) -> str:
     if arr.ndim:
         if arr.size <= 4:
             return "[" + ",".join(_format(v, precision, counter) for v in arr) + "]"
-        return f"{_format(arr.mean(), precision, False)}(mean of {arr.size})"
+        return f"{_format(_mean(arr), precision, False)}(mean of {arr.size})"
     if counter or arr.dtype.kind in "iub":
         if arr.dtype.kind == "f":
             value = float(arr)
