@@ -101,7 +101,8 @@ def _clean(values: Mapping[str, Any]) -> Mapping[str, Any]:
     """``values`` itself when orjson can write every value as it is, else a copy
     with each value made :func:`jsonable`."""
     try:
-        total = sum(values.values(), 0.0)  # NaN and Inf survive a sum
+        with np.errstate(all="ignore"):  # NumPy values may overflow: quietly
+            total = sum(values.values(), 0.0)  # NaN and Inf survive a sum
         if type(total) is float and total - total == 0.0:
             return values
     except Exception:  # arrays of other shapes, or not numbers
@@ -158,8 +159,10 @@ def _all_clean(dicts: list) -> tuple[list, list | None]:
     each record's :func:`_uint64_mark` (None where no record has one)."""
     try:  # NaN and Inf survive a sum: one pass over every value finds them
         # (each record's sum starts at 0.0: NumPy uint64s summed as themselves
-        # would overflow, with a warning)
-        total = sum(map(sum, map(dict.values, dicts), _ZEROS), 0.0)
+        # would overflow, with a warning; arrays and float32s beside large
+        # floats still may, quietly)
+        with np.errstate(all="ignore"):
+            total = sum(map(sum, map(dict.values, dicts), _ZEROS), 0.0)
         if type(total) is float and total - total == 0.0:
             return dicts, None
     except Exception:  # arrays, or a mapping that is not a dict
