@@ -1101,6 +1101,22 @@ def test_summary_of_values_near_the_largest_float(tmp_path):
     assert (got["min"], got["max"], got["last"]) == (-1.7e308, 1.7e308, -1.7e308)
 
 
+def test_summary_last_of_an_array_with_infinities_or_huge_values(tmp_path):
+    """Found by a randomized round trip: an array metric's last value (the
+    mean of its last record) came with NumPy's "invalid value" warning where
+    that record held inf and -inf, and was inf, with an overflow warning, for
+    values near the largest float: where warnings are errors, summary(), the
+    report and `jaxhistory summary` raised."""
+    s = jh.HistoryState().update({"w": np.array([1.0, 2.0])})
+    s = s.update({"w": np.array([np.inf, -np.inf])})
+    t = jh.HistoryState().update({"w": np.array([1.7e308, 1.7e308, 1.0e308])})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert math.isnan(s.summary()["w"]["last"])
+        assert t.summary()["w"]["last"] == pytest.approx(1.4666666666666667e308)
+        jh.export.to_markdown(s, tmp_path / "r.md")
+
+
 def test_the_appender_makes_a_state_only_when_read():
     rec = Appender()
     for s in range(5):
