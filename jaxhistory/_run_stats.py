@@ -68,10 +68,22 @@ def _float_summary(values: np.ndarray) -> dict[str, float]:
         )
     if len(values):
         last = values[-1]  # a scalar metric's as recorded (np.mean drops -0.0's sign)
-        stats["last"] = float(last if last.ndim == 0 else np.mean(last))
+        stats["last"] = float(last if last.ndim == 0 else _mean(last))
     stats["count"] = int(flat.size)
     stats["nonfinite"] = int(flat.size - finite.size)
     return stats
+
+
+def _mean(values: np.ndarray) -> float:
+    """The mean of one record of an array metric, without NumPy's warnings
+    (inf and -inf together are NaN); finite values whose sum passes float64's
+    range are scaled by a power of two first, exactly."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean = float(np.mean(values))
+        if not math.isfinite(mean) and np.isfinite(values).all():
+            e = int(np.frexp(np.abs(values).max())[1])
+            mean = float(np.ldexp(np.mean(np.ldexp(values, -e)), e))
+    return mean
 
 
 def _spread(finite: np.ndarray) -> list[float]:
