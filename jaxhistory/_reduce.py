@@ -138,8 +138,10 @@ def reduce_std(metrics: Any) -> Any:
     Computed in two passes (mean, then mean squared deviation), so it stays accurate
     in float32 when the mean is large next to the spread. A scalar's std is 0.
     Not rescaled: where a deviation passes 1.8e19 in float32 (its square
-    overflows), or the mean's sum passes 3.4e38, the std is ``inf``;
-    :func:`~jaxhistory.distributed_stats` stays finite there.
+    overflows), or the mean's sum passes 3.4e38, the std is ``inf``; where
+    every deviation is below about 1e-19 (its square is flushed to zero) it
+    is 0. :func:`~jaxhistory.distributed_stats` scales and gives NumPy's std
+    in both cases.
 
     Examples:
         >>> import jax.numpy as jnp
