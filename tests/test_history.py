@@ -1390,6 +1390,32 @@ def test_a_log_deleted_mid_run_is_started_again_and_rewritten_whole(tmp_path):
     assert [x["step"] for x in lines] == list(range(100))
 
 
+@pytest.mark.parametrize("when", ["before close", "after close"])
+def test_a_log_deleted_after_its_last_write_is_rewritten_whole(tmp_path, when):
+    """Finding: a log deleted once its last line was written (no later write
+    to notice it) was taken by finalize as streamed and complete: finalize
+    left no log at all."""
+    import shutil
+
+    folder = tmp_path / "run"
+    h = jh.History(distributed_history=False, report_dir=folder)
+    for s in range(20):
+        h.update({"loss": float(s)}, summarize=False)
+    if when == "after close":
+        h.close()
+    else:
+        h.flush()
+    shutil.rmtree(folder)  # a clean-up script
+    with pytest.warns(RuntimeWarning, match="was deleted"):
+        h.finalize(plot=False)
+    lines = [orjson.loads(x) for x in h.log_path.read_bytes().splitlines()]
+    assert [x["step"] for x in lines] == list(range(20))
+    h.update({"loss": 20.0}, summarize=False)  # later updates append to it
+    h.close()
+    lines = [orjson.loads(x) for x in h.log_path.read_bytes().splitlines()]
+    assert [x["step"] for x in lines] == list(range(21))
+
+
 def test_a_log_rewritten_by_finalize_is_appended_to_not_reported_deleted(
     tmp_path, caplog
 ):
