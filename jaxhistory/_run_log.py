@@ -150,6 +150,21 @@ class RunLog:
             self.failed = True
         if self.writer is not None and (self.writer.dropped or self.writer.broken):
             self.failed = True
+        path = self.path
+        if self.streamed and not self.failed and path is not None:
+            # Deleted after its last write (no later write noticed it): the
+            # streamed log is gone, and finalize writes it again.
+            try:
+                there = path.is_file()
+            except OSError:
+                there = False
+            if not there:
+                self.failed = True
+                warn_quietly(
+                    f"JSONL log {path} was deleted during the run; finalize "
+                    "writes the whole log again from the history",
+                    stacklevel=4,
+                )
 
     def streamed_path(self) -> Path | None:
         """The log streamed during the run, where it is complete."""
