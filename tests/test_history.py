@@ -1416,6 +1416,28 @@ def test_a_log_deleted_after_its_last_write_is_rewritten_whole(tmp_path, when):
     assert [x["step"] for x in lines] == list(range(21))
 
 
+def test_a_closed_log_deleted_before_the_next_update_is_rewritten_whole(tmp_path):
+    """Finding: a log deleted while closed (between a close() and the next
+    update) was started again empty by that update and kept by finalize as
+    the streamed log: every line before the deletion was gone."""
+    import shutil
+
+    folder = tmp_path / "run"
+    h = jh.History(distributed_history=False, report_dir=folder)
+    for s in range(10):
+        h.update({"loss": float(s)}, summarize=False)
+    h.close()
+    shutil.rmtree(folder)
+    with pytest.warns(RuntimeWarning, match="was deleted"):
+        for s in range(10, 20):
+            h.update({"loss": float(s)}, summarize=False)
+        h.flush()
+    h.finalize(plot=False)
+    lines = [orjson.loads(x) for x in h.log_path.read_bytes().splitlines()]
+    assert [x["step"] for x in lines] == list(range(20))
+    h.close()
+
+
 def test_a_log_rewritten_by_finalize_is_appended_to_not_reported_deleted(
     tmp_path, caplog
 ):
