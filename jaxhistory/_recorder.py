@@ -373,8 +373,9 @@ class Recorder:
         later lines are appended to the new file."""
         with self.lock:
             log = self.out.log
-            if log is None:
-                return  # closed: a later update opens the file at its path
+            if log is None:  # closed: a later update opens the file at its path
+                self.out.adopt(path)
+                return
             with contextlib.suppress(OSError):
                 if os.path.samefile(log.path, path):
                     log.follow()

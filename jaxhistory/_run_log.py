@@ -5,6 +5,7 @@ during the run and the user's sinks, through the one background
 from __future__ import annotations
 
 import array
+import os
 import weakref
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,10 @@ class RunLog:
         self.writer: Writer | None = None
         self.log: JsonlSink | None = None
         self.streamed = False  # a log was opened at path
+        # (device, inode, size) of the log file last written: a log opened
+        # again (after close) or read by finalize must still be that file
+        # (an inode may be reused: a new file is told apart by its size)
+        self.identity: tuple[int, int, int] | None = None
         self.failed = False  # then finalize writes it again from the state
         # Whether rows go to the writer (a log or open sinks; an active trace
         # handler is checked apart): one flag on the hot path.
@@ -96,6 +101,14 @@ class RunLog:
         if self.path is not None and self.log is None:
             try:
                 self.log = JsonlSink(self.path, overwrite=self.overwrite)
+                now = self.log.identity()
+                if (
+                    self.streamed
+                    and not self.failed
+                    and not _same_file(self.identity, now)
+                ):
+                    self._deleted("a new one is started there, and ")
+                self.identity = now
                 self.streamed = True
             except OSError as err:  # the step is recorded; only the log stops
                 path, self.path = self.path, None
@@ -133,6 +146,7 @@ class RunLog:
             self.failed |= bool(self.writer.dropped) or self.writer.broken
             self.writer = None
         if self.log is not None:
+            self.identity = self.log.identity() or self.identity
             self.log.close()
             self.failed |= self.log.error is not None
             self.log = None
@@ -154,17 +168,24 @@ class RunLog:
         if self.streamed and not self.failed and path is not None:
             # Deleted after its last write (no later write noticed it): the
             # streamed log is gone, and finalize writes it again.
-            try:
-                there = path.is_file()
-            except OSError:
-                there = False
-            if not there:
-                self.failed = True
-                warn_quietly(
-                    f"JSONL log {path} was deleted during the run; finalize "
-                    "writes the whole log again from the history",
-                    stacklevel=4,
-                )
+            ours = self.log.identity() if self.log is not None else None
+            if not _same_file(ours or self.identity, _identity(path)):
+                self._deleted("")
+
+    def adopt(self, path: Path) -> None:
+        """Finalize wrote the (closed) log again at ``path``: the file a later
+        update opens there is this run's log, not a new one."""
+        self.identity = _identity(path)
+
+    def _deleted(self, then: str) -> None:
+        """The log was deleted while this run wrote it (or between a close
+        and the next update): finalize writes it again from the history."""
+        self.failed = True
+        warn_quietly(
+            f"JSONL log {self.path} was deleted during the run; {then}finalize "
+            "writes the whole log again from the history",
+            stacklevel=5,
+        )
 
     def streamed_path(self) -> Path | None:
         """The log streamed during the run, where it is complete."""
@@ -190,6 +211,23 @@ class RunLog:
             for step, stamp in read_stamps(path).items():
                 stamps.setdefault(step, stamp)
         return stamps
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """(device, inode, size) of the file at ``path`` (a link not followed), or
+    None."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size
+
+
+def _same_file(then: tuple | None, now: tuple | None) -> bool:
+    """Whether ``now`` is the log file ``then`` was, with nothing cut off."""
+    if then is None or now is None:
+        return then is None
+    return then[:2] == now[:2] and now[2] >= then[2]
 
 
 def _close_quietly(writer: Writer, feed: SinkFeed | None) -> None:

@@ -96,6 +96,14 @@ class JsonlSink(FileSink):
         old, self._file = self._file, open_log(self.path)
         old.close()
 
+    def identity(self) -> tuple[int, int, int] | None:
+        """(device, inode, size) of the file written now; None once closed."""
+        with self._lock:
+            if self._file.closed:
+                return None
+            st = os.fstat(self._file.fileno())
+            return st.st_dev, st.st_ino, st.st_size
+
     def follow(self) -> bool:
         """Where a new file was put at :attr:`path` in place of the one this
         writes (History's ``finalize`` writing a failed log again, atomically),
