@@ -1537,3 +1537,30 @@ def test_in_batches_a_close_with_nothing_new_on_one_process_does_not_wait(tmp_pa
         timeout=60,
     )
     assert results == [list(range(6))] * 2
+
+
+@pytest.mark.parametrize("before", ["nothing", "flush", "close and update"])
+def test_a_history_dropped_without_close_closes_its_log_file(tmp_path, before):
+    """A History dropped without close() (freed by the garbage collector)
+    writes every queued line and closes its log file: the file object was left
+    for the collector, an 'unclosed file' ResourceWarning."""
+    import gc
+
+    path = tmp_path / "run.jsonl"
+    history = jh.History(jsonl_path=path, distributed_history=False)
+    for s in range(40):
+        history.update({"loss": float(s)}, step=s, summarize=False)
+    if before == "flush":
+        history.flush()
+    elif before == "close and update":
+        history.close()
+        history.update({"loss": 40.0}, step=40, summarize=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del history
+        gc.collect()
+    unclosed = [w for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not unclosed, [str(w.message) for w in unclosed]
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    expected = list(range(41 if before == "close and update" else 40))
+    assert steps == expected
