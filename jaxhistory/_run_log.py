@@ -75,6 +75,7 @@ class RunLog:
         self.feed = SinkFeed(sinks) if sinks else None
         self.writer: Writer | None = None
         self.log: JsonlSink | None = None
+        self._finalizer: weakref.finalize | None = None
         self.streamed = False  # a log was opened at path
         # (device, inode, size) of the log file last written: a log opened
         # again (after close) or read by finalize must still be that file
@@ -130,9 +131,12 @@ class RunLog:
             "from it)",
         )
         _trace_state.register_stream(self.writer)
-        # Writes what is queued when this log goes (or at exit), and hands it
-        # to the sinks, whose threads then close them and end.
-        weakref.finalize(self, _close_quietly, self.writer, feed)
+        # Writes what is queued when this log goes (or at exit), closes the
+        # log file, and hands the rest to the sinks, whose threads then close
+        # them and end. (Detached by close(): one per open log.)
+        self._finalizer = weakref.finalize(
+            self, _close_quietly, self.writer, self.log, feed
+        )
 
     def flush(self) -> tuple[Writer | None, SinkFeed | None]:
         """The writer and the feed to flush (outside the caller's lock)."""
@@ -141,6 +145,9 @@ class RunLog:
     def close(self) -> SinkFeed | None:
         """Writes what is queued and closes the log; returns the sinks' feed to
         close (outside the caller's lock) the first time."""
+        if self._finalizer is not None:  # (closed here: nothing left for it)
+            self._finalizer.detach()
+            self._finalizer = None
         if self.writer is not None:
             self.writer.close()
             self.failed |= bool(self.writer.dropped) or self.writer.broken
@@ -230,10 +237,14 @@ def _same_file(then: tuple | None, now: tuple | None) -> bool:
     return then[:2] == now[:2] and now[2] >= then[2]
 
 
-def _close_quietly(writer: Writer, feed: SinkFeed | None) -> None:
-    """Closes ``writer`` (the log) and then ``feed`` (the sinks, bounded by
-    :attr:`SinkFeed.TIMEOUT`) for a log dropped, or alive at exit, without
-    :meth:`RunLog.close`."""
+def _close_quietly(
+    writer: Writer, log: JsonlSink | None, feed: SinkFeed | None
+) -> None:
+    """Closes ``writer`` (what is queued for the log), the ``log`` file, and
+    then ``feed`` (the sinks, bounded by :attr:`SinkFeed.TIMEOUT`) for a log
+    dropped, or alive at exit, without :meth:`RunLog.close`."""
     writer.close()
+    if log is not None:
+        log.close()
     if feed is not None:
         feed.close()
