@@ -4,6 +4,7 @@ metric, the step and the device, and never lose a line of the log."""
 import json
 import logging
 import math
+import time
 import warnings
 
 import jax
@@ -387,3 +388,48 @@ def test_finalize_waits_a_bounded_time_for_a_hung_or_exiting_callable(
     assert (tmp_path / "dataset.nc").is_file() and (tmp_path / "report.md").is_file()
     assert h.state.values("sentinel/nonfinite").tolist() == [3.0]
     assert called == ["x"]  # not called again while its first call hangs
+
+
+def test_finalize_waits_for_callable_actions_a_bounded_time_in_all(
+    tmp_path, monkeypatch
+):
+    """ACTION_TIMEOUT bounded each call, so finalize waited that long for each
+    hung sentinel, and for a slow action as long as its events took (1,000
+    events of a 1 s action: 1,000 s). It is now finalize's budget for all the
+    calls: once spent, the remaining events are not acted on, with a warning
+    naming each sentinel and how many of its events were left."""
+    import threading
+
+    from jaxhistory import sentinels as sentinels_module
+
+    monkeypatch.setattr(sentinels_module, "ACTION_TIMEOUT", 0.5)
+    release = threading.Event()
+    called = []
+
+    def hang(event):
+        called.append(("hang", event.metric))
+        release.wait(60)
+
+    def slow(event):
+        called.append(("slow", event.metric))
+        time.sleep(0.2)
+
+    first, second = NonFinite("a", action=hang), NonFinite("b", action=hang)
+    slowly = NonFinite("c*", action=slow)
+    h = jh.History(distributed_history=False, sentinels=[first, second, slowly])
+    nan = jnp.array(jnp.nan)
+    h.update({"a": nan, "b": nan, **{f"c{i}": nan for i in range(10)}}, step=0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            h.finalize(tmp_path, plot=False)
+    finally:
+        release.set()
+    messages = [str(w.message) for w in caught]
+    assert called == [("hang", "a")], called
+    assert any(repr(first) in m and "did not return" in m for m in messages)
+    left = [m for m in messages if "not acted on" in m]
+    assert any(repr(second) in m and "1 event " in m for m in left), messages
+    assert any(repr(slowly) in m and "10 events " in m for m in left), messages
+    assert (tmp_path / "dataset.nc").is_file()
+    assert h.state.values("sentinel/nonfinite").tolist() == [12.0]
