@@ -15,7 +15,8 @@ and ``sentinel/spike`` are recorded at the step of each event, and the report
 lists the events. A callable runs on the thread whose update or flush found
 the event, after the step's line is in the JSONL log (one that hangs holds
 that thread); at finalize, on a thread of its own, waited for at most
-:data:`ACTION_TIMEOUT` seconds, with a warning naming the sentinel.
+:data:`ACTION_TIMEOUT` seconds for all the sentinels together (then the
+events not reached are not acted on), with a warning naming the sentinel.
 
 When they act: values of Python numbers at the update that records them;
 device values (JAX arrays, ``Stats``) once they are on the host, at an update
@@ -46,6 +47,7 @@ import logging
 import math
 import numbers
 import statistics
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,7 +59,7 @@ from jaxhistory._names import PROVENANCE, printable, stat_names
 from jaxhistory._stats import STATS, Stats
 from jaxhistory._summary import nonfinite_notes
 from jaxhistory._writer import warn_quietly
-from jaxhistory.sinks._feed import call_bounded
+from jaxhistory.sinks._feed import CallsInOrder
 
 __all__ = ["Event", "Guard", "NonFinite", "Sentinel", "SentinelError", "Spike"]
 
@@ -65,7 +67,7 @@ logger = logging.getLogger("jaxhistory")
 logger.addHandler(logging.NullHandler())  # shown where the user sets up logging
 ACTIONS = ("warn", "raise")
 MAX_EVENTS = 1000  # events kept for the report (the counts count them all)
-ACTION_TIMEOUT = 60.0  # seconds finalize waits for one call of a callable action
+ACTION_TIMEOUT = 60.0  # seconds finalize waits, in all, for the callable actions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -433,11 +435,9 @@ class Guard:
         """Warns and calls the callables for ``events``; returns the error to
         raise for the first event whose action is ``"raise"`` (the caller
         raises it once the step's line is in the log). ``bounded`` (at
-        finalize): the callables run on a thread of their own, each call waited
-        for at most :data:`ACTION_TIMEOUT` seconds, and what they raise is a
-        warning; a sentinel whose action did not return is not called again."""
+        finalize): see :meth:`_call_bounded`."""
         error = None
-        hung: set[int] = set()  # sentinels whose action did not return
+        calls: dict[int, tuple[Sentinel, list]] = {}  # bounded: id -> events
         for s, event in events:
             if s.action == "warn":
                 logger.warning("sentinel: %s", event)
@@ -445,26 +445,7 @@ class Guard:
             elif s.action == "raise":
                 error = error or SentinelError(event)
             elif bounded:
-                if id(s) in hung:
-                    continue  # (its thread still runs the earlier call)
-                returned, err = call_bounded(
-                    s.action, (event,), ACTION_TIMEOUT, "jaxhistory-sentinel-action"
-                )
-                if not returned:
-                    hung.add(id(s))
-                    warn_quietly(
-                        f"the action of {s!r} did not return within "
-                        f"{ACTION_TIMEOUT:g} s for {event}; finalize went on "
-                        "without it (it is left to its thread, and not called "
-                        "for this finalize's later events)",
-                        stacklevel=4,
-                    )
-                elif err is not None:
-                    warn_quietly(
-                        f"the action of {s!r} raised {err!r} for {event}; "
-                        "finalize goes on",
-                        stacklevel=4,
-                    )
+                calls.setdefault(id(s), (s, []))[1].append(event)
             else:
                 try:
                     s.action(event)
@@ -475,7 +456,50 @@ class Guard:
                         RuntimeWarning,
                         stacklevel=4,
                     )
+        if calls:
+            self._call_bounded(list(calls.values()))
         return error
+
+    @staticmethod
+    def _call_bounded(calls: list[tuple[Sentinel, list]]) -> None:
+        """At finalize: each sentinel's action is called for its events, in
+        order, on a thread of its own, the sentinels side by side, all waited
+        for :data:`ACTION_TIMEOUT` seconds in all. What an action raises
+        (SystemExit too) is a warning; one that has not returned by then is
+        left to its thread, and the events not reached are not acted on, with
+        a warning naming the sentinel."""
+        deadline = time.monotonic() + ACTION_TIMEOUT
+        runs = [
+            (s, CallsInOrder(s.action, found, "jaxhistory-sentinel-action"))
+            for s, found in calls
+        ]
+        for _, run in runs:
+            run.join(deadline)
+        for s, run in runs:
+            running, never = run.stop()
+            for event, err in list(run.errors):
+                warn_quietly(
+                    f"the action of {s!r} raised {err!r} for {event}; finalize goes on",
+                    stacklevel=5,
+                )
+            if running is not None:
+                warn_quietly(
+                    f"the action of {s!r} did not return within "
+                    f"{ACTION_TIMEOUT:g} s (finalize's time for all the "
+                    f"sentinels' actions) for {running}; finalize went on "
+                    "without it (it is left to its thread, and not called "
+                    "for this finalize's later events)",
+                    stacklevel=5,
+                )
+            if never:
+                n = len(never)
+                warn_quietly(
+                    f"{n} event{'s' if n > 1 else ''} of {s!r} not acted on: "
+                    f"the {ACTION_TIMEOUT:g} s finalize gives the sentinels' "
+                    "actions were spent (the events are counted, and listed "
+                    "in the report)",
+                    stacklevel=5,
+                )
 
     def unmatched(self) -> list[Sentinel]:
         """Sentinels that matched no recorded metric."""

@@ -34,6 +34,7 @@ from jaxhistory._writer import warn_quietly
 
 __all__ = [
     "EXTRAS_TIMEOUT",
+    "CallsInOrder",
     "SinkFeed",
     "call_bounded",
     "call_extras",
@@ -358,3 +359,48 @@ def call_bounded(
     if thread.is_alive():
         return False, None
     return True, failed[0] if failed else None
+
+
+class CallsInOrder:
+    """Calls the user's ``call(arg)`` for each of ``args``, in order, on a
+    thread of its own (named ``name``), started at once; :meth:`stop` then
+    says how far it got. Several run side by side: one that hangs holds back
+    no other."""
+
+    def __init__(self, call: Any, args: Sequence, name: str):
+        self.call, self.args = call, list(args)
+        self._lock = threading.Lock()
+        self._done = 0  # calls returned (or raised)
+        self._in_call = False
+        self._stopped = False
+        self.errors: list[tuple[Any, BaseException]] = []  # (arg, what it raised)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for arg in self.args:
+            with self._lock:
+                if self._stopped:
+                    return
+                self._in_call = True
+            try:
+                self.call(arg)
+            except BaseException as err:  # (SystemExit from the user's code too)
+                self.errors.append((arg, err))
+            with self._lock:
+                self._in_call = False
+                self._done += 1
+
+    def join(self, deadline: float) -> None:
+        """Waits for the calls until ``deadline`` (``time.monotonic()``)."""
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+
+    def stop(self) -> tuple[Any, list]:
+        """Calls nothing more; returns the argument of the call still running
+        (None: none) and the arguments never called."""
+        with self._lock:
+            self._stopped = True
+            done, running = self._done, self._in_call
+        if running:
+            return self.args[done], self.args[done + 1 :]
+        return None, self.args[done:]
