@@ -316,3 +316,11 @@ def test_the_formatter_is_pinned_to_one_minor_release():
     assert (high.major, high.minor) == (low.major, low.minor + 1), ruff
     installed = Version(importlib.metadata.version("ruff"))
     assert installed in ruff.specifier
+
+
+def test_the_package_says_it_is_typed():
+    """The public functions are annotated; without a ``py.typed`` marker a
+    type checker treats every jaxhistory name as Any (PEP 561)."""
+    assert (ROOT / "jaxhistory" / "py.typed").is_file()
+    wheel = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]
+    assert wheel["build"]["targets"]["wheel"]["packages"] == ["jaxhistory"]
