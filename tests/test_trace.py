@@ -1582,3 +1582,38 @@ def test_a_span_ended_while_its_thread_holds_a_tracing_lock_does_not_hang(
     spans = [e for e in trace.load_trace(t.paths[0]) if e.get("name") == "gen"]
     assert len(spans) == 1 and spans[0]["ph"] == "X"
     assert "open_at_close" not in spans[0].get("args", {})
+
+
+def test_a_handler_never_closed_finishes_its_file_at_exit(tmp_path):
+    """A script that starts a trace handler and ends without close(): the
+    writer wrote the spans at exit, but the file was left open (a
+    ResourceWarning at exit) and without its closing bracket. The handler now
+    finishes its file at exit: every span, a complete JSON array."""
+    from pathlib import Path
+
+    script = tmp_path / "no_close.py"
+    script.write_text(
+        "import jaxhistory as jh\n"
+        "from jaxhistory import trace\n"
+        "import sys\n"
+        "t = trace.JSONTraceHandler(folder=sys.argv[1], merged_trace_filename=None)\n"
+        "t.start()\n"
+        "w = jh.StopWatch('load')\n"
+        "for _ in range(3):\n"
+        "    with w:\n"
+        "        pass\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run(
+        [sys.executable, "-X", "dev", str(script), str(tmp_path / "traces")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ResourceWarning" not in proc.stderr, proc.stderr[-2000:]
+    (path,) = (tmp_path / "traces").glob("*.json")
+    events = json.loads(path.read_text())  # the whole array, bracket closed
+    assert [e["name"] for e in events if e.get("ph") == "X"] == ["load"] * 3
