@@ -150,6 +150,7 @@ class JSONTraceHandler:
         self._started = False
         # tid -> (name, the thread): a finished thread's is left out of later files
         self._threads: dict[int, tuple[str, weakref.ref]] = {}
+        self._at_exit: weakref.finalize | None = None
         self._tids = 0  # tids handed out
         # A thread's tid lives in a thread-local: get_ident() is handed again
         # to a thread started after another ended, which needs its own track.
@@ -210,6 +211,11 @@ class JSONTraceHandler:
         # flushes the file at least every Writer.INTERVAL seconds, also when no
         # event comes (a hung job killed later keeps every span that finished).
         self._writer = Writer(self._out, name="jaxhistory-trace", what="the trace file")
+        # A handler never closed (a script that ends without close()) still
+        # finishes its file at exit: every event, the array closed.
+        self._at_exit = weakref.finalize(
+            self, _finish_quietly, self._writer, self._out, self._lock
+        )
         self._started = self._out.counting = True
         _trace_state.activate(self)
         return path
@@ -240,6 +246,9 @@ class JSONTraceHandler:
         node, merges the folder's traces into ``merged_trace_filename``."""
         if not self.active:
             return
+        if self._at_exit is not None:
+            self._at_exit.detach()
+            self._at_exit = None
         _trace_state.drain()  # counters History has queued reach this file first
         _trace_state.deactivate(self)
         self._started = False
@@ -404,3 +413,13 @@ class JSONTraceHandler:
             writer.flush()
         else:
             self._out.write([], True)
+
+
+def _finish_quietly(writer: Writer, out: Any, lock: Any) -> None:
+    """At exit (or when the garbage collector frees a handler never closed):
+    writes what is queued and finishes the file, merging nothing (the other
+    processes may be gone)."""
+    writer.close()
+    with lock, out.lock:
+        out.counting = False
+        out.finish()
