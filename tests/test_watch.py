@@ -466,3 +466,36 @@ def test_a_layer_named_like_another_leaf_is_refused_naming_it():
     tree = {"w": jnp.ones((2, 3)), "w/1": jnp.float32(5.0)}
     with pytest.raises(ValueError, match="'w/1'"):
         jh.watch(tree, split_layers=True)
+
+
+def test_an_infinity_in_a_replicated_leaf_is_inf_not_nan(mesh):
+    """A leaf replicated over a mesh axis, beside a sharded one, had its sums
+    multiplied by 0 on the devices whose copy does not count: there an
+    infinite value's square (or shifted value) times 0 was NaN, and the psum
+    made its norm, rms and mean NaN, the total's too, where NumPy gives inf.
+    The same for a sum of squares that overflows in float32 (documented as
+    inf). Both forms: jit on global arrays and shard_map."""
+    sharded = jax.device_put(
+        np.arange(8, dtype=np.float32), NamedSharding(mesh, P("data"))
+    )
+    stats = ("norm", "rms", "mean")
+    jitted = jax.jit(lambda t: jh.watch(t, stats=stats))
+    in_shard_map = jax.jit(
+        jax.shard_map(
+            lambda t: jh.collective.watch(t, "data", stats=stats),
+            mesh=mesh,
+            in_specs=({"shared": P(), "sharded": P("data")},),
+            out_specs=P(),
+        )
+    )
+    for value in (np.inf, -np.inf, 3e38):
+        shared = jax.device_put(
+            np.array([value, 1.0], np.float32), NamedSharding(mesh, P())
+        )
+        tree = {"shared": shared, "sharded": sharded}
+        for out in (jitted(tree), in_shard_map(tree)):
+            for key in ("shared/norm", "shared/rms", "norm", "rms"):
+                assert float(out[key]) == math.inf, (value, key, float(out[key]))
+            if math.isinf(value):
+                assert float(out["shared/mean"]) == value, (value, out["shared/mean"])
+                assert float(out["mean"]) == value, (value, out["mean"])
