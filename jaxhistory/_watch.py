@@ -353,7 +353,10 @@ def _tables(
             d = x2 - jnp.concatenate(starts).reshape(-1, 1)
             d = d / jnp.concatenate(scales).reshape(-1, 1)
             cols["d1"], cols["d2"] = jnp.sum(d, axis=1), jnp.sum(jnp.square(d), axis=1)
-        summed.append((idx, jnp.stack([cols[c] for c in sum_cols], axis=1) * keep))
+        # where, not a product: an inf (a sum of squares past float32 too)
+        # times 0 is NaN, which the psum would spread from an uncounted copy
+        rows = jnp.stack([cols[c] for c in sum_cols], axis=1)
+        summed.append((idx, jnp.where(keep > 0, rows, 0)))
     if empty:
         summed.append((empty, jnp.zeros((n_empty, len(sum_cols)), dtype)))
     table = psum(_table_of(summed, plan, "add", rows_of))  # all-reduce 2
