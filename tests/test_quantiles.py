@@ -195,3 +195,24 @@ def test_outside_jit_a_second_call_compiles_nothing(mesh):
             err_msg=name,
         )
         assert jax.tree.structure(first) == jax.tree.structure(jitted), name
+
+
+def test_quantiles_of_values_spanning_past_8e37_are_not_the_minimum(mesh):
+    """Values spread over more than about 8.5e37 (uniform in +-1e38) read
+    every quantile as about their minimum (-1e38 for p10, p50 and p90): the
+    histogram's bin index divided by half the range, which XLA turns into a
+    product by its reciprocal, below float32's smallest normal number (read
+    as 0 on CPU), so every value fell in the first bin."""
+    rng = np.random.default_rng(4)
+    qs = (0.1, 0.5, 0.9)
+    for scale in (1e38, 3e38):
+        values = (rng.uniform(-1, 1, size=(8, 1024)) * scale).astype(np.float32)
+        want = np.quantile(values.astype(np.float64), qs)
+        for x in (
+            jnp.asarray(values),
+            jax.device_put(values, NamedSharding(mesh, P("data"))),
+        ):
+            got = jax.jit(lambda v: jh.distributed_stats({"x": v}, quantiles=qs))(x)
+            for q, w in zip(("p10", "p50", "p90"), want, strict=True):
+                # within 1% of the range: the rank within 1% (uniform values)
+                assert abs(float(got[f"x/{q}"]) - w) <= 0.01 * scale, (scale, q)
