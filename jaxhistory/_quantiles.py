@@ -162,7 +162,18 @@ class _Bins:
     def index(v: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
         """The bin (0 to HALF - 1) of ``v`` between ``lo`` and ``hi``."""
         span = hi / 2 - lo / 2  # halves: no overflow between -max and max
-        frac = (v / 2 - lo / 2) / jnp.where(span > 0, span, 1)
+        span = jnp.where(span > 0, span, 1)
+        # in units of a power of two near the span: XLA turns the division by
+        # the span into a product by its reciprocal, which for a span past
+        # about 8.5e37 is below float32's smallest normal number (read as 0
+        # on CPU: every value in bin 0); a power of two's reciprocal is
+        # exact, and the span in its units is near 1
+        _, e = jnp.frexp(span)
+        info = jnp.finfo(span.dtype)
+        unit = jnp.ldexp(
+            jnp.ones_like(span), jnp.clip(e, info.minexp + 1, info.maxexp - 2)
+        )
+        frac = ((v / 2 - lo / 2) / unit) / (span / unit)
         return jnp.clip(jnp.floor(frac * HALF), 0, HALF - 1).astype(jnp.int32)
 
 
