@@ -34,7 +34,7 @@ import warnings
 import weakref
 from typing import Any
 
-__all__ = ["Writer", "warn_quietly"]
+__all__ = ["AtExit", "Writer", "warn_quietly"]
 
 logger = logging.getLogger("jaxhistory")
 
@@ -48,6 +48,35 @@ def warn_quietly(text: str, stacklevel: int = 2) -> None:
         warnings.warn(text, RuntimeWarning, stacklevel=stacklevel + 1)
     except Exception:
         logger.warning("%s", text)
+
+
+class AtExit:
+    """Calls ``obj.<method>()`` at interpreter exit while ``obj`` lives.
+
+    The exit callback is removed again by :meth:`cancel` (a ``close``) or when
+    ``obj`` is freed, so a process that makes and drops many objects does not
+    keep a callback for each until it ends. The callback holds ``obj`` weakly.
+    """
+
+    __slots__ = ("hook",)
+
+    def __init__(self, obj: Any, method: str):
+        def forget(_ref: Any, unregister: Any = atexit.unregister) -> None:
+            unregister(hook)  # obj was freed (bound now: late in shutdown the
+            # module's globals may already be gone)
+
+        ref = weakref.ref(obj, forget)
+
+        def hook() -> None:
+            target = ref()
+            if target is not None:
+                getattr(target, method)()
+
+        self.hook = hook
+        atexit.register(hook)
+
+    def cancel(self) -> None:
+        atexit.unregister(self.hook)
 
 
 class Writer:
@@ -95,8 +124,8 @@ class Writer:
         self._pid = os.getpid()  # the process whose items these are
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        ref = weakref.ref(self)
-        atexit.register(lambda: (w := ref()) and w.close())
+        self._at_exit = AtExit(self, "close")
+        self._exit_hook = self._at_exit.hook
 
     @property
     def closed(self) -> bool:
@@ -241,3 +270,4 @@ class Writer:
         self._thread.join(self.MAX_WAIT)  # (bounded: a stuck write stays stuck)
         self.flush()
         self._done = True  # (not where the join or the flush raised)
+        self._at_exit.cancel()

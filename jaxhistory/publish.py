@@ -18,7 +18,6 @@ Examples:
 from __future__ import annotations
 
 import abc
-import atexit
 import contextlib
 import functools
 import logging
@@ -32,6 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from jaxhistory._record import Batch, Record
+from jaxhistory._writer import AtExit
 from jaxhistory.sinks._base import is_sink, writes_here
 from jaxhistory.sinks._feed import SinkFeed
 
@@ -157,8 +157,7 @@ class SinkHandler(MetricHandler):
     def __init__(self, sink: Any):
         self.sink = sink
         self._feed = SinkFeed([sink])
-        ref = weakref.ref(self)
-        atexit.register(lambda: (h := ref()) and h.flush())
+        self._at_exit = AtExit(self, "flush")
         # Dropped (configure replaced it, reset): the sink's thread writes what
         # was published, flushes the sink and ends, instead of idling forever.
         # (Not at exit: a close() at exit still closes the sink.)
@@ -184,6 +183,7 @@ class SinkHandler(MetricHandler):
         """Flushes, then closes the sink (waiting at most ``timeout`` seconds,
         default 5); later metrics are not written to it."""
         self._feed.close(timeout)
+        self._at_exit.cancel()
 
 
 class MetricStream:

@@ -1,9 +1,11 @@
 """jaxhistory.publish: handlers, groups, put_metric, prof, MetricStream."""
 
 import functools
+import gc
 import io
 import threading
 import time
+import weakref
 from unittest import mock
 
 import pytest
@@ -276,6 +278,22 @@ def test_a_replaced_sink_handler_s_thread_ends_with_its_records_written():
         thread.join(5)
         assert not thread.is_alive()
     assert second.written == [{"b": 2}] and not second.closed
+
+
+def test_sink_handlers_closed_or_replaced_leave_no_exit_callback():
+    """Each SinkHandler registered a callback at exit that was never removed:
+    a program that configures handlers over and over kept every one."""
+    closed = publish.SinkHandler(_Untrusted(raises=False))
+    hooks = [weakref.ref(closed._at_exit.hook)]
+    closed.close()
+    del closed
+    with publish.scoped():
+        for _ in range(3):
+            publish.configure(_Untrusted(raises=False), group="io")
+            hooks.append(weakref.ref(publish._registry().handler("io")._at_exit.hook))
+        publish.reset()
+    gc.collect()
+    assert [h for h in hooks if h() is not None] == []
 
 
 # ----- prof ------------------------------------------------------------------------

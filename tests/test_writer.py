@@ -1,7 +1,9 @@
 """Writer: one background thread writing queued items to any target."""
 
+import gc
 import threading
 import time
+import weakref
 from unittest import mock
 
 import pytest
@@ -252,3 +254,40 @@ def test_ctrl_c_in_a_write_leaves_the_drain_lock_free():
     writer.flush()
     writer.close()
     assert target.items() == [0] and not writer._warned
+
+
+def test_a_closed_writer_leaves_nothing_registered_at_exit():
+    # A process that makes and closes many Histories (one Writer each) must not
+    # keep each one's exit callback (and what it holds) until it ends.
+    hooks = []
+    for _ in range(20):
+        w = _writer.Writer(Target())
+        w.add(1)
+        w.close()
+        hooks.append(weakref.ref(w._exit_hook))
+        del w
+    gc.collect()
+    assert [h for h in hooks if h() is not None] == []
+
+
+def test_exit_callbacks_of_objects_freed_unclosed_are_forgotten():
+    class Thing:
+        def close(self):
+            pass
+
+    thing = Thing()
+    hook = weakref.ref(_writer.AtExit(thing, "close").hook)
+    assert hook() is not None  # registered: atexit holds it
+    del thing
+    gc.collect()
+    assert hook() is None
+
+
+def test_a_writer_still_open_at_exit_is_closed_by_its_exit_callback():
+    t = Target()
+    w = _writer.Writer(t)
+    hook = w._exit_hook  # what atexit calls
+    w.add(7)
+    hook()
+    assert w.closed and t.items() == [7]
+    hook()  # a second call (close at exit after an explicit one) is harmless
