@@ -222,8 +222,8 @@ def hist_quantiles(
 ) -> jax.Array:
     """``(Q, k)``: the quantiles read from the all-reduced ``counts`` (``(k,
     WIDTH)``, :func:`hist_block`), NumPy's linear rule on ranks; between a
-    finite value and an infinity, the infinity (as ``jnp.quantile``); NaN for a
-    leaf without values. ``integer``: the leaves' values are integers, so each
+    finite value and an infinity, the infinity, and between ``-inf`` and
+    ``+inf``, NaN (as ``jnp.quantile``); NaN for a leaf without values. ``integer``: the leaves' values are integers, so each
     end of the interpolation (one of the values) is rounded to one."""
     k = counts.shape[0]
     bins = _Bins(*(b.reshape(k, 1) for b in bounds))
@@ -260,6 +260,10 @@ def hist_quantiles(
             (frac == 0) | (v0 == v1) | jnp.isinf(v0),
             v0,
             jnp.where(jnp.isinf(v1), v1, between),
+        )
+        # between -inf and +inf: undefined (NaN, as jnp.quantile gives)
+        value = jnp.where(
+            (frac > 0) & (v0 == -jnp.inf) & (v1 == jnp.inf), jnp.nan, value
         )
         out.append(jnp.where(n > 0, value, jnp.nan).reshape(k))
     return jnp.stack(out)

@@ -614,6 +614,25 @@ def test_a_leaf_of_infinities_and_an_empty_leaf_get_quantiles_too(mesh):
     assert float(out["inf/p50"]) == np.inf and float(out["zeros/p50"]) == 0.0
 
 
+def test_a_quantile_between_minus_and_plus_infinity_is_nan_as_in_jnp(mesh):
+    """Half -inf, half +inf: a quantile that interpolates between the two is
+    undefined (NaN in jnp.quantile and np.quantile, and in the exact form for
+    one value per device); the histogram form gave -inf."""
+    values = np.full((8, 100), np.inf, np.float32)
+    values[:4] = -np.inf
+    qs = (0.25, 0.5, 0.75)
+    for x in (
+        jax.device_put(values, NamedSharding(mesh, P("data"))),
+        jax.device_put(values[:, 0], NamedSharding(mesh, P("data"))),  # exact
+    ):
+        out = jax.jit(lambda m: jh.distributed_stats(m, quantiles=qs))({"a": x})
+        flat = jnp.asarray(np.asarray(x).ravel())
+        want = np.asarray(jnp.quantile(flat, jnp.asarray(qs)))
+        assert np.isnan(want[1]) and want[0] == -np.inf and want[2] == np.inf
+        got = [float(out[f"a/p{100 * q:g}"]) for q in qs]
+        np.testing.assert_array_equal(got, want)
+
+
 def test_a_nan_makes_the_quantiles_nan(mesh):
     values = np.arange(8 * 100, dtype=np.float32)
     values[17] = np.nan
