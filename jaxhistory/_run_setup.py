@@ -86,7 +86,7 @@ def resumed(resume: Any, resume_step: int | None, run_name: str | None):
         raise ValueError("resume_step needs resume= (the run to continue)")
     if isinstance(resume, HistoryState):
         state, run_id = resume, dict(resume.attrs).get("run_id")
-        source = "the HistoryState given as resume"
+        source: str | Path = "the HistoryState given as resume"
     elif isinstance(resume, str | os.PathLike):
         try:
             state, attrs = load_run(resume)  # as `jaxhistory report` reads a run

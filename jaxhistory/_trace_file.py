@@ -190,8 +190,8 @@ class TraceFile:
             line = orjson.dumps(event)
         except TypeError:  # a lone surrogate, an int past 64 bits: this event's own
             try:
-                line = json.dumps(_utf8(event), ensure_ascii=False, allow_nan=False)
-                line = line.encode()
+                text = json.dumps(_utf8(event), ensure_ascii=False, allow_nan=False)
+                line = text.encode()
             except (TypeError, ValueError):
                 self.lost += 1
                 return

@@ -37,10 +37,10 @@ def _identity(e: dict) -> tuple:
             when("dur"), e.get("id"), args)  # fmt: skip
 
 
-def _processes(events: list[dict], path: Path) -> dict[int, dict]:
+def _processes(events: list[dict], path: Path) -> dict[int | str | None, dict]:
     """Each process's clock sync (its ``clock_sync`` args), by pid; a ValueError
     naming the file and the argument for a pid or a sync that is malformed."""
-    syncs = {}
+    syncs: dict[int | str | None, dict] = {}
     for e in events:
         pid = e.get("pid", 0)
         if isinstance(pid, bool) or not isinstance(pid, int | str | None):
@@ -171,10 +171,10 @@ def merge_traces(
     """
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
-    paths = [Path(p) for p in paths]
-    if not paths:
+    files = [Path(p) for p in paths]
+    if not files:
         raise ValueError("merge_traces needs at least one trace file")
-    for path in paths:
+    for path in files:
         if not os.path.lexists(path):
             order = (
                 "; the inputs come first and the output second: "
@@ -184,12 +184,12 @@ def merge_traces(
             )
             raise FileNotFoundError(f"{path}: no such trace file{order}")
     loaded = []
-    for path in paths:
+    for path in files:
         events = load_trace(path)
         loaded.append((events, _processes(events, path)))
     out_path = Path(out_path)
     runs = {s.get("sync_id") for _, syncs in loaded for s in syncs.values()}
-    _check_output(out_path, paths, runs)
+    _check_output(out_path, files, runs)
     # A process is (sync_id, original pid); its shift puts its sync point on the
     # merged clock: 0 for the earliest run, later runs by their wall-clock start.
     walls: dict[Any, float] = {}
@@ -255,7 +255,7 @@ def merge_traces(
         json.dumps(sanitize(e), allow_nan=False, separators=(",", ":"))
         for e in itertools.chain(meta, rest)
     )
-    other = json.dumps({"merged": MERGED_MARK, "files": len(paths)})
+    other = json.dumps({"merged": MERGED_MARK, "files": len(files)})
     text = f'{{"otherData":{other},\n"traceEvents":[\n{lines}\n]}}\n'
     if out_path.name.endswith(".gz"):
         atomic_write(

@@ -71,7 +71,7 @@ def span_closed(span: tuple) -> None:
     """Notes that ``span`` ended, on whichever thread (it is taken off the
     stack of the thread that opened it). ``span[2][3]``: a trace has written
     it already (its thread ended inside it; :func:`forget_ended`)."""
-    entry = span[2]
+    entry: list = span[2]
     spans = entry[1]
     ident = threading.get_ident()
     if ident == entry[2] and spans and spans[-1] is span:
@@ -156,8 +156,8 @@ def forget_ended() -> None:
     no later one shows them again); they can still be ended (a generator
     closed later)."""
     with _lock:
-        for entry in _ended:
-            entry[3] = True
+        for ended in _ended:
+            ended[3] = True
         _written.extend(_ended)
         _ended.clear()
         for ident in list(_spans):

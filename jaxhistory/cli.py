@@ -217,6 +217,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:  # the function's arguments may follow options
+        assert parser.launch is not None  # _parser adds the launch command
         args = parser.launch.parse_intermixed_args(argv[1:])
         args.command = "launch"
         return args
@@ -329,6 +330,7 @@ def _report(args, state, attrs) -> None:
     source = run_file(args.run)
     outdir = Path(args.outdir)
     run_id = check_run_id(attrs.get("run_id"), source)
+    log: Path | None
     if source.suffix == ".jsonl":
         # older logs: the file name, checked before anything is written
         run_id = run_id or check_run_id(source.stem, source)

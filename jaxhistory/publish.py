@@ -199,6 +199,9 @@ class MetricStream:
         if not isinstance(group_name, str) or not group_name:
             raise ValueError(f"group_name must be a non-empty str, got {group_name!r}")
         self.group_name = group_name
+        # exactly one of the two is set: a fixed handler, or the registry's
+        self._registry: _Registry | None
+        self._fixed: MetricHandler | None
         if handler is None or isinstance(handler, _Registry):
             self._registry, self._fixed = handler or _registry(), None
         else:
@@ -209,6 +212,7 @@ class MetricStream:
         """The handler this group's metrics go to now."""
         if self._fixed is not None:
             return self._fixed
+        assert self._registry is not None  # set where _fixed is not
         return self._registry.handler(self.group_name)
 
     def add_value(self, metric_name: str, metric_value: Any) -> None:
@@ -221,6 +225,7 @@ class MetricStream:
             data = MetricData(time.time(), self.group_name, metric_name, metric_value)
             self._fixed.emit(data)
         else:
+            assert self._registry is not None  # set where _fixed is not
             self._registry.publish(self.group_name, metric_name, metric_value)
 
 

@@ -234,6 +234,7 @@ class JSONTraceHandler:
         names = self._vars | {k: v for k, v in given.items() if v is not None}
         path = self._path(names)  # raises before anything is finished
         _trace_state.drain()  # counters History has queued reach this file first
+        assert self._writer is not None  # set by start, while active
         self._writer.flush()  # the events so far go to the finished file
         with self._lock, self._out.lock:  # no new thread's metadata between
             self._out.finish()
@@ -267,6 +268,7 @@ class JSONTraceHandler:
         if jax.process_count() > 1:  # every process has finished its files
             multihost_utils.sync_global_devices("jaxhistory-trace-close")
         if self._vars.get("local_rank", 0) == 0:
+            assert self.folder is not None  # set by start
             merged = self.folder / self.merged_trace_filename.format(**self._vars)
             own = named_files(self.folder, self.filename_template)  # subfolders
             done = merge_folder(self.folder, merged, own)
@@ -288,6 +290,7 @@ class JSONTraceHandler:
 
     def _path(self, names: dict) -> Path:
         """The file ``names`` (``epoch``, ``batch``, ``step`` among them) name."""
+        assert self.folder is not None  # set by start, before the first file
         return file_path(
             self.folder, self.filename_template, names, self.paths, self.overwrite
         )
@@ -322,9 +325,9 @@ class JSONTraceHandler:
         order threads first trace something), named in the metadata of this
         file and of later ones while it lives (the caller holds the lock)."""
         if thread is not None and thread is not threading.current_thread():
-            for tid, (_, ref) in self._threads.items():
+            for known, (_, ref) in self._threads.items():
                 if ref() is thread:
-                    return tid
+                    return known
             return self._new_tid(thread)
         tid = getattr(self._local, "tid", None)
         if tid is None:

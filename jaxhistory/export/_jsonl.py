@@ -154,7 +154,7 @@ class JsonlStream:
         run_id: str | None = None,
     ):
         self.path = None if path is None else Path(path)
-        self.log = None if path is None else JsonlSink(self.path, overwrite)
+        self.log = None if self.path is None else JsonlSink(self.path, overwrite)
         self.sinks = [s for s in (self.log, *sinks) if s is not None]
         self.writer = Writer(FanOut(self.sinks, run_id=run_id))
         register_stream(self.writer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from jaxhistory._history_state import HistoryState
@@ -10,7 +11,7 @@ from jaxhistory._xarray import read_netcdf
 __all__ = ["load_run", "run_file"]
 
 
-def run_file(path: str | Path) -> Path:
+def run_file(path: str | os.PathLike) -> Path:
     """The file a run path names: a ``.jsonl`` log, a ``.nc`` dataset, or the
     ``dataset.nc`` of a finalize folder. Raises FileNotFoundError or ValueError
     naming the path."""
@@ -26,7 +27,7 @@ def run_file(path: str | Path) -> Path:
     return path
 
 
-def load_run(path: str | Path):
+def load_run(path: str | os.PathLike):
     """The HistoryState in a JSONL log (``.jsonl``), a dataset file (``.nc``) or a
     folder holding ``dataset.nc``, and the run's recorded attributes (run id,
     environment; a JSONL log's run id from its lines)."""

@@ -7,7 +7,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -173,8 +173,9 @@ def _constant_groups(summary: dict) -> dict[str, float]:
         base, _, stat = name.rpartition("/")
         if stat != "mean" or base in out:
             continue
-        parts = [summary.get(f"{base}/{s}") for s in ("mean", "min", "max", "std")]
-        if any(p is None for p in parts) or not all(map(_constant, parts[:3])):
+        found = [summary.get(f"{base}/{s}") for s in ("mean", "min", "max", "std")]
+        parts = [p for p in found if p is not None]
+        if len(parts) < len(found) or not all(map(_constant, parts[:3])):
             continue
         value = parts[0]["mean"]
         lows = [p["min"] for p in parts[:3]]
@@ -300,10 +301,10 @@ def to_markdown(
     warmup: float = 0,
     run_id: str | None = None,
     environment: dict[str, Any] | None = None,
-    images: list[str | os.PathLike] = (),
+    images: Sequence[str | os.PathLike | tuple[str | PlotUnit, str | os.PathLike]] = (),
     terminal_plots: Mapping[str, str] | Sequence[tuple[str, str]] | None = None,
-    files: list[str | os.PathLike] = (),
-    unplotted: list[tuple[str, int]] = (),
+    files: Sequence[str | os.PathLike] = (),
+    unplotted: Sequence[tuple[str, int | None]] = (),
     run_name: str | None = None,
     events: Sequence[Any] = (),
     per_layer: Sequence[tuple] = (),
@@ -402,9 +403,12 @@ def to_markdown(
         ]
     if terminal_plots:
         lines += ["", "## Terminal plots", ""]
-        if isinstance(terminal_plots, Mapping):
-            terminal_plots = terminal_plots.items()
-        for title, text in terminal_plots:
+        plots: Iterable[tuple[str, str]] = (
+            terminal_plots.items()
+            if isinstance(terminal_plots, Mapping)
+            else terminal_plots
+        )
+        for title, text in plots:
             fence = "```"
             while fence in text:
                 fence += "`"

@@ -7,7 +7,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -119,7 +119,10 @@ def _draw_constant(unit: PlotUnit, x: np.ndarray, value: float, path: Path) -> N
 
 
 def _draw_unit(
-    data: dict[str, tuple], unit: PlotUnit, marks: Sequence, path: Path
+    data: dict[str, tuple[np.ndarray, np.ndarray]],
+    unit: PlotUnit,
+    marks: Sequence,
+    path: Path,
 ) -> None:
     """Draws one unit from ``data``, its series by name (warmup left out).
 
@@ -220,7 +223,7 @@ def _draw_unit(
                 ms=3,
             )
             drawn.append(yb)
-    for i, (label, name) in enumerate(unit.others):
+    for i, (other_label, name) in enumerate(unit.others):
         x, y = data[name]
         xb, yb = bucket(x, y, "envelope")
         ax.plot(
@@ -228,7 +231,7 @@ def _draw_unit(
             yb,
             color=f"C{i + 2}",
             lw=1.4,
-            label=_shown(label),
+            label=_shown(other_label),
             marker=_marker(xb),
             ms=4,
         )
@@ -335,10 +338,9 @@ def _draw_heatmap(title, x, chains, path: Path) -> None:
     what = ("process", "processes") if title in LAG_BY_PROCESS else ("series",) * 2
     _title(fig, title, ax, f": {data.shape[0]} {what[1]}")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    what = what[0]
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
-    ax.set_ylabel(what)
+    ax.set_ylabel(what[0])
     _save(fig, path)
 
 
@@ -430,7 +432,8 @@ def start_png(
     first = state.first_kept_step(warmup)
     units = plot_units(state) if units is None else units
     stems = plot_stems(units, families)
-    jobs = []  # (kind, arguments, path): the data read here, drawn anywhere
+    # (kind, arguments, path): the data read here, drawn anywhere
+    jobs: list[tuple[str, tuple, Path]] = []
     layers = {}  # family total -> the path of its heatmap
     owners = {}  # path -> the unit it draws (its own plot, ridge or heatmap)
     marks = marks or {}
@@ -445,13 +448,13 @@ def start_png(
                 chains = y.reshape(len(y), -1)
                 chains = chains[:, _pick(chains.shape[1], num_chains)]
                 for kind in ARRAY_PLOTS:
-                    args = (unit.title, x, chains)
+                    args: tuple = (unit.title, x, chains)
                     jobs.append((kind, args, outdir / f"{extras[kind]}.png"))
                     owners[outdir / f"{extras[kind]}.png"] = unit
     for family in families:
-        x, data = family_matrix(state, family, first)
+        x, matrix = family_matrix(state, family, first)
         if len(x):
-            args = (family.title, x, data, family.labels)
+            args = (family.title, x, matrix, family.labels)
             layers[family.total] = outdir / f"{stems.layers[family.total]}.png"
             jobs.append(("layers", args, layers[family.total]))
     return PendingPlots(jobs, progress, layers, owners)
@@ -469,7 +472,7 @@ WORKER = (
     "from jaxhistory.export._draw_worker import main\n"
     "sys.exit(main(sys.argv[2]))\n"
 )
-_DRAW = {
+_DRAW: dict[str, Callable[..., None]] = {
     "unit": _draw_unit,
     "ridge": _draw_ridge,
     "heatmap": _draw_heatmap,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -162,7 +162,7 @@ def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
     drawn = False
     legend = []
     if opts["type"] == "hist":
-        name = unit.stats.get("mean") or unit.raw
+        name = cast(str, unit.stats.get("mean") or unit.raw)  # one of them is set
         values = series(state, name, first)[1].reshape(-1)
         values = values[np.isfinite(values)]
         exponent = scale_exponent(values)

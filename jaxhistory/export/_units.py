@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import numpy as np
 
@@ -158,7 +158,8 @@ def plot_units(state: HistoryState) -> list[PlotUnit]:
     """
     keys = state.keys
     grouped = aggregated_names(keys)
-    units, done = [], set()
+    units: list[PlotUnit] = []
+    done: set[str] = set()
     for name in keys:
         if name in done:
             continue
@@ -202,7 +203,9 @@ def _with_comparisons(state: HistoryState, units: list[PlotUnit]) -> list[PlotUn
             for prefix in EVAL_PREFIXES:
                 other = by_title.get(prefix + suffix)
                 if other is not None and scalar(other):
-                    others.append((prefix[:-1], other.stats.get("mean") or other.raw))
+                    # a unit has a mean or a raw line
+                    line = cast(str, other.stats.get("mean") or other.raw)
+                    others.append((prefix[:-1], line))
             if others:
                 versus = " and ".join(label for label, _ in others)
                 title = f"{suffix}: train vs {versus}"
@@ -346,8 +349,9 @@ def constant_unit(unit: PlotUnit, data: dict[str, tuple]) -> float | None:
     names += [unit.stats[s] for s in ("mean", "min", "max") if s in unit.stats]
     if not names:
         return None
-    values = [constant(data[n][1]) for n in names]
-    if any(v is None for v in values):
+    found = [constant(data[n][1]) for n in names]
+    values = [v for v in found if v is not None]
+    if len(values) < len(found):
         return None
     lo, hi = min(values), max(values)
     value = values[1] if unit.stats and unit.raw is not None else values[0]
@@ -439,7 +443,12 @@ def bucket(x: np.ndarray, y: np.ndarray, how: str, n: int = MAX_POINTS):
             lo, hi = np.nanmin(yb, axis=1), np.nanmax(yb, axis=1)
             lo[empty] = hi[empty] = np.nan
             return np.repeat(xs, 2), np.stack([lo, hi], axis=1).reshape(-1)
-        out = {"mean": np.nanmean, "min": np.nanmin, "max": np.nanmax}[how](yb, axis=1)
+        reduce: dict[str, Callable[..., np.ndarray]] = {
+            "mean": np.nanmean,
+            "min": np.nanmin,
+            "max": np.nanmax,
+        }
+        out = reduce[how](yb, axis=1)
     out[empty] = np.nan
     return xs, out
 

@@ -121,6 +121,7 @@ def _read_header(path: Path) -> tuple[list[str], int]:
             f"cannot append to {path}: {why}, so it is no CSV file of this sink; "
             "nothing was written (give another path, or overwrite=True)"
         )
+    assert end is not None  # why is set where it is None
     return header, end
 
 
@@ -197,7 +198,8 @@ class CsvSink(FileSink):
 
     def __init__(self, path: str | os.PathLike, overwrite: bool = False):
         self.path = Path(path)
-        columns, end = [], 0
+        columns: list[str] = []
+        end = 0
         if not overwrite:
             check_target(self.path)
             if in_use(self.path):
@@ -273,7 +275,8 @@ class CsvSink(FileSink):
         columns they name that the file lacks, in order (the caller holds the
         lock)."""
         index, blank = self._index, [""] * (len(self._columns) - len(FIRST))
-        rows, new = [], {}
+        rows: list[list[Any]] = []
+        new: dict[str, None] = {}  # an ordered set
         for step, stamp, cells in parsed:
             row: list[Any] = [
                 "" if step is None else step,

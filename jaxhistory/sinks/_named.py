@@ -131,10 +131,12 @@ def named_sinks(
             if name == "console":
                 made.append(ConsoleSink())
             elif name == "csv":
+                assert folder is not None  # check_folder ran on names
                 made.append(CsvSink(Path(folder) / f"{run_id}.csv", overwrite))
             elif name == "tensorboard":
                 # folders this names, as the plots folder: never written
                 # through a link (NotAFile)
+                assert folder is not None  # check_folder ran on names
                 logdir = Path(folder) / "tensorboard" / run_id
                 check_target(logdir.parent, folder=True)
                 check_target(logdir, folder=True)

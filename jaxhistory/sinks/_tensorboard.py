@@ -143,13 +143,14 @@ class TensorBoardSink:
                 else:
                     scalars.append(Value(tag=tag, simple_value=number))
                 continue
+            assert arr is not None  # values gives an array where no number
             step = self._step(tag, record.step)
             finite = arr[np.isfinite(arr)].astype(np.float64).reshape(-1)
             if finite.size:
                 with np.errstate(over="ignore"):  # sums past 1e308 are inf
                     histo = self._histogram(finite, self._bins)
                 out.append(self._one([Value(tag=tag, histo=histo)], step, record))
-        if scalars:
+        if scalars and record.step is not None:  # gathered only with a step
             out.append(self._one(scalars, record.step, record))
         return out
 

@@ -54,7 +54,7 @@ class WandbSink:
         for name, number, arr in values(record):
             if number is not None:
                 data[name] = number
-            elif arr.size:
+            elif arr is not None and arr.size:  # values gives one or the other
                 # in float64: binned in float32, a range past its largest value
                 # raises ("Too many bins for data range"), losing the record
                 finite = arr[np.isfinite(arr)].astype(np.float64)
