@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import numpy as np
@@ -84,6 +84,7 @@ def check_append(state: HistoryState, names, shapes, step: int) -> dict[str, np.
         if not n or wanted.keys().isdisjoint(ks):
             continue
         last = t.step_at(n)
+        assert last is not None  # n > 0 rows: a last step
         for j, name in enumerate(ks):
             if name not in wanted:
                 continue
@@ -220,7 +221,12 @@ def _continues(state: HistoryState, names: tuple, step: int) -> bool:
     statistics each step skips a pass over every table here."""
     data = state.data
     entry = data.tables.get(names)
-    if entry is None or not entry[1] or not entry[0].step_at(entry[1]) < step:
+    if (
+        entry is None
+        or not entry[1]
+        # rows: a last step (step_at is None only for none)
+        or not cast(int, entry[0].step_at(entry[1])) < step
+    ):
         return False
     table, index = entry[0], data.index()
     if table.exclusive is index:  # checked against this very index before

@@ -306,7 +306,7 @@ def _encode_each(batch: Batch) -> bytes:
     """:func:`encode_records` record by record (names holding '},{', groups)."""
     out = []
     for r in batch.records():
-        record = {
+        record: dict[str, Any] = {
             "step": r.step,
             "timestamp": None if r.timestamp is None else float(r.timestamp),
             "process_index": r.process_index,

@@ -76,7 +76,8 @@ def varying_axes(x: Any) -> frozenset:
     (its type says so under ``check_vma=True``; empty otherwise)."""
     aval = jax.typeof(x)
     mat = getattr(aval, "mat", None)  # jax 0.10: the manual-axes type of a value
-    return frozenset(getattr(mat, "varying", None) or getattr(aval, "vma", ()))
+    varying: Any = getattr(mat, "varying", None) or getattr(aval, "vma", ())
+    return frozenset(varying)
 
 
 def sharded_axes(x: Any) -> tuple[Any, tuple[str, ...]]:
@@ -227,7 +228,8 @@ def collective_reduce(
     mins = fused(lax.pmin, mins, axis_name)
 
     # Second pass of std: squared deviations from the global mean.
-    squares, square_of = [], {}
+    squares: list[jax.Array] = []
+    square_of: dict[int, int] = {}
     for i, (leaf, (kind, *rest)) in enumerate(zip(leaves, plan, strict=True)):
         if kind == "std":
             j = rest[0]

@@ -230,7 +230,8 @@ class Reducer:
                 arrays[n] = v
             else:
                 host.append((n, v))
-        meshes = [v.sharding.mesh for v in arrays.values()]
+        # per-device values are sharded over a mesh (a NamedSharding)
+        meshes = [v.sharding.mesh for v in arrays.values()]  # type: ignore[attr-defined]
         mesh = meshes[0] if meshes else _all_devices_mesh()
         # All host scalars in one global array: one transfer per local device.
         packed = _per_process_rows(host, mesh) if host else None
@@ -334,6 +335,7 @@ class Reducer:
                 if not isinstance(value, jax.Array):
                     _numeric(name, value)
             arrived, now = self._arrived(reduce, row.step)
+            assert self.latest is not None  # _arrived set it
             names = self.latest[1]
             if self._batch and names != self._batch_names:
                 self.run_batch()
@@ -531,6 +533,7 @@ def _reduce(
     ``{SAME}...``) differs across processes (None without checksums)."""
     metrics = dict(arrays)
     for j, name in enumerate(host_names):
+        assert packed is not None  # host_names are its columns
         metrics[name] = packed[:, j]
     leaves, _ = flatten_metrics(metrics)
     lays = [layouts[lf.name] for lf in leaves]
@@ -754,7 +757,8 @@ def _per_process_rows(
     """
     row = [_numeric(name, value) for name, value in host]
     # float64 where JAX computes in it (jax_enable_x64), float32 otherwise
-    dtype = np.float64 if jax.config.jax_enable_x64 else np.float32
+    # (jax's Config declares no attribute per option)
+    dtype = np.float64 if jax.config.jax_enable_x64 else np.float32  # type: ignore[attr-defined]
     values = np.asarray(row, dtype)
     shape = (mesh.size, len(values))
     sharding = jax.sharding.NamedSharding(

@@ -125,7 +125,8 @@ class FanOut:
             batch.run_id = self.run_id
             return batch
         lost: list[str] = []
-        steps, stamps, metrics, aggregated = [], [], [], None
+        steps, stamps, metrics = [], [], []
+        aggregated: list[dict[str, Any]] | None = None
         finite = True
         for i, row in enumerate(rows):
             steps.append(row.step)
@@ -167,7 +168,7 @@ class FanOut:
 
     @staticmethod
     def _host_values(step, metrics: dict, lost: list[str]) -> dict:
-        out = {}
+        out: dict[str, Any] = {}
         for name, v in metrics.items():
             if type(v) is float or type(v) is int:
                 out[name] = v
@@ -281,7 +282,10 @@ def _repeats(steps: list) -> bool:
 def _merge_runs(batch: Batch) -> Batch:
     """``batch`` with each run of records of one step merged into one."""
     steps, aggregated = batch.steps, batch.aggregated
-    out_steps, out_stamps, out_metrics, out_agg = [], [], [], []
+    out_steps: list[int | None] = []
+    out_stamps: list[Any] = []
+    out_metrics: list[dict[str, Any]] = []
+    out_agg: list[dict[str, Any]] = []
     for i, step in enumerate(steps):
         if out_steps and step is not None and step == out_steps[-1]:
             out_metrics[-1] = {**out_metrics[-1], **batch.metrics[i]}

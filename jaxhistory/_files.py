@@ -21,7 +21,7 @@ from typing import BinaryIO
 try:
     import fcntl
 except ImportError:  # Windows: logs are not guarded against a second writer
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # checked for None where used
 
 __all__ = [
     "LogInUse",

@@ -87,7 +87,8 @@ def check_hang_timeout(value: Any) -> float | None:
         raise TypeError(
             f"hang_timeout must be seconds (a number) or None, got {value!r:.40}"
         )
-    if not value > 0 or value == float("inf"):
+    # numbers.Real declares no comparison with int in typeshed
+    if not value > 0 or value == float("inf"):  # type: ignore[operator]
         raise ValueError(f"hang_timeout must be positive and finite, got {value!r}")
     return float(value)
 

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import jax
 import numpy as np
@@ -77,6 +77,8 @@ class HistoryState:
     attrs: tuple[tuple[str, Any], ...] = dataclasses.field(
         default=(), metadata={"static": True}
     )
+    if TYPE_CHECKING:  # per state, set in __post_init__ and _derive: no field
+        _inflight: ClassVar[InFlight]
 
     def __post_init__(self):
         object.__setattr__(self, "_inflight", InFlight(MAX_INFLIGHT))
@@ -153,7 +155,8 @@ class HistoryState:
 
     def last_step(self, name: str) -> int | None:
         """The step of the most recent record of ``name`` (None if none)."""
-        steps = [t.step_at(n) for t, n, _ in self.data.parts(name)]
+        # parts have rows, so each a last step
+        steps = cast(list[int], [t.step_at(n) for t, n, _ in self.data.parts(name)])
         return max(steps) if steps else None
 
     def blocks(self):
@@ -451,7 +454,7 @@ class HistoryState:
         cls, columns: dict[str, tuple], next_step: int, attrs: dict | None = None
     ) -> HistoryState:
         """A state of one table per metric from ``{name: (steps, values)}``."""
-        tables = {
+        tables: dict[tuple[str, ...], tuple[Table, int]] = {
             (name,): (Table.from_arrays((name,), steps, [values]), len(steps))
             for name, (steps, values) in columns.items()
         }
@@ -632,8 +635,8 @@ class Appender:
         """Makes ``state`` the newest."""
         self._state = state
         self.next_step = state.next_step
-        self._names = None  # the names of the last row appended
-        self._table = None  # nothing appended since `state`
+        self._names: tuple[str, ...] | None = None  # the names of the last row appended
+        self._table: Table | None = None  # nothing appended since `state`
         self._repeat: Repeat | None = None  # how the dict of that row looked
 
     @property
@@ -642,6 +645,7 @@ class Appender:
         table = self._table
         if table is not None:
             names = self._names
+            assert names is not None  # set with _table
             tables = self._state.data.tables.copy()
             tables[names] = (table, self._n)
             self._state = self._state._derive(tables, self.next_step, appended=names)

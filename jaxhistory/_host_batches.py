@@ -321,7 +321,8 @@ def unpack(raw: bytes) -> dict[str, np.ndarray]:
         n = int.from_bytes(raw[:_HEAD], "little")
         spec = json.loads(raw[_HEAD : _HEAD + n]) if len(raw) >= _HEAD + n else None
         at, out = _HEAD + n, {}
-        for name, dtype, shape in spec:
+        # spec None (a short header): its TypeError is reported below
+        for name, dtype, shape in spec:  # type: ignore[union-attr]
             dtype = np.dtype(dtype)
             if dtype.kind not in _KINDS or not all(d >= 0 for d in shape):
                 raise ValueError(f"{name!r}: {dtype}, shape {shape}")
@@ -345,7 +346,8 @@ def result_dtype(value: Any) -> Any:
     scalar: float64 where JAX computes in it, float32 otherwise)."""
     if isinstance(value, jax.Array):
         return np.dtype(acc_dtype(value.dtype))
-    return np.dtype(np.float64 if jax.config.jax_enable_x64 else np.float32)
+    # jax's Config declares no attribute per option
+    return np.dtype(np.float64 if jax.config.jax_enable_x64 else np.float32)  # type: ignore[attr-defined]
 
 
 def _let_others_run() -> None:

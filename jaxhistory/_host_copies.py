@@ -68,6 +68,8 @@ class _Sent:
     copy."""
 
     __slots__ = ("host", "stacked")
+    stacked: jax.Array | None
+    host: np.ndarray | None
 
     def __init__(self, stacked: jax.Array):
         self.stacked, self.host = stacked, None
@@ -273,7 +275,8 @@ class HostCopies:
         table = self._sent
         for i, (a, _) in enumerate(group):
             key = id(a)
-            ref = weakref.ref(a, lambda _, key=key: table.pop(key, None))
+            # mypy cannot infer a lambda with a default argument as the callback
+            ref = weakref.ref(a, lambda _, key=key: table.pop(key, None))  # type: ignore[misc]
             table[key] = (sent, i, ref)
 
     def read(self, value: Any, older_only: bool = False) -> np.ndarray | None:

@@ -147,7 +147,9 @@ def device_memory(devices: Sequence[Any] | None = None) -> MemorySample:
         ('live_arrays', None)
     """
     devices = _devices(devices)
-    in_use, peak, fallback, sources, per_device = 0, 0, [], set(), []
+    in_use, fallback, sources = 0, [], set()
+    peak: int | None = 0
+    per_device: list[tuple[int | None, int | None]] = []
     for device in devices:
         try:
             stats = device.memory_stats()
@@ -364,6 +366,8 @@ def _device_peaked(start: MemorySample, end: MemorySample) -> int | None:
     for (used0, peak0), (used1, peak1) in zip(
         start.per_device, end.per_device, strict=True
     ):
+        if used0 is None or peak0 is None or used1 is None or peak1 is None:
+            return None  # a device without a peak
         stage_peak = peak1 if peak1 > peak0 else max(used0, used1)
         total += max(0, stage_peak - used1)
     return total

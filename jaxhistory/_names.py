@@ -279,7 +279,7 @@ def aggregated_names(names) -> set[str]:
     """The names that belong to a complete ``name/{mean,max,min,std}`` group,
     with the group's :data:`PROVENANCE` names where recorded."""
     names = set(names)
-    out = set()
+    out: set[str] = set()
     for name in names:
         base, _, stat = name.rpartition("/")
         if stat == "mean" and all(f"{base}/{s}" in names for s in STATS):

@@ -55,7 +55,7 @@ def resolve_ops(leaves: list[Leaf], reduce_fn: ReduceSpec) -> list[ReduceOp]:
     ops: list[ReduceOp] = []
     for leaf in leaves:
         parts = leaf.name.split("/")
-        op: ReduceOp = "mean"
+        op = "mean"
         for end in range(len(parts), 0, -1):
             prefix = "/".join(parts[:end])
             if prefix in spec:

@@ -83,6 +83,6 @@ class Progress:
             out["perf/eta_sec"] = max(self.total - step, 0) * statistics.median(
                 self.per_step
             )
-        if self.flops is not None:
+        if self.flops is not None and self.peak is not None:  # given together
             out["perf/mfu"] = rate * self.flops / self.peak
         return out

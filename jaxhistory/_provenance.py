@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,7 +174,8 @@ def layout_of(value: Any, mesh: Any, caller: str) -> tuple[Layout, Any]:
     shape = tuple(value.shape)
     if not isinstance(value, jax.core.Tracer) and isinstance(value, jax.Array):
         return concrete_layout(value.sharding, shape), value
-    sharding = getattr(jax.typeof(value), "sharding", None)
+    # the aval's sharding, when it has one (then so has its mesh)
+    sharding: Any = getattr(jax.typeof(value), "sharding", None)
     abstract = getattr(sharding, "mesh", None)
     if abstract is None or not getattr(abstract, "axis_names", ()):
         # No mesh: one device runs it, the default one (or the mesh's first).
@@ -214,8 +216,9 @@ def positional_layout(value: Any) -> Layout | None:
     shape = tuple(value.shape)
     if not isinstance(value, jax.core.Tracer) and isinstance(value, jax.Array):
         return concrete_layout(value.sharding, shape)
-    sharding = getattr(jax.typeof(value), "sharding", None)
-    abstract = getattr(sharding, "mesh", None)
+    # the aval's sharding and its mesh, when it has them (``names`` when so)
+    sharding: Any = getattr(jax.typeof(value), "sharding", None)
+    abstract: Any = getattr(sharding, "mesh", None)
     names = tuple(getattr(abstract, "axis_names", ()))
     if not names or any(t == jax.sharding.AxisType.Auto for t in abstract.axis_types):
         return None
@@ -269,7 +272,7 @@ class ShardTables:
 
 
 @functools.lru_cache(maxsize=64)
-def _tables(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> ShardTables:
+def _tables(mesh: jax.sharding.Mesh, axes: tuple[Hashable, ...]) -> ShardTables:
     index = global_index()
     names = tuple(mesh.axis_names)
     sizes = tuple(mesh.devices.shape)
@@ -291,7 +294,7 @@ def _tables(mesh: jax.sharding.Mesh, axes: tuple[str, ...]) -> ShardTables:
     return ShardTables(names, sizes, reduced, rank, holders)
 
 
-def shard_tables(axes: tuple[str, ...], mesh: Any, caller: str) -> ShardTables:
+def shard_tables(axes: tuple[Hashable, ...], mesh: Any, caller: str) -> ShardTables:
     """The tables for a shard_map reduction over ``axes`` (at trace time)."""
     abstract = jax.sharding.get_abstract_mesh()
     manual = jax.sharding.AxisType.Manual

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["Batch", "Record"]
 
@@ -103,15 +103,16 @@ class Batch:
         """Each record's metrics as a dict (made on first read for a batch
         of :meth:`of_rows`)."""
         metrics = self._metrics
-        if metrics is None:
-            names = itertools.repeat(self.names)
-            metrics = self._metrics = list(map(dict, map(zip, names, self.values)))
+        if metrics is None:  # a batch of of_rows: its names and values are set
+            names = itertools.repeat(cast(tuple, self.names))
+            values = cast(list, self.values)
+            metrics = self._metrics = list(map(dict, map(zip, names, values)))
         return metrics
 
     def uniform(self) -> tuple[tuple, list] | None:
         """(the names, each record's values) of a batch of :meth:`of_rows`
         whose dicts were never made; None for any other."""
-        if self.values is None or self._metrics is not None:
+        if self.names is None or self.values is None or self._metrics is not None:
             return None
         return self.names, self.values
 

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxhistory import _trace_state
 from jaxhistory._distributed import is_per_device, mesh_of
@@ -31,6 +31,9 @@ from jaxhistory._stats import Stats
 from jaxhistory._summary import SummaryLine
 from jaxhistory._writer import logger, warn_quietly
 from jaxhistory.sentinels import Guard, SentinelError
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 __all__ = ["Finished", "Recorder"]
 
@@ -69,7 +72,8 @@ class Recorder:
         self.line, self.progress, self.guard = line, progress, guard
         self.log_every = log_every
         self.distributed_history = distributed_history
-        self.mesh = None  # the mesh of the per-device metrics, once one is seen
+        # the mesh of the per-device metrics, once one is seen
+        self.mesh: Mesh | None = None
         self.updates = 0
         self.pending_found: list = []  # sentinel events of rows reduced in a batch
 
@@ -221,6 +225,7 @@ class Recorder:
         """Runs the sentinels on ``row`` (and on earlier device rows now on the
         host) and records their counts (the caller holds the lock)."""
         guard = self.guard
+        assert guard is not None  # called only with sentinels
         found = guard.ready(wait) if guard.pending else []
         if row is None:
             pass
@@ -287,6 +292,7 @@ class Recorder:
         line is in the log (a callback may hang, or end the process).
         ``bounded``: at finalize, callbacks are waited for a bounded time."""
         guard = self.guard
+        assert guard is not None  # events come only from sentinels
         if guard.calls(found):
             self._write_log()
         error = guard.act(found, bounded)

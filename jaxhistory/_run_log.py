@@ -93,6 +93,7 @@ class RunLog:
         """Queues ``row`` for the log and the sinks."""
         if self.writer is None:
             self._start()
+        assert self.writer is not None  # _start made one
         self.writer.add(row)
 
     def live_feed(self) -> SinkFeed | None:

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -333,7 +333,7 @@ def _two_pass(
     xs: list[jax.Array],
     issue: _Issue,
     counts: Any,
-    provenance: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    provenance: tuple[jax.Array, jax.Array | None, jax.Array] | None = None,
     extra: Sequence[jax.Array] = (),
     quantiles: Sequence[float] = (),
     source: Any = None,
@@ -371,8 +371,8 @@ def _two_pass(
         rank = provenance[0]
         maxed += [jnp.where(isnan > 0, -rank, -jnp.inf) for *_, isnan in cleaned]
     if quantiles:  # the histograms' bounds
-        bounds = [hist_bounds(x) for x in xs]
-        maxed += [b[i] for i in range(3) for b in bounds]
+        leaf_bounds = [hist_bounds(x) for x in xs]
+        maxed += [b[i] for i in range(3) for b in leaf_bounds]
     ext = issue.max(maxed)  # all-reduce 1
     mx, mn = ext[:k], -ext[k : 2 * k]
     c, scale = _shift(mx, mn), shift_scale(mx, mn)
@@ -384,16 +384,16 @@ def _two_pass(
     ranked = provenance is not None and provenance[1] is None
     if provenance is not None:
         rank, onehot = provenance[:2]
-        lowest = []
+        negated: list[jax.Array] = []
         for found in (mx, mn):
-            held = zip(xs, _per_stack(found, xs), strict=True)
-            if ranked:
-                lowest += [jnp.where(x == f, -rank, -jnp.inf) for x, f in held]
+            pairs = zip(xs, _per_stack(found, xs), strict=True)
+            if onehot is None:  # ranked
+                negated += [jnp.where(x == f, -rank, -jnp.inf) for x, f in pairs]
             else:
-                summed += [_holder_block(x == f, onehot) for x, f in held]
+                summed += [_holder_block(x == f, onehot) for x, f in pairs]
         if ranked:
-            lowest = -issue.max(lowest)  # all-reduce 3: the lowest ranks
-    hist = []
+            lowest = -issue.max(negated)  # all-reduce 3: the lowest ranks
+    hist: list[jax.Array] = []
     if quantiles:  # each leaf's counts within its finite values
         bounds = ext[ext.shape[0] - 3 * k :].reshape(3, k)
         hist = [hist_block(x, b) for x, b in _per_leaf(xs, bounds)]
@@ -414,7 +414,7 @@ def _two_pass(
         if extra:
             sums = sums[: sums.shape[0] - k * WIDTH]
     where, end = None, 3 * k
-    if ranked:
+    if ranked and provenance is not None:  # ranked implies provenance
         where = _where(ext[2 * k : 3 * k], lowest[:k], lowest[k:], provenance[2])
     elif provenance is not None:
         holders = provenance[2]
@@ -425,7 +425,9 @@ def _two_pass(
     return table, where, sums[end:] if extra else None
 
 
-def _per_leaf(xs: list[jax.Array], rows: jax.Array):
+def _per_leaf(
+    xs: list[jax.Array], rows: jax.Array
+) -> Iterator[tuple[jax.Array, jax.Array]]:
     """Each stack with its leaves' columns of ``rows`` (``(r, k)``)."""
     offset = 0
     for x in xs:
@@ -667,7 +669,7 @@ def distributed_stats(
     leaves, _ = flatten_metrics(metrics)
     _check_nonempty(leaves)
     if provenance:
-        layouts = []
+        layouts: list[Layout | None] = []
         for lf in leaves:
             layout, lf.value = layout_of(lf.value, mesh, "distributed_stats")
             layouts.append(layout)
@@ -681,7 +683,7 @@ def distributed_stats(
 
 def global_stats(
     leaves: list[Leaf],
-    layouts: list[Layout | None] | None,
+    layouts: Sequence[Layout | None] | None,
     gather: frozenset = frozenset(),
     provenance: bool = True,
     quantiles: Sequence[float] = (),
@@ -702,9 +704,10 @@ def global_stats(
     layouts = layouts or [None] * len(leaves)
     groups: dict[tuple, list[int]] = {}
     for i, leaf in enumerate(leaves):
-        if layouts[i] is not None:  # the same placement: stacked at no cost
+        placed = layouts[i]
+        if placed is not None:  # the same placement: stacked at no cost
             v = leaf.value
-            key = (v.shape, acc_dtype(v.dtype), layouts[i].key)
+            key = (v.shape, acc_dtype(v.dtype), placed.key)
         else:
             key = _group_key(leaf)
         groups.setdefault(key, []).append(i)
@@ -715,7 +718,7 @@ def global_stats(
         picks = [j for j, i in enumerate(idx) if i in gather]
         wide = layout is not None and not _gathers(len(layout.holders))
         one_each = layout is not None and layout.rank.size == len(layout.holders)
-        if one_each and (quantiles or not wide):
+        if layout is not None and one_each and (quantiles or not wide):
             holders = jnp.asarray(layout.holders)
             onehot = jnp.asarray(layout.onehot)
             table, where, v = _gathered(stacked, _SPMD, onehot, holders, quantiles)
@@ -824,10 +827,16 @@ def _global_group(
     place = None
     if provenance:
         place = (rank, None if wide else onehot, jnp.asarray(layout.holders))
-    extra = [_slot_block(stacked[np.asarray(picks)], onehot)] if picks else []
+    # onehot is set above whenever there are picks
+    extra = (
+        [_slot_block(stacked[np.asarray(picks)], cast(jax.Array, onehot))]
+        if picks
+        else []
+    )
     table, where, rest = _two_pass([stacked], _SPMD, count, place, extra)
     if not picks:
         return table, where, []
+    assert rest is not None  # extra is not empty: its rows come back
     per_slot = np.maximum(np.bincount(layout.rank.ravel(), minlength=slots), 1)
     values = rest.reshape(len(picks), slots) / jnp.asarray(per_slot, dtype)
     return table, where, list(values)
@@ -924,6 +933,7 @@ def distributed_stats_collective(
             ]
             place = None
             if provenance:
+                assert holders is not None  # from _shard_place with provenance
                 place = (
                     rank.astype(acc),
                     None if wide else onehot.astype(acc),
@@ -947,7 +957,9 @@ def distributed_stats_collective(
 def _shard_place(tables) -> tuple[jax.Array, jax.Array, jax.Array]:
     """This shard's rank among its group's devices, its one-hot over the group,
     and the group's device indices (ascending), from the mesh axis indices."""
-    position, group, stride, gstride = 0, 0, 1, 1
+    position: int | jax.Array = 0
+    group: int | jax.Array = 0
+    stride, gstride = 1, 1
     for name, size, reduced in reversed(
         list(zip(tables.names, tables.sizes, tables.reduced, strict=True))
     ):

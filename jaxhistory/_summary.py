@@ -154,13 +154,13 @@ def summary_line(
         device = [(n, v) for n, v in items if isinstance(v, jax.Array | Stats)]
         values = dict(items)
         if device:
-            rest = {}
+            rest: dict[str, Any] = {}
             for name, value in device:  # scalars sent in a stacked transfer
-                host = host_copies.read(value) if type(value) is not Stats else None
-                if host is None:
+                read = host_copies.read(value) if type(value) is not Stats else None
+                if read is None:
                     rest[name] = value
                 else:
-                    values[name] = host
+                    values[name] = read
             if rest:  # the others' copies started together, then read
                 values.update(jax.device_get(rest))
         for name, _ in items:

@@ -117,7 +117,8 @@ class Table:
             np.zeros((cap, *s), d) for d, s in zip(self.dtypes, shapes, strict=True)
         ]
         self.fill = 0  # rows in the arrays
-        self.rows: list[tuple] = []  # staged rows after them
+        # staged rows after them: tuples, or one array for a packed device row
+        self.rows: list[tuple | jax.Array | np.ndarray] = []
         self.row_steps: list[int] = []
         self.device_rows: list[int] = []  # staged rows holding device arrays
         self.length = 0
@@ -152,7 +153,9 @@ class Table:
         table.scalar_dtype = _scalar_dtype(table.dtypes, table.shapes)
         return table
 
-    def append(self, step: int, row: tuple, on_device: bool = False) -> None:
+    def append(
+        self, step: int, row: tuple | jax.Array, on_device: bool = False
+    ) -> None:
         """Stages one row (the caller holds :attr:`lock` and owns the table's end:
         its state sees all ``length`` rows)."""
         if on_device:
@@ -408,6 +411,8 @@ class Tables:
     """
 
     __slots__ = ("_index", "_meta", "all_steps", "tables")
+    _index: dict[str, list[tuple[str, ...]]] | None
+    _meta: dict[str, tuple[tuple[int, ...], np.dtype]] | None
 
     def __init__(self, tables: dict[tuple[str, ...], tuple[Table, int]] | None = None):
         self.tables = {} if tables is None else tables
@@ -438,6 +443,7 @@ class Tables:
         tables with rows that hold it."""
         if self._meta is None:
             self.index()
+        assert self._meta is not None  # index() sets it (before the index)
         return self._meta
 
     def _unknown(self, name: str) -> KeyError:
@@ -467,12 +473,12 @@ class Tables:
         if not parts:
             ks = self.index()[name][0]
             return self.tables[ks][0].column(0, ks.index(name))
-        steps, values = [], []
+        step_parts, value_parts = [], []
         for t, n, j in parts:
             s, v = t.column(n, j)
-            steps.append(s)
-            values.append(v)
-        steps, values = np.concatenate(steps), np.concatenate(values)
+            step_parts.append(s)
+            value_parts.append(v)
+        steps, values = np.concatenate(step_parts), np.concatenate(value_parts)
         order = np.argsort(steps, kind="stable")
         steps, values = steps[order], values[order]
         steps.flags.writeable = values.flags.writeable = False
@@ -526,6 +532,7 @@ class Tables:
         index, meta = parent._index, parent._meta
         if index is None:
             return
+        assert meta is not None  # set before the index (see index())
         table = self.tables[keys][0]
         old = parent.tables.get(keys)
         if old is not None and old[1] and old[0].dtypes == table.dtypes:

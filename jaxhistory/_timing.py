@@ -250,7 +250,7 @@ class StopWatch:
             wrapper.last = self._local.last
             return out
 
-        wrapper.last = None
+        wrapper.last = None  # type: ignore[attr-defined]  # a function attribute
         return wrapper
 
     def _timed_async(self, fn: Callable) -> Callable:
@@ -276,5 +276,5 @@ class StopWatch:
                 self._finished(start_ns, end_ns, exc_type, thread, traced=traced)
                 wrapper.last = self._local.last
 
-        wrapper.last = None
+        wrapper.last = None  # type: ignore[attr-defined]  # a function attribute
         return wrapper

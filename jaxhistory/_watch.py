@@ -19,7 +19,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -135,7 +135,7 @@ def _leaves(tree: Any) -> list[tuple[str, jax.Array]]:
 def _spec_axes(spec: Any, ndim: int) -> list[tuple[str, ...]]:
     """The mesh axes each dimension is sharded over."""
     entries = list(spec) + [None] * (ndim - len(spec))
-    out = []
+    out: list[tuple[str, ...]] = []
     for e in entries[:ndim]:
         if e is None:
             out.append(())
@@ -207,8 +207,8 @@ def _plan(
         lead = where.lead if layers is not None else ()
         parts.append(_Part(start, layers, lead, where.axes))
     shown = ", ".join(repr(n) for n, _ in leaves[:3])
-    for what, hits in (("group", matched), ("split_layers", splits)):
-        missed = [p for p, hit in hits.items() if not hit]
+    for what, flags in (("group", matched), ("split_layers", splits)):
+        missed = [p for p, hit in flags.items() if not hit]
         if missed:
             raise ValueError(
                 f"watch: {what} pattern(s) {missed!r} match no leaf (leaves are "
@@ -253,7 +253,7 @@ def _mask(axes: Sequence[str], held: frozenset, dtype) -> Any:
 
 def _lead_offset(lead: tuple[str, ...], local: int) -> Any:
     """Where this device's layers start among all layers."""
-    index = 0
+    index: int | jax.Array = 0
     for axis in lead:
         index = index * lax.axis_size(axis) + lax.axis_index(axis)
     return index * local
@@ -292,7 +292,9 @@ def _tables(
     dtype = plan.dtype
     max_cols, sum_cols = _needs(stats)
     by_length: dict[int, list[int]] = {}
-    rows_of, keeps, empty = [], [], []
+    rows_of: list[jax.Array | np.ndarray] = []
+    keeps: list[jax.Array | None] = []
+    empty: list[int] = []
     for i, (x, part) in enumerate(zip(blocks, plan.parts, strict=True)):
         if math.prod(x.shape) == 0:
             # no values: constant rows, and no operation on an empty array
@@ -310,7 +312,8 @@ def _tables(
     stacks = []  # (indices, stacked rows, their keep flags)
     for idx in by_length.values():
         x2 = jnp.concatenate([rows_of[i] for i in idx])
-        keep = jnp.concatenate([keeps[i] for i in idx])
+        # by_length holds only parts with values, whose keep flags are set
+        keep = jnp.concatenate([cast(jax.Array, keeps[i]) for i in idx])
         stacks.append((idx, x2, keep))
     n_empty = sum(rows_of[i].shape[0] for i in empty)
     ext = {}
@@ -341,7 +344,8 @@ def _tables(
             cols["zeros"] = jnp.sum((x2 == 0).astype(dtype), axis=1)
         if "nonfinite" in sum_cols:
             cols["nonfinite"] = _nonfinite(x2, cols.get("sq"))
-        if centre is not None:  # each row shifted by its column's midrange
+        # each row shifted by its column's midrange (centre and scale set together)
+        if centre is not None and scale is not None:
             starts, scales = [], []  # (and scaled: no overflow near the largest)
             for i in idx:
                 part, k = plan.parts[i], rows_of[i].shape[0]
@@ -461,11 +465,11 @@ def _columns(rows: list[jax.Array], plan: _Plan, how: str) -> jax.Array:
         count = 1 if part.layers is None else part.layers
         ids.append(np.arange(part.column, part.column + count))
     table = jnp.concatenate(placed)
-    ids = np.concatenate(ids)
-    if np.array_equal(ids, np.arange(c)):  # a column per part, in order
+    column_ids = np.concatenate(ids)
+    if np.array_equal(column_ids, np.arange(c)):  # a column per part, in order
         return table
     segment = jax.ops.segment_max if how == "max" else jax.ops.segment_sum
-    return segment(table, jnp.asarray(ids), num_segments=c)
+    return segment(table, jnp.asarray(column_ids), num_segments=c)
 
 
 def _finish(ext: dict, sums: dict, plan: _Plan, stats: tuple[str, ...]) -> jax.Array:

@@ -168,7 +168,7 @@ def to_dataset(
                     masks[name] = recorded
             full[where] = values
         data_vars[name] = xr.Variable(dims, full, attrs=attrs_)
-    coords = {"step": ("step", steps)}
+    coords: dict[str, tuple[str, np.ndarray | list]] = {"step": ("step", steps)}
     attrs = dict(attrs)
     if masks:
         mask, mask_dim = free(MASK), free(MASK_DIM)

@@ -308,7 +308,8 @@ class Metric:
 
     def replace(self, **fields) -> Metric:
         """This metric with ``fields`` replaced."""
-        return dataclasses.replace(self, **fields)
+        # every subclass is made a dataclass in __init_subclass__; Metric is not
+        return dataclasses.replace(self, **fields)  # type: ignore[type-var]
 
     def _leaves(self) -> list[jax.Array]:
         return [getattr(self, f) for f in self._fields]
@@ -515,7 +516,8 @@ class _OfOutput(Metric):
     @classmethod
     def from_output(cls, argname: str):
         """This metric of the model output named ``argname``."""
-        return _variant(cls, argname=argname)
+        # a class is hashable: mypy checks type[...] against Hashable wrongly
+        return _variant(cls, argname=argname)  # type: ignore[arg-type]
 
 
 class Average(_OfOutput):
@@ -543,7 +545,8 @@ class Average(_OfOutput):
     def from_output(cls, argname: str, weights: str | None = None) -> type[Average]:
         """An Average of the model output ``argname`` (weighted by the output
         ``weights`` per example, if given)."""
-        return _variant(cls, argname=argname, weightname=weights)
+        # a class is hashable: mypy checks type[...] against Hashable wrongly
+        return _variant(cls, argname=argname, weightname=weights)  # type: ignore[arg-type]
 
     @classmethod
     def identity(cls, n):

@@ -194,6 +194,10 @@ class Spike(Sentinel):
     """
 
     kind = "spike"
+    window: int
+    threshold: float
+    min_steps: int
+    _refresh: int
 
     def __init__(
         self,
@@ -378,7 +382,8 @@ class Guard:
         return events
 
     def _check_device(self, step: int, names: tuple, values: tuple) -> list:
-        flat_names, flat_values, notes = [], [], {}
+        flat_names: list[str] = []
+        flat_values, notes = [], {}
         for name, value in zip(names, values, strict=True):
             if type(value) is Stats:
                 prefix = f"{name}/" if name else ""
