@@ -25,6 +25,7 @@ docs: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check jaxhistory tests benchmarks examples docs/make_images.py docs/griffe_roles.py
 	$(BIN)/ruff format --check jaxhistory tests benchmarks examples docs/make_images.py docs/griffe_roles.py
+	$(BIN)/python -m mypy jaxhistory
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix jaxhistory tests benchmarks examples docs/make_images.py docs/griffe_roles.py
@@ -44,4 +45,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_pod.py --out benchmarks/results/pod.md
 
 clean:
-	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .ruff_cache .mypy_cache
