@@ -223,8 +223,9 @@ def hist_quantiles(
     """``(Q, k)``: the quantiles read from the all-reduced ``counts`` (``(k,
     WIDTH)``, :func:`hist_block`), NumPy's linear rule on ranks; between a
     finite value and an infinity, the infinity, and between ``-inf`` and
-    ``+inf``, NaN (as ``jnp.quantile``); NaN for a leaf without values. ``integer``: the leaves' values are integers, so each
-    end of the interpolation (one of the values) is rounded to one."""
+    ``+inf``, NaN (as ``jnp.quantile``); NaN for a leaf without values.
+    ``integer``: the leaves' values are integers, so each end of the
+    interpolation (one of the values) is rounded to one."""
     k = counts.shape[0]
     bins = _Bins(*(b.reshape(k, 1) for b in bounds))
     linear, logged = counts[:, :HALF], counts[:, HALF : 2 * HALF]
