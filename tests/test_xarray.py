@@ -124,7 +124,7 @@ def test_a_damaged_long_table_in_a_file_is_named(tmp_path, fault):
     steps = ds["_long_step"].values.copy()
     index = ds["_long_index"].values.copy()
     if fault == "also a variable":
-        metrics = ds["_long_metric"].values.astype(object)
+        metrics = ds["_long_metric"].values.copy()
         metrics[0] = "loss"
         ds = ds.assign_coords(_long_metric=metrics)
         match = "'loss'.*both"
