@@ -299,23 +299,25 @@ def test_the_readme_example_says_which_extra_it_needs():
     assert "pip install 'jaxhistory[nnx]'" in before
 
 
-def test_the_formatter_is_pinned_to_one_minor_release():
-    """``make lint`` runs ``ruff format --check``; ruff's minor releases change
-    its style, so an unpinned ruff would fail CI on a new release with no
-    change here. The dev extra holds it to one minor release."""
+@pytest.mark.parametrize("tool", ["ruff", "mypy"])
+def test_the_lint_tools_are_pinned_to_one_minor_release(tool):
+    """``make lint`` runs ``ruff format --check`` and ``mypy``; ruff's minor
+    releases change its style and mypy's add checks, so an unpinned tool would
+    fail CI on a new release with no change here. The dev extra holds each to
+    one minor release."""
     from packaging.requirements import Requirement
     from packaging.version import Version
 
     dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]["dev"]
-    (ruff,) = [Requirement(r) for r in dev if Requirement(r).name == "ruff"]
-    bounds = {s.operator: Version(s.version) for s in ruff.specifier}
-    assert set(bounds) == {">=", "<"}, ruff
+    (req,) = [Requirement(r) for r in dev if Requirement(r).name == tool]
+    bounds = {s.operator: Version(s.version) for s in req.specifier}
+    assert set(bounds) == {">=", "<"}, req
     low, high = bounds[">="], bounds["<"]
-    assert (high.major, high.minor) == (low.major, low.minor + 1), ruff
-    installed = Version(importlib.metadata.version("ruff"))
-    assert installed in ruff.specifier
+    assert (high.major, high.minor) == (low.major, low.minor + 1), req
+    installed = Version(importlib.metadata.version(tool))
+    assert installed in req.specifier
 
 
 def test_the_package_says_it_is_typed():
