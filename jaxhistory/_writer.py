@@ -125,7 +125,6 @@ class Writer:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._at_exit = AtExit(self, "close")
-        self._exit_hook = self._at_exit.hook
 
     @property
     def closed(self) -> bool:

@@ -264,7 +264,7 @@ def test_a_closed_writer_leaves_nothing_registered_at_exit():
         w = _writer.Writer(Target())
         w.add(1)
         w.close()
-        hooks.append(weakref.ref(w._exit_hook))
+        hooks.append(weakref.ref(w._at_exit.hook))
         del w
     gc.collect()
     assert [h for h in hooks if h() is not None] == []
@@ -286,7 +286,7 @@ def test_exit_callbacks_of_objects_freed_unclosed_are_forgotten():
 def test_a_writer_still_open_at_exit_is_closed_by_its_exit_callback():
     t = Target()
     w = _writer.Writer(t)
-    hook = w._exit_hook  # what atexit calls
+    hook = w._at_exit.hook  # what atexit calls
     w.add(7)
     hook()
     assert w.closed and t.items() == [7]
