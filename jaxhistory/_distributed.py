@@ -361,7 +361,6 @@ class Reducer:
                 names=tuple(n for n, _ in plain),
                 values=tuple(v for _, v in plain),
                 kind=RowKind.VALUES,
-                metrics=None,
             )
         return row, rows, mesh
 
@@ -481,7 +480,6 @@ def _placed(
         names=tuple(record),
         values=tuple(record.values()),
         kind=RowKind.VALUES,
-        metrics=None,
     )
 
 

@@ -34,10 +34,13 @@ from jaxhistory._writer import warn_quietly
 
 __all__ = ["FanOut", "merged"]
 
+# The writer's queue holds Rows and, from History's fast path, dicts of finite
+# floats with the step under 0 and the time under 1 (see _row.queued)
 _STEP, _NAMES, _VALUES_OF, _KIND, _STAMP = map(operator.itemgetter, range(5))
-_OWN_DICT = operator.itemgetter(6)  # Row.metrics
+_POP_STEP, _POP_STAMP = (operator.methodcaller("pop", k) for k in (0, 1))
 _VALUES = RowKind.VALUES
 _ALL_FINITE = {RowKind.FINITE_FLOATS}
+_DICTS = {dict}
 _UINT64 = np.dtype(np.uint64)
 
 
@@ -87,9 +90,11 @@ class FanOut:
         self._warned: set[Any] = set()
         self._held: Batch | None = None  # the latest step's record, not yet written
 
-    def write(self, rows: list[Row], final: bool) -> None:
-        """Writes ``rows`` (after any held record); unless ``final``, holds back
-        the latest step's record while it is young."""
+    def write(self, rows: list[Row | dict], final: bool) -> None:
+        """Writes ``rows`` (after any held record: Rows, and the dicts of
+        :func:`~jaxhistory._row.queued`, which this empties of their step and
+        time); unless ``final``, holds back the latest step's record while it
+        is young."""
         held, self._held = self._held, None
         if not rows and held is None:
             return
@@ -99,25 +104,25 @@ class FanOut:
         if batch is not None:
             self._fan_out(batch)
 
-    def _resolve(self, rows: list[Row]) -> Batch:
+    def _resolve(self, rows: list[Row | dict]) -> Batch:
         """The rows with their values on the host (this waits for device values)
         and their statistics as aggregated values."""
-        kinds = set(map(_KIND, rows))
+        types = set(map(type, rows))
+        if types == _DICTS:  # the fast path's own dicts of finite floats
+            steps = list(map(_POP_STEP, rows))
+            stamps = list(map(_POP_STAMP, rows))
+            batch = Batch(steps, stamps, rows, None, None, self.process_index)
+            batch.finite = True
+            batch.run_id = self.run_id
+            return batch
+        kinds = set(map(_KIND, rows)) if dict not in types else {_VALUES}
         if _VALUES not in kinds:  # Python numbers only: built at C speed
             steps, stamps = list(map(_STEP, rows)), list(map(_STAMP, rows))
-            names = rows[0].names
+            names = _NAMES(rows[0])
             all_names = list(map(_NAMES, rows))
             if all_names.count(names) == len(rows):  # one set of names
                 values = list(map(_VALUES_OF, rows))
-                dicts = list(map(_OWN_DICT, rows))  # each row's own, or None
-                batch = Batch.of_rows(
-                    steps,
-                    stamps,
-                    names,
-                    values,
-                    self.process_index,
-                    metrics=dicts if all(dicts) else None,
-                )
+                batch = Batch.of_rows(steps, stamps, names, values, self.process_index)
             else:
                 metrics = list(map(dict, map(zip, all_names, map(_VALUES_OF, rows))))
                 batch = Batch(steps, stamps, metrics, None, None, self.process_index)
@@ -129,12 +134,17 @@ class FanOut:
         aggregated: list[dict[str, Any]] | None = None
         finite = True
         for i, row in enumerate(rows):
-            steps.append(row.step)
+            if isinstance(row, dict):
+                steps.append(row.pop(0))
+                stamps.append(row.pop(1))
+                metrics.append(row)
+                continue
+            step = row.step
+            steps.append(step)
             stamps.append(row.timestamp)
-            kind = row.kind
-            if kind is not RowKind.FINITE_FLOATS:
+            if row.kind is not RowKind.FINITE_FLOATS:
                 finite = False
-            if kind is not RowKind.VALUES:
+            if row.kind is not RowKind.VALUES:
                 metrics.append(dict(zip(row.names, row.values, strict=True)))
                 continue
             plain, stats = {}, []
@@ -143,11 +153,11 @@ class FanOut:
                     stats.append((f"{name}/" if name else "", value))
                 else:
                     plain[name] = value
-            metrics.append(self._host_values(row.step, plain, lost))
+            metrics.append(self._host_values(step, plain, lost))
             if stats:
                 if aggregated is None:
                     aggregated = [{}] * i
-                aggregated.append(self._stats_values(row.step, stats, lost))
+                aggregated.append(self._stats_values(step, stats, lost))
             elif aggregated is not None:
                 aggregated.append({})
         if aggregated is not None and len(aggregated) < len(steps):

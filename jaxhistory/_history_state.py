@@ -696,24 +696,24 @@ class Appender:
         return True
 
     def remember(self, metrics: Any, row: Row) -> None:
-        """Notes how ``metrics``, just parsed (with no explicit step) into
-        ``row`` and appended, looked, for :meth:`take`: where it went onto the
+        """Notes how ``metrics``, just parsed into ``row`` and appended,
+        looked, for :meth:`take`: where it went onto the
         end of the table of the row before it (the names repeat; a run whose
         names change at every update never pays for :meth:`take`)."""
         if self._table is not None and row.names == self._names:
             self._repeat = repeat_of(metrics, row)
 
-    def take(self, metrics: Any, timestamp: float, copy: bool = False) -> Row | None:
-        """Parses and appends ``metrics`` (with no explicit step) where it has
-        the keys of the dict :meth:`remember` saw, finite Python floats as
-        values and no step (or a step past everything recorded) and
-        returns its row, the one :func:`~jaxhistory._row.parse_row` makes
-        (``copy``: with its metrics as a dict of its own, for the log); None
-        (nothing done) for anything else: then parse and :meth:`append` it."""
+    def take(self, metrics: Any, timestamp: float, step: Any = None) -> Row | None:
+        """Parses and appends ``metrics`` (at ``step``, None: its own or the
+        next) where it has the keys of the dict :meth:`remember` saw, finite
+        Python floats as values and no step (or a step past everything
+        recorded) and returns its row, the one
+        :func:`~jaxhistory._row.parse_row` makes; None (nothing done) for
+        anything else: then parse and :meth:`append` it."""
         repeat = self._repeat
         if repeat is None:
             return None
-        row = repeated(repeat, metrics, self.next_step, timestamp, copy)
+        row = repeated(repeat, metrics, self.next_step, timestamp, step)
         if row is None or not self.append_floats(repeat.names, row[2], row[0]):
             return None
         return row

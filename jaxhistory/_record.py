@@ -88,13 +88,10 @@ class Batch:
         names: tuple,
         values: list,
         process_index: int = 0,
-        metrics: list | None = None,
     ) -> Batch:
         """A batch of records that all have ``names``, the k-th record's values
-        the tuple ``values[k]`` (host numbers) in the order of ``names``;
-        ``metrics``, where given, the same records as dicts (that the batch may
-        keep), which the JSONL log then writes from."""
-        batch = cls(steps, stamps, metrics, None, None, process_index)
+        the tuple ``values[k]`` (host numbers) in the order of ``names``."""
+        batch = cls(steps, stamps, None, None, None, process_index)
         batch.names, batch.values = names, values
         return batch
 

@@ -24,7 +24,7 @@ from jaxhistory._history_state import Appender, HistoryState
 from jaxhistory._host_copies import host_copies
 from jaxhistory._job import JobSync
 from jaxhistory._progress import Progress
-from jaxhistory._row import Row, RowKind, owned, parse_row
+from jaxhistory._row import Row, RowKind, owned, parse_row, queued
 from jaxhistory._run_log import RunLog
 from jaxhistory._side_values import SideValues
 from jaxhistory._stats import Stats
@@ -87,9 +87,9 @@ class Recorder:
             out = self.out
             logged = out.writing or _trace_state.active() is not None
             # A dict like the last one, of finite floats, with nothing else due:
-            # parsed and appended in one call, then queued for the log (with a
-            # copy of the dict, which the log's encoder writes fastest).
-            row = self.rec.take(metrics, now, logged) if step is None else None
+            # parsed and appended in one call, then queued for the log as a
+            # dict (see _row.queued: one the garbage collector does not track).
+            row = self.rec.take(metrics, now, step)
             if row is not None and not self.side.due and self.guard is None:
                 try:
                     self.updates += 1
@@ -98,9 +98,9 @@ class Recorder:
                     if logged:
                         writer = out.writer
                         if writer is not None:
-                            writer.add(row)
+                            writer.add(queued(row, metrics))
                         else:
-                            out.add(row)  # (starts the writer)
+                            out.add(queued(row, metrics))  # (starts the writer)
                 except BaseException:  # Ctrl-C: recorded, maybe not queued
                     out.failed = True  # finalize writes the log from the state
                     raise
@@ -166,7 +166,6 @@ class Recorder:
                     names=row.names + names,
                     values=row.values + values,
                     kind=RowKind.VALUES,
-                    metrics=None,
                 )
         if out.writing or _trace_state.active() is not None:
             out.add(logged)
@@ -196,7 +195,7 @@ class Recorder:
             if earlier:
                 self._record_reduced(earlier)
         rec.append(row, copied)
-        if step is None and self.progress is None and job.plain:
+        if self.progress is None and job.plain:
             rec.remember(metrics, row)  # the next dict like it takes rec.take
         if job.reduce_host:
             self._record_scores(job.scores())

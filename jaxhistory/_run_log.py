@@ -89,8 +89,9 @@ class RunLog:
         self.stamp_steps = array.array("q")
         self.stamp_times = array.array("d")
 
-    def add(self, row: Row) -> None:
-        """Queues ``row`` for the log and the sinks."""
+    def add(self, row: Row | dict) -> None:
+        """Queues ``row`` (or the dict :func:`~jaxhistory._row.queued` made of
+        it) for the log and the sinks."""
         if self.writer is None:
             self._start()
         assert self.writer is not None  # _start made one

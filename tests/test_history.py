@@ -1564,3 +1564,72 @@ def test_a_history_dropped_without_close_closes_its_log_file(tmp_path, before):
     steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
     expected = list(range(41 if before == "close and update" else 40))
     assert steps == expected
+
+
+def test_rows_queued_for_the_log_are_let_go_by_the_garbage_collector(tmp_path):
+    """Finding: with a JSONL log, the fast path queued each update as a Row (a
+    tuple subclass holding an enum member) and the dict's copy: objects the
+    garbage collector tracks for as long as they wait, up to thousands of
+    updates. Every collection walked them and moved them into the oldest
+    generation, bringing on full collections: 1.8 µs of an update's 5-6 µs
+    on the training thread (200,000 updates of 10 floats)."""
+    import gc
+
+    from jaxhistory._writer import Writer
+
+    with mock.patch.object(Writer, "INTERVAL", 60.0):  # the thread waits
+        h = jh.History(distributed_history=False, jsonl_path=tmp_path / "run.jsonl")
+        m = {f"m{i}": 0.5 + i for i in range(10)}
+        for _ in range(300):
+            h.update(dict(m), summarize=False)
+        writer = h._recorder.out.writer
+        queued = list(writer._queue)
+        gc.collect()
+        assert len(queued) >= 298  # the fast path's rows, none written yet
+        tracked = [q for q in queued[2:] if gc.is_tracked(q)]
+        assert not tracked, f"{len(tracked)} queued rows stay tracked: {tracked[0]!r}"
+        h.close()
+    lines = (tmp_path / "run.jsonl").read_text().splitlines()
+    assert len(lines) == 300
+    last = orjson.loads(lines[-1])
+    assert last["step"] == 299 and last["metrics"] == m
+
+
+def test_an_explicit_step_takes_the_cheap_path_and_records_what_the_full_parse_does(
+    tmp_path,
+):
+    """Finding: ``update(m, step=s)``, a common way to pass the step, parsed
+    every dict in full (8.3 µs an update with a log against 5.5-6 µs for the
+    same dict without ``step=``). A dict like the last one now takes the
+    cheap path with an int step past every recorded one; the history, the log
+    and the summary lines are those of the full parse. A step that goes back
+    or is not an int still takes the full parse, which refuses or records it
+    as before."""
+    from jaxhistory import _recorder
+
+    calls = []
+    real = _recorder.parse_row
+
+    def counted(*args, **kwargs):
+        calls.append(args[1] if len(args) > 1 else kwargs.get("step"))
+        return real(*args, **kwargs)
+
+    h = jh.History(distributed_history=False, jsonl_path=tmp_path / "run.jsonl")
+    lines = []
+    with mock.patch.object(_recorder, "parse_row", counted):
+        for s in (0, 10, 11, 30, 31):
+            lines.append(h.update({"loss": s / 4, "lr": 0.5}, step=s))
+        assert calls == [0, 10]  # the first two dicts (the second finds the table)
+        lines.append(h.update({"loss": 2.0, "lr": 0.5}, step=np.int64(40)))
+        lines.append(h.update({"loss": 3.0, "lr": 0.5}))  # the next step: 41
+        assert calls == [0, 10, 40]  # (a NumPy int: the full parse)
+        with pytest.raises(ValueError):
+            h.update({"loss": 3.0, "lr": 0.5}, step=-1)
+    assert lines[1] == "step=10 loss=2.500000 lr=0.500000"
+    assert lines[-1] == "step=41 loss=3.000000 lr=0.500000"
+    assert h.state.steps("loss").tolist() == [0, 10, 11, 30, 31, 40, 41]
+    assert h.state.values("loss").tolist() == [0, 2.5, 2.75, 7.5, 7.75, 2.0, 3.0]
+    h.close()
+    logged = [orjson.loads(x) for x in (tmp_path / "run.jsonl").read_bytes().split()]
+    assert [r["step"] for r in logged] == [0, 10, 11, 30, 31, 40, 41]
+    assert logged[3]["metrics"] == {"loss": 7.5, "lr": 0.5}

@@ -203,10 +203,14 @@ def test_repeat_of_takes_only_dicts_of_finite_floats_with_a_plain_step():
 @pytest.mark.parametrize(
     "at", [None, 0, -1], ids=["no-step", "step-first", "step-last"]
 )
-def test_a_repeated_row_can_hold_its_metrics_as_a_dict_of_its_own(at):
-    """``copy=True`` (History's log is on): the row also holds its metrics as a
-    new dict, exactly its names and values (no step entry), in their order;
-    later changes to the caller's dict do not reach it."""
+def test_a_repeated_row_is_queued_as_a_dict_the_garbage_collector_does_not_track(at):
+    """``queued``: the log's item for a repeated row, a new dict of exactly its
+    names and values in order (no step entry), then its step under 0 and time
+    under 1; later changes to the caller's dict do not reach it, and it is not
+    tracked by the garbage collector (a Row is, for as long as it lives)."""
+    import gc
+
+    from jaxhistory._row import queued
 
     def make(step, m):
         if at is None:
@@ -216,12 +220,10 @@ def test_a_repeated_row_can_hold_its_metrics_as_a_dict_of_its_own(at):
     first = make(0, {"loss": 0.5, "lr": 1e-3})
     repeat = repeat_of(first, parse_row(first, None, 0))
     metrics = make(1, {"loss": 0.25, "lr": 2e-3})
-    row = repeated(repeat, metrics, 1, 3.0, copy=True)
-    assert row.metrics == row.as_dict() == {"loss": 0.25, "lr": 2e-3}
-    assert list(row.metrics) == list(row.names) and row.metrics is not metrics
+    row = repeated(repeat, metrics, 1, 3.0)
+    item = queued(row, metrics)
+    assert list(item.items()) == [("loss", 0.25), ("lr", 2e-3), (0, 1), (1, 3.0)]
+    assert item is not metrics
     metrics["loss"] = 9.0
-    assert row.metrics["loss"] == 0.25
-    assert repeated(repeat, make(2, {"loss": 0.1, "lr": 0.1}), 2, 3.0).metrics is None
-    assert parse_row(make(3, {"loss": 0.1, "lr": 0.1}), None, 3).metrics is None
-    # a row made from it with other values holds no dict
-    assert row.extended(("m",), (1.0,)).metrics is None
+    assert item["loss"] == 0.25
+    assert not gc.is_tracked(item) and gc.is_tracked(row)
