@@ -26,6 +26,8 @@ __all__ = [
     "all_gather",
     "collect_from_devices",
     "fused_by_dtype",
+    "pmax",
+    "pmin",
     "psum",
     "reduce_custom_collective",
     "reduce_max_collective",
@@ -35,6 +37,7 @@ __all__ = [
     "reduce_sum_collective",
     "sharded_axes",
     "varying_axes",
+    "varying_over_all",
 ]
 
 AxisName = Hashable | tuple[Hashable, ...]
@@ -95,20 +98,40 @@ def sharded_axes(x: Any) -> tuple[Any, tuple[str, ...]]:
     return sharding, axes
 
 
-def psum(x: jax.Array, axis_name: AxisName) -> jax.Array:
-    """``lax.psum`` of ``x`` over ``axis_name``, where ``x`` may vary over some
-    of the axes and not others (a block sharded over "model" only, reduced
-    over ("data", "model")): it is first typed as varying over all of them,
-    which moves no data, so every device's copy is counted, as ``lax.psum``
-    counts a value that varies over none."""
-    axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+def varying_over_all(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """``x`` typed as varying over every axis of ``axis_name``, where it
+    varies over some of them and not others (a block sharded over "model"
+    only, reduced over ("data", "model")). This moves no data. JAX refuses a
+    collective over such a mix (0.12 and later); a value typed as varying
+    over nothing (``check_vma=False``, or the same on every device) is
+    returned as it is."""
     held = varying_axes(x)
-    if held:  # (under check_vma=True; a value typed as varying over nothing
-        # is summed as it is)
+    if held:
+        axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
         missing = tuple(a for a in axes if a not in held)
         if missing:
             x = lax.pcast(x, missing, to="varying")
-    return lax.psum(x, axis_name)
+    return x
+
+
+def psum(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """``lax.psum`` of ``x`` over ``axis_name``, where ``x`` may vary over some
+    of the axes and not others: each device's copy is counted (see
+    :func:`varying_over_all`), as ``lax.psum`` counts a value that varies over
+    none."""
+    return lax.psum(varying_over_all(x, axis_name), axis_name)
+
+
+def pmax(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """``lax.pmax`` of ``x`` over ``axis_name``, where ``x`` may vary over some
+    of the axes and not others (see :func:`varying_over_all`)."""
+    return lax.pmax(varying_over_all(x, axis_name), axis_name)
+
+
+def pmin(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """``lax.pmin`` of ``x`` over ``axis_name``, where ``x`` may vary over some
+    of the axes and not others (see :func:`varying_over_all`)."""
+    return lax.pmin(varying_over_all(x, axis_name), axis_name)
 
 
 def fused_by_dtype(
@@ -224,8 +247,8 @@ def collective_reduce(
             plan.append(("min", len(mins), len(parts)))
             mins += parts
     sums = fused(psum, sums, axis_name)
-    maxs = fused(lax.pmax, maxs, axis_name)
-    mins = fused(lax.pmin, mins, axis_name)
+    maxs = fused(pmax, maxs, axis_name)
+    mins = fused(pmin, mins, axis_name)
 
     # Second pass of std: squared deviations from the global mean.
     squares: list[jax.Array] = []
@@ -257,7 +280,10 @@ def collective_reduce(
 
 
 def _call(fn: Callable, leaf: Leaf, axis_name: AxisName) -> jax.Array:
-    result = _ops.check_scalar(leaf.name, fn(leaf.value, axis_name))
+    # (typed as varying over every axis reduced: the user's own lax collective
+    # over them then takes a block that varies over only some, as ours do)
+    value = varying_over_all(leaf.value, axis_name)
+    result = _ops.check_scalar(leaf.name, fn(value, axis_name))
     axes = set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
     if axes & varying_axes(result):
         raise ValueError(
@@ -340,7 +366,10 @@ def reduce_custom_collective(
     ``reduce_fn`` follows :func:`jaxhistory.reduce_custom`; a callable here is called
     as ``fn(local_value, axis_name)`` and must return a scalar that is the same on
     every device (reduce across the axis with ``lax.psum``/``pmax``/... yourself);
-    a per-device result raises ValueError.
+    a per-device result raises ValueError. ``local_value`` is typed as varying
+    over every axis of ``axis_name`` (under ``check_vma=True``), so a ``lax``
+    collective over them takes a block that is the same along some: each
+    device's copy counts, as in the other reducers.
 
     Examples:
         >>> import jax, jax.numpy as jnp

@@ -47,6 +47,7 @@ from jaxhistory._collective import (
     AxisName,
     bound_axis_size,
     check_axis_name,
+    pmax,
     psum,
     sharded_axes,
 )
@@ -280,7 +281,7 @@ def _collective_issue(axis_name: AxisName) -> _Issue:
 
         return reduce
 
-    return _Issue(issue(jnp.max, lax.pmax), issue(jnp.sum, psum), _centred_squares)
+    return _Issue(issue(jnp.max, pmax), issue(jnp.sum, psum), _centred_squares)
 
 
 def _shift(mx: jax.Array, mn: jax.Array) -> jax.Array:

@@ -118,6 +118,35 @@ def test_a_value_sharded_over_one_of_the_reduced_axes(mesh2d):
     np.testing.assert_array_equal(hist, copies * np.histogram(v, 4, (0, 8))[0])
 
 
+def test_every_collective_form_takes_a_value_varying_over_some_reduced_axes(mesh2d):
+    """Finding (JAX 0.12, what pip installs on Python 3.12 and later): a max or
+    min over ("data", "model") of a block that varies over "model" only raised
+    "jax.lax.pmax can only accept axis_name which corresponds to one of
+    varying, ... Got ... input state: {'invarying', 'varying'}"; JAX 0.10
+    accepted it. Each form now types the block as varying over every reduced
+    axis first (no data moves)."""
+    v = np.array([3.0, -1.0, 7.0, 2.0, 0.5, 9.0, -4.0, 1.0], np.float32)
+    x = jax.device_put(v, NamedSharding(mesh2d, P("model")))
+    axes = ("data", "model")
+
+    def body(b):
+        return (
+            jh.collective.reduce_max({"v": b}, axes)["v"],
+            jh.collective.reduce_min({"v": b}, axes)["v"],
+            jh.collective.watch({"v": b}, axes, stats=("norm", "max_abs")),
+            jh.collective.reduce_custom({"v": b}, "max", axes)["v"],
+            jh.collective.reduce_custom(
+                {"v": b}, lambda t, ax: lax.pmax(jnp.max(t), ax), axes
+            )["v"],
+        )
+
+    fn = jax.shard_map(body, mesh=mesh2d, in_specs=P("model"), out_specs=P())
+    big, small, watched, named, custom = jax.jit(fn)(x)
+    assert float(big) == float(named) == float(custom) == 9.0 and float(small) == -4.0
+    np.testing.assert_allclose(watched["v/norm"], np.linalg.norm(v), rtol=1e-6)
+    assert float(watched["v/max_abs"]) == 9.0
+
+
 def test_std_collective_is_two_pass_stable(mesh):
     x = np.array([1e4 - 1, 1e4 + 1] * 4, np.float32)
     out = run(
