@@ -70,8 +70,8 @@ class RunLog:
         self.path, self.overwrite, self.run_id = path, overwrite, run_id
         self.sinks, self.on_stats = sinks, on_stats
         self.sinks_open = True  # False after close(): nothing more is written
-        # the user's sinks, each written from a thread of its own (started at
-        # its first record): a slow or hung sink never holds the log back
+        # the user's sinks, each written from a thread of its own (started
+        # now): a slow or hung sink never holds the log back
         self.feed = SinkFeed(sinks) if sinks else None
         self.writer: Writer | None = None
         self.log: JsonlSink | None = None

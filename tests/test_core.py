@@ -711,6 +711,37 @@ def test_a_script_that_ends_without_close_still_feeds_and_closes_its_sinks(tmp_p
     assert lines[-1] == "closed"
 
 
+def test_sinks_are_fed_at_exit_where_no_thread_can_start_then(tmp_path):
+    """Finding (Python 3.12.0 and 3.12.1, which refuse to start a thread once
+    the interpreter is shutting down, atexit callbacks included): a script
+    that ended without close() handed its sinks nothing, and warned "writing
+    the JSONL log failed: RuntimeError("can't create new thread at
+    interpreter shutdown")": the sinks' threads were started at their first
+    record, which came at exit. Each sink's thread now starts with the
+    History. Here an exit callback that runs before the History's refuses
+    new threads the way those Pythons do."""
+    out = tmp_path / "sink.txt"
+    refuse = """
+import atexit, threading
+def _refuse(self, *a, **k):
+    raise RuntimeError("can't create new thread at interpreter shutdown")
+atexit.register(lambda: setattr(threading.Thread, "start", _refuse))
+"""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT_WITHOUT_CLOSE + refuse, str(out)],
+        timeout=120,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "failed" not in done.stderr, done.stderr[-3000:]
+    lines = out.read_text().split()
+    assert lines[:-1] == [str(i) for i in range(1000)]
+    assert lines[-1] == "closed"
+
+
 def test_a_dropped_history_ends_its_sinks_threads():
     class Sink:
         closed = False

@@ -3,8 +3,10 @@
 A sink is the user's code: it may be slow, hang or raise. History's JSONL log
 is written by the :class:`~jaxhistory._writer.Writer` thread first, and that
 thread only queues each batch here, never waiting: a sink can cost the log
-nothing. Each sink has a bounded queue and a thread of its own (started at its
-first record), so a hung sink holds back no other sink either.
+nothing. Each sink has a bounded queue and a thread of its own, so a hung sink
+holds back no other sink either. The thread starts with the feed, not at the
+first record: that may come at exit (a script that ends without ``close``),
+where Python 3.12.0 and 3.12.1 refuse to start a thread.
 
 - A full queue drops the batch from that sink (counted in :attr:`dropped`, one
   warning naming the sink); nothing waits for room.
@@ -102,14 +104,11 @@ class _Feed:
         self.warned: set[str] = set()
         self._items: collections.deque = collections.deque()
         self._cond = threading.Condition()
-        self.thread: threading.Thread | None = None
-
-    def _start(self) -> None:
-        if self.thread is None:
-            self.thread = threading.Thread(
-                target=self._run, name=f"jaxhistory-sink-{self.name}", daemon=True
-            )
-            self.thread.start()
+        # (started now, not at the first record: see the module docstring)
+        self.thread = threading.Thread(
+            target=self._run, name=f"jaxhistory-sink-{self.name}", daemon=True
+        )
+        self.thread.start()
 
     def put(self, batch: Batch) -> None:
         n = len(batch)
@@ -123,7 +122,6 @@ class _Feed:
                 self._items.append(batch)
                 self.queued += n
                 full = False
-                self._start()
                 self._cond.notify()
         if full:
             self.warn(
@@ -143,7 +141,6 @@ class _Feed:
             mark = _Mark(close)
             self.closing = close
             self._items.append(mark)
-            self._start()
             self._cond.notify()
         return mark
 
@@ -154,8 +151,6 @@ class _Feed:
             if self.closing:
                 return
             self.closing = True
-            if self.thread is None:
-                return  # never started: nothing to end
             self._items.append(_Mark(False, stop=True))
             self._cond.notify()
 
