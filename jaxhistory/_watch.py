@@ -11,7 +11,8 @@ number of leaves. A leaf held whole by several devices (replicated over a mesh
 axis) counts once: only the copy at index 0 of each such axis adds to the
 tables. Under ``jit`` the leaves are global arrays and the tables are made in a
 ``shard_map`` over their mesh, from each leaf's sharding; where every leaf is
-replicated, nothing is all-reduced.
+replicated, nothing is all-reduced, or, for a large tree, each leaf is read on
+one device and the tables are summed in one ``psum`` (:func:`_spread`).
 """
 
 from __future__ import annotations
@@ -546,6 +547,7 @@ def watch(
     split_layers: bool | str | Sequence[str] = False,
     groups: str | Sequence[str] | None = None,
     prefix: str | None = None,
+    spread: bool | None = None,
 ) -> Stats:
     """Per-leaf statistics of a pytree, inside ``jit`` / ``nnx.jit``, in at most
     two all-reduces whatever the number of leaves.
@@ -574,6 +576,16 @@ def watch(
             ValueError.
         prefix: put before every name (``"grads"`` gives ``grads/norm`` and
             ``grads/layers/0/kernel/norm``).
+        spread: where every leaf is replicated over a mesh of several devices
+            (data parallel gradients), each device holds the whole tree.
+            True: each leaf is read on one of (at most 8) devices, balanced
+            by size, and the tables are summed in one all-reduce. False:
+            every device reads every leaf and no collective is issued. None
+            (the default): spread where the leaves hold at least 2**20
+            values in all, below which reading them
+            costs less than an all-reduce's latency on an accelerator. No
+            effect on sharded leaves, outside a mesh, or in
+            :func:`watch_collective`.
 
     Returns:
         A :class:`Stats` mapping, read like a flat dict: ``{path}/{stat}`` for
@@ -587,7 +599,8 @@ def watch(
             split_layers pattern that matches no leaf, leaves of one group
             split into different numbers of layers.
         TypeError: a leaf that is not numeric (a string, None, an object);
-            ``split_layers`` or ``groups`` not glob patterns.
+            ``split_layers`` or ``groups`` not glob patterns; ``spread`` not
+            a bool or None.
 
     Values accumulate in float32 (float64 for float64 leaves): ``norm`` and
     ``rms`` overflow to inf above about 1.8e19 in float32. NaN and infinite
@@ -599,7 +612,8 @@ def watch(
     device's shard in a ``shard_map`` over the leaves' mesh (read from their
     types: exact on Explicit mesh axes, ``jax.make_mesh``'s default) and
     combined in one ``pmax`` and one ``psum``; a leaf replicated over an axis
-    counts once. Where every leaf is replicated, no collective is issued.
+    counts once. Where every leaf is replicated, no collective is issued, or
+    one ``psum`` where the tree is spread (see ``spread``).
 
     Examples:
         >>> import jax, jax.numpy as jnp
@@ -613,19 +627,35 @@ def watch(
     prefix = _check_prefix(prefix)
     split = _patterns(split_layers, "split_layers")
     groups = _patterns(groups, "groups")
+    if spread is not None and not isinstance(spread, bool):
+        raise TypeError(
+            f"watch: spread must be True, False or None, got {spread!r:.60}"
+        )
     leaves = _leaves(tree)
     arrays = [v for _, v in leaves]
     if not any(isinstance(v, jax.core.Tracer) for v in arrays):
         # outside jit: the same computation, jitted (one compile per structure,
         # cached: a function made per call would compile at every call)
         return _watch_jitted(
-            dict(leaves), stats=stats, split_layers=split, groups=groups, prefix=prefix
+            dict(leaves),
+            stats=stats,
+            split_layers=split,
+            groups=groups,
+            prefix=prefix,
+            spread=spread,
         )
     mesh, specs = _mesh_and_specs(arrays)
-    if mesh is None:  # every leaf replicated: nothing to all-reduce
+    if mesh is None:  # every leaf replicated
         wheres = [_Where((), frozenset(), 1)] * len(arrays)
+        over = _spread_mesh(arrays, spread)
+        if over is not None:  # each leaf read on one device, one all-reduce
 
-        def local(plan, wanted):
+            def spread_over(plan, wanted):
+                return _spread(arrays, plan, wanted, over)
+
+            return _stats_of(leaves, wheres, spread_over, prefix, stats, split, groups)
+
+        def local(plan, wanted):  # every device reads every leaf: no collective
             return _tables(arrays, plan, (), wanted, _same, _same)
 
         return _stats_of(leaves, wheres, local, prefix, stats, split, groups)
@@ -668,8 +698,103 @@ def watch(
 
 
 _watch_jitted = jax.jit(
-    watch, static_argnames=("stats", "split_layers", "groups", "prefix")
+    watch, static_argnames=("stats", "split_layers", "groups", "prefix", "spread")
 )
+
+_SPREAD_AT = 2**20  # replicated values from which spread=None spreads them
+_SPREAD_WAYS = 8  # the most devices a replicated tree is spread over
+
+
+def _spread_mesh(arrays: list[jax.Array], spread: bool | None) -> Any:
+    """The mesh to spread replicated leaves over, or None: where ``spread``
+    is False, where no leaf's type names a mesh of more than one device, or
+    (``spread=None``) where the leaves hold fewer than 2**20
+    values."""
+    values = sum(math.prod(v.shape) for v in arrays)
+    if spread is False or not values or (spread is None and values < _SPREAD_AT):
+        return None  # (no values: nothing to read, and no input to place it)
+    meshes = set()
+    for v in arrays:
+        m = getattr(getattr(jax.typeof(v), "sharding", None), "mesh", None)
+        if m is not None and getattr(m, "size", 1) > 1:
+            meshes.add(m)
+    return meshes.pop() if len(meshes) == 1 else None
+
+
+def _owners(plan: _Plan, arrays: list[jax.Array], ways: int) -> list[int]:
+    """Which of ``ways`` devices reads each leaf: the leaves of one column (a
+    group) go together, the largest first to the device with the fewest
+    values so far."""
+    size: dict[int, int] = {}
+    for part, v in zip(plan.parts, arrays, strict=True):
+        size[part.column] = size.get(part.column, 0) + math.prod(v.shape)
+    load, owner_of = [0] * ways, {}
+    for column in sorted(size, key=lambda c: (-size[c], c)):
+        device = load.index(min(load))
+        owner_of[column], load[device] = device, load[device] + size[column]
+    return [owner_of[part.column] for part in plan.parts]
+
+
+def _spread(
+    arrays: list[jax.Array], plan: _Plan, stats: tuple[str, ...], mesh: Any
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """:func:`_tables` of replicated leaves, each leaf read on one device.
+
+    Every device holds every leaf; reading each on every device is the work
+    of the whole tree times the devices (on an accelerator in parallel, on a
+    CPU's simulated devices on shared cores). Here device ``d`` reduces only
+    the leaves :func:`_owners` gives it (a ``lax.switch`` on its index), its
+    other columns are 0 in both tables, and one ``psum`` adds them: each
+    column has one term, so the sum is that device's value exactly (a max
+    too, and a column's shifted sums need only its own maxima, which its
+    device has)."""
+    max_cols, sum_cols = _needs(stats)
+    columns = len(plan.names) - 1
+    units = len({part.column for part in plan.parts})
+    ways = min(mesh.size, _SPREAD_WAYS, units)
+    owner = _owners(plan, arrays, ways)
+    axes = tuple(mesh.axis_names)
+    live = [i for i, v in enumerate(arrays) if math.prod(v.shape) > 0]
+
+    def blank(i: int) -> np.ndarray:  # what _tables takes for a leaf with no values
+        layers = plan.parts[i].layers
+        return np.empty((0,) if layers is None else (layers, 0), np.float32)
+
+    def reader(device: int):
+        owned = np.zeros(columns, bool)
+        for part, o in zip(plan.parts, owner, strict=True):
+            if o == device:
+                owned[part.column : part.column + (part.layers or 1)] = True
+
+        def read(blocks: list[Any]) -> jax.Array:
+            mine: list[Any] = [
+                x if o == device else blank(i)
+                for i, (x, o) in enumerate(zip(blocks, owner, strict=True))
+            ]
+            ext, sums = _tables(mine, plan, (), stats, _same, _same)
+            rows = [jnp.where(owned, ext[c], 0) for c in max_cols]
+            return jnp.stack(rows + [sums[c] for c in sum_cols])
+
+        return read
+
+    readers = [reader(d) for d in range(ways)]
+    shape = (len(max_cols) + len(sum_cols), columns)
+
+    def body(*held):
+        blocks: list[Any] = [blank(i) for i in range(len(arrays))]
+        for i, block in zip(live, held, strict=True):
+            blocks[i] = block
+        branches = [lambda r=r: r(blocks) for r in readers]
+        branches.append(lambda: jnp.zeros(shape, plan.dtype))  # the devices past ways
+        index = jnp.minimum(lax.axis_index(axes), ways)
+        table = lax.psum(lax.switch(index, branches), axes)  # the one all-reduce
+        ext = {c: table[j] for j, c in enumerate(max_cols)}
+        sums = {c: table[len(max_cols) + j] for j, c in enumerate(sum_cols)}
+        return ext, sums
+
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=tuple(P() for _ in live), out_specs=(P(), P())
+    )(*(arrays[i] for i in live))
 
 
 def _same(table: jax.Array) -> jax.Array:
