@@ -347,16 +347,21 @@ def _tables(
             cols["nonfinite"] = _nonfinite(x2, cols.get("sq"))
         # each row shifted by its column's midrange (centre and scale set together)
         if centre is not None and scale is not None:
-            starts, scales = [], []  # (and scaled: no overflow near the largest)
-            for i in idx:
-                part, k = plan.parts[i], rows_of[i].shape[0]
-                start = part.column
-                if part.lead_axes:
-                    start = start + _lead_offset(part.lead_axes, k)
-                starts.append(lax.dynamic_slice(centre, (start,), (k,)))
-                scales.append(lax.dynamic_slice(scale, (start,), (k,)))
-            d = x2 - jnp.concatenate(starts).reshape(-1, 1)
-            d = d / jnp.concatenate(scales).reshape(-1, 1)
+            # (and scaled: no overflow near the largest)
+            if any(plan.parts[i].lead_axes for i in idx):  # a device's layers
+                starts, scales = [], []
+                for i in idx:
+                    part, k = plan.parts[i], rows_of[i].shape[0]
+                    start = part.column + _lead_offset(part.lead_axes, k)
+                    starts.append(lax.dynamic_slice(centre, (start,), (k,)))
+                    scales.append(lax.dynamic_slice(scale, (start,), (k,)))
+                at, by = jnp.concatenate(starts), jnp.concatenate(scales)
+            else:  # every row's column is known: one gather, not two per leaf
+                of_row = np.concatenate(
+                    [plan.parts[i].column + np.arange(rows_of[i].shape[0]) for i in idx]
+                )
+                at, by = centre[of_row], scale[of_row]
+            d = (x2 - at.reshape(-1, 1)) / by.reshape(-1, 1)
             cols["d1"], cols["d2"] = jnp.sum(d, axis=1), jnp.sum(jnp.square(d), axis=1)
         # where, not a product: an inf (a sum of squares past float32 too)
         # times 0 is NaN, which the psum would spread from an uncounted copy
