@@ -5,11 +5,15 @@ A model of ``L`` dense layers (a ``(64, 64)`` kernel and a ``(64,)`` bias each:
 simulated CPU devices, the batch sharded over the devices. Two placements of the
 parameters: replicated (data parallel: the gradients come out replicated) and
 FSDP-like (each kernel's first axis sharded over the devices: so are its
-gradients). Three variants of the step, side by side in one run:
+gradients). The variants of the step, side by side in one run:
 
 * ``bare``: returns the loss;
 * ``watch``: also returns ``jh.watch(grads)`` (norm, rms, max_abs, zero_frac,
   nonfinite of every leaf and over all of them), one ``Stats`` array;
+* ``watch_everywhere`` (replicated placement only): ``jh.watch(grads,
+  spread=False)``, every device reading every leaf with no collective, where
+  ``watch`` spreads the replicated tree (each leaf read on one device, one
+  all-reduce);
 * ``by_hand``: also returns ``optax.global_norm`` of each leaf (a dict of 1,000
   scalars), read on the host with ``jax.device_get`` per leaf, as a user would
   write it without jaxhistory.
@@ -93,6 +97,8 @@ def make_step(variant: str):
         out = {"loss": loss}
         if variant == "watch":
             out["grads"] = jh.watch(grads)
+        elif variant == "watch_everywhere":  # every device reads every leaf
+            out["grads"] = jh.watch(grads, spread=False)
         elif variant == "by_hand":
             out["grads"] = {
                 jax.tree_util.keystr(path): optax.global_norm(g)
@@ -117,6 +123,8 @@ def bench(layers: int, repeats: int, fsdp: bool) -> str:
         jnp.ones((BATCH, WIDTH), jnp.float32), NamedSharding(mesh, P("data"))
     )
     variants = ["bare", "watch", "by_hand"]
+    if not fsdp:  # a replicated tree is spread; side by side, without
+        variants.insert(2, "watch_everywhere")
     steps = {v: make_step(v) for v in variants}
     params = {v: make_params(layers, mesh, fsdp) for v in variants}
     collectives = {}
@@ -132,7 +140,7 @@ def bench(layers: int, repeats: int, fsdp: bool) -> str:
         jax.block_until_ready(out)
     counter = 0
     for r in range(repeats):
-        order = variants[r % 3 :] + variants[: r % 3]
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for v in order:
             start = time.perf_counter()
             spent = 0.0
@@ -165,8 +173,8 @@ def bench(layers: int, repeats: int, fsdp: bool) -> str:
     for v in variants:
         ratio = statistics.median(b / t for b, t in zip(bare, times[v], strict=True))
         target = ""
-        if v == "watch":
-            extra = collectives["watch"] - collectives["bare"]
+        if v.startswith("watch"):
+            extra = collectives[v] - collectives["bare"]
             met = "met" if ratio >= LOOP_TARGET else "**missed**"
             target = f"≥ {LOOP_TARGET} paired: {met}; {extra} extra collective(s)"
         rows.append(
