@@ -587,10 +587,9 @@ def watch(
             by size, and the tables are summed in one all-reduce. False:
             every device reads every leaf and no collective is issued. None
             (the default): spread where the leaves hold at least 2**20
-            values in all, below which reading them
-            costs less than an all-reduce's latency on an accelerator. No
-            effect on sharded leaves, outside a mesh, or in
-            :func:`watch_collective`.
+            values in all, below which reading them costs less than an
+            all-reduce's latency on an accelerator. No effect on sharded
+            leaves, outside a mesh, or in :func:`watch_collective`.
 
     Returns:
         A :class:`Stats` mapping, read like a flat dict: ``{path}/{stat}`` for
@@ -713,8 +712,7 @@ _SPREAD_WAYS = 8  # the most devices a replicated tree is spread over
 def _spread_mesh(arrays: list[jax.Array], spread: bool | None) -> Any:
     """The mesh to spread replicated leaves over, or None: where ``spread``
     is False, where no leaf's type names a mesh of more than one device, or
-    (``spread=None``) where the leaves hold fewer than 2**20
-    values."""
+    (``spread=None``) where the leaves hold fewer than 2**20 values."""
     values = sum(math.prod(v.shape) for v in arrays)
     if spread is False or not values or (spread is None and values < _SPREAD_AT):
         return None  # (no values: nothing to read, and no input to place it)
