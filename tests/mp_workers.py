@@ -944,3 +944,34 @@ def closed_behind(
         "latency": reports[0][0] - closed if reports else None,
         "steps": history.state.steps("lr/mean").tolist(),
     }
+
+
+def spread_watch_across_processes() -> dict:
+    """watch of a tree replicated over every device of every process, spread
+    and read everywhere."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxhistory as jh
+
+    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    rng = np.random.default_rng(11)
+    host = {f"w{i:02d}": rng.normal(size=(8, i + 1)) * (i + 1) for i in range(12)}
+    host["w03"][1, 2] = np.nan
+    sharding = NamedSharding(mesh, P())
+    tree = {
+        k: jax.make_array_from_callback(
+            v.shape, sharding, lambda idx, v=v: np.float32(v[idx])
+        )
+        for k, v in host.items()
+    }
+    out = {}
+    for spread in (True, False):
+        fn = jax.jit(lambda t, s=spread: jh.watch(t, stats=jh.WATCH_STATS, spread=s))
+        stats = fn(tree)
+        out[str(spread)] = {k: float(v.addressable_data(0)) for k, v in stats.items()}
+        out[f"counts {spread}"] = jh.collective_counts(fn, tree)
+    out["process_index"] = jax.process_index()
+    out["host"] = {k: v.tolist() for k, v in host.items()}
+    return out

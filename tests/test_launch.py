@@ -128,3 +128,24 @@ def test_launched_processes_output_is_streamed_with_a_prefix(capsys, tmp_path):
     assert capsys.readouterr().out == ""
     with pytest.raises(TypeError, match="output must be 'stream', a folder or None"):
         jh.launch_local(mp_workers.say, 2, output=3)
+
+
+def test_a_replicated_tree_is_spread_over_the_devices_of_every_process():
+    results = jh.launch_local(
+        "mp_workers:spread_watch_across_processes", 2, 2, timeout=240
+    )
+    assert [r["process_index"] for r in results] == [0, 1]
+    for r in results:
+        assert r["counts True"] == {"all-reduce": 1}
+        assert r["counts False"] == {}
+        keys = sorted(r["False"])
+        assert sorted(r["True"]) == keys
+        np.testing.assert_allclose(
+            [r["True"][k] for k in keys], [r["False"][k] for k in keys], rtol=3e-7
+        )
+        for name, values in r["host"].items():
+            x = np.asarray(values, np.float32).astype(np.float64)
+            assert r["True"][f"{name}/max_abs"] == np.abs(x[~np.isnan(x)]).max()
+            assert r["True"][f"{name}/nonfinite"] == np.isnan(x).sum()
+    first, second = (np.array(list(r["True"].values())) for r in results)
+    np.testing.assert_array_equal(first, second)  # the same on every process
