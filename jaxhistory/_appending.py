@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxhistory._dtypes import (
     ALL_FLOATS,
+    INT64_MAX,
     PY_SCALARS,
     as_step,
     as_steps,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "adds_as_float",
     "append_row",
+    "appended",
     "check_append",
     "extended",
     "floats_hold",
@@ -375,6 +377,60 @@ def floats_hold(values: tuple) -> bool:
     """Whether float64 holds every integer among ``values`` exactly (numbers
     only: a float64 table takes them without the checked path)."""
     return all(-_EXACT_F < v < _EXACT_F for v in values if type(v) is int)
+
+
+def appended(state: HistoryState, row: Row, owned: bool = False):
+    """What :meth:`HistoryState.append` of ``row`` changes: ``(tables,
+    next_step, names, same)`` for the new state (``names``: the one key set
+    whose entry changed, None for none; ``same``: the row went in place onto
+    the end of a table of ``state``'s), or the new state itself where the row
+    holds :class:`~jaxhistory.Stats` (recorded piece by piece). Raises as
+    :meth:`HistoryState.update` does, nothing changed."""
+    step, names, values, kind = row[:4]
+    if step > INT64_MAX:  # the step after a record at the last int64 step
+        raise ValueError(f"'step' is {step}, outside the int64 range of steps")
+    tables = state.data.tables
+    if not names:
+        return dict(tables), max(state.next_step, step + 1), None, False
+    entry = tables.get(names)
+    if entry is not None and step >= state.next_step:
+        table, n = entry
+        if table.ptypes is ALL_FLOATS and (
+            kind >= RowKind.FLOATS
+            or (kind is RowKind.NUMBERS and floats_hold(values))
+            or (kind is RowKind.VALUES and adds_as_float(values))
+        ):
+            # numbers into a float64 table that earlier all-float rows made: in
+            # place where this state owns the table's end (not where an older
+            # state appended again, or another thread first)
+            in_place = table.append_at(n, step, values)
+            if not in_place:
+                table = append_row(table, n, step, values)
+            new = tables.copy()
+            new[names] = (table, n + 1)
+            return new, step + 1, names, in_place and n > 0
+    if kind is RowKind.VALUES and Stats in set(map(type, values)):
+        # each Stats is one packed row (its whole table, still on device if it
+        # is), named {key}/{metric}/{stat}
+        return with_stats(state, row, owned)
+    ptypes = ALL_FLOATS if kind >= RowKind.FLOATS else tuple(map(type, values))
+    if entry is not None and entry[0].ptypes == ptypes and step >= state.next_step:
+        # same metrics, same Python scalar types as last time, a step past
+        # everything recorded
+        table, n = entry
+        if kind < RowKind.FLOATS:
+            check_ints(names, values, table.dtypes)
+        table = append_row(table, n, step, values)
+        new = tables.copy()
+        new[names] = (table, n + 1)
+        return new, step + 1, names, False
+    table, n, values, on_device = placed(
+        state, entry, names, values, ptypes, step, owned
+    )
+    table = append_row(table, n, step, values, on_device)
+    new = tables.copy()
+    new[names] = (table, n + 1)
+    return new, max(state.next_step, step + 1), names, False
 
 
 def with_stats(state: HistoryState, row: Row, owned: bool = False) -> HistoryState:

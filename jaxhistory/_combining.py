@@ -15,7 +15,7 @@ from jaxhistory._table import Table
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState
 
-__all__ = ["merged", "same_records", "selected"]
+__all__ = ["before", "merged", "same_records", "selected"]
 
 
 def same_records(a: HistoryState, b: HistoryState) -> bool:
@@ -99,3 +99,14 @@ def merged(state: HistoryState, other: HistoryState) -> dict:
         )
         new[(name,)] = (Table.from_arrays((name,), steps, [values]), len(steps))
     return new
+
+
+def before(state: HistoryState, step: int) -> dict:
+    """Each metric of ``state`` as ``(steps, values)`` copies of its records
+    before ``step``."""
+    columns = {}
+    for name in state.keys:
+        steps, values = state.records(name)
+        keep = steps < step
+        columns[name] = (np.array(steps[keep]), np.array(values[keep]))
+    return columns

@@ -9,22 +9,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxhistory._distributed import (
-    agreed_run_id,
-    distributed_default,
-)
-from jaxhistory._env import check_run_name, metadata_json, plain_metadata
+from jaxhistory._distributed import distributed_default
+from jaxhistory._env import metadata_json, plain_metadata
 from jaxhistory._hang import HANG_TIMEOUT_S, check_hang_timeout
 from jaxhistory._history_state import Appender, HistoryState
 from jaxhistory._job import JobSync
 from jaxhistory._progress import Progress
 from jaxhistory._recorder import Recorder
 from jaxhistory._run_setup import (
-    check_not_erased,
     check_options,
     open_outputs,
-    resumed,
-    run_id_for,
+    run_identity,
     use_wandb_ignored,
 )
 from jaxhistory._side_values import SideValues
@@ -235,21 +230,17 @@ class History(RunViews):
         self.jsonl_overwrite = bool(jsonl_overwrite)
         self.log_every = log_every
         progress = Progress.of(total_steps, flops_per_step, peak_flops)
-        rec = Appender()  # the newest state
-        check_run_name(run_name)
-        resumed_id = None
-        if resume is not None or resume_step is not None:
-            state, resumed_id, log = resumed(resume, resume_step, run_name)
-            rec.set(state)
-            if log is not None and self.jsonl_path is None and self.report_dir is None:
-                self.jsonl_path = log  # the run's own log goes on
-            check_not_erased(log, self.jsonl_path, self.jsonl_overwrite)
-        self.run_id = resumed_id or agreed_run_id(
-            run_id_for(
-                run_name, None if self.jsonl_path is not None else self.report_dir
-            ),
+        state, self.run_id, self.jsonl_path = run_identity(
+            resume,
+            resume_step,
             run_name,
+            self.jsonl_path,
+            self.report_dir,
+            self.jsonl_overwrite,
         )
+        rec = Appender()  # the newest state
+        if state is not None:
+            rec.set(state)
         job = JobSync(
             provenance,
             self.distributed_history,

@@ -16,7 +16,6 @@ from jaxhistory._dtypes import (
     ALL_FLOATS,
     INT64_MAX,
     STEP_KEYS,
-    check_ints,
     warmup_count,
 )
 from jaxhistory._row import Repeat, Row, RowKind, parse_row, repeat_of, repeated
@@ -214,55 +213,11 @@ class HistoryState:
         ``owned``: the row's NumPy arrays are copies nobody changes (as
         :func:`~jaxhistory._row.owned` makes for the log): the state keeps
         them rather than copying them again."""
-        step, names, values, kind = row[:4]
-        if step > INT64_MAX:  # the step after a record at the last int64 step
-            raise ValueError(f"'step' is {step}, outside the int64 range of steps")
-        tables = self.data.tables
-        if not names:
-            return self._derive(dict(tables), max(self.next_step, step + 1))
-        entry = tables.get(names)
-        if entry is not None and step >= self.next_step:
-            table = entry[0]
-            if table.ptypes is ALL_FLOATS and (
-                kind >= _FLOATS
-                or (kind is RowKind.NUMBERS and _appending.floats_hold(values))
-                or (kind is RowKind.VALUES and _appending.adds_as_float(values))
-            ):
-                return self._append_floats(names, values, step, entry)
-        if kind is RowKind.VALUES and Stats in set(map(type, values)):
-            # each Stats is one packed row (its whole table, still on device if
-            # it is), named {key}/{metric}/{stat}
-            return _appending.with_stats(self, row, owned)
-        ptypes = ALL_FLOATS if kind >= RowKind.FLOATS else tuple(map(type, values))
-        if entry is not None and entry[0].ptypes == ptypes and step >= self.next_step:
-            # Fast path: same metrics, same Python scalar types as last time, and a
-            # step past everything recorded.
-            table, n = entry
-            if kind < RowKind.FLOATS:
-                check_ints(names, values, table.dtypes)
-            table = _appending.append_row(table, n, step, values)
-            new = tables.copy()
-            new[names] = (table, n + 1)
-            return self._derive(new, step + 1, appended=names)
-        table, n, values, on_device = _appending.placed(
-            self, entry, names, values, ptypes, step, owned
-        )
-        table = _appending.append_row(table, n, step, values, on_device)
-        new = tables.copy()
-        new[names] = (table, n + 1)
-        return self._derive(new, max(self.next_step, step + 1), appended=names)
-
-    def _append_floats(self, names, values, step, entry) -> HistoryState:
-        """The fast path of :meth:`append`: numbers into a float64 table that
-        earlier all-float rows made, at a step past everything recorded."""
-        table, n = entry
-        # in place where this state owns the table's end
-        appended = table.append_at(n, step, values)
-        if not appended:  # an older state updated again, or another thread first
-            table = _appending.append_row(table, n, step, values)
-        tables = self.data.tables.copy()
-        tables[names] = (table, n + 1)
-        return self._derive(tables, step + 1, appended=names, same=appended and n > 0)
+        change = _appending.appended(self, row, owned)
+        if isinstance(change, HistoryState):  # Stats values, piece by piece
+            return change
+        tables, next_step, names, same = change
+        return self._derive(tables, next_step, appended=names, same=same)
 
     def update_packed(
         self, names: tuple[str, ...], vector: Any, step: int | None = None
@@ -316,11 +271,7 @@ class HistoryState:
         """This history without its records at ``step`` and later (a run that
         restarts from a checkpoint of step ``step - 1`` records them again);
         ``next_step`` is ``step`` at most."""
-        columns = {}
-        for name in self.keys:
-            steps, values = self.records(name)
-            keep = steps < step
-            columns[name] = (np.array(steps[keep]), np.array(values[keep]))
+        columns = _combining.before(self, step)
         out = self._from_columns(columns, min(self.next_step, step))
         return out.with_attrs(**dict(self.attrs)) if self.attrs else out
 
@@ -338,22 +289,7 @@ class HistoryState:
     # ----- analysis -----------------------------------------------------------
     def all_steps(self) -> np.ndarray:
         """The sorted union of every metric's steps (read-only; computed once)."""
-        cached = self.data.all_steps
-        if cached is not None:
-            return cached
-        parts = [t.view(n)[0] for t, n in self.data.tables.values() if n]
-        if not parts:
-            steps = np.zeros(0, np.int64)
-        elif len(parts) == 1:
-            steps = parts[0]  # a table's steps strictly increase already
-        else:
-            steps = np.sort(np.concatenate(parts))  # faster than np.unique here
-            keep = np.ones(len(steps), bool)
-            keep[1:] = steps[1:] != steps[:-1]
-            steps = steps[keep]
-        steps.flags.writeable = False
-        self.data.all_steps = steps  # the state never changes
-        return steps
+        return self.data.step_union()
 
     def summary(self, warmup: float = 0) -> dict[str, dict[str, float]]:
         """Run-level statistics of every metric after ``warmup``.
@@ -494,14 +430,7 @@ class HistoryState:
         """Pickles (and deep-copies) the rows this state sees, table by
         table, as NumPy arrays (device values are read now); the tables'
         locks and the run's values in flight stay behind."""
-        tables = []
-        for keys, (table, n) in self.data.tables.items():
-            if isinstance(table, Table):
-                steps, values = table.view(n)
-                tables.append((keys, steps, values, table.dtypes, table.shapes))
-            else:  # placeholders from a tree transformation
-                tables.append((keys, table, n, None, None))
-        return _unpickled, (tables, self.next_step, self.attrs)
+        return _unpickled, (self.data.pickled(), self.next_step, self.attrs)
 
 
 _EXACT_F = float(2**53)  # beyond this magnitude not every integer is a float64
@@ -594,15 +523,7 @@ def _missing(value: Any) -> str | None:
 
 def _unpickled(tables: list, next_step: int, attrs: tuple) -> HistoryState:
     """The state :meth:`HistoryState.__reduce__` pickled."""
-    data = {}
-    for keys, steps, values, dtypes, shapes in tables:
-        if dtypes is None:
-            data[keys] = (steps, values)
-        elif len(steps):
-            data[keys] = (Table.from_arrays(keys, steps, list(values)), len(steps))
-        else:  # no rows yet: the declared types
-            data[keys] = (Table(keys, dtypes, shapes), 0)
-    return HistoryState(data=Tables(data), next_step=next_step, attrs=attrs)
+    return HistoryState(data=Tables.unpickled(tables), next_step=next_step, attrs=attrs)
 
 
 _new_state = functools.partial(object.__new__, HistoryState)

@@ -11,8 +11,9 @@ from typing import Any
 
 import jax
 
+from jaxhistory._distributed import agreed_run_id
 from jaxhistory._dtypes import as_step
-from jaxhistory._env import check_run_id, env_flag, new_run_id
+from jaxhistory._env import check_run_id, check_run_name, env_flag, new_run_id
 from jaxhistory._history_state import HistoryState
 from jaxhistory._run_log import RunLog, log_target
 from jaxhistory.export._load import load_run, run_file
@@ -33,6 +34,7 @@ __all__ = [
     "open_outputs",
     "resumed",
     "run_id_for",
+    "run_identity",
     "sinks_here",
     "use_wandb_ignored",
 ]
@@ -63,6 +65,33 @@ def check_not_erased(log: Path | None, jsonl_path: Path | None, overwrite: bool)
         raise ValueError(
             f"jsonl_overwrite=True would erase {log}, the log this run resumes from"
         )
+
+
+def run_identity(
+    resume: Any,
+    resume_step: int | None,
+    run_name: str | None,
+    jsonl_path: Path | None,
+    report_dir: Path | None,
+    overwrite: bool,
+) -> tuple[HistoryState | None, str, Path | None]:
+    """Who a new History is: the state it starts from (None: empty), its run
+    id and its JSONL log's path. A resumed run keeps its id and, where neither
+    ``jsonl_path`` nor ``report_dir`` says otherwise, appends to its own log;
+    a new one takes an id no log under ``report_dir`` has, the same on every
+    process of a job (:func:`~jaxhistory._distributed.agreed_run_id`)."""
+    check_run_name(run_name)
+    state = resumed_id = None
+    if resume is not None or resume_step is not None:
+        state, resumed_id, log = resumed(resume, resume_step, run_name)
+        if log is not None and jsonl_path is None and report_dir is None:
+            jsonl_path = log  # the run's own log goes on
+        check_not_erased(log, jsonl_path, overwrite)
+    run_id = resumed_id or agreed_run_id(
+        run_id_for(run_name, None if jsonl_path is not None else report_dir),
+        run_name,
+    )
+    return state, run_id, jsonl_path
 
 
 def run_id_for(run_name: str | None, report_dir: Path | None) -> str:

@@ -497,6 +497,53 @@ class Tables:
         j = index[name][0].index(name)
         return np.dtype(table.dtypes[j]), tuple(table.shapes[j])
 
+    def step_union(self) -> np.ndarray:
+        """The sorted union of every table's steps (read-only; computed once:
+        the tables of a state never change)."""
+        if self.all_steps is not None:
+            return self.all_steps
+        parts = [t.view(n)[0] for t, n in self.tables.values() if n]
+        if not parts:
+            steps = np.zeros(0, np.int64)
+        elif len(parts) == 1:
+            steps = parts[0]  # a table's steps strictly increase already
+        else:
+            steps = np.sort(np.concatenate(parts))  # faster than np.unique here
+            keep = np.ones(len(steps), bool)
+            keep[1:] = steps[1:] != steps[:-1]
+            steps = steps[keep]
+        steps.flags.writeable = False
+        self.all_steps = steps
+        return steps
+
+    def pickled(self) -> list[tuple]:
+        """The rows the state sees, table by table, as NumPy arrays (device
+        values are read now), for pickling: the tables' locks stay behind."""
+        out = []
+        for keys, (table, n) in self.tables.items():
+            if isinstance(table, Table):
+                steps, values = table.view(n)
+                out.append((keys, steps, values, table.dtypes, table.shapes))
+            else:  # placeholders from a tree transformation
+                out.append((keys, table, n, None, None))
+        return out
+
+    @classmethod
+    def unpickled(cls, pickled: list[tuple]) -> Tables:
+        """The tables :meth:`pickled` gave."""
+        tables: dict = {}
+        for keys, steps, values, dtypes, shapes in pickled:
+            if dtypes is None:
+                tables[keys] = (steps, values)
+            elif len(steps):
+                tables[keys] = (
+                    Table.from_arrays(keys, steps, list(values)),
+                    len(steps),
+                )
+            else:  # no rows yet: the declared types
+                tables[keys] = (Table(keys, dtypes, shapes), 0)
+        return cls(tables)
+
     @classmethod
     def derived(
         cls,
