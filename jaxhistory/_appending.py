@@ -53,6 +53,8 @@ __all__ = [
 
 _EXACT_F = float(2**53)  # beyond this magnitude not every integer is a float64
 _INT_TYPES = (int, bool)  # Python ints and bools: float64 in a float metric
+# (module constants: a member read through its enum class costs a lookup)
+_FLOATS, _NUMBERS, _VALUES = RowKind.FLOATS, RowKind.NUMBERS, RowKind.VALUES
 
 
 def check_append(state: HistoryState, names, shapes, step: int) -> dict[str, np.dtype]:
@@ -396,9 +398,9 @@ def appended(state: HistoryState, row: Row, owned: bool = False):
     if entry is not None and step >= state.next_step:
         table, n = entry
         if table.ptypes is ALL_FLOATS and (
-            kind >= RowKind.FLOATS
-            or (kind is RowKind.NUMBERS and floats_hold(values))
-            or (kind is RowKind.VALUES and adds_as_float(values))
+            kind >= _FLOATS
+            or (kind is _NUMBERS and floats_hold(values))
+            or (kind is _VALUES and adds_as_float(values))
         ):
             # numbers into a float64 table that earlier all-float rows made: in
             # place where this state owns the table's end (not where an older
@@ -409,16 +411,16 @@ def appended(state: HistoryState, row: Row, owned: bool = False):
             new = tables.copy()
             new[names] = (table, n + 1)
             return new, step + 1, names, in_place and n > 0
-    if kind is RowKind.VALUES and Stats in set(map(type, values)):
+    if kind is _VALUES and Stats in set(map(type, values)):
         # each Stats is one packed row (its whole table, still on device if it
         # is), named {key}/{metric}/{stat}
         return with_stats(state, row, owned)
-    ptypes = ALL_FLOATS if kind >= RowKind.FLOATS else tuple(map(type, values))
+    ptypes = ALL_FLOATS if kind >= _FLOATS else tuple(map(type, values))
     if entry is not None and entry[0].ptypes == ptypes and step >= state.next_step:
         # same metrics, same Python scalar types as last time, a step past
         # everything recorded
         table, n = entry
-        if kind < RowKind.FLOATS:
+        if kind < _FLOATS:
             check_ints(names, values, table.dtypes)
         table = append_row(table, n, step, values)
         new = tables.copy()
