@@ -258,6 +258,47 @@ def test_records_of_one_set_of_names_are_written_as_their_dicts_are(rows):
         assert list(got["metrics"]) == list(names)  # in the order recorded
 
 
+@pytest.mark.parametrize("aggregated", [False, True])
+@pytest.mark.parametrize("unsigned", [False, True])
+@pytest.mark.parametrize("run_id", [None, 'r%s%%"\u00e9'])
+def test_a_batch_is_written_as_each_record_written_alone(aggregated, unsigned, run_id):
+    """The batch's lines, put together from a few joined columns, are the
+    lines each record gives written on its own (one orjson call per record):
+    aggregated values, uint64 marks, NaN and infinities, unknown times."""
+    from jaxhistory._codec import _encode_each, encode_records
+    from jaxhistory._record import Batch
+
+    rows = 7
+    metrics = []
+    for i in range(rows):
+        m = {"loss": 0.5 / (i + 1), "n": i, "odd": [np.nan, np.inf, -np.inf][i % 3]}
+        if unsigned and i % 2:
+            m["big"] = np.uint64(2**64 - 1 - i)
+        metrics.append(m)
+    agg = [{"loss/mean": 0.25 * i, "loss/max": np.float32(i)} for i in range(rows)]
+    if aggregated:
+        agg[3] = {}
+
+    def batch() -> Batch:
+        b = Batch(
+            list(range(5, 5 + rows)),
+            [1.7e9 + i / 3 if i % 4 else None for i in range(rows)],
+            [dict(m) for m in metrics],
+            [dict(a) for a in agg] if aggregated else None,
+            None,
+            3,
+        )
+        b.run_id = run_id
+        return b
+
+    text = encode_records(batch())
+    assert text == _encode_each(batch())
+    assert len(text.splitlines()) == rows
+    second = orjson.loads(text.splitlines()[1])
+    assert second["process_index"] == 3 and second.get("run_id") == run_id
+    assert ("uint64" in second) == unsigned
+
+
 def test_a_batch_of_value_tuples_gives_sinks_its_dicts():
     from jaxhistory._codec import encode_records
 
