@@ -217,7 +217,7 @@ def encode_records(batch: Batch) -> bytes:
         stamps = [t if t is None or type(t) is float else float(t) for t in stamps]
     # steps and timestamps to text in one call
     both = orjson.dumps([steps, stamps])[2:-2].split(b"],[")
-    columns = [both[0].split(b","), both[1].split(b","), *columns]
+    texts = [both[0].split(b","), both[1].split(b","), *cast(list[list], columns)]
     head = [
         b'{"step":',
         b',"timestamp":',
@@ -234,7 +234,7 @@ def encode_records(batch: Batch) -> bytes:
     pattern.append(tail[-1] + b"}\n")
     width = len(pattern)
     out = pattern * k
-    for j, column in enumerate(columns):
+    for j, column in enumerate(texts):
         out[2 * j + 1 :: width] = column
     return b"".join(cast(list[bytes], out))
 
