@@ -1011,7 +1011,21 @@ def test_markdown_escapes_names_that_would_render_as_something_else():
     from jaxhistory.export._markdown import md_escape
 
     assert md_escape("a&lt;b") == r"a\&lt;b"
-    assert md_escape("x|y*z\n[l](u)") == r"x\|y\*z \[l\](u)"
+    assert md_escape("x|y*z\n[l](u)") == r"x\|y\*z\\x0a\[l\](u)"
+    assert md_escape("a\r\nb") == r"a\\x0d\\x0ab"
+
+
+def test_names_that_differ_by_a_newline_are_two_rows_of_the_report(tmp_path):
+    """Finding: the report wrote a newline in a name as a space, so metrics
+    ``a b`` and ``a\\nb`` were two identical rows (the summary line shows
+    ``a\\x0ab``; docs/outputs.md promises control characters as ``\\xNN``)."""
+    h = jh.History(distributed_history=False)
+    for step in range(3):
+        h.update({"a b": 1.0 + step, "a\nb": 2.0 * step})
+    h.finalize(tmp_path, plot=False)
+    report = (tmp_path / "report.md").read_text()
+    assert "| a b |" in report
+    assert "| a\\\\x0ab |" in report  # the markdown text for a\x0ab
 
 
 def test_jsonl_stream_add_racing_close_never_drops_an_accepted_record(tmp_path):

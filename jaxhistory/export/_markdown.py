@@ -102,11 +102,12 @@ def sentinel_section(events: Sequence[Any]) -> list[str]:
 
 
 def md_escape(text: Any) -> str:
-    """``text`` with markdown punctuation backslash-escaped, newlines as spaces
-    and other control characters written as ``\\xNN`` (:func:`printable`), so
-    that a metric name cannot break a table, start a link or send a terminal
-    escape to whoever reads the report."""
-    line = printable(str(text).replace("\r", " ").replace("\n", " "))
+    """``text`` with markdown punctuation backslash-escaped and control
+    characters, newlines included, written as ``\\xNN`` (:func:`printable`, as
+    the summary line shows them), so that a metric name cannot break a table,
+    start a link or send a terminal escape to whoever reads the report, and
+    two names that differ by a newline and a space stay two names."""
+    line = printable(str(text))
     return _MD_SPECIAL.sub(r"\\\1", line)
 
 
