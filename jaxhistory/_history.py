@@ -123,7 +123,8 @@ class History(RunViews):
         resume: continue a run: its JSONL log (the run id is on its lines; an
             older log's is its file name; the log is appended to unless
             ``jsonl_path`` or ``report_dir`` says otherwise), its ``dataset.nc``
-            or finalize folder (the run id recorded there), or a HistoryState.
+            or finalize folder (the run id recorded there; a folder without one:
+            its one JSONL log), or a HistoryState.
             Its records become this History's; later updates go on from its
             last step.
         resume_step: with ``resume``, leave out the records at this step and

@@ -336,3 +336,32 @@ def test_the_launch_command_takes_the_functions_arguments_after_its_options():
     assert done.returncode == 0, done.stderr
     assert "[process 1] yo from 1" in done.stdout
     assert "[process 0] returned 0" in done.stdout
+
+
+def test_the_folder_of_a_run_that_never_finalized_is_read_from_its_log(
+    tmp_path, capsys
+):
+    """Finding: ``jaxhistory summary out`` on the report_dir of a run that
+    crashed before finalize (its JSONL log whole, no dataset.nc) said only
+    "out is a folder without a dataset.nc". Its one log is read instead; a
+    folder of several logs is an error naming them; a folder of none, as
+    before."""
+    out = tmp_path / "out"
+    h = jh.History(distributed_history=False, report_dir=out)
+    for step in range(4):
+        h.update({"loss": 1.0 + step})
+    h.close()  # (no finalize: what a crash leaves)
+    assert cli.main(["summary", str(out)]) == 0
+    assert "| loss | 2.5 |" in capsys.readouterr().out
+    rep = tmp_path / "rep"
+    assert cli.main(["report", str(out), "-o", str(rep), "--no-plots"]) == 0
+    assert "| loss | 2.5 |" in (rep / "report.md").read_text()
+
+    (out / "other.jsonl").write_bytes((out / h.log_path.name).read_bytes())
+    assert cli.main(["summary", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "other.jsonl" in err and h.log_path.name in err and "dataset.nc" in err
+
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["summary", str(tmp_path / "empty")]) == 2
+    assert "without a dataset.nc" in capsys.readouterr().err

@@ -12,16 +12,29 @@ __all__ = ["load_run", "run_file"]
 
 
 def run_file(path: str | os.PathLike) -> Path:
-    """The file a run path names: a ``.jsonl`` log, a ``.nc`` dataset, or the
-    ``dataset.nc`` of a finalize folder. Raises FileNotFoundError or ValueError
-    naming the path."""
+    """The file a run path names: a ``.jsonl`` log, a ``.nc`` dataset, or a
+    folder's ``dataset.nc`` (a finalize folder), else its one JSONL log (the
+    ``report_dir`` of a run that stopped before finalize). Raises
+    FileNotFoundError or ValueError naming the path."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such run file: {path}")
     if path.is_dir():
-        if not (path / "dataset.nc").is_file():
+        if (path / "dataset.nc").is_file():
+            return path / "dataset.nc"
+        logs = sorted(
+            p for p in path.glob("*.jsonl") if p.is_file() and not p.is_symlink()
+        )
+        if len(logs) == 1:
+            return logs[0]
+        if not logs:
             raise ValueError(f"{path} is a folder without a dataset.nc")
-        path = path / "dataset.nc"
+        shown = ", ".join(p.name for p in logs[:5])
+        more = f" and {len(logs) - 5} more" if len(logs) > 5 else ""
+        raise ValueError(
+            f"{path} is a folder without a dataset.nc and with {len(logs)} JSONL "
+            f"logs ({shown}{more}): give the log of the run"
+        )
     if path.suffix not in (".jsonl", ".nc", ".nc4", ".netcdf"):
         raise ValueError(f"{path}: expected a .jsonl log or a .nc dataset")
     return path
