@@ -31,6 +31,7 @@ __all__ = [
     "check_depth",
     "check_text",
     "decode_netcdf",
+    "empty_name",
     "encode_netcdf",
     "file_stems",
     "flatten",
@@ -192,6 +193,11 @@ def named_leaves(
                 )
     _check_unique(out)
     return out, treedef
+
+
+def empty_name() -> None:
+    """Raises the ValueError for a metric whose name is ``""``."""
+    raise ValueError("a metric name is empty (the key ''): give every value a name")
 
 
 def _is_none(x: Any) -> bool:

@@ -188,6 +188,10 @@ def parse_row(
             return row
     # Nested dicts, other pytrees, names that are not str (1 and "1" would both
     # be "1" in every file: flatten names them and refuses that).
+    if metrics is None:  # (a step function that returned nothing)
+        raise TypeError(
+            "metrics is None: update takes a dict (or other pytree) of named values"
+        )
     _check_step_entries(metrics)
     items = dict(flatten(metrics))
     if label == "step":

@@ -511,6 +511,51 @@ def test_a_name_with_a_lone_surrogate_is_refused_and_loses_nothing(where, tmp_pa
     assert [x["metrics"] for x in lines] == [{"loss": 1.0}, {"loss": 3.0}]
 
 
+@pytest.mark.parametrize("where", ["update", "repeated", "nested", "attach", "state"])
+def test_an_empty_metric_name_is_refused_and_loses_nothing(where, tmp_path):
+    # An empty key showed as "=1.000000" in the summary and ": constant 1" in
+    # the report, a row with no name.
+    h = jh.History(distributed_history=False, report_dir=tmp_path, run_name="r")
+    h.update({"loss": 1.0})
+    with pytest.raises(ValueError, match="empty"):
+        if where == "update":
+            h.update({"loss": 2.0, "": 1.0})
+        elif where == "repeated":  # the names of the last row, then one empty
+            h.update({"loss": 2.0, "": 1.0, "b": 1.0}, step=5)
+        elif where == "nested":  # names that are not all str: flattened first
+            h.update({"loss": 2.0, 1: 3.0, "": 1.0})
+        elif where == "attach":
+            h.attach({"": 1.0})
+        else:
+            h.state.update({"": 1.0})
+    h.update({"loss": 3.0})
+    ds = h.finalize()
+    assert ds["loss"].values.tolist() == [1.0, 3.0]
+    lines = [json.loads(x) for x in h.log_path.read_text().splitlines()]
+    assert [x["metrics"] for x in lines] == [{"loss": 1.0}, {"loss": 3.0}]
+
+
+def test_a_bare_stats_is_still_recorded_under_the_names_of_its_statistics(mesh):
+    h = jh.History(distributed_history=False)
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("data")))
+    h.update(jh.distributed_stats(x))
+    assert {"mean", "std", "min", "max"} <= set(h.state.keys)
+
+
+@pytest.mark.parametrize("metrics", [None, 1.0, np.float32(2.0)])
+def test_update_without_named_values_is_a_type_error_and_records_nothing(metrics):
+    # update(None) recorded an empty step (a step function that returned
+    # nothing), while update(1.0) was already a TypeError.
+    h = jh.History(distributed_history=False)
+    h.update({"loss": 1.0})
+    with pytest.raises(TypeError, match="named values"):
+        h.update(metrics)
+    with pytest.raises(TypeError, match="named values"):
+        h.state.update(metrics)
+    h.update({"loss": 2.0})
+    assert h.state.steps("loss").tolist() == [0, 1]
+
+
 def test_a_warning_about_a_non_finite_metric_escapes_its_name(mesh):
     h = jh.History(distributed_history=True)
     values = per_device(mesh, [np.nan] + [1.0] * 7)

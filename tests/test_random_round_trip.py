@@ -64,7 +64,7 @@ def _names(rng: random.Random, count: int, taken: set) -> list[str]:
     out = []
     while len(out) < count:
         name = _name(rng)
-        if name not in taken and name not in STEP_KEYS:
+        if name and name not in taken and name not in STEP_KEYS:  # "": refused
             taken.add(name)
             out.append(name)
     return out
