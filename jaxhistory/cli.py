@@ -25,7 +25,7 @@ from jaxhistory._names import printable
 from jaxhistory._version import __version__
 from jaxhistory.export._finalize import finalize
 from jaxhistory.export._load import load_run, run_file
-from jaxhistory.export._markdown import stats_table
+from jaxhistory.export._markdown import md_escape, stats_table, terminal_cell
 from jaxhistory.export._units import MAX_PLOTS
 from jaxhistory.launch import LaunchError, launch_local
 from jaxhistory.trace import merge_traces
@@ -184,7 +184,17 @@ def _launch(args) -> int:
             output=output,
         )
     except LaunchError as err:
-        print(f"jaxhistory: {printable(err)}", file=sys.stderr)
+        # One line a process, each escaped; the logs' tails only where they
+        # were not streamed already.
+        lines = err.summary.splitlines()
+        if output is None:
+            for pid, text in err.logs.items():
+                lines += [f"----- process {pid} log -----", *text.splitlines()[-60:]]
+        elif output != "stream":
+            lines.append(f"each process's log: {output}/process-<i>.log")
+        print(f"jaxhistory: {printable(lines[0])}", file=sys.stderr)
+        for line in lines[1:]:
+            print(printable(line), file=sys.stderr)
         return 1
     except (TypeError, ValueError) as err:
         return _fail(err)
@@ -226,10 +236,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _check_outdir(outdir: Path) -> str | None:
     """Why ``outdir`` cannot be the output folder (it exists and is not a
-    folder), or None."""
+    folder, or is a link to nothing), or None."""
     try:
         mode = os.stat(outdir).st_mode
     except FileNotFoundError:
+        if os.path.islink(outdir):
+            return (
+                f"the output folder {outdir} is a link to {os.readlink(outdir)}, "
+                "which does not exist; nothing was written"
+            )
         return None
     except OSError as err:
         return f"cannot use {outdir} as the output folder: {err.strerror}"
@@ -274,7 +289,11 @@ def _main(args) -> int:
         except ValueError as err:
             return _fail(err)
     if args.command == "summary":
-        print("\n".join(stats_table(state, args.warmup)), flush=True)
+        # markdown where it is piped (to paste); on a terminal, names as the
+        # summary line shows them (max_abs, not max\_abs)
+        escape = terminal_cell if sys.stdout.isatty() else md_escape
+        table = stats_table(state, args.warmup, escape=escape)
+        print("\n".join(table), flush=True)
         return 0
     try:
         _report(args, state, attrs)

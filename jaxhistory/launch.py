@@ -29,12 +29,14 @@ _LOG_TAIL_LINES = 60
 class LaunchError(RuntimeError):
     """A launched process failed or the job ran past its timeout.
 
-    ``logs`` maps each process id to its combined stdout/stderr.
+    ``logs`` maps each process id to its combined stdout/stderr; ``summary``
+    is the message without the logs' tails (what failed, one line a process).
     """
 
-    def __init__(self, message: str, logs: dict[int, str]):
+    def __init__(self, message: str, logs: dict[int, str], summary: str = ""):
         super().__init__(message)
         self.logs = logs
+        self.summary = summary or message
 
 
 def free_port() -> int:
@@ -78,13 +80,17 @@ def _tail(text: str) -> str:
     return "\n".join(lines[-_LOG_TAIL_LINES:])
 
 
-def _kill(procs: Sequence[subprocess.Popen]) -> None:
-    for p in procs:
+def _kill(procs: Sequence[subprocess.Popen]) -> set[int]:
+    """Kills the processes still running; returns their indices."""
+    killed = set()
+    for i, p in enumerate(procs):
         if p.poll() is None:
+            killed.add(i)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
     for p in procs:
         p.wait()
+    return killed
 
 
 def launch_local(
@@ -164,6 +170,7 @@ def launch_local(
         logs: list[Any] = []
         readers: list[threading.Thread] = []
         timed_out = False
+        killed: set[int] = set()
         try:
             for pid in range(num_processes):
                 spec = dict(
@@ -192,7 +199,7 @@ def launch_local(
                     readers.append(_stream(procs[-1], pid, logs[-1]))
             timed_out = _wait(procs, time.monotonic() + timeout)
         finally:
-            _kill(procs)
+            killed = _kill(procs)
             for reader in readers:
                 reader.join(timeout=5)
         texts = {}
@@ -205,9 +212,14 @@ def launch_local(
             status, value = _read_result(tmpdir / f"result-{pid}.pkl")
             if status == "ok" and p.returncode == 0:
                 results.append(value)
+            elif status == "error":
+                failures.append(f"process {pid}: {value}")
+            elif pid in killed:
+                why = "at the timeout" if timed_out else "as another process failed"
+                done = " (its function had returned)" if status == "ok" else ""
+                failures.append(f"process {pid}: killed {why}{done}")
             else:
-                why = value if status == "error" else f"exit code {p.returncode}"
-                failures.append(f"process {pid}: {why}")
+                failures.append(f"process {pid}: exit code {p.returncode}")
     if timed_out or failures:
         head = (
             f"job timed out after {timeout:g}s"
@@ -219,7 +231,8 @@ def launch_local(
             f"----- process {pid} log (last {_LOG_TAIL_LINES} lines) -----\n{_tail(t)}"
             for pid, t in texts.items()
         )
-        raise LaunchError(f"{head} ({name})\n{detail}\n{shown}", texts)
+        summary = f"{head} ({name})\n{detail}"
+        raise LaunchError(f"{summary}\n{shown}", texts, summary)
     return results
 
 

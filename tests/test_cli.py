@@ -48,6 +48,29 @@ def saved_run(tmp_path, warmup=0.0):
     return s
 
 
+def test_summary_on_a_terminal_shows_names_as_the_summary_line_does(
+    tmp_path, capsys, monkeypatch
+):
+    """Finding: on a terminal ``jaxhistory summary`` showed ``max_abs`` as
+    ``max\\_abs`` and a name's ``\\x1b`` as ``\\\\x1b``: the markdown escapes.
+    On a terminal names show as the summary line shows them (only ``|``
+    escaped, to keep the columns); piped, the table is markdown."""
+    s = jh.HistoryState()
+    for i in range(3):
+        s = s.update({"grads/max_abs": float(i), "a\x1bb": 2.0 * i, "p|q": 1.0 * i})
+    export.to_netcdf(s, tmp_path / "r.nc")
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert cli.main(["summary", str(tmp_path / "r.nc")]) == 0
+    shown = capsys.readouterr().out
+    assert "| grads/max_abs | 1 |" in shown, shown
+    assert "| a\\x1bb | 2 |" in shown and "\x1b" not in shown
+    assert "| p\\|q | 1 |" in shown
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    assert cli.main(["summary", str(tmp_path / "r.nc")]) == 0
+    piped = capsys.readouterr().out
+    assert "| grads/max\\_abs | 1 |" in piped and "| a\\\\x1bb | 2 |" in piped
+
+
 def test_summary_piped_to_head_ends_quietly(tmp_path):
     # More output than a pipe holds (1,000 rows of 100-character names), so the
     # command is still writing when head has gone.
@@ -151,7 +174,10 @@ def test_cli_user_errors_are_one_line_and_status_2(tmp_path, capsys):
     trace = tmp_path / "t.json"
     trace.write_text('{"traceEvents": [{"name": "a", "ph": "X", "ts": 0, "dur": 1}]}')
     out = tmp_path / "out"
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")  # said only "[Errno 17] File exists"
     cases = [
+        (["report", run, "-o", dangling], f"{dangling} is a link to {tmp_path}"),
         (["summary", run, "--warmup", "nan"], "warmup must be a number >= 0"),
         (["summary", run, "--warmup", "inf"], "got 'inf'"),
         (["report", run, "-o", out, "--warmup", "-1"], "got '-1'"),
@@ -173,6 +199,7 @@ def test_cli_user_errors_are_one_line_and_status_2(tmp_path, capsys):
         assert said in err, (args, err)
         assert "\x1b" not in err and "Traceback" not in err
     assert afile.read_text() == "mine" and not out.exists()
+    assert not (tmp_path / "nowhere").exists()
 
 
 def _crafted(tmp_path, name, **attrs):
@@ -315,6 +342,20 @@ def test_the_launch_command(tmp_path):
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert failed.returncode == 1 and "launched processes failed" in failed.stderr
+    # One line a process, not one line with every newline shown as \x0a, and
+    # the traceback once (it was streamed; the summary repeated it).
+    assert "\\x0a" not in failed.stderr
+    lines = failed.stderr.splitlines()
+    assert "process 1: RuntimeError: process one gives up" in lines, lines
+    assert "exit code -9" not in failed.stderr
+    assert (failed.stdout + failed.stderr).count("Traceback") == 1
+    quiet = subprocess.run(
+        [*cmd, "mp_workers:fail_on_process_one", "--timeout", "120", "--output",
+         "none"], capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert quiet.returncode == 1 and quiet.stdout == ""
+    assert quiet.stderr.count("Traceback") == 1  # the log not shown before
+    assert "----- process 1 log -----" in quiet.stderr.splitlines()
     bad = subprocess.run(
         [*cmd, "no_colon"], capture_output=True, text=True, env=env, timeout=300
     )

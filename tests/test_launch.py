@@ -54,6 +54,14 @@ def test_a_failing_process_fails_the_job_with_its_log():
     message = str(info.value)
     assert "process 1: RuntimeError: process one gives up" in message
     assert "Traceback" in info.value.logs[1]
+    # what failed without the logs; a process the launcher killed says so
+    summary = info.value.summary.splitlines()
+    assert summary[1:] in (
+        ["process 0: killed as another process failed (its function had returned)",
+         "process 1: RuntimeError: process one gives up"],
+        ["process 1: RuntimeError: process one gives up"],  # 0 had exited
+    ), summary  # fmt: skip
+    assert "Traceback" not in info.value.summary
 
 
 def test_a_failure_is_reported_at_once_while_others_wait_in_a_collective():
@@ -70,8 +78,9 @@ def test_a_failure_is_reported_at_once_while_others_wait_in_a_collective():
 
 
 def test_a_hung_job_is_killed_at_the_timeout():
-    with pytest.raises(jh.LaunchError, match="timed out after 6s"):
+    with pytest.raises(jh.LaunchError, match="timed out after 6s") as info:
         jh.launch_local("mp_workers:sleep_forever", 2, 1, timeout=6)
+    assert "process 1: killed at the timeout" in info.value.summary.splitlines()
 
 
 def test_callable_targets_must_be_importable():

@@ -7,7 +7,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ __all__ = [
     "md_escape",
     "metadata_rows",
     "stats_table",
+    "terminal_cell",
     "to_markdown",
 ]
 
@@ -119,13 +120,24 @@ def _number(value: Any) -> str:
     return f"{value:.6g}"
 
 
+def terminal_cell(text: Any) -> str:
+    """``text`` as a table cell on a terminal: control characters as ``\\xNN``
+    (:func:`printable`, as the summary line shows them) and ``|`` escaped, so
+    that the columns hold; no other markdown escapes."""
+    return printable(str(text)).replace("|", "\\|")
+
+
 def stats_table(
-    state: HistoryState, warmup: float = 0, summary: dict | None = None
+    state: HistoryState,
+    warmup: float = 0,
+    summary: dict | None = None,
+    escape: Callable[[Any], str] = md_escape,
 ) -> list[str]:
     """Markdown table rows of run-level statistics per metric after ``warmup``:
     one metric's rows together (``loss/mean``, ``/std``, ``/min``, ``/max``),
     and the metrics that never changed listed once, below the table.
-    ``summary``: ``state.summary(warmup)``, where the caller has it already."""
+    ``summary``: ``state.summary(warmup)``, where the caller has it already.
+    ``escape``: how a name is written (:func:`terminal_cell` for a terminal)."""
     if summary is None:
         summary = state.summary(warmup)
     if not summary:
@@ -134,16 +146,16 @@ def stats_table(
     rows = [header, "|---|" + "---:|" * len(TABLE_STATS)]
     where = _provenance_names(state.keys)
     held = _constant_groups(summary)
-    constants = [f"{md_escape(base)} = {_number(v)}" for base, v in held.items()]
+    constants = [f"{escape(base)} = {_number(v)}" for base, v in held.items()]
     for name in grouped(tuple(summary)):
         stats = summary[name]
         if name in where or name.rpartition("/")[0] in held:
             continue  # device indices: in the devices section; constants: below
         if _constant(stats):
-            constants.append(f"{md_escape(name)} = {_number(stats['last'])}")
+            constants.append(f"{escape(name)} = {_number(stats['last'])}")
             continue
         cells = " | ".join(_number(stats[s]) for s in TABLE_STATS)
-        rows.append(f"| {md_escape(name)} | {cells} |")
+        rows.append(f"| {escape(name)} | {cells} |")
     if len(rows) == 2:
         rows = []
     if constants:
