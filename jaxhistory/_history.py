@@ -63,7 +63,9 @@ class History(RunViews):
             never more than a bounded number of updates behind; see
             :meth:`update`). Written by
             process 0 only, unless the path holds ``{process_index}``, which gives
-            each process its own file.
+            each process its own file. A symbolic link, a folder or a device
+            there is refused at once (``NotAFile``, an ``OSError``); nothing is
+            ever written through a link.
         jsonl_overwrite: truncate an existing JSONL log instead of appending to it
             (appending continues a resumed run).
         log_every: summarize (and so wait for device values) only at steps that

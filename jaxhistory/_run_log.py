@@ -15,7 +15,7 @@ import jax
 from jaxhistory import _trace_state
 from jaxhistory._codec import read_stamps
 from jaxhistory._fan_out import FanOut
-from jaxhistory._files import in_use
+from jaxhistory._files import NotAFile, check_target, in_use
 from jaxhistory._row import Row
 from jaxhistory._writer import Writer, warn_quietly
 from jaxhistory.sinks._feed import SinkFeed
@@ -61,6 +61,13 @@ class RunLog:
         sinks: tuple,
         on_stats: Any,
     ):
+        if path is not None:
+            try:
+                check_target(path)  # a link, a folder, a device: refused now
+            except NotAFile:
+                raise
+            except OSError:
+                pass  # unreachable now: the first row warns, recording goes on
         if path is not None and in_use(path):
             raise ValueError(
                 f"the JSONL log {path} is being written by another live "

@@ -1190,11 +1190,17 @@ def test_the_log_is_never_opened_through_a_link(tmp_path):
             with pytest.raises(_files.NotAFile, match="symbolic link"):
                 _files.open_log(tmp_path / name, overwrite)
     assert not absent.exists() and other.read_text() == "theirs\n"
-    h = jh.History(distributed_history=False, jsonl_path=tmp_path / "dangling.jsonl")
-    with pytest.warns(RuntimeWarning, match="dangling.jsonl: it is a symbolic link"):
+    for name in ("dangling.jsonl", "link.jsonl"):  # refused before the run starts
+        with pytest.raises(_files.NotAFile, match=f"{name}: it is a symbolic link"):
+            jh.History(distributed_history=False, jsonl_path=tmp_path / name)
+    # a link that shows up after History(...): a warning, never an error in
+    # the training thread, and nothing written through it
+    h = jh.History(distributed_history=False, jsonl_path=tmp_path / "late.jsonl")
+    (tmp_path / "late.jsonl").symlink_to(absent)
+    with pytest.warns(RuntimeWarning, match="late.jsonl: it is a symbolic link"):
         h.update({"a": 1.0})
     h.close()
-    assert not absent.exists()
+    assert not absent.exists() and other.read_text() == "theirs\n"
     log = tmp_path / "log.jsonl"
     log.write_bytes(b'{"cut')  # a killed writer's last line
     with _files.open_log(log) as f:
