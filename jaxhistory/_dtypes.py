@@ -21,6 +21,7 @@ __all__ = [
     "NESTED",
     "PY_SCALARS",
     "STEP_KEYS",
+    "as_flag",
     "as_step",
     "as_steps",
     "check_ints",
@@ -167,6 +168,23 @@ def check_ints(names: tuple[str, ...], row: tuple, dtypes: tuple) -> None:
             raise ValueError(
                 f"metric {name!r} is {value}, outside int64; pass it as a float"
             )
+
+
+def as_flag(name: str, value: Any) -> bool:
+    """``value`` as a bool: True or False (a NumPy bool too). Anything else (a
+    string ``"false"``, which ``bool()`` makes True, 0, None) is a TypeError
+    naming ``name``: a flag such as ``overwrite`` must never be guessed.
+
+    Examples:
+        >>> from jaxhistory._dtypes import as_flag
+        >>> as_flag("overwrite", False)
+        False
+    """
+    if value is True or value is False:
+        return value
+    if type(value) is np.bool_:
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r:.60}")
 
 
 def as_step(name: str, value: Any) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxhistory._distributed import distributed_default
+from jaxhistory._dtypes import as_flag
 from jaxhistory._env import metadata_json, plain_metadata
 from jaxhistory._hang import HANG_TIMEOUT_S, check_hang_timeout
 from jaxhistory._history_state import Appender, HistoryState
@@ -225,12 +226,12 @@ class History(RunViews):
         self.distributed_history = (
             distributed_default()
             if distributed_history is None
-            else bool(distributed_history)
+            else as_flag("distributed_history", distributed_history)
         )
         self.report_dir = None if report_dir is None else Path(report_dir)
-        self.report_enabled = bool(report_enabled)
+        self.report_enabled = as_flag("report_enabled", report_enabled)
         self.jsonl_path = None if jsonl_path is None else Path(jsonl_path)
-        self.jsonl_overwrite = bool(jsonl_overwrite)
+        self.jsonl_overwrite = as_flag("jsonl_overwrite", jsonl_overwrite)
         self.log_every = log_every
         progress = Progress.of(total_steps, flops_per_step, peak_flops)
         state, self.run_id, self.jsonl_path = run_identity(

@@ -37,6 +37,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from jaxhistory import _trace_state
+from jaxhistory._dtypes import as_flag
 from jaxhistory._env import check_run_name, new_run_id
 from jaxhistory._trace_file import (
     TraceFile,
@@ -135,7 +136,7 @@ class JSONTraceHandler:
         check_run_name(run_name)
         self.folder_template, self.filename_template = folder, filename
         self.merged_trace_filename = merged_trace_filename
-        self.overwrite = bool(overwrite)
+        self.overwrite = as_flag("overwrite", overwrite)
         self.num_traces_to_keep = num_traces_to_keep
         self.run_name = new_run_id(None) if run_name is None else run_name
         self.folder: Path | None = None

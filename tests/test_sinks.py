@@ -732,3 +732,44 @@ def test_a_sink_written_after_close_warns_once_and_keeps_its_file(tmp_path, kind
     assert type(sink).__name__ in str(caught[0].message)
     assert sorted(p for p in tmp_path.rglob("*") if p.is_file()) == files
     assert [p.read_bytes() for p in files] == before
+
+
+@pytest.mark.parametrize("flag", ["false", "no", "0", 0.0, None, [False]])
+def test_a_flag_that_is_not_a_bool_is_refused_before_any_file_is_touched(
+    flag, tmp_path
+):
+    """Finding: ``overwrite="false"`` went through bool() and erased the log,
+    the CSV file and a trace folder; ``distributed_history="false"`` and
+    ``report_enabled="no"`` were true as well. A flag is True or False (a
+    NumPy bool too); anything else is a TypeError naming the option."""
+    from jaxhistory import trace
+    from jaxhistory.sinks import CsvSink, JsonlSink
+
+    for name in ("keep.jsonl", "keep.csv"):
+        (tmp_path / name).write_text("theirs\n")
+    (tmp_path / "traces").mkdir()
+    (tmp_path / "traces" / "ep0.json").write_text("theirs\n")
+    makers = {
+        "jsonl_overwrite": lambda: jh.History(
+            distributed_history=False,
+            jsonl_path=tmp_path / "keep.jsonl",
+            jsonl_overwrite=flag,
+        ),
+        "report_enabled": lambda: jh.History(
+            distributed_history=False, report_enabled=flag
+        ),
+        "distributed_history": lambda: jh.History(distributed_history=flag or "no"),
+        "overwrite": lambda: JsonlSink(tmp_path / "keep.jsonl", overwrite=flag),
+        "overwrite ": lambda: CsvSink(tmp_path / "keep.csv", overwrite=flag),
+        "overwrite  ": lambda: trace.JSONTraceHandler(
+            folder=tmp_path / "traces", overwrite=flag
+        ),
+    }
+    for option, make in makers.items():
+        with pytest.raises(TypeError, match=f"{option.strip()} must be True or False"):
+            make()
+    for name in ("keep.jsonl", "keep.csv", "traces/ep0.json"):
+        assert (tmp_path / name).read_text() == "theirs\n", name
+    for ok in (True, False, np.bool_(True)):
+        sink = JsonlSink(tmp_path / "ok.jsonl", overwrite=ok)
+        sink.close()

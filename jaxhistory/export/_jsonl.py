@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from jaxhistory._codec import encode_records, jsonable, jsonl_value
+from jaxhistory._dtypes import as_flag
 from jaxhistory._fan_out import FanOut
 from jaxhistory._files import atomic_write, open_log
 from jaxhistory._history_state import HistoryState
@@ -86,7 +87,7 @@ def to_jsonl(
     )
     batch.run_id = run_id
     text = encode_records(batch)
-    if overwrite:
+    if as_flag("overwrite", overwrite):
         atomic_write(path, lambda tmp: tmp.write_bytes(text))
     else:
         with open_log(path) as f:

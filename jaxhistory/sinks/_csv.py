@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from jaxhistory._dtypes import as_flag
 from jaxhistory._env import not_a_name
 from jaxhistory._files import LogInUse, atomic_write, check_target, in_use, open_log
 from jaxhistory._record import Batch, Record
@@ -197,6 +198,7 @@ class CsvSink(FileSink):
     MAX_COLUMNS = 16384
 
     def __init__(self, path: str | os.PathLike, overwrite: bool = False):
+        overwrite = as_flag("overwrite", overwrite)
         self.path = Path(path)
         columns: list[str] = []
         end = 0

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 from jaxhistory._codec import encode_records
+from jaxhistory._dtypes import as_flag
 from jaxhistory._files import open_log
 from jaxhistory._record import Batch, Record
 from jaxhistory._writer import warn_quietly
@@ -42,7 +43,7 @@ class JsonlSink(FileSink):
 
     def __init__(self, path: str | os.PathLike, overwrite: bool = False):
         self.path = Path(path)
-        self._file = open_log(self.path, overwrite)
+        self._file = open_log(self.path, as_flag("overwrite", overwrite))
         self._lock = threading.Lock()
         self._broken = False  # the last write may have stopped mid-line
         self.error: BaseException | None = None  # the last failed write
