@@ -16,6 +16,7 @@ import jax
 
 from jaxhistory import _trace_state
 from jaxhistory._dtypes import as_step
+from jaxhistory._names import printable
 
 __all__ = ["StopWatch"]
 
@@ -26,7 +27,8 @@ _UNSAFE = re.compile(r"\s+")
 class StopWatch:
     """Times a block (``with``) or every call of a function (decorator).
 
-    On exit it logs ``"<msg> took 1.234 seconds"`` (INFO, logger ``jaxhistory``),
+    On exit it logs ``"<msg> took 1.234 seconds"`` (INFO, logger ``jaxhistory``;
+    control characters in ``msg`` as ``\\xNN``),
     records the seconds into ``history`` as ``timing/<tag>`` (``tag`` is ``wbtag``
     without a leading ``timing/``, else ``msg`` with spaces as ``_``), opens a
     ``jax.profiler.TraceAnnotation`` for the span (so it shows in XProf and
@@ -218,7 +220,7 @@ class StopWatch:
             )
         if exc_type is not None:
             return  # nothing recorded or logged for a block that raised
-        logger.info("%s took %.3f seconds", self.msg, self.seconds)
+        logger.info("%s took %.3f seconds", printable(self.msg), self.seconds)
         if self.history is not None:
             # This process alone, never reduced across processes (only some may
             # time a block): at the next update's step, or at ``step``.

@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
+import inspect
 import logging
 import sys
 import threading
@@ -30,6 +31,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from jaxhistory._names import printable
 from jaxhistory._record import Batch, Record
 from jaxhistory._writer import AtExit
 from jaxhistory.sinks._base import is_sink, writes_here
@@ -92,9 +94,10 @@ class ConsoleMetricHandler(MetricHandler):
         self.stream = stream
 
     def emit(self, metric_data: MetricData) -> None:
-        d = metric_data
+        d = metric_data  # (control characters in what is shown as \\xNN)
+        group, name, value = printable(d.group_name), printable(d.name), d.value
         print(
-            f"[{d.timestamp}][{d.group_name}]: {d.name}={d.value}",
+            f"[{d.timestamp}][{group}]: {name}={printable(value)}",
             file=self.stream if self.stream is not None else sys.stdout,
         )
 
@@ -223,7 +226,7 @@ class MetricStream:
             )
         if self._fixed is not None:
             data = MetricData(time.time(), self.group_name, metric_name, metric_value)
-            self._fixed.emit(data)
+            _emit(self._fixed, data)
         else:
             assert self._registry is not None  # set where _fixed is not
             self._registry.publish(self.group_name, metric_name, metric_value)
@@ -250,7 +253,28 @@ class _Registry:
 
     def publish(self, group: str, name: str, value: Any) -> None:
         # Looked up at publish time: a handler configured late still gets metrics.
-        self.handler(group).emit(MetricData(time.time(), group, name, value))
+        _emit(self.handler(group), MetricData(time.time(), group, name, value))
+
+
+def _emit(handler: MetricHandler, data: MetricData) -> None:
+    """``handler.emit(data)``; an error the handler raises (a closed stream, a
+    full disk) is a RuntimeWarning naming the group and the metric, never an
+    error in the caller's thread."""
+    try:
+        handler.emit(data)
+    except Exception as err:
+        _handler_failed(data.group_name, data.name, err)
+
+
+def _handler_failed(group: str, name: str, err: Exception) -> None:
+    text = (
+        f"metric handler for group {printable(group)!r} failed on "
+        f"{printable(name)!r}: {err!r}"
+    )
+    try:
+        warnings.warn(text, RuntimeWarning, stacklevel=4)
+    except Exception:  # warnings turned into errors (-W error): log instead
+        logging.getLogger("jaxhistory").warning("%s", text)
 
 
 _state = threading.local()
@@ -391,11 +415,14 @@ def _publish_quietly(group: str, name: str, value: Any) -> None:
     try:
         put_metric(name, value, group)
     except Exception as err:  # a broken handler must not change the call's outcome
-        text = f"metric handler for group {group!r} failed on {name!r}: {err!r}"
-        try:
-            warnings.warn(text, RuntimeWarning, stacklevel=3)
-        except Exception:  # warnings turned into errors (-W error): log instead
-            logging.getLogger("jaxhistory").warning("%s", text)
+        _handler_failed(group, name, err)
+
+
+def _published(group: str, key: str, outcome: str, start: float) -> None:
+    """Publishes ``{key}.{outcome}`` (1) and the milliseconds since ``start``."""
+    elapsed = (time.perf_counter() - start) * 1e3
+    _publish_quietly(group, f"{key}.{outcome}", 1)
+    _publish_quietly(group, f"{key}.duration.ms", elapsed)
 
 
 def prof(fn: Callable | None = None, *, group: str = DEFAULT_GROUP):
@@ -408,6 +435,8 @@ def prof(fn: Callable | None = None, *, group: str = DEFAULT_GROUP):
     Use bare (``@prof``) or with a keyword (``@prof(group="agent")``). The
     duration is float milliseconds from a monotonic clock. A failing handler
     gives a RuntimeWarning; it never changes the function's result or exception.
+    An ``async def`` is timed through its await (its exception a failure); a
+    generator function is a TypeError.
 
     Examples:
         >>> from jaxhistory import publish
@@ -430,6 +459,25 @@ def prof(fn: Callable | None = None, *, group: str = DEFAULT_GROUP):
 
     def decorate(f: Callable) -> Callable:
         key = _key(f)
+        if inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f):
+            raise TypeError(
+                f"prof cannot time generator function {f.__qualname__!r}: calling "
+                "it only makes the generator; time the function that consumes it"
+            )
+        if inspect.iscoroutinefunction(f):
+
+            @functools.wraps(f)
+            async def timed(*args, **kwargs):  # the call and its await
+                start = time.perf_counter()
+                try:
+                    result = await f(*args, **kwargs)
+                except BaseException:
+                    _published(group, key, "failure", start)
+                    raise
+                _published(group, key, "success", start)
+                return result
+
+            return timed
 
         @functools.wraps(f)
         def wrapper(*args, **kwargs):
@@ -437,13 +485,9 @@ def prof(fn: Callable | None = None, *, group: str = DEFAULT_GROUP):
             try:
                 result = f(*args, **kwargs)
             except BaseException:
-                elapsed = (time.perf_counter() - start) * 1e3
-                _publish_quietly(group, f"{key}.failure", 1)
-                _publish_quietly(group, f"{key}.duration.ms", elapsed)
+                _published(group, key, "failure", start)
                 raise
-            elapsed = (time.perf_counter() - start) * 1e3
-            _publish_quietly(group, f"{key}.success", 1)
-            _publish_quietly(group, f"{key}.duration.ms", elapsed)
+            _published(group, key, "success", start)
             return result
 
         return wrapper

@@ -387,6 +387,81 @@ def test_prof_positional_group_is_a_clear_type_error():
             pass
 
 
+def test_prof_of_an_async_function_times_its_await_and_sees_its_failure():
+    """Finding: ``@prof`` on an ``async def`` timed only the making of the
+    coroutine (0.002 ms) and published success before the body ran, even when
+    it then raised."""
+    import asyncio
+
+    handler = Collect()
+    publish.configure(handler, group="agent")
+
+    @publish.prof(group="agent")
+    async def rendezvous(fail):
+        await asyncio.sleep(0.05)
+        if fail:
+            raise TimeoutError("nobody came")
+        return 7
+
+    assert asyncio.run(rendezvous(False)) == 7
+    with pytest.raises(TimeoutError):
+        asyncio.run(rendezvous(True))
+    names = [n.rpartition(".rendezvous.")[2] for _, n in handler.names()]
+    assert names == ["success", "duration.ms", "failure", "duration.ms"]
+    assert handler.data[1].value >= 40 and handler.data[3].value >= 40  # ms
+
+
+def test_prof_of_a_generator_function_is_a_type_error():
+    # it was "success" in 0.001 ms: the call only makes the generator
+    with pytest.raises(TypeError, match=r"generator function '.*\.gen'"):
+
+        @publish.prof
+        def gen():
+            yield 1
+
+    with pytest.raises(TypeError, match=r"generator function '.*\.agen'"):
+
+        @publish.prof
+        async def agen():
+            yield 1
+
+
+class _Raising(publish.MetricHandler):
+    def __init__(self, error):
+        self.error = error
+
+    def emit(self, metric_data):
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    "error", [OSError(28, "No space left on device"), ValueError("closed file")]
+)
+def test_a_handler_that_raises_never_raises_into_the_caller(error, caplog):
+    """Finding: ``put_metric`` (and a stream's ``add_value``) raised the
+    handler's own error (a closed stream, a full disk) into the training
+    thread. It warns, naming the group and metric, and the call returns."""
+    publish.configure(_Raising(error), group="agent")
+    with pytest.warns(RuntimeWarning, match="'agent' failed on 'a'"):
+        publish.put_metric("a", 1, metric_group="agent")
+    with pytest.warns(RuntimeWarning, match="'agent' failed on 'b'"):
+        publish.get_stream("agent").add_value("b", 2)
+    fixed = publish.MetricStream("own", _Raising(error))
+    with pytest.warns(RuntimeWarning, match="'own' failed on 'c'"):
+        fixed.add_value("c", 3)
+    with pytest.raises(ValueError, match="non-empty str"):  # bad input still is
+        publish.put_metric("", 1, metric_group="agent")
+
+
+def test_the_console_handler_escapes_control_characters_in_what_it_prints():
+    # a name's terminal escape and newline were printed raw
+    out = io.StringIO()
+    publish.ConsoleMetricHandler(out).emit(
+        publish.MetricData(1.5, "g\x1b[2J", "a\x1b[2Jb\nc", "v\x07")
+    )
+    assert out.getvalue() == "[1.5][g\\x1b[2J]: a\\x1b[2Jb\\x0ac=v\\x07\n"
+
+
 # ----- MetricStream in torchelastic's form, getStream -------------------------------
 
 

@@ -334,6 +334,18 @@ def test_two_processes_trace_sync_and_merge_with_distinct_pids(tmp_path):
 
 
 # ----- StopWatch ---------------------------------------------------------------------
+def test_stopwatch_logs_its_message_with_control_characters_escaped(caplog):
+    # "m\x1b[31mx\ny" was logged raw: a colour escape and a second line
+    with (
+        caplog.at_level(logging.INFO, logger="jaxhistory"),
+        jh.StopWatch("m\x1b[31mx\ny"),
+    ):
+        pass
+    (message,) = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    assert message.startswith("m\\x1b[31mx\\x0ay took ")
+    assert "\x1b" not in message and "\n" not in message
+
+
 def test_stopwatch_logs_records_and_annotates(caplog):
     h = jh.History(distributed_history=False)
     with (
