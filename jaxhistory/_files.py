@@ -27,7 +27,9 @@ __all__ = [
     "LogInUse",
     "NotAFile",
     "WriteError",
+    "as_path",
     "atomic_write",
+    "check_folder",
     "check_target",
     "in_use",
     "kind_of",
@@ -60,6 +62,27 @@ class NotAFile(OSError):
         )
         self.errno = errno.EEXIST  # set apart: the message reads without it
         self.path = path
+
+
+def as_path(name: str, value: object) -> Path:
+    """``value`` as a Path; a TypeError naming ``name`` unless it is a str or
+    an ``os.PathLike``."""
+    if isinstance(value, str | os.PathLike):
+        return Path(value)
+    raise TypeError(f"{name} must be a path (a str or os.PathLike), got {value!r:.60}")
+
+
+def check_folder(name: str, path: Path) -> None:
+    """:class:`NotAFile` naming ``name`` where ``path`` exists and is not a
+    folder (a link to one is a folder here)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # absent (made when written) or unreadable (said when written)
+    if not stat.S_ISDIR(mode):
+        err = NotAFile(Path(path), kind_of(mode), "a folder")
+        err.args = (f"{name}: {err}",)
+        raise err
 
 
 def kind_of(mode: int) -> str:

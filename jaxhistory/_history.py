@@ -12,6 +12,7 @@ from typing import Any
 from jaxhistory._distributed import distributed_default
 from jaxhistory._dtypes import as_flag
 from jaxhistory._env import metadata_json, plain_metadata
+from jaxhistory._files import as_path, check_folder
 from jaxhistory._hang import HANG_TIMEOUT_S, check_hang_timeout
 from jaxhistory._history_state import Appender, HistoryState
 from jaxhistory._job import JobSync
@@ -228,11 +229,17 @@ class History(RunViews):
             if distributed_history is None
             else as_flag("distributed_history", distributed_history)
         )
-        self.report_dir = None if report_dir is None else Path(report_dir)
+        self.report_dir = (
+            None if report_dir is None else as_path("report_dir", report_dir)
+        )
+        if self.report_dir is not None:
+            check_folder("report_dir", self.report_dir)
         self.report_enabled = as_flag("report_enabled", report_enabled)
-        self.jsonl_path = None if jsonl_path is None else Path(jsonl_path)
+        self.jsonl_path = (
+            None if jsonl_path is None else as_path("jsonl_path", jsonl_path)
+        )
         self.jsonl_overwrite = as_flag("jsonl_overwrite", jsonl_overwrite)
-        self.log_every = log_every
+        self.log_every = int(log_every)
         progress = Progress.of(total_steps, flops_per_step, peak_flops)
         state, self.run_id, self.jsonl_path = run_identity(
             resume,
@@ -446,6 +453,8 @@ class History(RunViews):
         one that raises gets a warning naming it.
         """
         config, env_info = checked_metadata(self.config, env_info, self.mesh)
+        if outdir is not None:
+            outdir = as_path("outdir", outdir)
         if outdir is None:
             if self.report_dir is None:
                 raise ValueError("finalize needs an outdir (or a History report_dir)")

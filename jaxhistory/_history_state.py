@@ -264,6 +264,8 @@ class HistoryState:
         float64 holds them; uint64 and int64 values give int64 or uint64) or is
         a ValueError naming it; neither history changes.
         """
+        if not isinstance(other, HistoryState):
+            raise TypeError(f"merge takes a HistoryState, got {type(other).__name__}")
         tables = _combining.merged(self, other)
         return self._derive(tables, max(self.next_step, other.next_step))
 

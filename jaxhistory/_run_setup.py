@@ -4,18 +4,23 @@ resume and the sinks this process writes to."""
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
+from jaxhistory._codec import read_run_id
 from jaxhistory._distributed import agreed_run_id
 from jaxhistory._dtypes import as_step
 from jaxhistory._env import check_run_id, check_run_name, env_flag, new_run_id
 from jaxhistory._history_state import HistoryState
+from jaxhistory._names import printable
 from jaxhistory._run_log import RunLog, log_target
+from jaxhistory._writer import warn_quietly
 from jaxhistory.export._load import load_run, run_file
 from jaxhistory.sinks import WandbSink
 from jaxhistory.sinks._base import is_sink, writes_here
@@ -40,6 +45,13 @@ __all__ = [
 ]
 
 
+def _whole(value: Any) -> bool:
+    """Whether ``value`` is a whole number: a Python or NumPy int, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(
+        value, bool | np.bool_
+    )
+
+
 def check_options(keys: Any, log_every: Any, memory: Any) -> int:
     """Checks History's ``keys``, ``log_every`` and ``memory``; returns how many
     updates apart memory is sampled (0: never)."""
@@ -47,16 +59,16 @@ def check_options(keys: Any, log_every: Any, memory: Any) -> int:
         isinstance(keys, str) or not all(isinstance(k, str) for k in keys)
     ):
         raise TypeError(f"keys must be a sequence of metric names, got {keys!r}")
-    if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1:
+    if not _whole(log_every) or log_every < 1:
         raise ValueError(f"log_every must be a positive int, got {log_every!r}")
     if memory is True or memory is False:
         return int(memory)
-    if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
+    if not _whole(memory) or memory < 1:
         raise ValueError(
             f"memory must be True/False or a positive int (every N updates), "
             f"got {memory!r}"
         )
-    return memory
+    return int(memory)
 
 
 def check_not_erased(log: Path | None, jsonl_path: Path | None, overwrite: bool):
@@ -91,7 +103,36 @@ def run_identity(
         run_id_for(run_name, None if jsonl_path is not None else report_dir),
         run_name,
     )
+    if resume is None and resume_step is None and not overwrite:
+        check_not_shared(log_target(jsonl_path, report_dir, run_id), run_id)
     return state, run_id, jsonl_path
+
+
+def check_not_shared(log: Path | None, run_id: str) -> None:
+    """Warns where a new (not resumed) run is to append to ``log`` and ``log``
+    holds records of another run: every reader takes the lines of both for
+    one run. (A restart that continues its steps by hand has done this on
+    purpose; ``resume=`` says so.) A link, or a log that cannot be read, is
+    left to :class:`RunLog` and the writer."""
+    try:
+        if log is None or not os.path.isfile(log) or os.path.islink(log):
+            return
+        if not os.path.getsize(log):
+            return
+        other = read_run_id(log)
+    except (OSError, ValueError):
+        return
+    if other == run_id:
+        return
+    held = f"the run {printable(other)}" if other else "records of another run"
+    warn_quietly(
+        f"the JSONL log {printable(log)} holds {held}; this run "
+        f"({printable(run_id)}) appends to it, and every reader will take the "
+        "two for one run. To continue that run pass "
+        f"resume={printable(log)!r}; to replace its log, jsonl_overwrite=True; "
+        "else give this run a jsonl_path of its own",
+        stacklevel=4,  # (History(...) in the caller's code)
+    )
 
 
 def run_id_for(run_name: str | None, report_dir: Path | None) -> str:

@@ -83,8 +83,15 @@ class StopWatch:
     ):
         if not isinstance(msg, str) or not msg.strip():
             raise ValueError(f"msg must be a non-empty str, got {msg!r}")
-        if wbtag is not None and (not isinstance(wbtag, str) or not wbtag.strip()):
-            raise ValueError(f"wbtag must be a non-empty str or None, got {wbtag!r}")
+        if wbtag is not None and (
+            not isinstance(wbtag, str)
+            or not wbtag.strip()
+            or not wbtag.removeprefix("timing/").strip()
+        ):
+            raise ValueError(
+                f"wbtag must be a non-empty str or None (a name after 'timing/'), "
+                f"got {wbtag!r}"
+            )
         if history is not None and not hasattr(history, "update"):
             raise TypeError(f"history must be a History, got {type(history).__name__}")
         if step is not None:  # refused now, not after the timed work has run

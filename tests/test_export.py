@@ -297,8 +297,14 @@ def test_history_streams_jsonl_during_the_run(tmp_path):
 def test_history_jsonl_appends_unless_overwrite(tmp_path):
     path = tmp_path / "log.jsonl"
     for overwrite, expected in ((False, 1), (False, 2), (True, 1)):
-        h = jh.History(
-            distributed_history=False, jsonl_path=path, jsonl_overwrite=overwrite
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            h = jh.History(
+                distributed_history=False, jsonl_path=path, jsonl_overwrite=overwrite
+            )
+        # appended to the first run's log: a warning says so
+        assert [("holds the run" in str(w.message)) for w in said] == (
+            [True] if expected == 2 else []
         )
         h.update({"a": 1.0})
         h.close()

@@ -184,6 +184,20 @@ def test_bad_settings_and_input():
         jh.History(keys="loss")
     with pytest.raises(ValueError, match="log_every"):
         jh.History(log_every=0)
+    for bad in (np.int64(0), np.bool_(True), 2.0, "3"):
+        with pytest.raises(ValueError, match="log_every"):
+            jh.History(log_every=bad)
+    # NumPy ints are whole numbers, as steps are (np.int64(3) was refused)
+    every = jh.History(
+        distributed_history=False, log_every=np.int64(3), memory=np.int32(2)
+    )
+    assert type(every.log_every) is int and every.log_every == 3
+    assert [every.update({"a": 1.0}) != "" for _ in range(4)] == [
+        True,
+        False,
+        False,
+        True,
+    ]
     h = jh.History(distributed_history=False)
     h.update({"loss": 1.0})
     with pytest.raises(TypeError, match="'name'"):
@@ -556,6 +570,67 @@ def test_update_without_named_values_is_a_type_error_and_records_nothing(metrics
     assert h.state.steps("loss").tolist() == [0, 1]
 
 
+def test_a_new_run_appending_to_the_log_of_another_is_told_so(tmp_path):
+    """Finding: two runs given one jsonl_path, the second not resumed, shared
+    the log without a word, and every reader merged them (count 10, mean 1.5
+    over a=1 x 10 and a=2 x 5). The second run is warned, at History(...),
+    naming the other run and the ways out (a restart that continues its
+    steps by hand may mean it; resume= says so without a warning)."""
+    log = tmp_path / "two.jsonl"
+    first = jh.History(distributed_history=False, jsonl_path=log, run_name="run1")
+    for _ in range(3):
+        first.update({"a": 1.0})
+    first.close()
+    with pytest.warns(RuntimeWarning, match=f"holds the run {first.run_id}") as info:
+        second = jh.History(distributed_history=False, jsonl_path=log, run_name="run2")
+    said = str(info[0].message)
+    assert "resume=" in said and "jsonl_overwrite=True" in said, said
+    assert info[0].filename == __file__  # points at the caller's History(...)
+    second.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # resumed, replaced, empty: no warning
+        again = jh.History(distributed_history=False, resume=log)  # continues run1
+        again.update({"a": 2.0})
+        again.close()
+        assert jh.HistoryState.from_jsonl(log).values("a").tolist() == [1, 1, 1, 2]
+        fresh = jh.History(
+            distributed_history=False, jsonl_path=log, jsonl_overwrite=True
+        )
+        fresh.update({"a": 3.0})
+        fresh.close()
+        assert jh.HistoryState.from_jsonl(log).values("a").tolist() == [3.0]
+        empty = tmp_path / "empty.jsonl"
+        empty.write_bytes(b"")  # an empty file holds no run
+        jh.History(distributed_history=False, jsonl_path=empty).close()
+
+
+def test_arguments_of_the_wrong_kind_are_errors_naming_the_argument(tmp_path):
+    """Finding: report_dir=3 and finalize(outdir=3) said only "expected str,
+    bytes or os.PathLike object, not int" (the latter after ending the run),
+    merge(3) an AttributeError, and a report_dir that is a file a bare
+    NotADirectoryError for the CSV sink's file inside it."""
+    for option in ("report_dir", "jsonl_path"):
+        with pytest.raises(TypeError, match=f"{option} must be a path"):
+            jh.History(distributed_history=False, **{option: 3})
+    h = jh.History(distributed_history=False)
+    h.update({"a": 1.0})
+    with pytest.raises(TypeError, match="outdir must be a path"):
+        h.finalize(3)
+    h.update({"a": 2.0})  # the run goes on: nothing was finished
+    with pytest.raises(TypeError, match="outdir must be a path"):
+        export.finalize(h.state, 3)
+    with pytest.raises(TypeError, match="merge takes a HistoryState, got int"):
+        h.state.merge(3)
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    with pytest.raises(
+        OSError, match="report_dir: .*afile: it is a regular file, not a folder"
+    ):
+        jh.History(distributed_history=False, report_dir=afile, sinks="csv")
+    assert afile.read_text() == "mine"
+    assert h.finalize(tmp_path / "out", plot=False)["a"].values.tolist() == [1.0, 2.0]
+
+
 def test_a_warning_about_a_non_finite_metric_escapes_its_name(mesh):
     h = jh.History(distributed_history=True)
     values = per_device(mesh, [np.nan] + [1.0] * 7)
@@ -734,7 +809,8 @@ def test_two_histories_never_share_a_log(tmp_path):
     with pytest.raises(ValueError, match="being written by another live"):
         jh.History(jsonl_path=tmp_path / "shared.jsonl")
     c.close()  # closed: a later run may append (a resume)
-    d = jh.History(jsonl_path=tmp_path / "shared.jsonl", distributed_history=False)
+    with pytest.warns(RuntimeWarning, match="holds the run"):  # not resumed
+        d = jh.History(jsonl_path=tmp_path / "shared.jsonl", distributed_history=False)
     d.update({"x": 4.0}, step=1)
     d.close()
     assert export.from_jsonl(tmp_path / "shared.jsonl").values("x").tolist() == [3, 4]

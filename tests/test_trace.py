@@ -752,6 +752,10 @@ def test_stopwatch_bad_arguments():
         jh.StopWatch("")
     with pytest.raises(ValueError, match="wbtag"):
         jh.StopWatch("a", wbtag="  ")
+    with pytest.raises(
+        ValueError, match="wbtag"
+    ):  # recorded 'timing/', keys 'timing//dt'
+        jh.StopWatch("a", wbtag="timing/")
     with pytest.raises(TypeError, match="History"):
         jh.StopWatch("a", history=[])
     with pytest.raises(TypeError, match="decorates a function"):
@@ -997,6 +1001,17 @@ def test_a_trace_whose_events_are_not_a_list_is_a_value_error_naming_the_file(
     (tmp_path / "num.json").write_text("42")
     with pytest.raises(ValueError, match=r"num\.json is not a Chrome trace"):
         trace.load_trace(tmp_path / "num.json")
+    # Finding: any JSON object (a package.json) merged as a trace of no events
+    (tmp_path / "pkg.json").write_text('{"foo": [1, 2, 3]}')
+    with pytest.raises(
+        ValueError, match=r"pkg\.json is not a Chrome trace.*traceEvents"
+    ):
+        trace.load_trace(tmp_path / "pkg.json")
+    with pytest.raises(ValueError, match=r"pkg\.json"):
+        trace.merge_traces([tmp_path / "pkg.json"], tmp_path / "m.json")
+    assert not (tmp_path / "m.json").exists()
+    (tmp_path / "none.json").write_text('{"traceEvents": []}')  # a trace, no events
+    assert trace.load_trace(tmp_path / "none.json") == []
 
 
 def test_gzip_garbage_is_a_value_error_and_the_command_says_so_in_one_line(tmp_path):

@@ -30,6 +30,7 @@ from jaxhistory._env import environment as run_environment
 from jaxhistory._files import (
     NotAFile,
     WriteError,
+    as_path,
     check_target,
     remove_stale,
 )
@@ -193,6 +194,7 @@ def finalize(
     before anything is written: a value that is not plain data is a TypeError
     naming its path.
     """
+    outdir = as_path("outdir", outdir)
     check_run_name(run_name)
     config, env_info = checked_metadata(config, env_info, mesh)
     if run_id is None:
