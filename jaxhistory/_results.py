@@ -81,7 +81,8 @@ def _format(key: str, value: Any) -> Any:
     if not math.isfinite(value):
         return str(float(value))  # nan, inf, -inf
     if "_mem_" in key:
-        return f"{value / _MIB:.1f}MiB"
+        text = f"{value / _MIB:.1f}"
+        return "0.0MiB" if text == "-0.0" else f"{text}MiB"  # (no negative zero)
     if key.endswith("_runtime"):
         return _runtime(value)
     if key.endswith("_flos"):  # floating-point operations, shown in 2**30 units

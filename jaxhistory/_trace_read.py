@@ -23,7 +23,8 @@ def load_trace(path: str | os.PathLike) -> list[dict]:
 
     Raises:
         ValueError: naming the file, for a file that is no trace (no event
-            array, ``traceEvents`` that is not a list, or gzip data that is
+            array, an object without ``traceEvents`` or with one that is not
+            a list, or gzip data that is
             damaged rather than cut off).
     """
     return read_trace(Path(path))[0]
@@ -53,7 +54,11 @@ def read_trace(path: Path) -> tuple[list[dict], dict]:
     if isinstance(data, list):
         return [e for e in data if isinstance(e, dict)], {}
     if isinstance(data, dict):
-        events = data.get("traceEvents", [])
+        if "traceEvents" not in data:  # (any JSON object is not a trace)
+            raise ValueError(
+                f"{path} is not a Chrome trace (a JSON object without traceEvents)"
+            )
+        events = data["traceEvents"]
         if not isinstance(events, list):
             raise ValueError(
                 f"{path} is not a Chrome trace: its traceEvents is a "

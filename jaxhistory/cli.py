@@ -41,7 +41,7 @@ def _warmup(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(
             f"warmup must be a number >= 0 (a fraction below 1 or a number of "
-            f"steps), got {printable(text)!r}"
+            f"steps), got {text!r}"
         )
     return value
 
@@ -53,7 +53,7 @@ def _num_chains(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(
-            f"num-chains must be a whole number >= 1, got {printable(text)!r}"
+            f"num-chains must be a whole number >= 1, got {text!r}"
         )
     return value
 

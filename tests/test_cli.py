@@ -180,6 +180,7 @@ def test_cli_user_errors_are_one_line_and_status_2(tmp_path, capsys):
         (["report", run, "-o", dangling], f"{dangling} is a link to {tmp_path}"),
         (["summary", run, "--warmup", "nan"], "warmup must be a number >= 0"),
         (["summary", run, "--warmup", "inf"], "got 'inf'"),
+        (["summary", run, "--warmup", "1\x1b[2J"], "got '1\\x1b[2J'"),  # was \\\\x1b
         (["report", run, "-o", out, "--warmup", "-1"], "got '-1'"),
         (["report", run, "-o", out, "--num-chains", "0"], "num-chains must be a"),
         (["report", run, "-o", out, "--num-chains", "-5"], "got '-5'"),
@@ -405,4 +406,13 @@ def test_the_folder_of_a_run_that_never_finalized_is_read_from_its_log(
 
     (tmp_path / "empty").mkdir()
     assert cli.main(["summary", str(tmp_path / "empty")]) == 2
-    assert "without a dataset.nc" in capsys.readouterr().err
+    assert "without a dataset.nc or a JSONL log" in capsys.readouterr().err
+    # A log that is a link, or hidden, is not read; a link is named, not
+    # passed over in silence (the message was that of an empty folder).
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "x.jsonl").symlink_to(out / h.log_path.name)
+    (linked / ".hidden.jsonl").write_bytes((out / h.log_path.name).read_bytes())
+    assert cli.main(["summary", str(linked)]) == 2
+    err = capsys.readouterr().err
+    assert "x.jsonl is a link" in err and "not followed" in err, err

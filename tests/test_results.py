@@ -96,6 +96,13 @@ def test_format_takes_numpy_and_jax_scalars_and_leaves_the_input_alone():
         "m_mem_x": "1.0MiB",
     }
     assert metrics == before
+    # a small negative delta read "-0.0MiB"
+    small = {"m_mem_a": -5, "m_mem_b": -0.04 * 2**20, "m_mem_c": -0.06 * 2**20}
+    assert jh.metrics_format(small) == {
+        "m_mem_a": "0.0MiB",
+        "m_mem_b": "0.0MiB",
+        "m_mem_c": "-0.1MiB",
+    }
     with pytest.raises(TypeError, match="mapping"):
         jh.metrics_format([("a", 1)])
 

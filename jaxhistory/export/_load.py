@@ -14,7 +14,8 @@ __all__ = ["load_run", "run_file"]
 def run_file(path: str | os.PathLike) -> Path:
     """The file a run path names: a ``.jsonl`` log, a ``.nc`` dataset, or a
     folder's ``dataset.nc`` (a finalize folder), else its one JSONL log (the
-    ``report_dir`` of a run that stopped before finalize). Raises
+    ``report_dir`` of a run that stopped before finalize; hidden files and
+    links are not read). Raises
     FileNotFoundError or ValueError naming the path."""
     path = Path(path)
     if not path.exists():
@@ -22,13 +23,20 @@ def run_file(path: str | os.PathLike) -> Path:
     if path.is_dir():
         if (path / "dataset.nc").is_file():
             return path / "dataset.nc"
-        logs = sorted(
-            p for p in path.glob("*.jsonl") if p.is_file() and not p.is_symlink()
-        )
+        found = sorted(p for p in path.glob("*.jsonl") if not p.name.startswith("."))
+        logs = [p for p in found if p.is_file() and not p.is_symlink()]
         if len(logs) == 1:
             return logs[0]
         if not logs:
-            raise ValueError(f"{path} is a folder without a dataset.nc")
+            links = [p.name for p in found if p.is_symlink()]
+            said = (
+                f" ({links[0]} is a link, not followed: give the log itself)"
+                if links
+                else ""
+            )
+            raise ValueError(
+                f"{path} is a folder without a dataset.nc or a JSONL log{said}"
+            )
         shown = ", ".join(p.name for p in logs[:5])
         more = f" and {len(logs) - 5} more" if len(logs) > 5 else ""
         raise ValueError(
