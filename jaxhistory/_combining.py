@@ -102,11 +102,12 @@ def merged(state: HistoryState, other: HistoryState) -> dict:
 
 
 def before(state: HistoryState, step: int) -> dict:
-    """Each metric of ``state`` as ``(steps, values)`` copies of its records
-    before ``step``."""
+    """Each metric of ``state`` that has records before ``step``, as
+    ``(steps, values)`` copies of them."""
     columns = {}
     for name in state.keys:
         steps, values = state.records(name)
         keep = steps < step
-        columns[name] = (np.array(steps[keep]), np.array(values[keep]))
+        if keep.any():
+            columns[name] = (np.array(steps[keep]), np.array(values[keep]))
     return columns

@@ -272,7 +272,8 @@ class HistoryState:
     def before(self, step: int) -> HistoryState:
         """This history without its records at ``step`` and later (a run that
         restarts from a checkpoint of step ``step - 1`` records them again);
-        ``next_step`` is ``step`` at most."""
+        ``next_step`` is ``step`` at most. A metric with no record before
+        ``step`` is left out."""
         columns = _combining.before(self, step)
         out = self._from_columns(columns, min(self.next_step, step))
         return out.with_attrs(**dict(self.attrs)) if self.attrs else out

@@ -1432,6 +1432,10 @@ def test_states_with_equal_content_are_equal():
     assert a != jh.HistoryState(data=a.data, next_step=a.next_step + 1, attrs=a.attrs)
     assert a != a.select("loss", "n", "w")  # a metric fewer
     assert a == a.update({"eval/acc": 0.5}, step=6).before(6)  # taken off again
+    # a metric with no record before the step is gone, not kept with 0 records
+    # (it showed as a row of '-' and count 0 in a resumed run's report)
+    assert a.before(5).keys == ("loss", "n", "w") and len(a.before(0)) == 0
+    assert a.before(0).keys == () and a.before(0).next_step == 0
     assert a != a.update({"eval/acc": 0.5}, step=6)
     ints = jh.HistoryState().update({"x": 1}, step=0)
     floats = jh.HistoryState().update({"x": 1.0}, step=0)
