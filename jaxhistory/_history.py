@@ -249,9 +249,10 @@ class History(RunViews):
             self.report_dir,
             self.jsonl_overwrite,
         )
-        rec = Appender()  # the newest state
-        if state is not None:
-            rec.set(state)
+        rec = Appender()  # the newest state; it carries the run id, so that
+        # History(resume=history.state) goes on under it
+        start = state if state is not None else HistoryState()
+        rec.set(start.with_attrs(run_id=self.run_id))
         job = JobSync(
             provenance,
             self.distributed_history,

@@ -631,6 +631,24 @@ def test_arguments_of_the_wrong_kind_are_errors_naming_the_argument(tmp_path):
     assert h.finalize(tmp_path / "out", plot=False)["a"].values.tolist() == [1.0, 2.0]
 
 
+def test_a_run_resumed_from_its_state_keeps_its_run_id(tmp_path):
+    """Finding: History(resume=h.state), the checkpoint path the docs
+    recommend, took a new run id, and run_name= could not restore it ("resume
+    continues the run with its own run id"). The state carries the run id."""
+    h = jh.History(distributed_history=False, run_name="myrun", report_dir=tmp_path)
+    for _ in range(3):
+        h.update({"a": 1.0})
+    h.close()
+    assert dict(h.state.attrs)["run_id"] == h.run_id
+    again = jh.History(distributed_history=False, resume=h.state, report_dir=tmp_path)
+    assert again.run_id == h.run_id
+    again.update({"a": 2.0})
+    again.close()  # the same log goes on
+    assert jh.HistoryState.from_jsonl(h.log_path).values("a").tolist() == [1, 1, 1, 2]
+    cut = jh.History(distributed_history=False, resume=h.state, resume_step=1)
+    assert cut.run_id == h.run_id and len(cut.state) == 1
+
+
 def test_a_warning_about_a_non_finite_metric_escapes_its_name(mesh):
     h = jh.History(distributed_history=True)
     values = per_device(mesh, [np.nan] + [1.0] * 7)
