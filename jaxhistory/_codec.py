@@ -45,6 +45,7 @@ __all__ = [
     "jsonable",
     "jsonl_value",
     "later_wins",
+    "line_step",
     "read_columns",
     "read_log",
     "read_run_id",
@@ -410,6 +411,18 @@ def read_columns(
 
 # The start of every line jaxhistory writes: read without decoding the line.
 _HEAD = re.compile(rb'^\{"step":(-?\d+),"timestamp":(-?\d[\d.eE+-]*)[,}]', re.M)
+
+
+def line_step(line: bytes) -> int | None:
+    """The step of one JSONL line (read from its head where jaxhistory wrote
+    it), or None for a line that is no complete record."""
+    head = _HEAD.match(line)
+    if head is not None:
+        return int(head.group(1))
+    try:
+        return decode_line(line)[0]
+    except (ValueError, RecursionError):  # (a StepEntryError is a ValueError)
+        return None
 
 
 def read_stamps(path: Path) -> dict[int, float]:

@@ -13,15 +13,22 @@ from typing import Any
 import jax
 
 from jaxhistory import _trace_state
-from jaxhistory._codec import read_stamps
+from jaxhistory._codec import line_step, read_stamps
 from jaxhistory._fan_out import FanOut
-from jaxhistory._files import NotAFile, check_target, in_use
+from jaxhistory._files import (
+    NotAFile,
+    atomic_write,
+    check_target,
+    in_use,
+    open_log,
+    read_regular,
+)
 from jaxhistory._row import Row
 from jaxhistory._writer import Writer, warn_quietly
 from jaxhistory.sinks._feed import SinkFeed
 from jaxhistory.sinks._jsonl import JsonlSink
 
-__all__ = ["RunLog", "log_target"]
+__all__ = ["RunLog", "log_target", "set_aside"]
 
 
 def log_target(
@@ -42,6 +49,38 @@ def log_target(
     if report_dir is not None and index == 0:
         return report_dir / f"{run_id}.jsonl"
     return None
+
+
+def set_aside(log: Path, step: int) -> Path | None:
+    """Moves the lines of ``log`` at ``step`` and later (the attempt that a
+    resume at ``step`` abandons) to ``{log}.from-step-{step}`` beside it, whole
+    and in their order (appended where that file exists, as after a second
+    restart at one step); ``log`` keeps the rest, so that it holds what the
+    resumed run's dataset holds. Returns that file, or None where no line was
+    moved. A log that is a link, not a file or in use is left as it is; one
+    that cannot be read or written is left with a warning."""
+    if os.path.islink(log) or not os.path.isfile(log) or in_use(log):
+        return None
+    aside = log.with_name(f"{log.name}.from-step-{step}")
+    try:
+        data = read_regular(log)
+        kept: list[bytes] = []
+        moved: list[bytes] = []
+        for line in data.splitlines(keepends=True):
+            at = line_step(line)
+            (moved if at is not None and at >= step else kept).append(line)
+        if not moved:
+            return None
+        with open_log(aside) as f:  # (a link there is refused)
+            f.write(b"".join(moved))
+        atomic_write(log, lambda tmp: tmp.write_bytes(b"".join(kept)))
+    except OSError as err:
+        warn_quietly(
+            f"could not set aside the lines of {log} from step {step} on "
+            f"({err}); the log keeps them, and its readers show them"
+        )
+        return None
+    return aside
 
 
 class RunLog:

@@ -19,7 +19,7 @@ from jaxhistory._dtypes import as_step
 from jaxhistory._env import check_run_id, check_run_name, env_flag, new_run_id
 from jaxhistory._history_state import HistoryState
 from jaxhistory._names import printable
-from jaxhistory._run_log import RunLog, log_target
+from jaxhistory._run_log import RunLog, log_target, set_aside
 from jaxhistory._writer import warn_quietly
 from jaxhistory.export._load import load_run, run_file
 from jaxhistory.sinks import WandbSink
@@ -93,7 +93,7 @@ def run_identity(
     a new one takes an id no log under ``report_dir`` has, the same on every
     process of a job (:func:`~jaxhistory._distributed.agreed_run_id`)."""
     check_run_name(run_name)
-    state = resumed_id = None
+    state = resumed_id = log = None
     if resume is not None or resume_step is not None:
         state, resumed_id, log = resumed(resume, resume_step, run_name)
         if log is not None and jsonl_path is None and report_dir is None:
@@ -105,6 +105,10 @@ def run_identity(
     )
     if resume is None and resume_step is None and not overwrite:
         check_not_shared(log_target(jsonl_path, report_dir, run_id), run_id)
+    # the abandoned attempt's lines leave the log the run appends to
+    appended = log if log_target(jsonl_path, report_dir, run_id) == log else None
+    if appended is not None and resume_step is not None:
+        set_aside(appended, as_step("resume_step", resume_step))
     return state, run_id, jsonl_path
 
 

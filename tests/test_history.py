@@ -861,6 +861,41 @@ def test_log_every_n_summarizes_at_n_2n():
 # ----- resume -----------------------------------------------------------------------
 
 
+def test_a_log_resumed_at_an_earlier_step_agrees_with_the_dataset(tmp_path):
+    """Finding: after History(resume=log, resume_step=5) the dataset held
+    steps 0-7 but the log kept the abandoned attempt's steps 8-19 (and
+    `jaxhistory summary log` gave count 20, mean 24.5 against 8 and 41). The
+    lines at resume_step and later are set aside, whole, in a file beside
+    the log before the run goes on, so that every reader of the log reads
+    what the dataset holds."""
+    first = jh.History(distributed_history=False, report_dir=tmp_path, run_name="r")
+    for i in range(20):
+        first.update({"loss": float(i), **({"late": 1.0} if i >= 10 else {})})
+    first.close()
+    log = first.log_path
+    lines = log.read_bytes().splitlines(keepends=True)
+    again = jh.History(distributed_history=False, resume=log, resume_step=5)
+    for i in range(5, 8):
+        again.update({"loss": 100.0 + i})
+    ds = again.finalize(tmp_path / "out", plot=False)
+    again.close()
+    back = jh.HistoryState.from_jsonl(log)
+    assert back.keys == ("loss",) and ds["loss"].values.tolist() == back.values(
+        "loss"
+    ).tolist() == [0, 1, 2, 3, 4, 105, 106, 107]
+    aside = log.with_name(f"{log.name}.from-step-5")
+    assert aside.read_bytes() == b"".join(lines[5:])  # the abandoned lines, whole
+    assert sorted(p.name for p in tmp_path.glob("*.jsonl")) == [log.name]
+    # a second restart at the same step appends to the lines set aside
+    third = jh.History(distributed_history=False, resume=log, resume_step=5)
+    third.close()
+    assert aside.read_bytes() == b"".join(lines[5:]) + b"".join(
+        log_line for log_line in aside.read_bytes().splitlines(keepends=True)[15:]
+    )
+    assert len(aside.read_bytes().splitlines()) == 15 + 3
+    assert len(log.read_bytes().splitlines()) == 5
+
+
 def test_a_crashed_run_resumes_from_its_log_with_its_run_id(tmp_path):
     first = jh.History(distributed_history=False, report_dir=tmp_path, run_name="r")
     for i in range(10):
