@@ -418,11 +418,19 @@ def _publish_quietly(group: str, name: str, value: Any) -> None:
         _handler_failed(group, name, err)
 
 
-def _published(group: str, key: str, outcome: str, start: float) -> None:
-    """Publishes ``{key}.{outcome}`` (1) and the milliseconds since ``start``."""
-    elapsed = (time.perf_counter() - start) * 1e3
-    _publish_quietly(group, f"{key}.{outcome}", 1)
-    _publish_quietly(group, f"{key}.duration.ms", elapsed)
+@contextlib.contextmanager
+def _outcome(group: str, key: str) -> Iterator[None]:
+    """Publishes ``{key}.success`` or ``{key}.failure`` (1) and
+    ``{key}.duration.ms`` for the block; its exception goes on."""
+    start = time.perf_counter()
+    outcome = "failure"
+    try:
+        yield
+        outcome = "success"
+    finally:
+        elapsed = (time.perf_counter() - start) * 1e3
+        _publish_quietly(group, f"{key}.{outcome}", 1)
+        _publish_quietly(group, f"{key}.duration.ms", elapsed)
 
 
 def prof(fn: Callable | None = None, *, group: str = DEFAULT_GROUP):
@@ -468,27 +476,15 @@ def prof(fn: Callable | None = None, *, group: str = DEFAULT_GROUP):
 
             @functools.wraps(f)
             async def timed(*args, **kwargs):  # the call and its await
-                start = time.perf_counter()
-                try:
-                    result = await f(*args, **kwargs)
-                except BaseException:
-                    _published(group, key, "failure", start)
-                    raise
-                _published(group, key, "success", start)
-                return result
+                with _outcome(group, key):
+                    return await f(*args, **kwargs)
 
             return timed
 
         @functools.wraps(f)
         def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                result = f(*args, **kwargs)
-            except BaseException:
-                _published(group, key, "failure", start)
-                raise
-            _published(group, key, "success", start)
-            return result
+            with _outcome(group, key):
+                return f(*args, **kwargs)
 
         return wrapper
 
