@@ -23,6 +23,7 @@ from jaxhistory._files import (
     open_log,
     read_regular,
 )
+from jaxhistory._names import printable
 from jaxhistory._row import Row
 from jaxhistory._writer import Writer, warn_quietly
 from jaxhistory.sinks._feed import SinkFeed
@@ -76,7 +77,7 @@ def set_aside(log: Path, step: int) -> Path | None:
         atomic_write(log, lambda tmp: tmp.write_bytes(b"".join(kept)))
     except OSError as err:
         warn_quietly(
-            f"could not set aside the lines of {log} from step {step} on "
+            f"could not set aside the lines of {printable(log)} from step {step} on "
             f"({err}); the log keeps them, and its readers show them"
         )
         return None
@@ -106,7 +107,8 @@ class RunLog:
             except NotAFile:
                 raise
             except OSError:
-                pass  # unreachable now: the first row warns, recording goes on
+                pass  # cannot be looked at now: the first row warns, and
+                # recording goes on
         if path is not None and in_use(path):
             raise ValueError(
                 f"the JSONL log {path} is being written by another live "
