@@ -29,7 +29,7 @@ from jaxhistory._dtypes import (
     first_inexact,
     host_value,
 )
-from jaxhistory._names import PROVENANCE, empty_name, stat_names
+from jaxhistory._names import PROVENANCE, check_nul, empty_name, stat_names
 from jaxhistory._row import Row, RowKind
 from jaxhistory._stats import Stats
 from jaxhistory._table import Table, device_signature, needs_host_copy
@@ -60,13 +60,14 @@ _FLOATS, _NUMBERS, _VALUES = RowKind.FLOATS, RowKind.NUMBERS, RowKind.VALUES
 def check_append(state: HistoryState, names, shapes, step: int) -> dict[str, np.dtype]:
     """Refuses recording ``names`` (records of ``shapes``) at ``step``.
 
-    Raises ValueError if one is empty or named ``step``, changes shape or already has
-    a record at ``step`` or later. Returns the stored dtype of each that has records. A
-    step past every record needs only each name's shape (O(names)); an
-    earlier one, one pass over the tables.
+    Raises ValueError if one is empty, holds a NUL or is named ``step``,
+    changes shape or already has a record at ``step`` or later. Returns the
+    stored dtype of each that has records. A step past every record needs only
+    each name's shape (O(names)); an earlier one, one pass over the tables.
     """
     if "" in names:
         empty_name()
+    check_nul(names)
     if "step" in names:  # (update takes a 'step' entry as the step)
         raise ValueError(
             "a metric may not be named 'step': it is every record's step "

@@ -29,6 +29,7 @@ __all__ = [
     "WATCH_STATS",
     "aggregated_names",
     "check_depth",
+    "check_nul",
     "check_text",
     "decode_netcdf",
     "empty_name",
@@ -54,7 +55,7 @@ _ATOMS = (jax.Array, np.ndarray, np.generic, numbers.Number, str, bytes)
 # control characters, bidirectional-text controls (which reorder what a
 # terminal shows) and lone surrogates (not text: no file can hold them)
 _CONTROL = re.compile(
-    "[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+    "[\x00-\x1f\x7f-\x9f\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]"
 )
 
 
@@ -193,6 +194,21 @@ def named_leaves(
                 )
     _check_unique(out)
     return out, treedef
+
+
+def check_nul(names: Any) -> None:
+    """Raises ValueError naming the first of ``names`` that holds a NUL
+    character: netCDF stores a name kept as text as a C string, cut there.
+    (Only recorded names: the packed names of one collective start with NUL
+    on purpose.)"""
+    if "\x00" in "".join(names):
+        for name in names:
+            if "\x00" in name:
+                raise ValueError(
+                    f"metric name {printable(name)!r} holds a NUL character, at "
+                    "which a netCDF file cuts the name (another metric's, or "
+                    "none): remove it"
+                )
 
 
 def empty_name() -> None:

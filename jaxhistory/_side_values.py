@@ -9,7 +9,7 @@ from typing import Any
 from jaxhistory import _memory
 from jaxhistory._dtypes import as_step, host_value
 from jaxhistory._history_state import HistoryState
-from jaxhistory._names import empty_name, flatten
+from jaxhistory._names import check_nul, empty_name, flatten
 from jaxhistory._summary import memory_token
 from jaxhistory._writer import warn_quietly
 
@@ -40,6 +40,7 @@ class SideValues:
         items = {n: host_value(n, v)[0] for n, v in flatten(metrics)}
         if "" in items:
             empty_name()
+        check_nul(items)
         if step is not None:
             step = as_step("step", step)
         with self._lock:

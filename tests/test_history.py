@@ -502,6 +502,9 @@ def test_bidirectional_controls_in_names_are_escaped_where_shown(tmp_path):
     h.finalize(tmp_path, plot=False)
     report = (tmp_path / "report.md").read_text()
     assert "\u202e" not in report and "\\u202e" in report
+    # line and paragraph separators break a line where shown, as a newline does
+    line = h.update({"a\u2028b\u2029c": 1.0}, step=9)
+    assert line == "step=9 a\\u2028b\\u2029c=1.000000", line
 
 
 @pytest.mark.parametrize("where", ["update", "nested", "attach", "state"])
@@ -647,6 +650,29 @@ def test_a_run_resumed_from_its_state_keeps_its_run_id(tmp_path):
     assert jh.HistoryState.from_jsonl(h.log_path).values("a").tolist() == [1, 1, 1, 2]
     cut = jh.History(distributed_history=False, resume=h.state, resume_step=1)
     assert cut.run_id == h.run_id and len(cut.state) == 1
+
+
+def test_a_name_with_a_nul_is_refused_and_never_cut_in_a_dataset(tmp_path):
+    """Found by the random round trip: netCDF stores a name held as text (a
+    long name's attribute, the long table's names) as a C string, so
+    ``train/\\x00/x`` came back from dataset.nc as ``train/``, merged with
+    another metric. Such a name is refused where it is recorded, and a state
+    read from an older log holding one is refused by to_netcdf, never cut."""
+    h = jh.History(distributed_history=False, report_dir=tmp_path, run_name="r")
+    h.update({"loss": 1.0})
+    with pytest.raises(ValueError, match=r"train/\\\\x00/x.*NUL character"):
+        h.update({"loss": 2.0, "train/\x00/x": 1.0})
+    with pytest.raises(ValueError, match="NUL character"):
+        h.update({"loss": 2.0, "a": {"\x00": 1.0}})
+    h.update({"loss": 3.0})
+    assert h.finalize(plot=False)["loss"].values.tolist() == [1.0, 3.0]
+    old = tmp_path / "old.jsonl"
+    old.write_text('{"step":0,"metrics":{"train/":1.0,"train/\\u0000/x":2.0}}\n')
+    state = jh.HistoryState.from_jsonl(old)  # read as written
+    assert set(state.keys) == {"train/", "train/\x00/x"}
+    with pytest.raises(ValueError, match="NUL character"):
+        export.to_netcdf(state, tmp_path / "old.nc")
+    assert not (tmp_path / "old.nc").exists()
 
 
 def test_a_warning_about_a_non_finite_metric_escapes_its_name(mesh):

@@ -13,6 +13,7 @@ from jaxhistory import _xarray
 from jaxhistory._env import netcdf_attrs
 from jaxhistory._files import atomic_write
 from jaxhistory._history_state import HistoryState
+from jaxhistory._names import check_nul
 from jaxhistory._optional import import_optional
 
 __all__ = ["from_netcdf", "read_netcdf", "to_netcdf"]
@@ -57,6 +58,7 @@ def to_netcdf(
         [0.5]
     """
     import_optional("netCDF4", "to_netcdf")
+    check_nul(state.keys)  # (netCDF would cut a name it stores as text there)
     ds = state.to_xarray(warmup)
     if timestamps:
         steps = np.asarray(ds["step"].values)
