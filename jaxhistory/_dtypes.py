@@ -28,6 +28,7 @@ __all__ = [
     "common_dtype",
     "first_inexact",
     "host_value",
+    "is_whole",
     "numeric_dtype",
     "warmup_count",
 ]
@@ -168,6 +169,13 @@ def check_ints(names: tuple[str, ...], row: tuple, dtypes: tuple) -> None:
             raise ValueError(
                 f"metric {name!r} is {value}, outside int64; pass it as a float"
             )
+
+
+def is_whole(value: Any) -> bool:
+    """Whether ``value`` is a whole number: a Python or NumPy int, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(
+        value, bool | np.bool_
+    )
 
 
 def as_flag(name: str, value: Any) -> bool:

@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxhistory._dtypes import as_flag
+
 __all__ = [
     "Layout",
     "ShardTables",
@@ -153,12 +155,7 @@ def _mesh_for(abstract: Any, mesh: Any, caller: str) -> jax.sharding.Mesh:
 
 def check_provenance(value: Any, caller: str) -> bool:
     """``value`` as a bool; TypeError unless it is one (``"yes"``, 1, None)."""
-    if isinstance(value, bool | np.bool_):
-        return bool(value)
-    raise TypeError(
-        f"{caller}: provenance must be True or False, got {value!r:.40} "
-        f"({type(value).__name__})"
-    )
+    return as_flag(f"{caller}: provenance", value)
 
 
 def layout_of(value: Any, mesh: Any, caller: str) -> tuple[Layout, Any]:

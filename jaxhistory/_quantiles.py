@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxhistory._collective import psum, sharded_axes
+from jaxhistory._dtypes import is_whole
 
 __all__ = [
     "BINS",
@@ -271,8 +272,7 @@ def hist_quantiles(
 
 
 def _check_histogram(bins: Any, range: Any, log: Any, caller: str) -> tuple:
-    whole = isinstance(bins, numbers.Integral) and not isinstance(bins, bool | np.bool_)
-    if not whole or bins < 1:  # (a NumPy int is one)
+    if not is_whole(bins) or bins < 1:  # (a NumPy int is one)
         raise ValueError(f"{caller}: bins must be a positive int, got {bins!r:.30}")
     bins = int(bins)
     try:

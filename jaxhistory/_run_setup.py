@@ -4,18 +4,16 @@ resume and the sinks this process writes to."""
 from __future__ import annotations
 
 import contextlib
-import numbers
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
 from jaxhistory._codec import read_run_id
 from jaxhistory._distributed import agreed_run_id
-from jaxhistory._dtypes import as_step
+from jaxhistory._dtypes import as_step, is_whole
 from jaxhistory._env import check_run_id, check_run_name, env_flag, new_run_id
 from jaxhistory._history_state import HistoryState
 from jaxhistory._names import printable
@@ -45,13 +43,6 @@ __all__ = [
 ]
 
 
-def _whole(value: Any) -> bool:
-    """Whether ``value`` is a whole number: a Python or NumPy int, not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(
-        value, bool | np.bool_
-    )
-
-
 def check_options(keys: Any, log_every: Any, memory: Any) -> int:
     """Checks History's ``keys``, ``log_every`` and ``memory``; returns how many
     updates apart memory is sampled (0: never)."""
@@ -59,11 +50,11 @@ def check_options(keys: Any, log_every: Any, memory: Any) -> int:
         isinstance(keys, str) or not all(isinstance(k, str) for k in keys)
     ):
         raise TypeError(f"keys must be a sequence of metric names, got {keys!r}")
-    if not _whole(log_every) or log_every < 1:
+    if not is_whole(log_every) or log_every < 1:
         raise ValueError(f"log_every must be a positive int, got {log_every!r}")
     if memory is True or memory is False:
         return int(memory)
-    if not _whole(memory) or memory < 1:
+    if not is_whole(memory) or memory < 1:
         raise ValueError(
             f"memory must be True/False or a positive int (every N updates), "
             f"got {memory!r}"

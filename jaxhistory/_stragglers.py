@@ -21,11 +21,12 @@ on the number of processes; per window it is one pass over the window.
 from __future__ import annotations
 
 import logging
-import numbers
 import warnings
 from typing import Any
 
 import numpy as np
+
+from jaxhistory._dtypes import is_whole
 
 __all__ = [
     "FLAG_MIN_S",
@@ -45,11 +46,7 @@ logger = logging.getLogger("jaxhistory")
 
 def check_window(value: Any) -> int:
     """``straggler_window`` as a number of updates (an int of 2 or more)."""
-    if (
-        isinstance(value, bool | np.bool_)
-        or not isinstance(value, numbers.Integral)
-        or value < 2
-    ):
+    if not is_whole(value) or value < 2:
         raise ValueError(
             f"straggler_window must be an int of 2 or more (updates), got {value!r:.40}"
         )

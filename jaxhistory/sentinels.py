@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxhistory._dtypes import is_whole
 from jaxhistory._host_copies import host_copies, is_done, to_host
 from jaxhistory._names import PROVENANCE, printable, stat_names
 from jaxhistory._stats import STATS, Stats
@@ -209,7 +210,7 @@ class Spike(Sentinel):
     ):
         if not isinstance(metric, str) or not metric:
             raise TypeError(f"Spike: metric must be a name (str), got {metric!r:.60}")
-        if not _whole(window) or window < 3:
+        if not is_whole(window) or window < 3:
             raise ValueError(
                 f"Spike: window must be an int of at least 3, got {window!r}"
             )
@@ -221,7 +222,7 @@ class Spike(Sentinel):
             raise ValueError(f"Spike: threshold must be above 0, got {threshold!r}")
         if min_steps is None:
             min_steps = min(window, max(10, window // 10))
-        if not _whole(min_steps) or not 2 <= min_steps <= window:
+        if not is_whole(min_steps) or not 2 <= min_steps <= window:
             raise ValueError(
                 f"Spike: min_steps must be an int from 2 to window ({window}), "
                 f"got {min_steps!r}"
@@ -509,11 +510,6 @@ class Guard:
     def unmatched(self) -> list[Sentinel]:
         """Sentinels that matched no recorded metric."""
         return [s for s in self.sentinels if id(s) not in self.matched]
-
-
-def _whole(n: Any) -> bool:
-    """Whether ``n`` is an integer (a NumPy one too), not a bool."""
-    return isinstance(n, numbers.Integral) and not isinstance(n, bool | np.bool_)
 
 
 def _ready(values: tuple) -> bool:
