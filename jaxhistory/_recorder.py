@@ -29,7 +29,7 @@ from jaxhistory._run_log import RunLog
 from jaxhistory._side_values import SideValues
 from jaxhistory._stats import Stats
 from jaxhistory._summary import SummaryLine
-from jaxhistory._writer import logger, warn_quietly
+from jaxhistory._writer import WriterClosed, logger, warn_quietly
 from jaxhistory.sentinels import Guard, SentinelError
 
 if TYPE_CHECKING:
@@ -97,10 +97,13 @@ class Recorder:
                     out.stamp_times.append(now)
                     if logged:
                         writer = out.writer
-                        if writer is not None:
-                            writer.add(queued(row, metrics))
-                        else:
+                        if writer is None:
                             out.add(queued(row, metrics))  # (starts the writer)
+                        else:
+                            try:
+                                writer.add(queued(row, metrics))
+                            except WriterClosed:  # a close a Ctrl-C cut short:
+                                out.add(queued(row, metrics))  # completed first
                 except BaseException:  # Ctrl-C: recorded, maybe not queued
                     out.failed = True  # finalize writes the log from the state
                     raise

@@ -111,7 +111,7 @@ class RunLog:
                 # recording goes on
         if path is not None and in_use(path):
             raise ValueError(
-                f"the JSONL log {path} is being written by another live "
+                f"the JSONL log {printable(path)} is being written by another live "
                 "History or sink; two runs must not share one log (give this one "
                 "its own jsonl_path, or close the other first)"
             )
@@ -140,10 +140,18 @@ class RunLog:
     def add(self, row: Row | dict) -> None:
         """Queues ``row`` (or the dict :func:`~jaxhistory._row.queued` made of
         it) for the log and the sinks."""
-        if self.writer is None:
+        writer = self.writer
+        if writer is not None and writer.closed:
+            # A close() that a Ctrl-C cut short (History.close interrupted,
+            # the user's loop going on): it is completed, and a new writer
+            # appends to the log, as after a close that ran to its end.
+            self._end_writer()
+            writer = None
+        if writer is None:
             self._start()
-        assert self.writer is not None  # _start made one
-        self.writer.add(row)
+            writer = self.writer
+            assert writer is not None  # _start made one
+        writer.add(row)
 
     def live_feed(self) -> SinkFeed | None:
         return self.feed if self.sinks_open and self.sinks else None
@@ -167,7 +175,7 @@ class RunLog:
                 self.writing = self.live_feed() is not None
                 # (-W error: to the logger, never into the training thread)
                 warn_quietly(
-                    f"cannot write the JSONL log {path} ({err}); finalize "
+                    f"cannot write the JSONL log {printable(path)} ({err}); finalize "
                     "will write it from the history instead",
                     stacklevel=5,
                 )
@@ -195,6 +203,15 @@ class RunLog:
     def close(self) -> SinkFeed | None:
         """Writes what is queued and closes the log; returns the sinks' feed to
         close (outside the caller's lock) the first time."""
+        self._end_writer()
+        feed = None
+        if self.sinks_open:
+            feed, self.sinks_open = self.feed, False
+        self.writing = self.path is not None
+        return feed
+
+    def _end_writer(self) -> None:
+        """Writes what is queued, stops the writer and closes the log file."""
         if self._finalizer is not None:  # (closed here: nothing left for it)
             self._finalizer.detach()
             self._finalizer = None
@@ -208,11 +225,6 @@ class RunLog:
             self.failed |= self.log.error is not None
             self.log = None
             self.overwrite = False  # a later update appends
-        feed = None
-        if self.sinks_open:
-            feed, self.sinks_open = self.feed, False
-        self.writing = self.path is not None
-        return feed
 
     def check_failed(self) -> None:
         """Notes a failed write or dropped lines (finalize then writes the log
@@ -239,8 +251,8 @@ class RunLog:
         and the next update): finalize writes it again from the history."""
         self.failed = True
         warn_quietly(
-            f"JSONL log {self.path} was deleted during the run; {then}finalize "
-            "writes the whole log again from the history",
+            f"JSONL log {printable(self.path)} was deleted or cut short during "
+            f"the run; {then}finalize writes the whole log again from the history",
             stacklevel=5,
         )
 

@@ -34,7 +34,7 @@ import warnings
 import weakref
 from typing import Any
 
-__all__ = ["AtExit", "Writer", "warn_quietly"]
+__all__ = ["AtExit", "Writer", "WriterClosed", "warn_quietly"]
 
 logger = logging.getLogger("jaxhistory")
 
@@ -79,6 +79,11 @@ class AtExit:
         atexit.unregister(self.hook)
 
 
+class WriterClosed(ValueError):
+    """:meth:`Writer.add` after :meth:`Writer.close` began (also one that a
+    Ctrl-C cut short)."""
+
+
 class Writer:
     """Writes queued items to ``target`` from a background thread.
 
@@ -121,10 +126,18 @@ class Writer:
         self._closed_here = False  # close() was called on the thread itself
         self._done = False  # a close() has written what was queued
         self._warned: set[str] = set()
+        self._stalled = False  # a wait for the thread ran out; it took nothing since
         self._pid = os.getpid()  # the process whose items these are
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-        self._at_exit = AtExit(self, "close")
+        try:
+            self._thread.start()  # (waits for the thread: Ctrl-C may land there)
+            self._at_exit = AtExit(self, "close")
+        except BaseException:
+            # No one will hold this writer to close it: a thread that started
+            # ends at its next wake, instead of living on with the process.
+            self._closed = True
+            self._wake.set()
+            raise
 
     @property
     def closed(self) -> bool:
@@ -132,12 +145,12 @@ class Writer:
 
     def add(self, item: Any) -> None:
         """Queues one item (the writer keeps it: pass one nobody changes later).
-        Raises ValueError after :meth:`close`."""
+        Raises :class:`WriterClosed` (a ValueError) once :meth:`close` began."""
         # (a with: Ctrl-C landing between an acquire and its release would
         # leave the lock held, and every later add and close waiting forever)
         with self._lock:
             if self._closed:
-                raise ValueError("the writer is closed")
+                raise WriterClosed("the writer is closed")
             queue = self._queue
             queue.append(item)
             n = len(queue)
@@ -152,11 +165,18 @@ class Writer:
 
     def _backpressure(self) -> None:
         self._wake.set()
+        if self._stalled:
+            # The thread has taken nothing since a wait ran out (a write that
+            # does not return): waiting again would stall the caller another
+            # MAX_WAIT at every fill, for as long as the file system hangs.
+            self._drop(self.pending() - self.MAX_PENDING // 2)
+            return
         deadline = time.monotonic() + self.MAX_WAIT
         with self._space:
             while self.pending() >= self.MAX_PENDING and not self._closed:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._thread.is_alive():
+                    self._stalled = True  # until the thread takes items again
                     self._drop(self.pending() - self.MAX_PENDING // 2)
                     return
                 self._space.wait(min(left, 0.05))
@@ -194,10 +214,11 @@ class Writer:
             except Exception as err:
                 self._warn_once("thread", f"writing {self.what} failed: {err!r}")
 
-    def write_queued(self, final: bool = True) -> None:
+    def write_queued(self, final: bool = True, wait: float | None = None) -> None:
         """Hands every queued item to the target now (on the calling thread);
         ``final``: the target holds nothing back. The thread calls this with
-        ``final=False`` on its own schedule."""
+        ``final=False`` on its own schedule. A write in progress elsewhere is
+        waited for at most ``wait`` seconds (None: :attr:`MAX_WAIT`)."""
         if os.getpid() != self._pid:
             # A child of os.fork() (whose copy of the thread is gone), closing
             # or flushing what it inherited: the items are the parent's, which
@@ -211,7 +232,8 @@ class Writer:
         try:
             # A write that has not returned for MAX_WAIT seconds (a stuck file
             # system) is not waited for longer: flush and close go on without it.
-            got = lock.acquire(timeout=self.MAX_WAIT)
+            wait = self.MAX_WAIT if wait is None else max(wait, 0.0)
+            got = lock.acquire(timeout=wait)
             if not got:
                 self._warn_once(
                     "stuck",
@@ -222,6 +244,7 @@ class Writer:
                 return
             self._writing = me
             items = self._take()
+            self._stalled = False
             with self._space:
                 self._space.notify_all()
             try:
@@ -266,7 +289,10 @@ class Writer:
             # maybe in the middle of a write that holds the drain lock): the
             # thread writes what is queued when its loop ends.
             return
-        self._thread.join(self.MAX_WAIT)  # (bounded: a stuck write stays stuck)
-        self.flush()
+        # MAX_WAIT in all, the thread's last write and this one's together
+        # (bounded: a stuck write stays stuck)
+        deadline = time.monotonic() + self.MAX_WAIT
+        self._thread.join(self.MAX_WAIT)
+        self.write_queued(final=True, wait=deadline - time.monotonic())
         self._done = True  # (not where the join or the flush raised)
         self._at_exit.cancel()

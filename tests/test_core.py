@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import warnings
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,33 @@ def test_close_racing_updates_keeps_every_update_that_returned(
     assert values == [float(k) for k in range(3000)]
     back = jh.HistoryState.from_jsonl(_log_path(h))
     assert back.values("x").tolist() == values
+
+
+@pytest.mark.parametrize("form", ["repeated dict", "device value"])
+def test_updates_after_a_close_cut_short_by_ctrl_c_are_recorded_and_logged(
+    tmp_path, monkeypatch, form
+):
+    """Ctrl-C landing in close() while it waits for the log (a slow disk), the
+    loop going on: updates neither raise (before: ValueError 'the writer is
+    closed', the row recorded all the same) nor miss the log; the next close
+    completes the one cut short."""
+    h = jh.History(distributed_history=False, report_dir=tmp_path, run_name="r")
+    for s in range(10):
+        h.update({"x": float(s)}, summarize=False)
+    writer = h._recorder.out.writer
+    monkeypatch.setattr(
+        writer._thread, "join", mock.Mock(side_effect=KeyboardInterrupt)
+    )
+    with pytest.raises(KeyboardInterrupt):
+        h.close()
+    monkeypatch.undo()
+    for s in range(10, 20):
+        x = float(s) if form == "repeated dict" else jnp.float32(s)
+        h.update({"x": x}, summarize=False)
+    h.close()
+    assert h.state.values("x").tolist() == [float(s) for s in range(20)]
+    back = jh.HistoryState.from_jsonl(_log_path(h))
+    assert back.values("x").tolist() == [float(s) for s in range(20)]
 
 
 def test_updates_from_threads_with_device_values(tmp_path, switch_often):

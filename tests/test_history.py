@@ -1592,6 +1592,38 @@ def test_a_log_deleted_mid_run_is_started_again_and_rewritten_whole(tmp_path):
     assert [x["step"] for x in lines] == list(range(100))
 
 
+@pytest.mark.parametrize("cut_to", ["empty", "half"])
+@pytest.mark.parametrize("when", ["mid-run", "after the last write"])
+def test_a_log_cut_short_mid_run_is_noticed_and_rewritten_whole(
+    tmp_path, cut_to, when
+):
+    """Finding: a log truncated by someone else (a log rotation's
+    copytruncate) was kept by finalize as the streamed log, without a word:
+    it held steps 100-199 of 200 (the dataset all of them), or half a line
+    and 50 lines fewer."""
+    folder = tmp_path / "run\x1b[31m"
+    h = jh.History(distributed_history=False, report_dir=folder, run_name="r")
+    for s in range(100):
+        h.update({"loss": float(s)}, summarize=False)
+    h.flush()
+    log = h.log_path
+    with open(log, "r+b") as f:
+        f.truncate(0 if cut_to == "empty" else log.stat().st_size // 2)
+    with pytest.warns(RuntimeWarning, match="cut short") as caught:
+        if when == "mid-run":
+            for s in range(100, 200):
+                h.update({"loss": float(s)}, summarize=False)
+            h.flush()
+        h.finalize(plot=False)
+    texts = [str(w.message) for w in caught]
+    assert all("\x1b" not in t for t in texts), texts  # the path escaped
+    steps = [orjson.loads(x)["step"] for x in log.read_bytes().splitlines()]
+    n = 200 if when == "mid-run" else 100
+    assert steps == list(range(n))
+    assert jh.HistoryState.from_jsonl(log).count("loss") == n
+    h.close()
+
+
 @pytest.mark.parametrize("when", ["before close", "after close"])
 def test_a_log_deleted_after_its_last_write_is_rewritten_whole(tmp_path, when):
     """Finding: a log deleted once its last line was written (no later write

@@ -291,3 +291,113 @@ def test_a_writer_still_open_at_exit_is_closed_by_its_exit_callback():
     hook()
     assert w.closed and t.items() == [7]
     hook()  # a second call (close at exit after an explicit one) is harmless
+
+
+def test_a_hung_target_is_waited_for_once_not_at_every_fill(monkeypatch):
+    """A file system that hangs for the rest of the run: the training thread
+    waits MAX_WAIT once; later fills drop the oldest items at once (before: a
+    wait of MAX_WAIT every MAX_PENDING / 2 updates, for as long as it hung).
+    Once the thread writes again, the back-pressure waits again."""
+    monkeypatch.setattr(_writer.Writer, "WAKE_AT", 4)
+    monkeypatch.setattr(_writer.Writer, "MAX_PENDING", 8)
+    monkeypatch.setattr(_writer.Writer, "MAX_WAIT", 0.2)
+    release = threading.Event()
+    entered = threading.Event()
+
+    class Hung:
+        def write(self, items, final):
+            if items and not release.is_set():
+                entered.set()
+                release.wait(30)
+
+    waits = []
+
+    class Counting(type(threading.Condition())):
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            return super().wait(timeout)
+
+    writer = _writer.Writer(Hung(), what="the hung log")
+    writer._space = Counting()
+    writer.add(-1)
+    writer._wake.set()
+    assert entered.wait(5)  # the thread is stuck inside a write
+    with pytest.warns(RuntimeWarning, match="fell 0 s behind"):
+        for k in range(8):
+            writer.add(k)
+    assert writer.dropped > 0 and waits  # the first fill waited
+    first = len(waits)
+    for k in range(8, 200):
+        writer.add(k)
+    assert len(waits) == first  # no wait at any later fill
+    assert writer.pending() <= 8 and writer.dropped >= 180
+    release.set()
+    writer.flush()  # the thread (or this flush) takes items again
+    assert not writer._stalled
+    writer.close()
+
+
+def test_close_waits_at_most_max_wait_in_all_on_a_hung_target(monkeypatch):
+    """close() on a thread stuck in a write: the join and the final write's
+    wait share one MAX_WAIT (before: MAX_WAIT each, twice the documented
+    bound)."""
+    monkeypatch.setattr(_writer.Writer, "MAX_WAIT", 0.3)
+    release = threading.Event()
+    entered = threading.Event()
+
+    class Hung:
+        def write(self, items, final):
+            if items:
+                entered.set()
+                release.wait(30)
+
+    writer = _writer.Writer(Hung(), what="the hung log")
+    writer.add("a")
+    writer._wake.set()
+    assert entered.wait(5)
+    writer.add("b")
+    waited = []
+    lock, join = writer._drain_lock, writer._thread.join
+
+    class Timed:
+        def acquire(self, blocking=True, timeout=-1):
+            waited.append(timeout)
+            return lock.acquire(blocking, timeout)
+
+        def release(self):
+            lock.release()
+
+    def timed_join(timeout=None):
+        waited.append(timeout)
+        join(timeout)
+
+    writer._drain_lock = Timed()
+    with (
+        mock.patch.object(writer._thread, "join", timed_join),
+        pytest.warns(RuntimeWarning, match="has not returned"),
+    ):
+        writer.close()
+    assert len(waited) == 2 and sum(waited) <= 0.3 + 1e-6, waited
+    assert writer.pending() == 1  # "b" still queued, not lost silently
+    release.set()
+
+
+def test_ctrl_c_while_the_thread_starts_leaves_no_thread_behind(monkeypatch):
+    """Ctrl-C landing in Writer() after its thread started (start() waits for
+    it): nobody holds the writer to close it, so its thread must end (before:
+    one thread more for the life of the process at every such Ctrl-C)."""
+    started = []
+    start = threading.Thread.start
+
+    def interrupted(self):
+        start(self)
+        started.append(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _writer.Writer(Target(), name="test-interrupted-writer")
+    monkeypatch.undo()
+    (thread,) = started
+    thread.join(10)  # (only so that a leak fails the test instead of blocking it)
+    assert not thread.is_alive()

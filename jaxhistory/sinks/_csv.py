@@ -15,6 +15,7 @@ from typing import Any, BinaryIO
 from jaxhistory._dtypes import as_flag
 from jaxhistory._env import not_a_name
 from jaxhistory._files import LogInUse, atomic_write, check_target, in_use, open_log
+from jaxhistory._names import printable
 from jaxhistory._record import Batch, Record
 from jaxhistory.sinks._base import FileSink, values
 
@@ -119,7 +120,8 @@ def _read_header(path: Path) -> tuple[list[str], int]:
                 why = "its header names a column twice"
     if why is not None:
         raise ValueError(
-            f"cannot append to {path}: {why}, so it is no CSV file of this sink; "
+            f"cannot append to {printable(path)}: "
+            f"{why}, so it is no CSV file of this sink; "
             "nothing was written (give another path, or overwrite=True)"
         )
     assert end is not None  # why is set where it is None
@@ -249,7 +251,8 @@ class CsvSink(FileSink):
                 if len(new) > room:
                     self._warn(
                         "columns",
-                        f"CSV {self.path}: more than {self.MAX_COLUMNS} columns; "
+                        f"CSV {printable(self.path)}: more than {self.MAX_COLUMNS} "
+                        "columns; "
                         "later new names are left out of it (the history keeps "
                         "them)",
                     )
@@ -317,7 +320,8 @@ class CsvSink(FileSink):
             self.error = err
             self._warn(
                 "write",
-                f"CSV {self.path}: writing failed ({err!r}); {count} record(s) "
+                f"CSV {printable(self.path)}: writing failed ({err!r}); "
+                f"{count} record(s) "
                 "not written, later ones are tried",
             )
 
@@ -327,7 +331,8 @@ class CsvSink(FileSink):
         the rows from here on (the caller holds the lock)."""
         self._warn(
             "deleted",
-            f"CSV {self.path} was deleted while the run wrote it; a new one is "
+            f"CSV {printable(self.path)} was deleted while the run wrote it; "
+            "a new one is "
             "started there, with the rows from here on (the history keeps "
             "every step)",
         )
@@ -367,7 +372,7 @@ class CsvSink(FileSink):
             self.error = err
             self._warn(
                 "widen",
-                f"CSV {self.path}: cannot add the columns {names[:3]!r}... "
+                f"CSV {printable(self.path)}: cannot add the columns {names[:3]!r}... "
                 f"({err!r}); they are left out of the file until that works "
                 "(the history keeps them)",
             )

@@ -9,6 +9,7 @@ from pathlib import Path
 from jaxhistory._codec import encode_records
 from jaxhistory._dtypes import as_flag
 from jaxhistory._files import open_log
+from jaxhistory._names import printable
 from jaxhistory._record import Batch, Record
 from jaxhistory._writer import warn_quietly
 from jaxhistory.sinks._base import FileSink
@@ -44,6 +45,9 @@ class JsonlSink(FileSink):
     def __init__(self, path: str | os.PathLike, overwrite: bool = False):
         self.path = Path(path)
         self._file = open_log(self.path, as_flag("overwrite", overwrite))
+        # the file's size as this sink left it (None: unknown after a failed
+        # write): a file found shorter was cut by someone else
+        self._size: int | None = os.fstat(self._file.fileno()).st_size
         self._lock = threading.Lock()
         self._broken = False  # the last write may have stopped mid-line
         self.error: BaseException | None = None  # the last failed write
@@ -65,21 +69,29 @@ class JsonlSink(FileSink):
                 self._after_close()
                 return
             try:
+                size = self._size
                 if self._broken:
                     self._file.write(b"\n")
                     self._broken = False
+                    size = None
                 self._file.write(text)
                 self._file.flush()
-                if os.fstat(self._file.fileno()).st_nlink == 0:
+                st = os.fstat(self._file.fileno())
+                if st.st_nlink == 0:
                     self._reopen()
+                    return
+                if size is not None and st.st_size < size + len(text):
+                    self._cut(size + len(text), st.st_size)
+                self._size = st.st_size
             except Exception as err:  # a full disk must not stop the training
                 self._broken = True
+                self._size = None
                 self.lost += len(batch)
                 first = self.error is None
                 self.error = err
                 if first:
                     warn_quietly(
-                        f"JSONL log {self.path}: writing failed ({err!r}); "
+                        f"JSONL log {printable(self.path)}: writing failed ({err!r}); "
                         f"{len(batch)} record(s) not written, later ones are tried",
                     )
 
@@ -90,20 +102,36 @@ class JsonlSink(FileSink):
         history (the caller holds the lock)."""
         self.error = FileNotFoundError(f"{self.path} was deleted during the run")
         warn_quietly(
-            f"JSONL log {self.path} was deleted while the run wrote it; a new "
-            "one is started there, and finalize writes the whole log again from "
-            "the history"
+            f"JSONL log {printable(self.path)} was deleted while the run wrote "
+            "it; a new one is started there, and finalize writes the whole log "
+            "again from the history"
         )
         old, self._file = self._file, open_log(self.path)
         old.close()
+        self._size = os.fstat(self._file.fileno()).st_size
+
+    def _cut(self, expected: int, size: int) -> None:
+        """The log was cut short by someone else (a truncation, as a log
+        rotation's copytruncate does): its earlier lines are gone, so
+        :attr:`error` is kept for History's ``finalize`` to write the whole
+        log again from the history (the caller holds the lock)."""
+        self.error = OSError(f"{self.path} was cut short during the run")
+        warn_quietly(
+            f"JSONL log {printable(self.path)} was cut short while the run wrote "
+            f"it ({size:,} of {expected:,} bytes left); later lines are appended "
+            "to it, and finalize writes the whole log again from the history"
+        )
 
     def identity(self) -> tuple[int, int, int] | None:
-        """(device, inode, size) of the file written now; None once closed."""
+        """(device, inode, size) of the file written now, the size as this
+        sink left it (so that a file cut short since is told apart); None
+        once closed."""
         with self._lock:
             if self._file.closed:
                 return None
             st = os.fstat(self._file.fileno())
-            return st.st_dev, st.st_ino, st.st_size
+            size = st.st_size if self._size is None else self._size
+            return st.st_dev, st.st_ino, size
 
     def follow(self) -> bool:
         """Where a new file was put at :attr:`path` in place of the one this
@@ -127,6 +155,7 @@ class JsonlSink(FileSink):
             old, self._file = self._file, new
             self._broken = False  # (a cut line stayed in the old file)
             old.close()
+            self._size = os.fstat(new.fileno()).st_size
             return True
 
     def _encode_each(self, batch: Batch) -> bytes:
@@ -143,7 +172,8 @@ class JsonlSink(FileSink):
                     self.error = err
                 if first:
                     warn_quietly(
-                        f"JSONL log {self.path}: the record of step {record.step} "
+                        f"JSONL log {printable(self.path)}: the record of step "
+                        f"{record.step} "
                         f"cannot be written ({err!r}); later records are",
                         stacklevel=3,
                     )

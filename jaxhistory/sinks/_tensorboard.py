@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from jaxhistory._files import check_target, open_log
+from jaxhistory._names import printable
 from jaxhistory._optional import import_optional
 from jaxhistory._record import Batch, Record
 from jaxhistory._writer import warn_quietly
@@ -176,7 +177,7 @@ class TensorBoardSink:
                 elif os.fstat(self._file.fileno()).st_nlink == 0:
                     self._warn(
                         "deleted",
-                        f"TensorBoard event file {self.path} was deleted "
+                        f"TensorBoard event file {printable(self.path)} was deleted "
                         "while the run wrote it; a new one is started in "
                         f"{self.logdir}, with the events from here on (the "
                         "history keeps every step)",
