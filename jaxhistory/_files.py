@@ -37,6 +37,7 @@ __all__ = [
     "pid_alive",
     "read_regular",
     "remove_stale",
+    "still_folder",
 ]
 
 FULL_BELOW = 1 << 20  # bytes free under which a failed write is put down to space
@@ -83,6 +84,17 @@ def check_folder(name: str, path: Path) -> None:
         err = NotAFile(Path(path), kind_of(mode), "a folder")
         err.args = (f"{name}: {err}",)
         raise err
+
+
+def still_folder(folder: Path, was_link: bool) -> None:
+    """Raises :class:`NotAFile` where ``folder`` was no symbolic link when it
+    was first written into (``was_link``) and is one now: a link put in its
+    place during the run, by someone else, is never written or deleted
+    through (a link the user gave is followed, as it was)."""
+    if not was_link and os.path.islink(folder):
+        raise NotAFile(
+            Path(folder), "a symbolic link put in place of the folder", "a folder"
+        )
 
 
 def kind_of(mode: int) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 from jaxhistory._distributed import distributed_default
 from jaxhistory._dtypes import as_flag
 from jaxhistory._env import metadata_json, plain_metadata
-from jaxhistory._files import as_path, check_folder
+from jaxhistory._files import as_path, check_folder, still_folder
 from jaxhistory._hang import HANG_TIMEOUT_S, check_hang_timeout
 from jaxhistory._history_state import Appender, HistoryState
 from jaxhistory._job import JobSync
@@ -234,6 +234,10 @@ class History(RunViews):
         )
         if self.report_dir is not None:
             check_folder("report_dir", self.report_dir)
+        # (a link put in its place later is refused by finalize)
+        self._report_dir_was_link = (
+            self.report_dir is not None and self.report_dir.is_symlink()
+        )
         self.report_enabled = as_flag("report_enabled", report_enabled)
         self.jsonl_path = (
             None if jsonl_path is None else as_path("jsonl_path", jsonl_path)
@@ -460,6 +464,7 @@ class History(RunViews):
             if self.report_dir is None:
                 raise ValueError("finalize needs an outdir (or a History report_dir)")
             outdir = self.report_dir
+            still_folder(outdir, self._report_dir_was_link)
         done = self._recorder.finish()  # the run is over here
         files: list[Path] = []
         state = done.state

@@ -22,6 +22,7 @@ from jaxhistory._files import (
     in_use,
     open_log,
     read_regular,
+    still_folder,
 )
 from jaxhistory._names import printable
 from jaxhistory._row import Row
@@ -116,6 +117,8 @@ class RunLog:
                 "its own jsonl_path, or close the other first)"
             )
         self.path, self.overwrite, self.run_id = path, overwrite, run_id
+        # a folder that is no link now: one put in its place later is refused
+        self.folder_was_link = path is not None and path.parent.is_symlink()
         self.sinks, self.on_stats = sinks, on_stats
         self.sinks_open = True  # False after close(): nothing more is written
         # the user's sinks, each written from a thread of its own (started
@@ -159,6 +162,7 @@ class RunLog:
     def _start(self) -> None:
         if self.path is not None and self.log is None:
             try:
+                still_folder(self.path.parent, self.folder_was_link)
                 self.log = JsonlSink(self.path, overwrite=self.overwrite)
                 now = self.log.identity()
                 if (

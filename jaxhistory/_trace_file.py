@@ -20,6 +20,7 @@ import numpy as np
 import orjson
 
 from jaxhistory._codec import NONFINITE_TEXT
+from jaxhistory._files import NotAFile, still_folder
 
 __all__ = [
     "TraceFile",
@@ -149,19 +150,27 @@ class TraceFile:
         self.lost = 0
         self.counting = False  # count lost events (the handler is active)
         self._warned = False
+        # each folder written into -> whether it was a link then; each file
+        # opened -> (device, inode): only those files are ever deleted
+        self._folders: dict[Path, bool] = {}
+        self._ids: dict[Path, tuple[int, int]] = {}
 
     def open(self, path: Path, metadata: list[dict]) -> None:
         """Starts ``path`` with ``metadata`` events (a file that cannot be
         opened counts as a failed write, and is not one of :attr:`paths`)."""
         self.first, self.events, self.path = True, 0, path
-        path.parent.mkdir(parents=True, exist_ok=True)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            was_link = self._folders.setdefault(path.parent, path.parent.is_symlink())
+            still_folder(path.parent, was_link)
             self.file = os.fdopen(os.open(path, flags, 0o666), "wb")
+            st = os.fstat(self.file.fileno())
         except OSError as err:
             self.file = None
             self.failed(err)
             return
+        self._ids[path] = st.st_dev, st.st_ino
         self.paths.append(path)
         for event in metadata:
             self.write_event(event)
@@ -218,7 +227,7 @@ class TraceFile:
                 self.failed(err)
             self.file = None
         if unused and path in self.paths:
-            path.unlink(missing_ok=True)
+            self._delete(path)
             self.paths.remove(path)
 
     def prune(self, keep: int, finished: bool) -> None:
@@ -228,8 +237,28 @@ class TraceFile:
             return
         done = list(self.paths) if finished else self.paths[:-1]
         for path in done[: max(0, len(done) - keep)]:
-            path.unlink(missing_ok=True)
+            self._delete(path)
             self.paths.remove(path)
+
+    def _delete(self, path: Path) -> None:
+        """Deletes ``path`` where it is still the file :meth:`open` made there
+        (not one reached through a folder swapped for a link since, nor one
+        put in its place)."""
+        made = self._ids.pop(path, None)
+        try:
+            st = os.lstat(path)
+            if made == (st.st_dev, st.st_ino) and not self._moved(path.parent):
+                os.unlink(path)
+        except OSError:
+            pass  # gone already, or not ours to delete
+
+    def _moved(self, folder: Path) -> bool:
+        """Whether ``folder`` is now a link, where it was none when written."""
+        try:
+            still_folder(folder, self._folders.get(folder, True))
+        except NotAFile:
+            return True
+        return False
 
     def failed(self, err: BaseException) -> None:
         """A write failed: the file is closed; warns once per handler."""

@@ -258,15 +258,16 @@ class _Registry:
 
 def _emit(handler: MetricHandler, data: MetricData) -> None:
     """``handler.emit(data)``; an error the handler raises (a closed stream, a
-    full disk) is a RuntimeWarning naming the group and the metric, never an
-    error in the caller's thread."""
+    full disk; ``SystemExit`` and ``GeneratorExit`` too) is a RuntimeWarning
+    naming the group and the metric, never an error in the caller's thread.
+    A KeyboardInterrupt goes on: it may be the user's Ctrl-C."""
     try:
         handler.emit(data)
-    except Exception as err:
+    except (Exception, SystemExit, GeneratorExit) as err:
         _handler_failed(data.group_name, data.name, err)
 
 
-def _handler_failed(group: str, name: str, err: Exception) -> None:
+def _handler_failed(group: str, name: str, err: BaseException) -> None:
     text = (
         f"metric handler for group {printable(group)!r} failed on "
         f"{printable(name)!r}: {err!r}"

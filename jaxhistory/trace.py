@@ -39,6 +39,7 @@ from jax.experimental import multihost_utils
 from jaxhistory import _trace_state
 from jaxhistory._dtypes import as_flag
 from jaxhistory._env import check_run_name, new_run_id
+from jaxhistory._files import NotAFile, still_folder
 from jaxhistory._trace_file import (
     TraceFile,
     clock_sync,
@@ -58,7 +59,7 @@ from jaxhistory._trace_names import (
     ranks,
 )
 from jaxhistory._trace_read import load_trace
-from jaxhistory._writer import Writer
+from jaxhistory._writer import Writer, warn_quietly
 from jaxhistory.sinks._base import scalars
 
 __all__ = ["JSONTraceHandler", "load_trace", "merge_traces"]
@@ -140,6 +141,7 @@ class JSONTraceHandler:
         self.num_traces_to_keep = num_traces_to_keep
         self.run_name = new_run_id(None) if run_name is None else run_name
         self.folder: Path | None = None
+        self._folder_was_link = False  # (set by start)
         self.merged_path: Path | None = None
         self._vars: dict[str, Any] = {}  # the name variables' values now
         # the handler's state: threads, file names. Re-entrant: the garbage
@@ -203,6 +205,7 @@ class JSONTraceHandler:
         self._sync = clock_sync(layout, self.run_name)  # after the barrier
         folder.mkdir(parents=True, exist_ok=True)
         self.folder, self._pid = folder, layout["rank"]
+        self._folder_was_link = folder.is_symlink()
         self._metadata = process_metadata(self._sync, layout["world_size"])
         names = dict(self._vars, epoch=epoch, batch=batch, step=step)
         path = self._path(names)
@@ -270,6 +273,11 @@ class JSONTraceHandler:
             multihost_utils.sync_global_devices("jaxhistory-trace-close")
         if self._vars.get("local_rank", 0) == 0:
             assert self.folder is not None  # set by start
+            try:  # (a link put in the folder's place: not read or written)
+                still_folder(self.folder, self._folder_was_link)
+            except NotAFile as err:
+                warn_quietly(f"the traces were not merged: {err}")
+                return
             merged = self.folder / self.merged_trace_filename.format(**self._vars)
             own = named_files(self.folder, self.filename_template)  # subfolders
             done = merge_folder(self.folder, merged, own)

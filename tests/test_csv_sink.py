@@ -354,3 +354,48 @@ def test_a_csv_deleted_during_the_run_is_started_again_with_its_header(tmp_path)
         ["1", "2.0", "0.5"],
         ["2", "3.0", "0.25"],
     ]
+
+
+@pytest.mark.parametrize("how", ["deleted", "widened"])
+def test_a_folder_swapped_for_a_link_mid_run_is_never_written_through(tmp_path, how):
+    """Finding: the CSV's folder removed and a link to another folder put in
+    its place mid-run: the sink started its file again through the link (or
+    rewrote it there, adding columns), writing into a folder it never made."""
+    import shutil
+
+    folder, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    sink = CsvSink(folder / "m.csv")
+    sink.write(Record(step=0, timestamp=1.0, metrics={"loss": 1.0}))
+    if how == "deleted":
+        shutil.rmtree(folder)
+    else:
+        (folder / "m.csv").rename(tmp_path / "kept.csv")
+        shutil.rmtree(folder)
+        (elsewhere / "m.csv").write_bytes(b"step,timestamp,loss\n")
+    folder.symlink_to(elsewhere)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        metrics = {"loss": 0.5} if how == "deleted" else {"loss": 0.5, "new": 1.0}
+        sink.write(Record(step=1, timestamp=2.0, metrics=metrics))
+    sink.close()
+    if how == "deleted":
+        assert list(elsewhere.iterdir()) == []
+    else:
+        assert (elsewhere / "m.csv").read_bytes() == b"step,timestamp,loss\n"
+
+
+def test_a_folder_that_was_a_link_from_the_start_is_followed(tmp_path):
+    """The user's own link (outputs -> a scratch disk) stays followed, also when
+    the file is started again mid-run."""
+    real = tmp_path / "scratch"
+    real.mkdir()
+    (tmp_path / "run").symlink_to(real)
+    sink = CsvSink(tmp_path / "run" / "m.csv")
+    sink.write(Record(step=0, timestamp=1.0, metrics={"loss": 1.0}))
+    (real / "m.csv").unlink()
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        sink.write(Record(step=1, timestamp=2.0, metrics={"loss": 0.5}))
+    sink.close()
+    assert _rows(real / "m.csv")[1:] == [["1", "2.0", "0.5"]]

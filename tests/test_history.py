@@ -1592,11 +1592,55 @@ def test_a_log_deleted_mid_run_is_started_again_and_rewritten_whole(tmp_path):
     assert [x["step"] for x in lines] == list(range(100))
 
 
+@pytest.mark.parametrize("when", ["mid-run", "while closed"])
+def test_a_report_dir_swapped_for_a_link_is_never_written_through(tmp_path, when):
+    """Finding: report_dir removed and a link to another folder put in its
+    place mid-run: the log was started again through the link, and finalize
+    wrote dataset.nc and report.md there. Now the log is not started there
+    (a warning) and finalize refuses the folder before writing anything;
+    finalize(outdir=...) elsewhere still writes every step."""
+    import shutil
+
+    folder, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    h = jh.History(distributed_history=False, report_dir=folder, run_name="r")
+    for s in range(10):
+        h.update({"loss": float(s)}, summarize=False)
+    if when == "while closed":
+        h.close()
+    else:
+        h.flush()
+    shutil.rmtree(folder)
+    folder.symlink_to(elsewhere)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        for s in range(10, 20):
+            h.update({"loss": float(s)}, summarize=False)
+        h.flush()
+        with pytest.raises(OSError, match="symbolic link put in place of the folder"):
+            h.finalize(plot=False)
+    assert list(elsewhere.iterdir()) == []
+    h.finalize(outdir=tmp_path / "out", plot=False)
+    h.close()
+    assert list(elsewhere.iterdir()) == []
+    back = jh.HistoryState.from_netcdf(tmp_path / "out" / "dataset.nc")
+    assert back.steps("loss").tolist() == list(range(20))
+
+
+def test_a_report_dir_given_as_a_link_is_followed(tmp_path):
+    real = tmp_path / "scratch"
+    real.mkdir()
+    (tmp_path / "run").symlink_to(real)
+    h = jh.History(distributed_history=False, report_dir=tmp_path / "run")
+    h.update({"loss": 1.0})
+    h.finalize(plot=False)
+    h.close()
+    assert (real / "dataset.nc").is_file() and (real / f"{h.run_id}.jsonl").is_file()
+
+
 @pytest.mark.parametrize("cut_to", ["empty", "half"])
 @pytest.mark.parametrize("when", ["mid-run", "after the last write"])
-def test_a_log_cut_short_mid_run_is_noticed_and_rewritten_whole(
-    tmp_path, cut_to, when
-):
+def test_a_log_cut_short_mid_run_is_noticed_and_rewritten_whole(tmp_path, cut_to, when):
     """Finding: a log truncated by someone else (a log rotation's
     copytruncate) was kept by finalize as the streamed log, without a word:
     it held steps 100-199 of 200 (the dataset all of them), or half a line

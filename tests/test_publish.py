@@ -453,6 +453,27 @@ def test_a_handler_that_raises_never_raises_into_the_caller(error, caplog):
         publish.put_metric("", 1, metric_group="agent")
 
 
+@pytest.mark.parametrize("error", [SystemExit(3), GeneratorExit()])
+def test_a_handler_raising_systemexit_never_replaces_the_outcome(error):
+    """Finding: a handler whose emit raised SystemExit or GeneratorExit made
+    put_metric raise it, and a @prof function returning 42 raised it instead:
+    its result was lost. (A KeyboardInterrupt still goes on: it may be the
+    user's Ctrl-C.)"""
+    publish.configure(_Raising(error), group="agent")
+
+    @publish.prof(group="agent")
+    def answer():
+        return 42
+
+    with pytest.warns(RuntimeWarning, match="'agent' failed on"):
+        assert answer() == 42
+    with pytest.warns(RuntimeWarning, match="'agent' failed on 'a'"):
+        publish.put_metric("a", 1, metric_group="agent")
+    publish.configure(_Raising(KeyboardInterrupt()), group="agent")
+    with pytest.raises(KeyboardInterrupt):
+        publish.put_metric("a", 1, metric_group="agent")
+
+
 def test_the_console_handler_escapes_control_characters_in_what_it_prints():
     # a name's terminal escape and newline were printed raw
     out = io.StringIO()

@@ -172,6 +172,34 @@ def test_rotation_keeps_the_newest_files_of_this_process_only(tmp_path):
         t.rotate(batch=9)
 
 
+def test_a_folder_swapped_for_a_link_mid_run_is_never_written_or_deleted_through(
+    tmp_path,
+):
+    """Finding: the trace folder moved away and a link to another folder put
+    in its place: rotating deleted that folder's ep0-ba0-rank0.json (a file
+    the handler never made) and wrote its next file and the merged trace
+    there."""
+    real, victim = tmp_path / "traces", tmp_path / "victim"
+    victim.mkdir()
+    (victim / "ep0-ba0-rank0.json").write_text("mine")
+    t = trace.JSONTraceHandler(folder=str(real), num_traces_to_keep=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with t:
+            with jh.StopWatch("a"):
+                pass
+            real.rename(tmp_path / "moved")
+            real.symlink_to(victim)
+            t.rotate(batch=1)
+            t.rotate(batch=2)
+    assert sorted(p.name for p in victim.iterdir()) == ["ep0-ba0-rank0.json"]
+    assert (victim / "ep0-ba0-rank0.json").read_text() == "mine"
+    texts = [str(w.message) for w in caught]
+    assert any("symbolic link put in place of the folder" in x for x in texts), texts
+    # the handler's own first file, moved with its folder, is intact
+    assert (tmp_path / "moved" / "ep0-ba0-rank0.json").is_file()
+
+
 def test_a_trace_cut_at_any_byte_still_loads(tmp_path):
     with trace.JSONTraceHandler(folder=str(tmp_path), merged_trace_filename=None) as t:
         record_some(t, jh.History(distributed_history=False))

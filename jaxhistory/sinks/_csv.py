@@ -14,7 +14,14 @@ from typing import Any, BinaryIO
 
 from jaxhistory._dtypes import as_flag
 from jaxhistory._env import not_a_name
-from jaxhistory._files import LogInUse, atomic_write, check_target, in_use, open_log
+from jaxhistory._files import (
+    LogInUse,
+    atomic_write,
+    check_target,
+    in_use,
+    open_log,
+    still_folder,
+)
 from jaxhistory._names import printable
 from jaxhistory._record import Batch, Record
 from jaxhistory.sinks._base import FileSink, values
@@ -213,6 +220,8 @@ class CsvSink(FileSink):
             columns, end = _read_header(self.path)
             _cut_partial_row(self.path)
         self._file: BinaryIO = open_log(self.path, overwrite)
+        # a folder that is no link now: one put in its place later is refused
+        self._folder_was_link = self.path.parent.is_symlink()
         self._columns, self._header_end = columns, end
         self._index = {name: k for k, name in enumerate(self._columns)}
         self._column_of: dict[str, str] = {}  # metric name -> its column
@@ -336,7 +345,7 @@ class CsvSink(FileSink):
             "started there, with the rows from here on (the history keeps "
             "every step)",
         )
-        new = open_log(self.path)
+        new = open_log(self.path, real_folder=not self._folder_was_link)
         self._file.close()
         head = _row_text([self._columns])
         new.write(head)
@@ -366,8 +375,9 @@ class CsvSink(FileSink):
                         out.write(line + b"\n")
 
         try:
+            still_folder(self.path.parent, self._folder_was_link)
             atomic_write(self.path, write)
-            new = open_log(self.path)
+            new = open_log(self.path, real_folder=not self._folder_was_link)
         except Exception as err:
             self.error = err
             self._warn(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
+from typing import BinaryIO
 
 from jaxhistory._codec import encode_records
 from jaxhistory._dtypes import as_flag
@@ -45,6 +46,8 @@ class JsonlSink(FileSink):
     def __init__(self, path: str | os.PathLike, overwrite: bool = False):
         self.path = Path(path)
         self._file = open_log(self.path, as_flag("overwrite", overwrite))
+        # a folder that is no link now: one put in its place later is refused
+        self._folder_was_link = self.path.parent.is_symlink()
         # the file's size as this sink left it (None: unknown after a failed
         # write): a file found shorter was cut by someone else
         self._size: int | None = os.fstat(self._file.fileno()).st_size
@@ -106,9 +109,14 @@ class JsonlSink(FileSink):
             "it; a new one is started there, and finalize writes the whole log "
             "again from the history"
         )
-        old, self._file = self._file, open_log(self.path)
+        old, self._file = self._file, self._open_again()
         old.close()
         self._size = os.fstat(self._file.fileno()).st_size
+
+    def _open_again(self) -> BinaryIO:
+        """:attr:`path` opened to append to, never through a link put in
+        place of its folder since this sink began (:class:`NotAFile`)."""
+        return open_log(self.path, real_folder=not self._folder_was_link)
 
     def _cut(self, expected: int, size: int) -> None:
         """The log was cut short by someone else (a truncation, as a log
@@ -149,7 +157,7 @@ class JsonlSink(FileSink):
             if (now.st_dev, now.st_ino) == (there.st_dev, there.st_ino):
                 return False
             try:
-                new = open_log(self.path)
+                new = self._open_again()
             except OSError:
                 return False  # the next write finds its file gone: reported
             old, self._file = self._file, new
