@@ -133,7 +133,8 @@ class History(RunViews):
             last step.
         resume_step: with ``resume``, leave out the records at this step and
             later: the steps a restart from an earlier checkpoint (of step
-            ``resume_step - 1``) records again. In the log, the later line wins.
+            ``resume_step - 1``) records again. Their lines in the log the
+            run appends to move to ``{log}.from-step-{resume_step}``.
         total_steps: progress. At each step that is a multiple of
             ``log_every``, to a dict update, History adds ``perf/steps_per_sec``
             (since the previous summarized step) and, with ``total_steps``,

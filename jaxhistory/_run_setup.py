@@ -96,11 +96,28 @@ def run_identity(
     )
     if resume is None and resume_step is None and not overwrite:
         check_not_shared(log_target(jsonl_path, report_dir, run_id), run_id)
-    # the abandoned attempt's lines leave the log the run appends to
-    appended = log if log_target(jsonl_path, report_dir, run_id) == log else None
-    if appended is not None and resume_step is not None:
-        set_aside(appended, as_step("resume_step", resume_step))
+    # the abandoned attempt's lines leave the log the run appends to (the
+    # log given as resume, or this run's own log where resume named its
+    # dataset, its folder or a state)
+    target = log_target(jsonl_path, report_dir, run_id)
+    if (
+        resume_step is not None
+        and target is not None
+        and (target == log or holds_run(target, run_id))
+    ):
+        set_aside(target, as_step("resume_step", resume_step))
     return state, run_id, jsonl_path
+
+
+def holds_run(log: Path, run_id: str) -> bool:
+    """Whether ``log`` is a file (no link) whose last line with a run id has
+    ``run_id``."""
+    try:
+        if not os.path.isfile(log) or os.path.islink(log):
+            return False
+        return read_run_id(log) == run_id
+    except (OSError, ValueError):
+        return False
 
 
 def check_not_shared(log: Path | None, run_id: str) -> None:

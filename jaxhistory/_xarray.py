@@ -288,7 +288,17 @@ def _cast(name: str, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 def from_dataset(ds) -> tuple[dict[str, tuple], int, dict[str, Any]]:
     """The columns ``{name: (steps, values)}``, next step and run attrs of a
-    dataset made by :func:`to_dataset`."""
+    dataset made by :func:`to_dataset`; the root group of a dataset file
+    (``xr.open_dataset``, which leaves the file's other groups out) is a
+    ValueError saying how to read the whole file."""
+    if LAYOUT_ATTR in ds.attrs:
+        raise ValueError(
+            f"this dataset has the {LAYOUT_ATTR} attribute of a dataset file's "
+            "root group: xr.open_dataset reads that group only, leaving out the "
+            "metrics stored in the file's groups (train/loss, ...). Read the "
+            "whole file with HistoryState.from_netcdf(path) or "
+            "jaxhistory.export.read_netcdf(path)"
+        )
     if "step" not in ds.coords:
         raise ValueError("the dataset has no 'step' coordinate")
     steps = as_steps(ds["step"].values, "the step coordinate")

@@ -922,6 +922,63 @@ def test_a_log_resumed_at_an_earlier_step_agrees_with_the_dataset(tmp_path):
     assert len(log.read_bytes().splitlines()) == 5
 
 
+@pytest.mark.parametrize("source", ["folder", "dataset", "state"])
+def test_a_run_resumed_from_its_dataset_folder_or_state_sets_its_log_aside_too(
+    tmp_path, source
+):
+    """Finding: the lines at resume_step and later were set aside only where
+    resume named the log: resumed from the folder, dataset.nc or a state with
+    report_dir the run's folder, the log it appends to kept the abandoned
+    steps (loss [0,1,2,3,100,101,6,7] and 'x' at 0-7, where the dataset held
+    [0,1,2,3,100,101] and 'x' at 0-3)."""
+    out = tmp_path / "out"
+    h = jh.History(distributed_history=False, report_dir=out, run_name="r")
+    for s in range(8):
+        h.update({"loss": float(s), "x": 1.0}, summarize=False)
+    h.finalize(plot=False)
+    state = h.state
+    h.close()
+    log = h.log_path
+    resume = {"folder": out, "dataset": out / "dataset.nc", "state": state}[source]
+    again = jh.History(
+        distributed_history=False, report_dir=out, resume=resume, resume_step=4
+    )
+    assert again.run_id == h.run_id
+    for s in range(2):
+        again.update({"loss": 100.0 + s}, summarize=False)
+    ds = again.finalize(plot=False)
+    again.close()
+    back = jh.HistoryState.from_jsonl(log)
+    assert back.values("loss").tolist() == ds["loss"].values.tolist()
+    assert back.values("loss").tolist() == [0, 1, 2, 3, 100, 101]
+    assert back.steps("x").tolist() == [0, 1, 2, 3]
+    aside = log.with_name(f"{log.name}.from-step-4")
+    assert len(aside.read_bytes().splitlines()) == 4
+
+
+def test_a_resume_step_leaves_another_runs_log_alone(tmp_path):
+    """Only this run's own log is set aside: a jsonl_path holding another
+    run's lines (given by hand) is appended to, its lines left where they are."""
+    first = jh.History(distributed_history=False, report_dir=tmp_path / "a")
+    for s in range(8):
+        first.update({"loss": float(s)}, summarize=False)
+    first.close()
+    other = jh.History(distributed_history=False, report_dir=tmp_path / "b")
+    for s in range(8):
+        other.update({"loss": float(s)}, summarize=False)
+    other.close()
+    before = other.log_path.read_bytes()
+    again = jh.History(
+        distributed_history=False,
+        resume=first.state,
+        resume_step=4,
+        jsonl_path=other.log_path,
+    )
+    again.close()
+    assert other.log_path.read_bytes() == before
+    assert not list(tmp_path.glob("*/*.from-step-*"))
+
+
 def test_a_crashed_run_resumes_from_its_log_with_its_run_id(tmp_path):
     first = jh.History(distributed_history=False, report_dir=tmp_path, run_name="r")
     for i in range(10):

@@ -660,3 +660,21 @@ def test_a_state_recorded_up_to_the_last_int64_step_reads_back(tmp_path):
     ds.attrs["jaxhistory_next_step"] = top + 2  # past what a state can hold
     with pytest.raises(ValueError, match="not a whole number"):
         jh.HistoryState.from_xarray(ds)
+
+
+def test_from_xarray_refuses_the_root_group_of_a_dataset_file(tmp_path):
+    """Finding: HistoryState.from_xarray(xr.open_dataset("dataset.nc")) gave
+    only the metrics stored at the file's top level (1 of the demo's 39),
+    without a word."""
+    import xarray as xr
+
+    from jaxhistory.export import to_netcdf
+
+    state = jh.HistoryState().update({"train/loss": 1.0, "lr": 0.1})
+    to_netcdf(state, tmp_path / "dataset.nc")
+    with xr.open_dataset(tmp_path / "dataset.nc") as root:
+        with pytest.raises(ValueError, match=r"from_netcdf\(path\)"):
+            jh.HistoryState.from_xarray(root)
+    back = jh.HistoryState.from_netcdf(tmp_path / "dataset.nc")
+    assert set(back.keys) == {"train/loss", "lr"}
+    assert jh.HistoryState.from_xarray(state.to_xarray()).keys == state.keys
