@@ -301,7 +301,8 @@ class History(RunViews):
         Args:
             metrics: a dict of Python, NumPy or JAX values (nested dicts join names
                 with ``/``). A ``step``/``iter`` entry sets the step.
-            precision: decimals in the summary line.
+            precision: decimals in the summary line (a float those would show
+                as zero, ``lr=3e-8``, in scientific notation: ``3.000000e-08``).
             step: the step, overriding any entry in ``metrics``.
             summarize: build the summary line. It needs the values, so it waits for
                 device values of this step; with False (or between ``log_every``

@@ -21,6 +21,7 @@ from jaxhistory._stats import Stats
 __all__ = [
     "NonfiniteWatch",
     "SummaryLine",
+    "fixed",
     "memory_token",
     "nonfinite_notes",
     "summary_line",
@@ -103,9 +104,18 @@ def _mean(arr: np.ndarray) -> Any:
     return mean
 
 
+def fixed(value: float, precision: int) -> str:
+    """``value`` with ``precision`` decimals, as the summary line shows a
+    float; in scientific notation with as many decimals where those would
+    show none of its digits (``3e-08``: ``3.000000e-08``, not ``0.000000``)."""
+    if 0.0 < abs(value) < 10.0**-precision / 2:
+        return f"{value:.{precision}e}"
+    return f"{value:.{precision}f}"
+
+
 def _format(value: Any, precision: int, counter: bool) -> str:
     if type(value) is float and not counter:
-        return f"{value:.{precision}f}"
+        return fixed(value, precision)
     if type(value) is int:
         return str(value)
     arr = np.asarray(value)
@@ -124,7 +134,7 @@ def _format(value: Any, precision: int, counter: bool) -> str:
             if not math.isfinite(value) or not value.is_integer():
                 return f"{value:g}"  # epoch=1.5, not epoch=1
         return str(int(arr))
-    return f"{float(arr):.{precision}f}"
+    return fixed(float(arr), precision)
 
 
 def summary_line(
@@ -147,7 +157,7 @@ def summary_line(
     if host:  # Python floats and ints only: no conversions
         for name, value in items:
             if type(value) is float and name not in COUNTER_KEYS:
-                parts[name] = f"{value:.{precision}f}"
+                parts[name] = fixed(value, precision)
             else:
                 parts[name] = _format(value, precision, name in COUNTER_KEYS)
     else:
@@ -189,9 +199,11 @@ def summary_line(
                     mean = float(value[f"{metric}/mean" if metric else "mean"])
                     std = float(value[f"{metric}/std" if metric else "std"])
                     if key in notes:
-                        parts[key] = f"{mean:.{precision}f}({notes[key]})"
+                        parts[key] = f"{fixed(mean, precision)}({notes[key]})"
                     else:
-                        parts[key] = f"{mean:.{precision}f}(±{std:.{precision}f})"
+                        parts[key] = (
+                            f"{fixed(mean, precision)}(±{fixed(std, precision)})"
+                        )
             else:
                 parts[name] = _format(value, precision, name in COUNTER_KEYS)
     head = [k for k in COUNTER_KEYS if k in parts]
@@ -222,9 +234,15 @@ class SummaryLine:
         """:meth:`format` for a row of finite floats (``FINITE_FLOATS``) at a
         ``step``; the template of the last such row is reused while the names
         (the same tuple) and ``precision`` stay."""
-        names, cached, template = self._floats
+        names, cached, entry = self._floats
         if row[1] is names and precision == cached:
-            return template % (row[0], *row[2])
+            template, _, zero, negative_zero = entry
+            line = template % (row[0], *row[2])
+            if zero in line or negative_zero in line:
+                # a value fixed() shows in scientific notation (or a name
+                # that looks like one: the line is then the same)
+                return self._general(row, precision)
+            return line
         line = self.format(row, precision)
         head, last_names, entry = self._last  # (one read: other threads format)
         if (
@@ -233,7 +251,7 @@ class SummaryLine:
             and entry is not None
             and entry[1] is None
         ):
-            self._floats = (row[1], precision, entry[0])
+            self._floats = (row[1], precision, entry)
         return line
 
     def format(self, row: Row, precision: int) -> str:
@@ -256,14 +274,22 @@ class SummaryLine:
                         entry = self._templates[key] = self._template(*key)
                     self._last = (head, names, entry)
             if entry is not None:
-                template, order = entry
+                template, order, zero, negative_zero = entry
                 if order is None:
-                    return template % (row.step, *values)
-                full = (row.step, *values)
-                return template % tuple([full[i] for i in order])
+                    line = template % (row.step, *values)
+                else:
+                    full = (row.step, *values)
+                    line = template % tuple([full[i] for i in order])
+                if zero not in line and negative_zero not in line:
+                    return line
+        return self._general(row, precision)
+
+    def _general(self, row: Row, precision: int) -> str:
+        """:meth:`format` without a template."""
+        names, values, kind = row.names, row.values, row.kind
         items = list(zip(names, values, strict=True))
         return summary_line(
-            (label, row.step),
+            (row.label, row.step),
             items,
             precision,
             self.first,
@@ -296,7 +322,11 @@ class SummaryLine:
             f"{printable(k).replace('%', '%%')}={specs[i]}"
             for k, i in zip(shown, order, strict=True)
         )
-        return template, (None if order == tuple(range(len(keys))) else order)
+        # A line that shows a float as zero ("=0.000000") is made again
+        # value by value: fixed() may show that value in scientific notation.
+        zero = f"={0.0:.{precision}f}"
+        order_or_none = None if order == tuple(range(len(keys))) else order
+        return template, order_or_none, zero, zero.replace("=", "=-")
 
 
 def memory_token(sample: MemorySample, rss: int, rss_peak: int = 0) -> str:

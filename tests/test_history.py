@@ -1966,3 +1966,34 @@ def test_an_explicit_step_takes_the_cheap_path_and_records_what_the_full_parse_d
     logged = [orjson.loads(x) for x in (tmp_path / "run.jsonl").read_bytes().split()]
     assert [r["step"] for r in logged] == [0, 10, 11, 30, 31, 40, 41]
     assert logged[3]["metrics"] == {"loss": 7.5, "lr": 0.5}
+
+
+def test_a_float_that_decimals_would_show_as_zero_is_shown_in_scientific_notation():
+    """Finding: the summary line (and ConsoleSink) showed a learning rate of
+    3e-8 as lr=0.000000, on every path: the first row, a repeated dict of
+    floats (one template), NumPy and device values, a distributed metric."""
+    import io
+
+    from jaxhistory.sinks import ConsoleSink
+
+    h = jh.History(distributed_history=False)
+    first = h.update({"lr": 3e-8, "tiny": np.float32(1e-9), "z": 0.0, "big": 1e12})
+    assert first == (
+        "step=0 lr=3.000000e-08 tiny=1.000000e-09 z=0.000000 big=1000000000000.000000"
+    )
+    lines = [h.update({"lr": lr, "loss": 0.5}) for lr in (3e-3, 3e-3, -2e-9, 0.25)]
+    assert lines == [
+        "step=1 lr=0.003000 loss=0.500000",
+        "step=2 lr=0.003000 loss=0.500000",
+        "step=3 lr=-2.000000e-09 loss=0.500000",  # the repeated-dict template too
+        "step=4 lr=0.250000 loss=0.500000",
+    ]
+    assert h.update({"lr": 0.4}, precision=0) == "step=5 lr=4e-01"
+    assert h.update({"lr": -0.0, "n": 3}, precision=2) == "step=6 lr=-0.00 n=3"
+    assert h.update({"g": jnp.float32(5e-9)}) == "step=7 g=5.000000e-09"
+    stats = jh.distributed_stats(jnp.full((8,), 2e-9))
+    assert h.update({"g": stats}).startswith("step=8 g=2.000000e-09(±")
+    out = io.StringIO()
+    sink = ConsoleSink(out)
+    sink.write(jh.sinks.Record(step=1, timestamp=0.0, metrics={"lr": 3e-8}))
+    assert "lr=3.000000e-08" in out.getvalue()

@@ -672,9 +672,11 @@ def test_from_xarray_refuses_the_root_group_of_a_dataset_file(tmp_path):
 
     state = jh.HistoryState().update({"train/loss": 1.0, "lr": 0.1})
     to_netcdf(state, tmp_path / "dataset.nc")
-    with xr.open_dataset(tmp_path / "dataset.nc") as root:
-        with pytest.raises(ValueError, match=r"from_netcdf\(path\)"):
-            jh.HistoryState.from_xarray(root)
+    with (
+        xr.open_dataset(tmp_path / "dataset.nc") as root,
+        pytest.raises(ValueError, match=r"from_netcdf\(path\)"),
+    ):
+        jh.HistoryState.from_xarray(root)
     back = jh.HistoryState.from_netcdf(tmp_path / "dataset.nc")
     assert set(back.keys) == {"train/loss", "lr"}
     assert jh.HistoryState.from_xarray(state.to_xarray()).keys == state.keys

@@ -9,6 +9,7 @@ from typing import Any
 
 from jaxhistory._names import printable
 from jaxhistory._record import Record
+from jaxhistory._summary import fixed
 from jaxhistory.sinks._base import values
 
 __all__ = ["ConsoleSink", "NullSink"]
@@ -16,7 +17,7 @@ __all__ = ["ConsoleSink", "NullSink"]
 
 def _format(value: Any, precision: int) -> str:
     if isinstance(value, float):
-        return f"{value:.{precision}f}" if math.isfinite(value) else str(value)
+        return fixed(value, precision) if math.isfinite(value) else str(value)
     return str(value)
 
 
