@@ -1548,3 +1548,19 @@ def test_one_metrics_statistics_stay_together_and_constants_print_once(tmp_path)
     assert "| lr |" not in report
     out = run_cli("summary", tmp_path / "run.jsonl")
     assert out.stdout.index("train/loss/max") < out.stdout.index("train/acc/mean")
+
+
+def test_a_nan_last_value_reads_nan_in_the_table_not_no_value():
+    """Finding: a run whose last loss was NaN showed ``-`` as its last value
+    (the mark of "no value"), while an inf last value showed ``inf``."""
+    from jaxhistory.export._markdown import stats_table
+
+    s = jh.HistoryState()
+    for step, v in enumerate([0.5, 1.0, math.nan]):
+        s = s.update({"loss": v, "other": v + 1.0, "up": [1.0, 2.0, math.inf][step]})
+    rows = {r.split(" | ")[0]: r for r in stats_table(s)}
+    assert rows["| loss"].split(" | ")[6] == "nan"  # last
+    assert rows["| up"].split(" | ")[6] == "inf"
+    lonely = jh.HistoryState().update({"x": math.nan}).update({"x": math.nan})
+    (row,) = [r for r in stats_table(lonely) if r.startswith("| x")]
+    assert row == "| x | - | - | - | - | - | nan | 2 | 2 |"

@@ -112,11 +112,15 @@ def md_escape(text: Any) -> str:
     return _MD_SPECIAL.sub(r"\\\1", line)
 
 
-def _number(value: Any) -> str:
+def _number(value: Any, nan: str = "-") -> str:
+    """A statistic in the table: ``-`` where it has none (NaN: no finite
+    value to take it over); ``nan`` gives what a recorded NaN shows as."""
     if isinstance(value, int):
         return str(value)
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if value is None:
         return "-"
+    if isinstance(value, float) and math.isnan(value):
+        return nan
     return f"{value:.6g}"
 
 
@@ -154,7 +158,11 @@ def stats_table(
         if _constant(stats):
             constants.append(f"{escape(name)} = {_number(stats['last'])}")
             continue
-        cells = " | ".join(_number(stats[s]) for s in TABLE_STATS)
+        # (the last record is a value as recorded: a NaN shows as nan, as an
+        # inf shows as inf; the other statistics are over finite values)
+        cells = " | ".join(
+            _number(stats[s], "nan" if s == "last" else "-") for s in TABLE_STATS
+        )
         rows.append(f"| {escape(name)} | {cells} |")
     if len(rows) == 2:
         rows = []
