@@ -290,8 +290,14 @@ def extended(state: HistoryState, steps: Any, values: Mapping[str, Any]):
     steps = as_steps(steps)
     if steps.ndim != 1:
         raise ValueError(f"steps must be 1-D, got shape {steps.shape}")
-    if len(steps) > 1 and np.any(steps[1:] <= steps[:-1]):
-        raise ValueError("steps must be strictly increasing")
+    back = steps[1:] <= steps[:-1]
+    if back.any():
+        at = int(np.argmax(back))
+        raise ValueError(
+            f"steps must be strictly increasing, but step {steps[at]} (at index "
+            f"{at}) is followed by {steps[at + 1]}; nothing of "
+            f"{', '.join(map(repr, list(values)[:3]))} was recorded"
+        )
     if not len(steps) or not values:
         return None
     keys = tuple(values)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -251,8 +252,23 @@ class HistoryState:
         return self._derive(new, max(self.next_step, last + 1), appended=keys)
 
     def extend_from_buffer(self, buffer: Any) -> HistoryState:
-        """Appends a :class:`~jaxhistory.MetricBuffer` in one device-to-host copy."""
-        steps, values = buffer.to_host()
+        """Appends a :class:`~jaxhistory.MetricBuffer` in one device-to-host
+        copy. A buffer that overwrote entries before it was read (more writes
+        than its capacity) gives a RuntimeWarning saying how many steps are
+        lost, and the entries it still holds are appended."""
+        host = jax.device_get(buffer)  # (to_host and dropped: no more copies)
+        steps, values = host.to_host()
+        dropped = host.dropped
+        if dropped:
+            warnings.warn(
+                f"the MetricBuffer of capacity {host.capacity} was written "
+                f"{dropped} times more than it holds before it was read: its "
+                f"{dropped} oldest entries were overwritten and are not in the "
+                f"history (it holds steps {steps[0]} to {steps[-1]}); read it "
+                "more often or give it more capacity",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return self.extend(steps, values)
 
     def merge(self, other: HistoryState) -> HistoryState:

@@ -341,3 +341,39 @@ def test_metric_buffer_refuses_none_and_values_it_would_wrap():
     buf = traced(buf, jnp.int32(7))
     steps, values = buf.to_host()
     assert steps.tolist() == [7] and values["n"].tolist() == [1]
+
+
+def test_extending_from_a_buffer_that_overwrote_entries_warns_how_many():
+    """Finding: a scan writing 10 steps into a buffer of capacity 4 lost 6
+    steps, and extend_from_buffer recorded steps 6-9 without a word (even
+    under -W always)."""
+    import warnings
+
+    import jaxhistory as jh
+
+    buf = MetricBuffer.create(4, {"x": 0.0})
+    for step in range(10):
+        buf = buf.write(step, {"x": float(step)})
+    with pytest.warns(RuntimeWarning, match=r"capacity 4 .* 6 oldest .* steps 6 to 9"):
+        state = jh.HistoryState().extend_from_buffer(buf)
+    assert state.steps("x").tolist() == [6, 7, 8, 9]
+    full = MetricBuffer.create(4, {"x": 0.0})
+    for step in range(4):
+        full = full.write(step, {"x": float(step)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert jh.HistoryState().extend_from_buffer(full).count("x") == 4
+
+
+def test_a_step_written_twice_names_the_step_and_records_nothing():
+    import jaxhistory as jh
+
+    buf = MetricBuffer.create(4, {"loss": 0.0})
+    for step in (0, 1, 1, 2):
+        buf = buf.write(step, {"loss": float(step)})
+    state = jh.HistoryState().update({"loss": -1.0}, step=-5)
+    with pytest.raises(
+        ValueError, match=r"step 1 \(at index 1\) is followed by 1.*'loss'"
+    ):
+        state.extend_from_buffer(buf)
+    assert state.count("loss") == 1
