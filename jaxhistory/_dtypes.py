@@ -46,8 +46,9 @@ def warmup_count(warmup: float, n: int) -> int:
         >>> jh.warmup_count(0.05, 200), jh.warmup_count(3, 200), jh.warmup_count(0, 200)
         (10, 3, 0)
     """
-    if isinstance(warmup, bool) or not isinstance(warmup, int | float):
+    if isinstance(warmup, bool | np.bool_) or not isinstance(warmup, numbers.Real):
         raise TypeError(f"warmup must be a number, got {warmup!r}")
+    warmup = int(warmup) if isinstance(warmup, numbers.Integral) else float(warmup)
     if not math.isfinite(warmup) or warmup < 0:
         raise ValueError(f"warmup must be >= 0, got {warmup!r}")
     if warmup < 1:

@@ -443,6 +443,9 @@ class History(RunViews):
         multi-process run only process 0 writes; every process returns the
         dataset. ``outdir`` defaults to ``report_dir``. Called on another
         thread while updates run, it writes the steps recorded when it began.
+        The History stays open: later updates append to its log, which it
+        holds until :meth:`close` (call that before another History resumes
+        the run in this process).
 
         The run config (``History(config=...)``) goes into the dataset
         attribute ``config`` and the report's "Config" table. ``env_info``: more

@@ -114,7 +114,9 @@ class RunLog:
             raise ValueError(
                 f"the JSONL log {printable(path)} is being written by another live "
                 "History or sink; two runs must not share one log (give this one "
-                "its own jsonl_path, or close the other first)"
+                "its own jsonl_path, or close the other first: a History holds its "
+                "log until close(), also after finalize(), which later updates "
+                "append to)"
             )
         self.path, self.overwrite, self.run_id = path, overwrite, run_id
         # a folder that is no link now: one put in its place later is refused

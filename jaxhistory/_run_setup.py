@@ -228,6 +228,14 @@ def sinks_here(
     if not isinstance(sinks, Sequence):
         raise TypeError(f"sinks must be a sequence of sinks, got {sinks!r}")
     for sink in sinks:
+        if isinstance(sink, str):
+            raise TypeError(
+                f"sinks holds the name {printable(sink)!r}: names are given as one "
+                "string, "
+                f"sinks={printable(','.join(n for n in sinks if isinstance(n, str)))!r}"
+                ", not in a list "
+                "(a list holds sink objects)"
+            )
         if not is_sink(sink):
             raise TypeError(
                 f"{type(sink).__name__} is not a sink: it needs write, flush and close"

@@ -294,7 +294,21 @@ def test_warmup_is_a_fraction_below_one_and_a_count_above(warmup, n, dropped):
     assert jh.warmup_count(warmup, n) == dropped
 
 
-@pytest.mark.parametrize("bad", [-1, float("nan"), "5", True])
+@pytest.mark.parametrize(
+    ("warmup", "dropped"),
+    [(np.int64(3), 3), (np.float32(0.5), 5), (np.float64(0.25), 2), (np.uint8(12), 10)],
+)
+def test_warmup_takes_numpy_numbers(warmup, dropped):
+    """Finding: summary, to_xarray and finalize refused np.int64(3) and
+    np.float32(0.1) as warmup (TypeError), while log_every took NumPy ints."""
+    assert jh.warmup_count(warmup, 10) == dropped
+    s = jh.HistoryState()
+    for step in range(10):
+        s = s.update({"x": float(step)})
+    assert s.summary(warmup=warmup)["x"]["count"] == 10 - dropped
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), "5", True, np.bool_(True)])
 def test_bad_warmup(bad):
     with pytest.raises((ValueError, TypeError), match="warmup"):
         jh.warmup_count(bad, 10)

@@ -773,3 +773,13 @@ def test_a_flag_that_is_not_a_bool_is_refused_before_any_file_is_touched(
     for ok in (True, False, np.bool_(True)):
         sink = JsonlSink(tmp_path / "ok.jsonl", overwrite=ok)
         sink.close()
+
+
+def test_sink_names_in_a_list_say_to_give_them_as_one_string(tmp_path):
+    """Finding: sinks=["csv"] said "str is not a sink: it needs write, flush
+    and close", where the docstring speaks of sinks or their names."""
+    with pytest.raises(TypeError, match=r"one string, sinks='csv,console'"):
+        jh.History(
+            distributed_history=False, report_dir=tmp_path, sinks=["csv", "console"]
+        )
+    assert list(tmp_path.iterdir()) == []
