@@ -256,7 +256,7 @@ class HistoryState:
         copy. A buffer that overwrote entries before it was read (more writes
         than its capacity) gives a RuntimeWarning saying how many steps are
         lost, and the entries it still holds are appended."""
-        host = jax.device_get(buffer)  # (to_host and dropped: no more copies)
+        host = jax.device_get(buffer)  # one copy (to_host, dropped: none more)
         steps, values = host.to_host()
         dropped = host.dropped
         if dropped:

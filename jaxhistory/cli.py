@@ -17,8 +17,10 @@ import os
 import shutil
 import stat
 import sys
+import warnings
 from pathlib import Path
 
+from jaxhistory._dtypes import warmup_count
 from jaxhistory._env import ENV_LABELS, check_run_id
 from jaxhistory._files import atomic_write, kind_of
 from jaxhistory._names import printable
@@ -205,15 +207,24 @@ def _launch(args) -> int:
 
 
 def _merge(args) -> int:
-    missing = [p for p in args.traces if not Path(p).is_file()]
-    if missing:
-        return _fail(f"no trace file {missing[0]}")
+    for given in args.traces:
+        if Path(given).is_dir():
+            return _fail(
+                f"{given} is a folder: give its trace files ({given}/*.json); "
+                "a trace handler merges its own folder at close"
+            )
+        if not Path(given).is_file():
+            return _fail(f"no trace file {given}")
     try:
         out = merge_traces(args.traces, args.output)
     except (OSError, ValueError) as err:
         return _fail(err)
     print(f"merged {len(args.traces)} trace file(s) into {printable(out)}")
     return 0
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"jaxhistory: warning: {printable(message)}", file=sys.stderr)
 
 
 def _fail(err: object) -> int:
@@ -261,7 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     an output that cannot be written)."""
     args = _parse(argv)
     try:
-        return _main(args)
+        with warnings.catch_warnings():
+            # one line each, as the errors: no source line of jaxhistory's own
+            warnings.showwarning = _show_warning
+            return _main(args)
     except BrokenPipeError:  # `jaxhistory summary RUN | head`: the reader left
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # no second error at exit
@@ -288,6 +302,13 @@ def _main(args) -> int:
             args.warmup = _recorded_warmup(attrs.get("warmup_steps", 0), args.run)
         except ValueError as err:
             return _fail(err)
+    steps = len(state.all_steps())
+    if steps and warmup_count(args.warmup, steps) >= steps:
+        print(
+            f"jaxhistory: warning: a warmup of {args.warmup:g} leaves none of the "
+            f"run's {steps} steps: every statistic is over no records",
+            file=sys.stderr,
+        )
     if args.command == "summary":
         # markdown where it is piped (to paste); on a terminal, names as the
         # summary line shows them (max_abs, not max\_abs)

@@ -8,6 +8,8 @@ CPU devices, and together they see one global mesh.
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
+import importlib.util
 import os
 import pickle
 import signal
@@ -52,6 +54,7 @@ def _target_name(target: str | Callable) -> str:
             raise ValueError(
                 f"target {target!r} must look like 'package.module:function'"
             )
+        _check_importable(target.partition(":")[0])
         return target
     module = getattr(target, "__module__", None)
     qualname = getattr(target, "__qualname__", "")
@@ -73,6 +76,25 @@ def _target_name(target: str | Callable) -> str:
                 "a target defined in an interactive __main__ cannot be imported"
             )
     return f"{module}:{qualname}"
+
+
+def _check_importable(module: str) -> None:
+    """A ValueError where the processes could not import ``module``'s top
+    package (found on ``sys.path`` or in the working folder, as they look;
+    nothing is imported here), instead of N identical tracebacks."""
+    top = module.partition(".")[0]
+    try:
+        if not top or importlib.util.find_spec(top) is not None:
+            return
+    except (ImportError, ValueError):
+        pass
+    places = [*sys.path, os.getcwd()]
+    if importlib.machinery.PathFinder.find_spec(top, places) is None:
+        raise ValueError(
+            f"no module named {top!r}: the launched processes could not import "
+            f"{module!r} (they look on sys.path and in the working folder "
+            f"{os.getcwd()})"
+        )
 
 
 def _tail(text: str) -> str:

@@ -254,9 +254,11 @@ def test_crafted_runs_give_one_line_errors_and_write_nothing(tmp_path, capsys):
         assert said in err, (args, err)
         assert "\x1b" not in err and "Traceback" not in err
     assert not out.exists()
-    with pytest.warns(RuntimeWarning, match="skipped 1 incomplete or damaged"):
-        assert cli.main(["summary", str(deep)]) == 0  # the deep line is skipped
-    assert "loss" in capsys.readouterr().out
+    assert cli.main(["summary", str(deep)]) == 0  # the deep line is skipped
+    printed = capsys.readouterr()
+    assert "loss" in printed.out
+    assert printed.err.startswith("jaxhistory: warning: ")
+    assert "skipped 1 incomplete or damaged" in printed.err
 
 
 def test_a_log_with_step_entries_in_its_metrics(tmp_path, capsys):
@@ -416,3 +418,51 @@ def test_the_folder_of_a_run_that_never_finalized_is_read_from_its_log(
     assert cli.main(["summary", str(linked)]) == 2
     err = capsys.readouterr().err
     assert "x.jsonl is a link" in err and "not followed" in err, err
+
+
+# ----- a new user's mistakes ----------------------------------------------------------
+
+
+def test_merge_traces_given_a_folder_says_to_give_its_files(tmp_path, capsys):
+    # it said "no trace file demo/traces"
+    (tmp_path / "traces").mkdir()
+    assert cli.main(["merge-traces", str(tmp_path / "traces"), "-o", "m.json"]) == 2
+    err = capsys.readouterr().err
+    assert "is a folder: give its trace files" in err and err.count("\n") == 1
+
+
+def test_warnings_are_one_line_without_a_source_line(tmp_path, capsys):
+    """Finding: the command's warnings showed jaxhistory's own file and line,
+    ``.../jaxhistory/export/_load.py:57: RuntimeWarning: t.jsonl: skipped``."""
+    log = tmp_path / "t.jsonl"
+    log.write_bytes(
+        b'{"step":0,"timestamp":null,"metrics":{"x":1.0},"aggregated":{}}\n'
+        b"garbage\n"
+        b'{"step":1,"timestamp":null,"metrics":{"x":2.0},"aggregated":{}}\n'
+    )
+    assert cli.main(["summary", str(log)]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("jaxhistory: warning: ") and "skipped" in err
+    assert ".py:" not in err and "RuntimeWarning" not in err
+
+
+def test_a_damaged_dataset_beside_a_good_log_points_to_the_log(tmp_path, capsys):
+    saved_run(tmp_path)
+    run = tmp_path / "run"
+    s = jh.HistoryState().update({"loss": 1.0})
+    export.to_jsonl(s, run / "r1.jsonl")
+    (run / "dataset.nc").write_bytes(b"not netCDF")
+    assert cli.main(["summary", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "r1.jsonl beside it can be read instead" in err
+    assert cli.main(["summary", str(run / "r1.jsonl")]) == 0
+
+
+def test_a_warmup_that_leaves_no_step_is_said(tmp_path, capsys):
+    # a table of '-' with count 0, and no word why
+    saved_run(tmp_path)
+    assert cli.main(["summary", str(tmp_path / "run"), "--warmup", "500"]) == 0
+    err = capsys.readouterr().err
+    assert "a warmup of 500 leaves none of the run's 20 steps" in err
+    assert cli.main(["summary", str(tmp_path / "run"), "--warmup", "5"]) == 0
+    assert capsys.readouterr().err == ""

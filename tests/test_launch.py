@@ -158,3 +158,21 @@ def test_a_replicated_tree_is_spread_over_the_devices_of_every_process():
             assert r["True"][f"{name}/nonfinite"] == np.isnan(x).sum()
     first, second = (np.array(list(r["True"].values())) for r in results)
     np.testing.assert_array_equal(first, second)  # the same on every process
+
+
+def test_a_target_whose_module_does_not_exist_fails_before_any_process_starts(
+    monkeypatch, tmp_path
+):
+    """Finding: a misspelt module started N processes that each printed the
+    same ModuleNotFoundError traceback."""
+    monkeypatch.chdir(tmp_path)
+    started = []
+    monkeypatch.setattr(
+        jh.launch.subprocess, "Popen", lambda *a, **k: started.append(a)
+    )
+    with pytest.raises(ValueError, match=r"no module named 'nosuchmod_x'"):
+        jh.launch_local("nosuchmod_x.sub:main", 2)
+    assert started == []
+    (tmp_path / "mine_here.py").write_text("def main():\n    return 1\n")
+    jh.launch._check_importable("mine_here")  # the working folder counts
+    jh.launch._check_importable("json")  # and what sys.path holds

@@ -56,7 +56,22 @@ def load_run(path: str | os.PathLike):
     if path.suffix == ".jsonl":
         state = HistoryState.from_jsonl(path)
         return state, dict(state.attrs)
-    ds = read_netcdf(path)  # its attributes whole (the environment too)
+    try:
+        ds = read_netcdf(path)  # its attributes whole (the environment too)
+    except FileNotFoundError:
+        raise
+    except OSError as err:  # cut off or damaged: the folder's log may do
+        logs = [
+            p
+            for p in sorted(path.parent.glob("*.jsonl"))
+            if not p.name.startswith(".") and p.is_file() and not p.is_symlink()
+        ]
+        if len(logs) == 1:
+            raise OSError(
+                f"{err}; the run's JSONL log {logs[0]} beside it can be read "
+                "instead: give that"
+            ) from err
+        raise
     attrs = dict(ds.attrs)
     for name in ds.data_vars:
         ds.variables[name].attrs.pop("long_name", None)
