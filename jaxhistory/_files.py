@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from jaxhistory._names import printable
+
 try:
     import fcntl
 except ImportError:  # Windows: logs are not guarded against a second writer
@@ -78,7 +80,19 @@ def check_folder(name: str, path: Path) -> None:
     folder (a link to one is a folder here)."""
     try:
         mode = os.stat(path).st_mode
-    except OSError:
+    except OSError as failed:
+        if failed.errno in (errno.ENAMETOOLONG, errno.ENOTDIR):  # never writable
+            shown = printable(str(path))
+            if len(shown) > 120:
+                shown = f"{shown[:100]}... ({len(shown)} characters)"
+            why = (
+                "the path is longer than the system allows"
+                if failed.errno == errno.ENAMETOOLONG
+                else "a part of the path is a file, not a folder"
+            )
+            error = OSError(f"{name}: {why}: {shown}")
+            error.errno = failed.errno
+            raise error from None
         return  # absent (made when written) or unreadable (said when written)
     if not stat.S_ISDIR(mode):
         err = NotAFile(Path(path), kind_of(mode), "a folder")

@@ -245,6 +245,25 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _check_not_poorer(run: str, outdir: Path) -> str | None:
+    """Why a report from the JSONL log ``run`` must not go into ``outdir``: it
+    holds a dataset.nc (finalize's, with the run's config, environment and
+    dtypes, none of which a log records) that it would replace; or None."""
+    try:
+        source = run_file(run)
+    except (OSError, ValueError):
+        return None  # (said when it is loaded)
+    dataset = outdir / "dataset.nc"
+    if source.suffix != ".jsonl" or not dataset.is_file():
+        return None
+    return (
+        f"{dataset} exists, and a report from the JSONL log {source} would "
+        "replace it with less (a log records no config or environment, and "
+        f"float32 metrics come back as float64): give another -o, or {outdir} "
+        "itself as RUN; nothing was written"
+    )
+
+
 def _check_outdir(outdir: Path) -> str | None:
     """Why ``outdir`` cannot be the output folder (it exists and is not a
     folder, or is a link to nothing), or None."""
@@ -289,6 +308,8 @@ def _main(args) -> int:
         return _launch(args)
     if args.command == "report":
         why = _check_outdir(Path(args.outdir))
+        if why is None:
+            why = _check_not_poorer(args.run, Path(args.outdir))
         if why is not None:
             return _fail(why)
     try:

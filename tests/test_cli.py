@@ -466,3 +466,23 @@ def test_a_warmup_that_leaves_no_step_is_said(tmp_path, capsys):
     assert "a warmup of 500 leaves none of the run's 20 steps" in err
     assert cli.main(["summary", str(tmp_path / "run"), "--warmup", "5"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_report_from_the_log_into_the_runs_own_folder_is_refused(tmp_path, capsys):
+    """Finding: ``jaxhistory report run/x.jsonl -o run`` replaced finalize's
+    dataset.nc with one rebuilt from the log: no config, no environment,
+    float32 metrics as float64."""
+    h = jh.History(distributed_history=False, report_dir=tmp_path / "run")
+    h.update({"loss": np.float32(0.5)})
+    h.finalize(plot=False)
+    h.close()
+    dataset = tmp_path / "run" / "dataset.nc"
+    before = dataset.read_bytes()
+    status = cli.main(["report", str(h.log_path), "-o", str(tmp_path / "run")])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "would replace it with less" in err and err.count("\n") == 1
+    assert dataset.read_bytes() == before
+    # from the folder itself (its dataset), or into another folder: as before
+    assert cli.main(["report", str(tmp_path / "run"), "-o", str(tmp_path / "run")]) == 0
+    assert cli.main(["report", str(h.log_path), "-o", str(tmp_path / "again")]) == 0

@@ -631,6 +631,12 @@ def test_arguments_of_the_wrong_kind_are_errors_naming_the_argument(tmp_path):
     ):
         jh.History(distributed_history=False, report_dir=afile, sinks="csv")
     assert afile.read_text() == "mine"
+    # a path no folder can have: a raw "[Errno 36] File name too long" at
+    # History(...) (or NotADirectoryError), now naming the option
+    with pytest.raises(OSError, match=r"report_dir: the path is longer .*characters"):
+        jh.History(distributed_history=False, report_dir=tmp_path / ("x" * 5000))
+    with pytest.raises(OSError, match="report_dir: a part of the path is a file"):
+        jh.History(distributed_history=False, report_dir=afile / "sub")
     assert h.finalize(tmp_path / "out", plot=False)["a"].values.tolist() == [1.0, 2.0]
 
 
