@@ -133,8 +133,7 @@ class History(RunViews):
             last step.
         resume_step: with ``resume``, leave out the records at this step and
             later: the steps a restart from an earlier checkpoint (of step
-            ``resume_step - 1``) records again. Their lines in the log the
-            run appends to move to ``{log}.from-step-{resume_step}``.
+            ``resume_step - 1``) records again (their log lines are set aside).
         total_steps: progress. At each step that is a multiple of
             ``log_every``, to a dict update, History adds ``perf/steps_per_sec``
             (since the previous summarized step) and, with ``total_steps``,
@@ -235,10 +234,7 @@ class History(RunViews):
         )
         if self.report_dir is not None:
             check_folder("report_dir", self.report_dir)
-        # (a link put in its place later is refused by finalize)
-        self._report_dir_was_link = (
-            self.report_dir is not None and self.report_dir.is_symlink()
-        )
+        self._report_dir_was_link = os.path.islink(self.report_dir or "")
         self.report_enabled = as_flag("report_enabled", report_enabled)
         self.jsonl_path = (
             None if jsonl_path is None else as_path("jsonl_path", jsonl_path)
@@ -301,8 +297,7 @@ class History(RunViews):
         Args:
             metrics: a dict of Python, NumPy or JAX values (nested dicts join names
                 with ``/``). A ``step``/``iter`` entry sets the step.
-            precision: decimals in the summary line (a float those would show
-                as zero, ``lr=3e-8``, in scientific notation: ``3.000000e-08``).
+            precision: decimals in the summary line (e-notation where they show 0).
             step: the step, overriding any entry in ``metrics``.
             summarize: build the summary line. It needs the values, so it waits for
                 device values of this step; with False (or between ``log_every``
@@ -443,9 +438,8 @@ class History(RunViews):
         multi-process run only process 0 writes; every process returns the
         dataset. ``outdir`` defaults to ``report_dir``. Called on another
         thread while updates run, it writes the steps recorded when it began.
-        The History stays open: later updates append to its log, which it
-        holds until :meth:`close` (call that before another History resumes
-        the run in this process).
+        Later updates append to the log, held until :meth:`close` (call it
+        before another History resumes the run in this process).
 
         The run config (``History(config=...)``) goes into the dataset
         attribute ``config`` and the report's "Config" table. ``env_info``: more
