@@ -45,6 +45,7 @@ __all__ = [
     "jsonable",
     "jsonl_value",
     "later_wins",
+    "line_run_id",
     "line_step",
     "read_columns",
     "read_log",
@@ -411,6 +412,12 @@ def read_columns(
 
 # The start of every line jaxhistory writes: read without decoding the line.
 _HEAD = re.compile(rb'^\{"step":(-?\d+),"timestamp":(-?\d[\d.eE+-]*)[,}]', re.M)
+
+
+def line_run_id(line: bytes) -> str | None:
+    """The run id of one JSONL line, or None (none there, or no complete
+    record)."""
+    return _last_run_id([line])
 
 
 def line_step(line: bytes) -> int | None:

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from jaxhistory import _trace_state
-from jaxhistory._codec import line_step, read_stamps
+from jaxhistory._codec import line_run_id, line_step, read_stamps
 from jaxhistory._fan_out import FanOut
 from jaxhistory._files import (
     NotAFile,
@@ -53,14 +53,16 @@ def log_target(
     return None
 
 
-def set_aside(log: Path, step: int) -> Path | None:
+def set_aside(log: Path, step: int, run_id: str | None = None) -> Path | None:
     """Moves the lines of ``log`` at ``step`` and later (the attempt that a
     resume at ``step`` abandons) to ``{log}.from-step-{step}`` beside it, whole
     and in their order (appended where that file exists, as after a second
     restart at one step); ``log`` keeps the rest, so that it holds what the
-    resumed run's dataset holds. Returns that file, or None where no line was
-    moved. A log that is a link, not a file or in use is left as it is; one
-    that cannot be read or written is left with a warning."""
+    resumed run's dataset holds. With ``run_id``, only lines of that run (or
+    of none: an older log's) move; another run's lines in the log stay.
+    Returns that file, or None where no line was moved. A log that is a
+    link, not a file or in use is left as it is; one that cannot be read or
+    written is left with a warning."""
     if os.path.islink(log) or not os.path.isfile(log) or in_use(log):
         return None
     aside = log.with_name(f"{log.name}.from-step-{step}")
@@ -70,7 +72,8 @@ def set_aside(log: Path, step: int) -> Path | None:
         moved: list[bytes] = []
         for line in data.splitlines(keepends=True):
             at = line_step(line)
-            (moved if at is not None and at >= step else kept).append(line)
+            ours = run_id is None or line_run_id(line) in (run_id, None)
+            (moved if at is not None and at >= step and ours else kept).append(line)
         if not moved:
             return None
         with open_log(aside) as f:  # (a link there is refused)

@@ -103,21 +103,24 @@ def run_identity(
     if (
         resume_step is not None
         and target is not None
-        and (target == log or holds_run(target, run_id))
+        and (target == log or last_run(target) == (True, run_id))
     ):
-        set_aside(target, as_step("resume_step", resume_step))
+        set_aside(target, as_step("resume_step", resume_step), run_id)
     return state, run_id, jsonl_path
 
 
-def holds_run(log: Path, run_id: str) -> bool:
-    """Whether ``log`` is a file (no link) whose last line with a run id has
-    ``run_id``."""
+def last_run(log: Path | None) -> tuple[bool, str | None]:
+    """Whether ``log`` is a file (no link) that holds something, and the run
+    id on its last line that has one (None: none); (False, None) for a log
+    that cannot be read."""
     try:
-        if not os.path.isfile(log) or os.path.islink(log):
-            return False
-        return read_run_id(log) == run_id
+        if log is None or not os.path.isfile(log) or os.path.islink(log):
+            return False, None
+        if not os.path.getsize(log):
+            return False, None
+        return True, read_run_id(log)
     except (OSError, ValueError):
-        return False
+        return False, None
 
 
 def check_not_shared(log: Path | None, run_id: str) -> None:
@@ -126,15 +129,8 @@ def check_not_shared(log: Path | None, run_id: str) -> None:
     one run. (A restart that continues its steps by hand has done this on
     purpose; ``resume=`` says so.) A link, or a log that cannot be read, is
     left to :class:`RunLog` and the writer."""
-    try:
-        if log is None or not os.path.isfile(log) or os.path.islink(log):
-            return
-        if not os.path.getsize(log):
-            return
-        other = read_run_id(log)
-    except (OSError, ValueError):
-        return
-    if other == run_id:
+    held_any, other = last_run(log)
+    if not held_any or other == run_id:
         return
     held = f"the run {printable(other)}" if other else "records of another run"
     warn_quietly(

@@ -106,11 +106,19 @@ def _mean(arr: np.ndarray) -> Any:
 
 def fixed(value: float, precision: int) -> str:
     """``value`` with ``precision`` decimals, as the summary line shows a
-    float; in scientific notation with as many decimals where those would
-    show none of its digits (``3e-08``: ``3.000000e-08``, not ``0.000000``)."""
-    if 0.0 < abs(value) < 10.0**-precision / 2:
+    float; in scientific notation (e-notation) with as many decimals where
+    those would show none of its digits (``3e-08``: ``3.000000e-08``, not
+    ``0.000000``). Zero stays ``0.000000``."""
+    text = f"{value:.{precision}f}"
+    if value != 0.0 and not text.strip("-0.") and math.isfinite(value):
         return f"{value:.{precision}e}"
-    return f"{value:.{precision}f}"
+    return text
+
+
+def _shows_zero(values: Sequence, below: float) -> bool:
+    """Whether a float among ``values`` is nonzero and below ``below`` in
+    magnitude (``10**-precision``: one the decimals may show as zero)."""
+    return any(type(v) is float and 0.0 < abs(v) < below for v in values)
 
 
 def _format(value: Any, precision: int, counter: bool) -> str:
@@ -223,11 +231,14 @@ class SummaryLine:
     def __init__(self, first: Sequence[str] = (), watch: NonfiniteWatch | None = None):
         self.first = tuple(first)
         self.watch = watch
-        self._templates: dict[tuple, tuple[str, tuple[int, ...] | None] | None] = {}
+        # (label, names, precision, kinds) -> (template, the order of the
+        # values in it or None, the text of a float shown as zero, "=-0.0...",
+        # 10**-precision), or None where a row needs summary_line
+        self._templates: dict[tuple, tuple | None] = {}
         # ((label, precision, kinds), names, template) of the last host row
         self._last: tuple = (None, None, None)
-        # (names, precision, template) of the last row of finite floats at a
-        # "step" whose values are shown in their order
+        # (names, precision, its _templates entry) of the last row of finite
+        # floats at a "step" whose values are shown in their order
         self._floats: tuple = (None, None, None)
 
     def format_floats(self, row: Row, precision: int) -> str:
@@ -236,12 +247,10 @@ class SummaryLine:
         (the same tuple) and ``precision`` stay."""
         names, cached, entry = self._floats
         if row[1] is names and precision == cached:
-            template, _, zero, negative_zero = entry
+            template, _, zero, negative_zero, below = entry
             line = template % (row[0], *row[2])
-            if zero in line or negative_zero in line:
-                # a value fixed() shows in scientific notation (or a name
-                # that looks like one: the line is then the same)
-                return self._general(row, precision)
+            if (zero in line or negative_zero in line) and _shows_zero(row[2], below):
+                return self._general(row, precision)  # fixed(): e-notation
             return line
         line = self.format(row, precision)
         head, last_names, entry = self._last  # (one read: other threads format)
@@ -274,13 +283,15 @@ class SummaryLine:
                         entry = self._templates[key] = self._template(*key)
                     self._last = (head, names, entry)
             if entry is not None:
-                template, order, zero, negative_zero = entry
+                template, order, zero, negative_zero, below = entry
                 if order is None:
                     line = template % (row.step, *values)
                 else:
                     full = (row.step, *values)
                     line = template % tuple([full[i] for i in order])
                 if zero not in line and negative_zero not in line:
+                    return line
+                if not _shows_zero(values, below):
                     return line
         return self._general(row, precision)
 
@@ -298,9 +309,10 @@ class SummaryLine:
         )
 
     def _template(self, label, names, precision, types):
-        """A template for rows of these names and types, and the order of the
-        values in it (None: step then the row as given); None where a row needs
-        the general path."""
+        """A template for rows of these names and types, the order of the
+        values in it (None: step then the row as given) and what tells a float
+        shown as zero (see ``_templates``); None where a row needs the general
+        path."""
         if len(self._templates) > 256:
             self._templates.clear()  # name sets that keep changing: no cache
         keys = [label, *names]
@@ -322,11 +334,12 @@ class SummaryLine:
             f"{printable(k).replace('%', '%%')}={specs[i]}"
             for k, i in zip(shown, order, strict=True)
         )
-        # A line that shows a float as zero ("=0.000000") is made again
-        # value by value: fixed() may show that value in scientific notation.
+        # A line that shows a float as zero ("=0.000000") where one is not
+        # is made again value by value: fixed() shows it in e-notation.
         zero = f"={0.0:.{precision}f}"
         order_or_none = None if order == tuple(range(len(keys))) else order
-        return template, order_or_none, zero, zero.replace("=", "=-")
+        below = 10.0**-precision
+        return template, order_or_none, zero, zero.replace("=", "=-"), below
 
 
 def memory_token(sample: MemorySample, rss: int, rss_peak: int = 0) -> str:

@@ -294,5 +294,9 @@ class Writer:
         deadline = time.monotonic() + self.MAX_WAIT
         self._thread.join(self.MAX_WAIT)
         self.write_queued(final=True, wait=deadline - time.monotonic())
+        if self._thread.is_alive() or self.pending():
+            # gave up on a write that has not returned: it, and what is still
+            # queued, may never reach the target
+            self.broken = True
         self._done = True  # (not where the join or the flush raised)
         self._at_exit.cancel()

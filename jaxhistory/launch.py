@@ -54,7 +54,6 @@ def _target_name(target: str | Callable) -> str:
             raise ValueError(
                 f"target {target!r} must look like 'package.module:function'"
             )
-        _check_importable(target.partition(":")[0])
         return target
     module = getattr(target, "__module__", None)
     qualname = getattr(target, "__qualname__", "")
@@ -78,17 +77,18 @@ def _target_name(target: str | Callable) -> str:
     return f"{module}:{qualname}"
 
 
-def _check_importable(module: str) -> None:
+def _check_importable(module: str, pythonpath: str) -> None:
     """A ValueError where the processes could not import ``module``'s top
-    package (found on ``sys.path`` or in the working folder, as they look;
-    nothing is imported here), instead of N identical tracebacks."""
+    package (found on ``sys.path``, their ``pythonpath`` or in the working
+    folder, as they look; nothing is imported here), instead of N identical
+    tracebacks."""
     top = module.partition(".")[0]
     try:
         if not top or importlib.util.find_spec(top) is not None:
             return
     except (ImportError, ValueError):
         pass
-    places = [*sys.path, os.getcwd()]
+    places = [*sys.path, *pythonpath.split(os.pathsep), os.getcwd()]
     if importlib.machinery.PathFinder.find_spec(top, places) is None:
         raise ValueError(
             f"no module named {top!r}: the launched processes could not import "
@@ -176,6 +176,8 @@ def launch_local(
     env_out["JAX_PLATFORMS"] = "cpu"
     env_out["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     env_out.update(env or {})
+    if isinstance(target, str):
+        _check_importable(name.partition(":")[0], env_out.get("PYTHONPATH", ""))
     common = {
         "target": name,
         "args": tuple(args),

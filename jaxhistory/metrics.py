@@ -577,6 +577,11 @@ class Average(_OfOutput):
         share = w / _nonzero(weight).reshape((-1,) + (1,) * (v.ndim - 1))
         # where, not a product: a masked NaN must not count
         mean = _sum(jnp.where(w != 0, v * share, 0))
+        # weights that sum to 0 without being 0 (negative weights): the
+        # weighted sum cannot be kept as a mean, so the result is undefined
+        undefined = (weight == 0) & (_sum(jnp.abs(w)) > 0)
+        weight = jnp.where(undefined, jnp.nan, weight)
+        mean = jnp.where(undefined, jnp.nan, mean)
         return cls(mean=mean, weight=weight, residual=jnp.zeros_like(mean))
 
     def combine(self, o):
@@ -587,8 +592,10 @@ class Average(_OfOutput):
         step = ((o.mean - self.mean) + (o.residual - self.residual)) * share
         mean, lost = _two_sum(self.mean, step)
         residual = self.residual + lost
-        # means too far apart for their difference (near +-3e38): shares first
-        far = ~jnp.isfinite(step) & jnp.isfinite(self.mean) & jnp.isfinite(o.mean)
+        # means too far apart for their difference (near +-3e38), or an
+        # infinite one (inf - inf would be NaN where inf is the mean): shares
+        # first, as NumPy's formula (inf and -inf together: NaN)
+        far = ~jnp.isfinite(step) | ~jnp.isfinite(self.mean) | ~jnp.isfinite(o.mean)
         mean = jnp.where(
             far, self.mean * (self.weight / _nonzero(n)) + o.mean * share, mean
         )
@@ -597,6 +604,10 @@ class Average(_OfOutput):
         keep, take = o.weight == 0, self.weight == 0
         mean = jnp.where(keep, self.mean, jnp.where(take, o.mean, mean))
         residual = jnp.where(keep, self.residual, jnp.where(take, o.residual, residual))
+        # weights that add up to 0 (negative ones): undefined, as in from_batch
+        undefined = (n == 0) & ~keep & ~take
+        n = jnp.where(undefined, jnp.nan, n)
+        mean = jnp.where(undefined, jnp.nan, mean)
         return self.replace(mean=mean, weight=n, residual=residual)
 
     def fold(self):
@@ -624,6 +635,10 @@ def _pooled_mean(weight, mean, residual):
     ref = jnp.where(jnp.isfinite(ref), ref, 0)
     offset = jnp.where(has, (mean - ref) + residual, 0)  # a masked NaN stays out
     total, lost = _two_sum(ref, jnp.sum(share * offset, axis=0, keepdims=True))
+    # groups whose weights add up to 0 (negative ones): undefined, NaN
+    undefined = (n == 0) & jnp.any(has, axis=0, keepdims=True)
+    n = jnp.where(undefined, jnp.nan, n)
+    total = jnp.where(undefined, jnp.nan, total)
     return n, total, lost
 
 

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from mp_workers import global_data
 
 import jaxhistory as jh
-from jaxhistory import export
+from jaxhistory import _writer, export
 
 
 def per_device(mesh, values):
@@ -1701,6 +1701,40 @@ def test_a_report_dir_given_as_a_link_is_followed(tmp_path):
     assert (real / "dataset.nc").is_file() and (real / f"{h.run_id}.jsonl").is_file()
 
 
+def test_a_close_that_gives_up_on_a_slow_write_has_finalize_rewrite_the_log(
+    tmp_path, monkeypatch
+):
+    """A write slower than close()'s bound (a slow disk): close returns
+    without it and closes the file under it, so its lines never arrive; the
+    log must then count as failed, and finalize write it from the history
+    (it kept the incomplete log as the streamed one: 0 of 10 lines)."""
+    import time
+
+    from jaxhistory.sinks import _jsonl
+
+    monkeypatch.setattr(_writer.Writer, "MAX_WAIT", 0.3)
+    write = _jsonl.JsonlSink.write_batch
+    slow = [True]
+
+    def slow_write(self, batch):
+        if slow[0]:
+            slow[0] = False
+            time.sleep(0.6)
+        write(self, batch)
+
+    monkeypatch.setattr(_jsonl.JsonlSink, "write_batch", slow_write)
+    h = jh.History(distributed_history=False, report_dir=tmp_path, run_name="r")
+    for s in range(10):
+        h.update({"loss": float(s)}, summarize=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        h.close()
+        h.finalize(plot=False)
+    time.sleep(0.5)  # the slow write ends meanwhile: it changes nothing now
+    steps = [orjson.loads(x)["step"] for x in h.log_path.read_bytes().splitlines()]
+    assert steps == list(range(10))
+
+
 @pytest.mark.parametrize("cut_to", ["empty", "half"])
 @pytest.mark.parametrize("when", ["mid-run", "after the last write"])
 def test_a_log_cut_short_mid_run_is_noticed_and_rewritten_whole(tmp_path, cut_to, when):
@@ -2003,3 +2037,58 @@ def test_a_float_that_decimals_would_show_as_zero_is_shown_in_scientific_notatio
     sink = ConsoleSink(out)
     sink.write(jh.sinks.Record(step=1, timestamp=0.0, metrics={"lr": 3e-8}))
     assert "lr=3.000000e-08" in out.getvalue()
+    # 5e-07 rounds to 0.000000 (it is a shade below 5e-07): e-notation too
+    assert h.update({"lr": 5e-07}) == "step=9 lr=5.000000e-07"
+
+
+def test_an_exact_zero_keeps_the_template_of_a_repeated_dict(monkeypatch):
+    """A float that is exactly 0.0 (a warmup's first learning rate) shows as
+    0.000000, and its line comes from the template, not value by value."""
+    from jaxhistory._summary import SummaryLine
+
+    h = jh.History(distributed_history=False)
+    h.update({"lr": 0.0, "loss": 0.5})
+    general = []
+    make = SummaryLine._general
+    monkeypatch.setattr(
+        SummaryLine, "_general", lambda self, *a: general.append(a) or make(self, *a)
+    )
+    lines = [h.update({"lr": 0.0, "loss": 0.5}) for _ in range(3)]
+    assert lines[-1] == "step=3 lr=0.000000 loss=0.500000" and general == []
+    assert h.update({"lr": 1e-9, "loss": 0.5}) == "step=4 lr=1.000000e-09 loss=0.500000"
+    assert len(general) == 1
+
+
+def test_a_resume_step_moves_only_this_runs_lines_of_a_shared_log(tmp_path):
+    """Two runs appended to one jsonl_path (the second with a warning); a
+    resume of the second at step 4 moves its lines from step 4 on and leaves
+    the first run's lines where they are (they moved too)."""
+    shared = tmp_path / "shared.jsonl"
+    a = jh.History(distributed_history=False, jsonl_path=shared, run_name="a")
+    for s in range(16):
+        a.update({"loss": float(s)}, summarize=False)
+    a.close()
+    with pytest.warns(RuntimeWarning, match="holds the run"):
+        b = jh.History(distributed_history=False, jsonl_path=shared, run_name="b")
+    for s in range(8, 16):
+        b.update({"loss": float(s)}, step=s, summarize=False)
+    b.finalize(tmp_path / "b", plot=False)
+    b.close()
+    again = jh.History(
+        distributed_history=False,
+        jsonl_path=shared,
+        resume=tmp_path / "b" / "dataset.nc",
+        resume_step=12,
+    )
+    again.close()
+    runs = [orjson.loads(x)["run_id"] for x in shared.read_bytes().splitlines()]
+    steps = [orjson.loads(x)["step"] for x in shared.read_bytes().splitlines()]
+    assert runs == [a.run_id] * 16 + [b.run_id] * 4
+    assert steps == [*range(16), *range(8, 12)]
+    aside = shared.with_name("shared.jsonl.from-step-12")
+    assert [orjson.loads(x)["step"] for x in aside.read_bytes().splitlines()] == [
+        12,
+        13,
+        14,
+        15,
+    ]

@@ -1,5 +1,7 @@
 """Multi-process runs: real JAX processes on 127.0.0.1, each under a timeout."""
 
+import os
+
 import numpy as np
 import pytest
 from mp_workers import global_data
@@ -174,5 +176,11 @@ def test_a_target_whose_module_does_not_exist_fails_before_any_process_starts(
         jh.launch_local("nosuchmod_x.sub:main", 2)
     assert started == []
     (tmp_path / "mine_here.py").write_text("def main():\n    return 1\n")
-    jh.launch._check_importable("mine_here")  # the working folder counts
-    jh.launch._check_importable("json")  # and what sys.path holds
+    jh.launch._check_importable("mine_here", "")  # the working folder counts
+    jh.launch._check_importable("json", "")  # and what sys.path holds
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "only_there.py").write_text("def main():\n    return 1\n")
+    with pytest.raises(ValueError, match="only_there"):
+        jh.launch._check_importable("only_there", "")
+    jh.launch._check_importable("only_there", f"/nowhere{os.pathsep}{extra}")

@@ -1064,3 +1064,47 @@ def test_flax_struct_dataclass_on_a_metric_or_collection_is_accepted():
         float(Top.from_model_output(np.array([2.0, 5.0], np.float32)).compute()) == 7.0
     )
     assert jax.tree.structure(m) == jax.tree.structure(Metrics.empty())
+
+
+def test_an_infinity_in_an_earlier_batch_gives_an_infinite_average_in_any_order():
+    """Finding: Average of [inf, 1] then [2, 3] was NaN (the other order inf):
+    merging a mean of inf computed inf - inf."""
+    from jaxhistory import metrics as M
+
+    for first, second, want in [
+        ([np.inf, 1], [2, 3], np.inf),
+        ([2, 3], [np.inf, 1], np.inf),
+        ([-np.inf, 1], [2, 3], -np.inf),
+        ([np.inf, 1], [-np.inf, 3], np.nan),
+    ]:
+        got = (
+            M.Average.empty()
+            .update(np.float32(first))
+            .update(np.float32(second))
+            .compute()
+        )
+        np.testing.assert_equal(float(got), want)
+
+
+def test_average_weights_that_add_up_to_zero_give_nan_not_a_wrong_number():
+    """Finding: a batch (or a running total) whose weights summed to 0 with
+    negative weights was dropped: weights [1, -1] then [1, 1] over [1, 5] and
+    [2, 4] gave 3.0 (NumPy 1.0). The mean of such a state is undefined: NaN.
+    Negative weights whose totals stay away from 0 are exact."""
+    from jaxhistory import metrics as M
+
+    avg = M.Average.from_output("loss", weights="w")
+    f = np.float32
+    cases = [
+        [([1, 5], [1, -1]), ([2, 4], [1, 1])],
+        [([1.0], [1]), ([5.0], [-1]), ([3.0], [1])],
+    ]
+    for batches in cases:
+        m = avg.empty()
+        for loss, w in batches:
+            m = m.update(loss=f(loss), w=f(w))
+        assert np.isnan(float(m.compute()))
+    m = avg.empty().update(loss=f([1, 5, 3]), w=f([1, -3, 1]))
+    np.testing.assert_allclose(
+        float(m.compute()), np.average([1, 5, 3], weights=[1, -3, 1])
+    )
