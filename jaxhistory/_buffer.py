@@ -284,7 +284,7 @@ class MetricBuffer:
             ``(steps, values)``: int64 steps and ``{name: array}`` of the entries
             still held, oldest first (write order), as NumPy arrays.
         """
-        host = self if _on_host(self.count) else jax.device_get(self)
+        host = self if _fetched(self.count) else jax.device_get(self)
         count, capacity = int(host.count), host.steps.shape[0]
         if count <= capacity:
             order = np.arange(max(count, 0))
@@ -300,11 +300,11 @@ class MetricBuffer:
         Fetches ``count``; on a buffer already fetched with ``jax.device_get``
         there is nothing to transfer.
         """
-        count = self.count if _on_host(self.count) else jax.device_get(self.count)
+        count = self.count if _fetched(self.count) else jax.device_get(self.count)
         return max(int(count) - self.capacity, 0)
 
 
-def _on_host(value: Any) -> bool:
+def _fetched(value: Any) -> bool:
     """Whether ``value`` is already a host value (a buffer fetched with
     ``jax.device_get``): reading it transfers nothing."""
     return isinstance(value, np.ndarray | np.generic | int)

@@ -108,7 +108,8 @@ def weights_for(leaf: Leaf, weights: Any, mask: Any) -> jax.Array | None:
             w = jnp.where(_sharded_like(m, x), w, 0)
     except (ValueError, TypeError) as err:
         raise ValueError(
-            f"weights/mask for metric {leaf.name!r} do not broadcast to its shape "
+            f"weights/mask for metric {leaf.name or '<root>'!r} do not broadcast "
+            "to its shape "
             f"{x.shape}: {err}"
         ) from None
     return jnp.broadcast_to(w, x.shape)
@@ -138,7 +139,9 @@ def _sharded_like(a: jax.Array, x: jax.Array) -> jax.Array:
 
 def require_elements(leaf: Leaf, op: str) -> None:
     if leaf.value.size == 0:
-        raise ValueError(f"metric {leaf.name!r} is empty; its {op} is undefined")
+        raise ValueError(
+            f"metric {leaf.name or '<root>'!r} is empty; its {op} is undefined"
+        )
 
 
 def local_mean_parts(leaf: Leaf, w: jax.Array | None) -> tuple[jax.Array, jax.Array]:

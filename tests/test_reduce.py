@@ -369,3 +369,12 @@ def test_the_float32_range_of_the_reducers_is_as_documented():
     # just inside the range: finite and right
     assert float(jh.reduce_mean(big / 1e4)) == pytest.approx(1e32, rel=1e-6)
     assert float(jh.reduce_std(wide / 1e2)) == pytest.approx(1e18, rel=1e-6)
+
+
+def test_errors_about_a_bare_array_name_it_as_the_root():
+    """Finding: a bare array's errors read "metric ''", where the rest of the
+    library says '<root>'."""
+    with pytest.raises(ValueError, match="metric '<root>' is empty"):
+        jh.reduce_max(jnp.zeros((0,)))
+    with pytest.raises(ValueError, match="weights/mask for metric '<root>'"):
+        jh.reduce_mean(jnp.ones(16), weights=jnp.ones(3))

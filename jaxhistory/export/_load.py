@@ -58,7 +58,7 @@ def load_run(path: str | os.PathLike):
         return state, dict(state.attrs)
     try:
         ds = read_netcdf(path)  # its attributes whole (the environment too)
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):
         raise
     except OSError as err:  # cut off or damaged: the folder's log may do
         logs = [
