@@ -12,13 +12,21 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxhistory._names import named_leaves
+from jaxhistory._stats import Stats
 from jaxhistory._tree import check_integer_range
 
 __all__ = ["MetricBuffer"]
 
 
 def _named(metrics: Any) -> dict[str, Any]:
-    """Returns ``{"a/b/0": leaf}``; raises ValueError on a repeated name."""
+    """Returns ``{"a/b/0": leaf}``; raises ValueError on a repeated name. A
+    :class:`~jaxhistory.Stats` is taken as the mapping it is (``st/loss/mean``,
+    as History records it), not as its one packed array."""
+    metrics = jax.tree_util.tree_map(
+        lambda x: dict(x) if isinstance(x, Stats) else x,
+        metrics,
+        is_leaf=lambda x: isinstance(x, Stats),
+    )
     return dict(named_leaves(metrics, refuse_none=True)[0])
 
 

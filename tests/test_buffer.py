@@ -377,3 +377,31 @@ def test_a_step_written_twice_names_the_step_and_records_nothing():
     ):
         state.extend_from_buffer(buf)
     assert state.count("loss") == 1
+
+
+def test_a_stats_value_in_a_buffer_keeps_its_names(mesh):
+    """Finding: distributed_stats written into a MetricBuffer came back as
+    one anonymous (steps, 4, 1) array 'st/0'; History.update records the same
+    value as st/l/mean, st/l/max, ... It is now taken as the mapping it is."""
+    import jaxhistory as jh
+
+    x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P(mesh.axis_names[0])))
+
+    def stats(i):
+        return {"st": jh.distributed_stats({"l": jh.per_shard(x * i, num_shards=8)})}
+
+    buf = MetricBuffer.create(8, stats(0))
+
+    @jax.jit
+    def run(buf):
+        def body(b, i):
+            return b.write(i, stats(i)), None
+
+        return jax.lax.scan(body, buf, jnp.arange(3))[0]
+
+    state = jh.HistoryState().extend_from_buffer(run(buf))
+    assert state.keys == ("st/l/max", "st/l/mean", "st/l/min", "st/l/std")
+    shards = np.arange(16.0).reshape(8, 2).mean(axis=1)
+    for i in range(3):
+        np.testing.assert_allclose(state.values("st/l/mean")[i], shards.mean() * i)
+        np.testing.assert_allclose(state.values("st/l/max")[i], shards.max() * i)
