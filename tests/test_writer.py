@@ -121,14 +121,14 @@ def test_a_hung_target_costs_items_not_the_training_thread(monkeypatch):
     writer.close()
 
 
-def test_flush_and_close_never_wait_longer_than_max_wait_on_a_hung_target(
-    monkeypatch,
-):
+def _stuck_writer(monkeypatch):
+    """A writer (MAX_WAIT 0.3 s) whose thread is stuck inside a write of "a"
+    (a stuck file system) until the event returned is set."""
     monkeypatch.setattr(_writer.Writer, "MAX_WAIT", 0.3)
     release = threading.Event()
     entered = threading.Event()
 
-    class Hung:  # a stuck file system
+    class Hung:
         def write(self, items, final):
             if items:
                 entered.set()
@@ -138,6 +138,13 @@ def test_flush_and_close_never_wait_longer_than_max_wait_on_a_hung_target(
     writer.add("a")
     writer._wake.set()
     assert entered.wait(5)  # the thread is stuck inside a write
+    return writer, release
+
+
+def test_flush_and_close_never_wait_longer_than_max_wait_on_a_hung_target(
+    monkeypatch,
+):
+    writer, release = _stuck_writer(monkeypatch)
     writer.add("b")
     done = threading.Event()
 
@@ -341,20 +348,7 @@ def test_close_waits_at_most_max_wait_in_all_on_a_hung_target(monkeypatch):
     """close() on a thread stuck in a write: the join and the final write's
     wait share one MAX_WAIT (before: MAX_WAIT each, twice the documented
     bound)."""
-    monkeypatch.setattr(_writer.Writer, "MAX_WAIT", 0.3)
-    release = threading.Event()
-    entered = threading.Event()
-
-    class Hung:
-        def write(self, items, final):
-            if items:
-                entered.set()
-                release.wait(30)
-
-    writer = _writer.Writer(Hung(), what="the hung log")
-    writer.add("a")
-    writer._wake.set()
-    assert entered.wait(5)
+    writer, release = _stuck_writer(monkeypatch)
     writer.add("b")
     waited = []
     lock, join = writer._drain_lock, writer._thread.join
