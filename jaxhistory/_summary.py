@@ -232,7 +232,7 @@ class SummaryLine:
         self.first = tuple(first)
         self.watch = watch
         # (label, names, precision, kinds) -> (template, the order of the
-        # values in it or None, the text of a float shown as zero, "=-0.0...",
+        # values in it or None, the text of a float shown as zero,
         # 10**-precision), or None where a row needs summary_line
         self._templates: dict[tuple, tuple | None] = {}
         # ((label, precision, kinds), names, template) of the last host row
@@ -247,9 +247,9 @@ class SummaryLine:
         (the same tuple) and ``precision`` stay."""
         names, cached, entry = self._floats
         if row[1] is names and precision == cached:
-            template, _, zero, negative_zero, below = entry
+            template, _, zero, below = entry
             line = template % (row[0], *row[2])
-            if (zero in line or negative_zero in line) and _shows_zero(row[2], below):
+            if zero in line and _shows_zero(row[2], below):
                 return self._general(row, precision)  # fixed(): e-notation
             return line
         line = self.format(row, precision)
@@ -283,15 +283,13 @@ class SummaryLine:
                         entry = self._templates[key] = self._template(*key)
                     self._last = (head, names, entry)
             if entry is not None:
-                template, order, zero, negative_zero, below = entry
+                template, order, zero, below = entry
                 if order is None:
                     line = template % (row.step, *values)
                 else:
                     full = (row.step, *values)
                     line = template % tuple([full[i] for i in order])
-                if zero not in line and negative_zero not in line:
-                    return line
-                if not _shows_zero(values, below):
+                if zero not in line or not _shows_zero(values, below):
                     return line
         return self._general(row, precision)
 
@@ -334,12 +332,13 @@ class SummaryLine:
             f"{printable(k).replace('%', '%%')}={specs[i]}"
             for k, i in zip(shown, order, strict=True)
         )
-        # A line that shows a float as zero ("=0.000000") where one is not
-        # is made again value by value: fixed() shows it in e-notation.
-        zero = f"={0.0:.{precision}f}"
+        # A line that shows a nonzero float as zero is made again value by
+        # value (fixed() shows it in e-notation). Where the line holds no
+        # "0.000000" (one search: "=-0.000000" too; "10.000000" only costs a
+        # look at the values), none does.
+        zero = f"{0.0:.{precision}f}" if precision else "0"
         order_or_none = None if order == tuple(range(len(keys))) else order
-        below = 10.0**-precision
-        return template, order_or_none, zero, zero.replace("=", "=-"), below
+        return template, order_or_none, zero, 10.0**-precision
 
 
 def memory_token(sample: MemorySample, rss: int, rss_peak: int = 0) -> str:

@@ -2092,3 +2092,23 @@ def test_a_resume_step_moves_only_this_runs_lines_of_a_shared_log(tmp_path):
         14,
         15,
     ]
+
+
+def test_the_summary_lines_template_agrees_with_the_general_path():
+    """Rows of floats go through a cached template (the repeated-dict fast
+    path); every line must read as summary_line writes it value by value:
+    tiny, zero, negative, whole and huge values, precisions 0 to 8."""
+    from jaxhistory._summary import summary_line
+
+    rng = np.random.default_rng(0)
+    pool = [0.0, -0.0, 1e-9, -3e-7, 5e-7, 0.4, 0.5, 10.0, -10.0, 1e12, 123.456]
+    for precision in range(9):
+        h = jh.History(distributed_history=False)
+        names = ("a", "b=0.0", "c")
+        for step in range(40):
+            values = [
+                float(rng.choice(pool)) * float(rng.choice([1, 1e-3])) for _ in names
+            ]
+            line = h.update(dict(zip(names, values, strict=True)), precision=precision)
+            items = list(zip(names, values, strict=True))
+            assert line == summary_line(("step", step), items, precision, (), True)
