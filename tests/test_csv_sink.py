@@ -399,3 +399,30 @@ def test_a_folder_that_was_a_link_from_the_start_is_followed(tmp_path):
         sink.write(Record(step=1, timestamp=2.0, metrics={"loss": 0.5}))
     sink.close()
     assert _rows(real / "m.csv")[1:] == [["1", "2.0", "0.5"]]
+
+
+def test_a_name_a_spreadsheet_would_run_as_a_formula_is_written_as_text(tmp_path):
+    """Finding: a metric named '=HYPERLINK(...)' went into the header as it
+    is, which a spreadsheet runs as a formula. Such a column starts with ',
+    and appending to the file again finds its columns."""
+    path = tmp_path / "m.csv"
+    names = ["=HYPERLINK(1)", "+x", "-loss", "@a", "'=HYPERLINK(1)", "loss"]
+    sink = CsvSink(path)
+    sink.write(Record(step=0, timestamp=1.0, metrics=dict.fromkeys(names, 1.0)))
+    sink.close()
+    header = _rows(path)[0]
+    assert header == [
+        "step",
+        "timestamp",
+        "'=HYPERLINK(1)",
+        "'+x",
+        "'-loss",
+        "'@a",
+        "''=HYPERLINK(1)",
+        "loss",
+    ]
+    again = CsvSink(path)
+    again.write(Record(step=1, timestamp=2.0, metrics=dict.fromkeys(names, 2.0)))
+    again.close()
+    rows = _rows(path)
+    assert rows[0] == header and len(rows) == 3 and rows[2][2:] == ["2.0"] * 6

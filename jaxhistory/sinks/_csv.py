@@ -30,6 +30,9 @@ __all__ = ["CsvSink", "csv_column"]
 
 FIRST = ("step", "timestamp")  # the columns every row starts with
 _RESERVED = re.compile(r"(?:step|timestamp)_*")
+# first characters of a cell a spreadsheet runs as a formula (and the quote
+# that marks text)
+_FORMULA = frozenset("=+-@\t\r'")
 HEADER_LIMIT = 1 << 24  # bytes read looking for the end of an existing header
 
 
@@ -37,13 +40,21 @@ def csv_column(name: str) -> str:
     """The column of metric ``name``: the name itself, except that a metric
     named ``step`` or ``timestamp`` (or one of those with trailing ``_``) gets
     one more ``_``, so it never takes the place of the record's own step or
-    timestamp (``step`` -> ``step_``, ``step_`` -> ``step__``).
+    timestamp (``step`` -> ``step_``, ``step_`` -> ``step__``), and a name
+    that a spreadsheet would run as a formula (one starting with ``=``,
+    ``+``, ``-``, ``@``, a tab or a carriage return; or with ``'``, so that
+    two names stay two columns) gets a leading ``'``, which spreadsheets
+    read as "text".
 
     Examples:
         >>> from jaxhistory.sinks._csv import csv_column
         >>> csv_column("train/loss"), csv_column("step"), csv_column("step_")
         ('train/loss', 'step_', 'step__')
+        >>> csv_column("=HYPERLINK(1)"), csv_column("'=x")
+        ("'=HYPERLINK(1)", "''=x")
     """
+    if name[:1] in _FORMULA:
+        return f"'{name}"
     return f"{name}_" if _RESERVED.fullmatch(name) else name
 
 
