@@ -194,7 +194,11 @@ def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
             drawn = True
             legend.append((marker, "train" if unit.others else unit.raw))
         xs.append(xb)
-    for stat, marker in STAT_MARKERS.items():
+    # the mean drawn last, on top of the min, max and std it lies among; the
+    # legend in STAT_MARKERS' order
+    stats_legend = {}
+    for stat in sorted(STAT_MARKERS, key=lambda stat: stat == "mean"):
+        marker = STAT_MARKERS[stat]
         if stat in unit.stats:
             x, y = data[unit.stats[stat]]
             how = stat if stat in ("min", "max") else "mean"
@@ -205,8 +209,12 @@ def render(state: HistoryState, unit: PlotUnit, first: int, opts: dict) -> str:
             if _add_line(fig, stat, xb, yb, marker, side):
                 drawn = True
                 name = f"train {stat}" if unit.others else stat
-                legend.append((marker, f"{name} (right axis)" if side else name))
+                stats_legend[stat] = (
+                    marker,
+                    f"{name} (right axis)" if side else name,
+                )
             xs.append(xb)
+    legend += [stats_legend[stat] for stat in STAT_MARKERS if stat in stats_legend]
     for label, name in unit.others:
         x, y = data[name]
         xb, yb = bucket(x, y, "envelope", points)
