@@ -1730,7 +1730,7 @@ def test_a_close_that_gives_up_on_a_slow_write_has_finalize_rewrite_the_log(
         warnings.simplefilter("ignore")
         h.close()
         h.finalize(plot=False)
-    time.sleep(0.5)  # the slow write ends meanwhile: it changes nothing now
+        time.sleep(0.5)  # the slow write ends meanwhile (warned): changes nothing
     steps = [orjson.loads(x)["step"] for x in h.log_path.read_bytes().splitlines()]
     assert steps == list(range(10))
 
