@@ -22,7 +22,6 @@ from jaxhistory._files import (
     in_use,
     open_log,
     read_regular,
-    still_folder,
 )
 from jaxhistory._names import printable
 from jaxhistory._row import Row
@@ -167,8 +166,13 @@ class RunLog:
     def _start(self) -> None:
         if self.path is not None and self.log is None:
             try:
-                still_folder(self.path.parent, self.folder_was_link)
-                self.log = JsonlSink(self.path, overwrite=self.overwrite)
+                # (a folder that was no link at the start: one swapped in
+                # since is refused, in the same step as the open)
+                self.log = JsonlSink(
+                    self.path,
+                    overwrite=self.overwrite,
+                    real_folder=not self.folder_was_link,
+                )
                 now = self.log.identity()
                 if (
                     self.streamed

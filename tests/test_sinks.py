@@ -783,3 +783,18 @@ def test_sink_names_in_a_list_say_to_give_them_as_one_string(tmp_path):
             distributed_history=False, report_dir=tmp_path, sinks=["csv", "console"]
         )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_jsonl_sink_with_real_folder_refuses_a_folder_that_is_a_link(tmp_path):
+    from jaxhistory._files import NotAFile
+    from jaxhistory.sinks import JsonlSink
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(NotAFile, match="symbolic link"):
+        JsonlSink(tmp_path / "link" / "log.jsonl", real_folder=True)
+    JsonlSink(tmp_path / "link" / "log.jsonl").close()  # the user's link: followed
+    with pytest.raises(TypeError, match="real_folder"):
+        JsonlSink(real / "x.jsonl", real_folder="yes")
+    assert sorted(p.name for p in real.iterdir()) == ["log.jsonl"]

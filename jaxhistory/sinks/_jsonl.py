@@ -28,7 +28,10 @@ class JsonlSink(FileSink):
     process killed with SIGKILL leaves every complete line readable; a write that
     fails (a full disk) never raises: the sink warns once, keeps
     :attr:`error`, counts the records it could not write in :attr:`lost`, and
-    starts the next write on a new line.
+    starts the next write on a new line. With ``real_folder``, a folder of
+    the log that is a symbolic link is refused (``NotAFile``, an
+    OSError). Either way a link put in place of the folder after the sink
+    began is never written through.
 
     Examples:
         >>> import tempfile, pathlib
@@ -43,11 +46,18 @@ class JsonlSink(FileSink):
 
     all_processes = False
 
-    def __init__(self, path: str | os.PathLike, overwrite: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        overwrite: bool = False,
+        *,
+        real_folder: bool = False,
+    ):
         self.path = Path(path)
-        self._file = open_log(self.path, as_flag("overwrite", overwrite))
+        real_folder = as_flag("real_folder", real_folder)
+        self._file = open_log(self.path, as_flag("overwrite", overwrite), real_folder)
         # a folder that is no link now: one put in its place later is refused
-        self._folder_was_link = self.path.parent.is_symlink()
+        self._folder_was_link = self.path.parent.is_symlink() and not real_folder
         # the file's size as this sink left it (None: unknown after a failed
         # write): a file found shorter was cut by someone else
         self._size: int | None = os.fstat(self._file.fileno()).st_size
