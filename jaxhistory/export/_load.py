@@ -23,8 +23,7 @@ def run_file(path: str | os.PathLike) -> Path:
     if path.is_dir():
         if (path / "dataset.nc").is_file():
             return path / "dataset.nc"
-        found = sorted(p for p in path.glob("*.jsonl") if not p.name.startswith("."))
-        logs = [p for p in found if p.is_file() and not p.is_symlink()]
+        found, logs = _logs_in(path)
         if len(logs) == 1:
             return logs[0]
         if not logs:
@@ -48,6 +47,13 @@ def run_file(path: str | os.PathLike) -> Path:
     return path
 
 
+def _logs_in(folder: Path) -> tuple[list[Path], list[Path]]:
+    """The ``*.jsonl`` names in ``folder`` (hidden ones left out), and those
+    of them that are files, not links: the logs a run folder is read from."""
+    found = sorted(p for p in folder.glob("*.jsonl") if not p.name.startswith("."))
+    return found, [p for p in found if p.is_file() and not p.is_symlink()]
+
+
 def load_run(path: str | os.PathLike):
     """The HistoryState in a JSONL log (``.jsonl``), a dataset file (``.nc``) or a
     folder holding ``dataset.nc``, and the run's recorded attributes (run id,
@@ -61,11 +67,7 @@ def load_run(path: str | os.PathLike):
     except (FileNotFoundError, PermissionError):
         raise
     except OSError as err:  # cut off or damaged: the folder's log may do
-        logs = [
-            p
-            for p in sorted(path.parent.glob("*.jsonl"))
-            if not p.name.startswith(".") and p.is_file() and not p.is_symlink()
-        ]
+        logs = _logs_in(path.parent)[1]
         if len(logs) == 1:
             raise OSError(
                 f"{err}; the run's JSONL log {logs[0]} beside it can be read "
