@@ -6,9 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint format bench docs clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py jaxhistory/_speedups.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	# (a stale build of the C helpers must not outlive a failed one)
+	rm -f jaxhistory/_speedups*.so
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 

@@ -35,6 +35,7 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before JAX starts
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import contextlib
 import functools
 import gc
 import platform
@@ -59,6 +60,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxhistory
+from jaxhistory import _codec, _compiled, _fan_out, _history_state, _recorder, _summary
 from jaxhistory.sentinels import NonFinite, Spike
 
 TIMES = "\N{MULTIPLICATION SIGN}"
@@ -197,18 +199,35 @@ def record_state(ms: list[dict], with_step: bool = False) -> float:
     return elapsed
 
 
+@contextlib.contextmanager
+def host_path(python: bool):
+    """With ``python``: the host path's compiled helpers (``_speedups.c``)
+    turned off for the block, as ``JAXHISTORY_PURE_PYTHON=1`` turns them off
+    for a process (what a machine without a C compiler at install time runs)."""
+    modules = (_codec, _fan_out, _history_state, _recorder, _summary)
+    saved = [m.speedups for m in modules]
+    try:
+        for m in modules:
+            m.speedups = None if python else _compiled.speedups
+        yield
+    finally:
+        for m, value in zip(modules, saved, strict=True):
+            m.speedups = value
+
+
 def record_history(
     ms: list[dict],
     log: bool,
     default_call: bool,
     with_step: bool = False,
     sentinels: bool = False,
+    python: bool = False,
 ) -> float:
     """Times the loop of ``History.update`` calls and the ``flush()`` after it
     (not the construction, not ``close()``); the background writer's thread
     runs, and competes for the GIL, during the loop. Then checks the history and
-    the log hold every step."""
-    with tempfile.TemporaryDirectory(prefix="bench_history_") as tmp:
+    the log hold every step. ``python``: without the compiled helpers."""
+    with host_path(python), tempfile.TemporaryDirectory(prefix="bench_history_") as tmp:
         report_dir = Path(tmp) if log else None
         watchers = (
             [NonFinite(), Spike(KEYS[0], action=lambda e: None)] if sentinels else ()
@@ -292,6 +311,17 @@ RECORDERS: dict[str, tuple[str, Callable[[list[dict]], float], float | None]] = 
         "line returned, JSONL log streamed (the default call)",
         functools.partial(record_history, log=True, default_call=True),
         HISTORY_DEFAULT_TARGET,
+    ),
+    "history_log_python": (
+        "the streamed log without a summary, as Python alone (no compiled "
+        "helpers: `JAXHISTORY_PURE_PYTHON=1`, or no C compiler at install)",
+        functools.partial(record_history, log=True, default_call=False, python=True),
+        None,
+    ),
+    "history_default_python": (
+        "the default call, as Python alone (no compiled helpers)",
+        functools.partial(record_history, log=True, default_call=True, python=True),
+        None,
     ),
     "history_default_step": (
         '`History(distributed_history=False, report_dir=tmp).update({"step": s, '

@@ -33,6 +33,7 @@ from typing import Any, cast
 import numpy as np
 import orjson
 
+from jaxhistory._compiled import speedups
 from jaxhistory._dtypes import as_step, first_inexact
 from jaxhistory._names import printable
 from jaxhistory._record import Batch
@@ -138,15 +139,20 @@ def jsonl_value(value: Any) -> bytes:
     return orjson.dumps(jsonable(value), option=_NUMPY)
 
 
-def _bodies(dicts: list, k: int) -> list[bytes] | None:
-    """The JSON text of each dict without its braces, from one orjson call for
-    all of them; None where a name holds the '},{' that separates them."""
+def _dumped(dicts: list) -> bytes:
+    """orjson's text of the list ``dicts``."""
     try:
-        text = orjson.dumps(dicts, option=_NUMPY)
+        return orjson.dumps(dicts, option=_NUMPY)
     except orjson.JSONEncodeError:  # an int past 64 bits that a sum let through
         cleaned = [{k: jsonable(v) for k, v in d.items()} for d in dicts]
-        text = orjson.dumps(cleaned, option=_NUMPY)
-    parts = text.split(b"},{")
+        return orjson.dumps(cleaned, option=_NUMPY)
+
+
+def _bodies(dicts: list, k: int, text: bytes | None = None) -> list[bytes] | None:
+    """The JSON text of each dict without its braces, from one orjson call for
+    all of them (``text``: that call's result, made already); None where a
+    name holds the '},{' that separates them."""
+    parts = (_dumped(dicts) if text is None else text).split(b"},{")
     if len(parts) != k:
         return None
     parts[0] = parts[0][2:]
@@ -205,7 +211,8 @@ def encode_records(batch: Batch) -> bytes:
     marks = None
     if not batch.finite:
         metrics, marks = _all_clean(metrics)
-    columns = [_bodies(metrics, k)]
+    bodies_text = _dumped(metrics)
+    columns: list[list[bytes] | None] = []  # after the metrics' own column
     tail = [b'},"aggregated":{}']  # what follows each column
     if aggregated is not None and any(aggregated):
         columns.append(_bodies(_all_clean([dict(a) for a in aggregated])[0], k))
@@ -213,13 +220,8 @@ def encode_records(batch: Batch) -> bytes:
     if marks is not None:
         columns.append(marks)
         tail.append(b"")
-    if any(c is None for c in columns):
-        return _encode_each(batch)
     if not batch.finite:  # (finite: History's own times, Python floats)
         stamps = [t if t is None or type(t) is float else float(t) for t in stamps]
-    # steps and timestamps to text in one call
-    both = orjson.dumps([steps, stamps])[2:-2].split(b"],[")
-    texts = [both[0].split(b","), both[1].split(b","), *cast(list[list], columns)]
     head = [
         b'{"step":',
         b',"timestamp":',
@@ -227,6 +229,19 @@ def encode_records(batch: Batch) -> bytes:
         + _run_id_field(batch.run_id)
         + b',"metrics":{',
     ]
+    # steps and timestamps to text in one call
+    both_text = orjson.dumps([steps, stamps])
+    plain = marks is None and not (aggregated is not None and any(aggregated))
+    if speedups is not None and plain:
+        # the same lines, put together in one compiled pass
+        joined = speedups.lines(bodies_text, both_text, k, *head, tail[0] + b"}\n")
+        if joined is not None:
+            return joined
+    columns = [_bodies(metrics, k, bodies_text), *columns]
+    if any(c is None for c in columns):
+        return _encode_each(batch)
+    both = both_text[2:-2].split(b"],[")
+    texts = [both[0].split(b","), both[1].split(b","), *cast(list[list], columns)]
     # one line: head[0] steps[i] head[1] stamps[i] ... column[i] tail; the
     # lines are put together by slice assignments and one join, all in C
     between = [*head, *tail[:-1]]

@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from jaxhistory import _trace_state
+from jaxhistory._compiled import speedups
 from jaxhistory._host_copies import to_host
 from jaxhistory._names import PROVENANCE, grouped, stat_names
 from jaxhistory._record import Batch
@@ -109,8 +110,12 @@ class FanOut:
         and their statistics as aggregated values."""
         types = set(map(type, rows))
         if types == _DICTS:  # the fast path's own dicts of finite floats
-            steps = list(map(_POP_STEP, rows))
-            stamps = list(map(_POP_STAMP, rows))
+            both = None if speedups is None else speedups.unqueued(rows)
+            if both is None:
+                steps = list(map(_POP_STEP, rows))
+                stamps = list(map(_POP_STAMP, rows))
+            else:  # the same, compiled
+                steps, stamps = both
             batch = Batch(steps, stamps, rows, None, None, self.process_index)
             batch.finite = True
             batch.run_id = self.run_id

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from jaxhistory import _appending, _codec, _combining, _xarray
+from jaxhistory._compiled import speedups
 from jaxhistory._dtypes import (
     ALL_FLOATS,
     INT64_MAX,
@@ -23,6 +24,7 @@ from jaxhistory._row import Repeat, Row, RowKind, parse_row, repeat_of, repeated
 from jaxhistory._run_stats import column_summary
 from jaxhistory._stats import Stats
 from jaxhistory._table import (
+    STAGE,
     InFlight,
     Table,
     Tables,
@@ -547,7 +549,7 @@ def _unpickled(tables: list, next_step: int, attrs: tuple) -> HistoryState:
 
 _new_state = functools.partial(object.__new__, HistoryState)
 _set = object.__setattr__  # how a frozen dataclass sets its fields
-_FLOATS = RowKind.FLOATS
+_FLOATS, _FINITE = RowKind.FLOATS, RowKind.FINITE_FLOATS
 
 
 class Appender:
@@ -630,7 +632,13 @@ class Appender:
         if table is None:
             table = self._state.data.tables[names][0]
         # in place, unless another state appended to it first: then a copy
-        if not table.append_at(self._n, step, values):
+        if speedups is None:
+            staged = table.append_at(self._n, step, values)
+        else:  # the same, compiled (2: staged, and the stage is full)
+            staged = speedups.stage(table, self._n, step, values, STAGE)
+            if staged == 2:
+                table.flush()
+        if not staged:
             table = _appending.append_row(table, self._n, step, values)
         self._table, self._n, self.next_step = table, self._n + 1, step + 1
         return True
@@ -653,7 +661,12 @@ class Appender:
         repeat = self._repeat
         if repeat is None:
             return None
-        row = repeated(repeat, metrics, self.next_step, timestamp, step)
+        if speedups is None:
+            row = repeated(repeat, metrics, self.next_step, timestamp, step)
+        else:  # the same, compiled
+            row = speedups.repeated(
+                repeat, metrics, self.next_step, timestamp, step, Row, _FINITE
+            )
         if row is None or not self.append_floats(repeat.names, row[2], row[0]):
             return None
         return row

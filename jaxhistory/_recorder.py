@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jaxhistory import _trace_state
+from jaxhistory._compiled import speedups
 from jaxhistory._distributed import is_per_device, mesh_of
 from jaxhistory._history_state import Appender, HistoryState
 from jaxhistory._host_copies import host_copies
@@ -29,6 +30,7 @@ from jaxhistory._run_log import RunLog
 from jaxhistory._side_values import SideValues
 from jaxhistory._stats import Stats
 from jaxhistory._summary import SummaryLine
+from jaxhistory._table import STAGE
 from jaxhistory._writer import WriterClosed, logger, warn_quietly
 from jaxhistory.sentinels import Guard, SentinelError
 
@@ -36,6 +38,10 @@ if TYPE_CHECKING:
     from jax.sharding import Mesh
 
 __all__ = ["Finished", "Recorder"]
+
+_FINITE = RowKind.FINITE_FLOATS
+# what the compiled update takes besides the recorder (see _speedups.c)
+_COMPILED = (Row, _FINITE, STAGE, time.time, _trace_state.active, WriterClosed)
 
 
 class Finished:
@@ -82,6 +88,14 @@ class Recorder:
         checked."""
         if type(metrics) is Stats:  # one packed row, as HistoryState.update
             metrics = {"": metrics}
+        if speedups is not None:
+            # The common case below (a repeated dict of finite floats, nothing
+            # else due), compiled whole; NotImplemented: nothing done.
+            row = speedups.update(self, metrics, step, _COMPILED)
+            if row is not NotImplemented:
+                if not summarize or row[0] % self.log_every:
+                    return ""
+                return self.line.format_floats(row, precision)
         with self.lock:
             now = time.time()
             out = self.out
@@ -89,21 +103,34 @@ class Recorder:
             # A dict like the last one, of finite floats, with nothing else due:
             # parsed and appended in one call, then queued for the log as a
             # dict (see _row.queued: one the garbage collector does not track).
-            row = self.rec.take(metrics, now, step)
+            rec = self.rec
+            if speedups is None:
+                row = rec.take(metrics, now, step)
+            else:  # the same, compiled; NotImplemented: it left the case to take
+                row = speedups.take(rec, metrics, now, step, Row, _FINITE, STAGE)
+                if row is NotImplemented:
+                    row = rec.take(metrics, now, step)
             if row is not None and not self.side.due and self.guard is None:
                 try:
                     self.updates += 1
                     out.stamp_steps.append(row.step)
                     out.stamp_times.append(now)
                     if logged:
+                        if speedups is None:
+                            item = queued(row, metrics)
+                        else:  # the same, compiled
+                            item = speedups.queued(metrics, len(row[1]), row[0], row[4])
                         writer = out.writer
                         if writer is None:
-                            out.add(queued(row, metrics))  # (starts the writer)
+                            out.add(item)  # (starts the writer)
                         else:
                             try:
-                                writer.add(queued(row, metrics))
+                                if speedups is None:
+                                    writer.add(item)
+                                else:  # the same, compiled
+                                    speedups.add(writer, item, WriterClosed)
                             except WriterClosed:  # a close a Ctrl-C cut short:
-                                out.add(queued(row, metrics))  # completed first
+                                out.add(item)  # completed first
                 except BaseException:  # Ctrl-C: recorded, maybe not queued
                     out.failed = True  # finalize writes the log from the state
                     raise

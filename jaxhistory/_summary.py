@@ -11,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxhistory._compiled import speedups
 from jaxhistory._host_copies import host_copies
 from jaxhistory._memory import MemorySample
 from jaxhistory._names import COUNTER_KEYS, STATS, printable
@@ -237,16 +238,20 @@ class SummaryLine:
         self._templates: dict[tuple, tuple | None] = {}
         # ((label, precision, kinds), names, template) of the last host row
         self._last: tuple = (None, None, None)
-        # (names, precision, its _templates entry) of the last row of finite
+        # (names, precision, its _templates entry, the line's text between the
+        # numbers for the compiled form or None) of the last row of finite
         # floats at a "step" whose values are shown in their order
-        self._floats: tuple = (None, None, None)
+        self._floats: tuple = (None, None, None, None)
 
     def format_floats(self, row: Row, precision: int) -> str:
         """:meth:`format` for a row of finite floats (``FINITE_FLOATS``) at a
         ``step``; the template of the last such row is reused while the names
         (the same tuple) and ``precision`` stay."""
-        names, cached, entry = self._floats
+        names, cached, entry, pieces = self._floats
         if row[1] is names and precision == cached:
+            if pieces is not None:  # the compiled form of the template
+                line = speedups.fixed_line(pieces, row[0], row[2], precision)
+                return self._general(row, precision) if line is None else line
             template, _, zero, below = entry
             line = template % (row[0], *row[2])
             if zero in line and _shows_zero(row[2], below):
@@ -260,7 +265,7 @@ class SummaryLine:
             and entry is not None
             and entry[1] is None
         ):
-            self._floats = (row[1], precision, entry)
+            self._floats = (row[1], precision, entry, _pieces(row[1]))
         return line
 
     def format(self, row: Row, precision: int) -> str:
@@ -339,6 +344,17 @@ class SummaryLine:
         zero = f"{0.0:.{precision}f}" if precision else "0"
         order_or_none = None if order == tuple(range(len(keys))) else order
         return template, order_or_none, zero, 10.0**-precision
+
+
+def _pieces(names: tuple[str, ...]) -> tuple[bytes, ...] | None:
+    """The text of a summary line of ``names`` at a ``step`` between its
+    numbers, as the compiled ``fixed_line`` takes it; None without it."""
+    if speedups is None:
+        return None
+    try:
+        return (b"step=", *(f" {printable(k)}=".encode() for k in names))
+    except UnicodeEncodeError:  # (a lone surrogate: the template writes it)
+        return None
 
 
 def memory_token(sample: MemorySample, rss: int, rss_peak: int = 0) -> str:

@@ -88,3 +88,27 @@ def mesh():
 def mesh2d():
     """A 4x2 mesh, axes ("data", "model")."""
     return jax.make_mesh((4, 2), ("data", "model"))
+
+
+@pytest.fixture(params=["compiled", "python"])
+def host_path(request, monkeypatch):
+    """Runs a test of the host path's common case twice: with the compiled
+    helpers (``jaxhistory._speedups``) and with the Python they stand in for.
+    Returns the compiled module, or None on the Python run."""
+    from jaxhistory import (
+        _codec,
+        _compiled,
+        _fan_out,
+        _history_state,
+        _recorder,
+        _summary,
+    )
+
+    if request.param == "compiled" and _compiled.speedups is None:
+        if os.environ.get("JAXHISTORY_PURE_PYTHON", "").strip() not in ("", "0"):
+            pytest.skip("JAXHISTORY_PURE_PYTHON is set: the Python run only")
+        pytest.fail("the compiled helpers (jaxhistory._speedups) are not built")
+    chosen = _compiled.speedups if request.param == "compiled" else None
+    for module in (_codec, _fan_out, _history_state, _recorder, _summary):
+        monkeypatch.setattr(module, "speedups", chosen)
+    return chosen

@@ -128,6 +128,7 @@ def test_close_racing_updates_keeps_every_update_that_returned(
     assert back.values("x").tolist() == values
 
 
+@pytest.mark.usefixtures("host_path")
 @pytest.mark.parametrize("form", ["repeated dict", "device value"])
 def test_updates_after_a_close_cut_short_by_ctrl_c_are_recorded_and_logged(
     tmp_path, monkeypatch, form
@@ -515,6 +516,7 @@ def test_a_sigkill_loses_at_most_about_a_second_of_a_fast_loop(tmp_path):
     assert lag <= 1.5, f"the log was {lag:.2f} s of training behind"
 
 
+@pytest.mark.usefixtures("host_path")
 def test_a_sink_that_attaches_cannot_deadlock_an_update_under_back_pressure(
     monkeypatch,
 ):
@@ -569,6 +571,7 @@ def test_attach_from_another_thread_loses_nothing(tmp_path, switch_often):
     assert jh.HistoryState.from_jsonl(_log_path(h)).count("b") == 1000
 
 
+@pytest.mark.usefixtures("host_path")
 def test_non_finite_floats_on_the_fast_path_are_written_as_strings(tmp_path):
     h = jh.History(distributed_history=False, report_dir=tmp_path)
     rows = [(0.5, 1.0), (float("nan"), 2.0), (float("inf"), -float("inf")), (1.5, 3)]

@@ -1409,7 +1409,7 @@ def test_a_dict_like_the_last_records_logs_and_shows_what_the_full_parse_does(
         assert state.values(key).dtype == state0.values(key).dtype
 
 
-def test_the_one_call_path_is_taken_by_repeated_dicts():
+def test_the_one_call_path_is_taken_by_repeated_dicts(host_path):
     h = jh.History(distributed_history=False)
     taken = []
     take = jh._history_state.Appender.take
@@ -1419,7 +1419,19 @@ def test_the_one_call_path_is_taken_by_repeated_dicts():
         taken.append(row is not None)
         return row
 
-    with mock.patch.object(jh._history_state.Appender, "take", counting):
+    class Counted:  # the compiled path: one call, or NotImplemented and take
+        def __getattr__(self, name):
+            return getattr(host_path, name)
+
+        def update(self, *args):
+            row = host_path.update(*args)
+            taken.append(row is not NotImplemented)
+            return row
+
+    patched = mock.patch.object(jh._recorder, "speedups", Counted())
+    if host_path is None:
+        patched = mock.patch.object(jh._history_state.Appender, "take", counting)
+    with patched:
         for s in range(5):
             h.update({"loss": 1.0 / (s + 1), "lr": 0.1})
         for s in range(5, 10):
@@ -1430,6 +1442,7 @@ def test_the_one_call_path_is_taken_by_repeated_dicts():
     assert h.state.steps("loss").tolist() == list(range(10))
 
 
+@pytest.mark.usefixtures("host_path")
 def test_repeated_dicts_from_threads_are_all_recorded_and_logged(tmp_path):
     log = tmp_path / "t.jsonl"
     h = jh.History(distributed_history=False, jsonl_path=log)
@@ -1451,6 +1464,7 @@ def test_repeated_dicts_from_threads_are_all_recorded_and_logged(tmp_path):
     assert len(log.read_bytes().splitlines()) == n * k
 
 
+@pytest.mark.usefixtures("host_path")
 def test_a_value_that_only_adds_like_a_float_is_recorded_and_shown_as_nan():
     """A dict like the last one takes the fast path, which accepts what adds
     like a float (stored as NaN with a warning when it cannot be converted,
@@ -1471,6 +1485,7 @@ def test_a_value_that_only_adds_like_a_float_is_recorded_and_shown_as_nan():
     assert values[:3].tolist() == [1.0, 2.0, 3.0] and np.isnan(values[3])
 
 
+@pytest.mark.usefixtures("host_path")
 def test_a_state_read_and_updated_aside_does_not_share_rows_with_the_history():
     """The one-call path appends in place to the table the last state read from
     the History also ends with; a branch made from that state (updated with the
@@ -1491,6 +1506,7 @@ def test_a_state_read_and_updated_aside_does_not_share_rows_with_the_history():
     assert h.state.steps("loss").tolist() == list(range(7))
 
 
+@pytest.mark.usefixtures("host_path")
 def test_a_repeated_dict_after_the_last_int64_step_is_refused_and_nothing_is_lost():
     h = jh.History(distributed_history=False)
     for _ in range(3):
@@ -1506,6 +1522,7 @@ def test_a_repeated_dict_after_the_last_int64_step_is_refused_and_nothing_is_los
     assert state.count("a") == 4
 
 
+@pytest.mark.usefixtures("host_path")
 def test_the_log_holds_a_repeated_dicts_values_at_its_update(tmp_path):
     """The log is written later, from a copy: a dict the caller changes (or
     reuses) after ``update`` is logged as it was at the update."""
@@ -1735,6 +1752,7 @@ def test_a_close_that_gives_up_on_a_slow_write_has_finalize_rewrite_the_log(
     assert steps == list(range(10))
 
 
+@pytest.mark.usefixtures("host_path")
 @pytest.mark.parametrize("cut_to", ["empty", "half"])
 @pytest.mark.parametrize("when", ["mid-run", "after the last write"])
 def test_a_log_cut_short_mid_run_is_noticed_and_rewritten_whole(tmp_path, cut_to, when):
@@ -1939,6 +1957,7 @@ def test_a_history_dropped_without_close_closes_its_log_file(tmp_path, before):
     assert steps == expected
 
 
+@pytest.mark.usefixtures("host_path")
 def test_rows_queued_for_the_log_are_let_go_by_the_garbage_collector(tmp_path):
     """Finding: with a JSONL log, the fast path queued each update as a Row (a
     tuple subclass holding an enum member) and the dict's copy: objects the
@@ -2041,6 +2060,7 @@ def test_a_float_that_decimals_would_show_as_zero_is_shown_in_scientific_notatio
     assert h.update({"lr": 5e-07}) == "step=9 lr=5.000000e-07"
 
 
+@pytest.mark.usefixtures("host_path")
 def test_an_exact_zero_keeps_the_template_of_a_repeated_dict(monkeypatch):
     """A float that is exactly 0.0 (a warmup's first learning rate) shows as
     0.000000, and its line comes from the template, not value by value."""
@@ -2094,6 +2114,7 @@ def test_a_resume_step_moves_only_this_runs_lines_of_a_shared_log(tmp_path):
     ]
 
 
+@pytest.mark.usefixtures("host_path")
 def test_the_summary_lines_template_agrees_with_the_general_path():
     """Rows of floats go through a cached template (the repeated-dict fast
     path); every line must read as summary_line writes it value by value:

@@ -53,6 +53,7 @@ LAYERS = {
     "jaxhistory._codec": LEAF,  # the record / JSONL line codec
     "jaxhistory._record": LEAF,  # Record and Batch, what sinks receive
     "jaxhistory._row": LEAF,  # Row: one update, parsed once
+    "jaxhistory._compiled": LEAF,  # the compiled host-path helpers (or None)
     "jaxhistory._progress": LEAF,  # steps per second, time left, MFU
     "jaxhistory._run_stats": LEAF,  # run-level statistics of one metric
     "jaxhistory._env": LEAF,  # run ids, the environment, on/off variables
@@ -143,6 +144,19 @@ class Import:
         return f"{self.where}: {self.statement}"
 
 
+# C extensions of the package (built from jaxhistory/<name>.c): they import
+# no package module, so an import of one is at the bottom of every layer
+COMPILED_MODULES = {"jaxhistory._speedups"}
+
+
+def test_the_compiled_modules_are_the_c_sources_of_the_package():
+    sources = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        for p in (ROOT / PACKAGE).rglob("*.c")
+    }
+    assert sources == COMPILED_MODULES
+
+
 def find_modules(package_dir: Path) -> dict[str, Path]:
     """Dotted module name -> source file, for every module of the package."""
     modules = {}
@@ -220,7 +234,7 @@ def imported_modules(
         named = [name if name in modules else base for name in named]
     targets = []
     for name in named:
-        if name.split(".")[0] != PACKAGE:
+        if name.split(".")[0] != PACKAGE or name in COMPILED_MODULES:
             continue
         target = existing_prefix(name, modules)
         parts = target.split(".")

@@ -277,17 +277,22 @@ def test_the_lower_bounds_of_the_dependencies_are_releases_that_work():
 
 def test_the_sdist_carries_the_tests_and_what_they_read():
     """The sdist ships the tests, so it ships the files they read from the
-    repository root; its patterns are anchored there (an unanchored
-    ``README.md`` also matched ``benchmarks/README.md`` and nothing else of
-    that folder)."""
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    include = config["tool"]["hatch"]["build"]["targets"]["sdist"]["include"]
-    assert all(pattern.startswith("/") for pattern in include), include
+    repository root (MANIFEST.in), and the C source of the optional
+    extension with the setup.py that builds it."""
+    manifest = (ROOT / "MANIFEST.in").read_text().splitlines()
+    entries = {
+        name
+        for line in manifest
+        if line and not line.startswith("#")
+        for name in line.split()[1:]
+    }
+    folders = {line.split()[1] for line in manifest if line.startswith("graft ")}
     read_by_tests = [".ci", "benchmarks", "docs", "examples", "notebooks"]
     read_by_tests += ["mkdocs.yml", "README.md", "pyproject.toml", "LICENSE"]
-    for name in ["jaxhistory", "tests", *read_by_tests]:
+    for name in ["tests", "setup.py", "jaxhistory/_speedups.c", *read_by_tests]:
         assert (ROOT / name).exists(), name
-        assert f"/{name}" in include, name
+        assert name in entries or name in folders, name
+    assert "tests" in folders
 
 
 def test_the_readme_example_says_which_extra_it_needs():
@@ -324,5 +329,11 @@ def test_the_package_says_it_is_typed():
     """The public functions are annotated; without a ``py.typed`` marker a
     type checker treats every jaxhistory name as Any (PEP 561)."""
     assert (ROOT / "jaxhistory" / "py.typed").is_file()
-    wheel = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]
-    assert wheel["build"]["targets"]["wheel"]["packages"] == ["jaxhistory"]
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    assert tool["setuptools"]["package-data"]["jaxhistory"] == ["py.typed"]
+    # every package folder is listed (setuptools installs only those named)
+    packages = {
+        str(p.parent.relative_to(ROOT)).replace("/", ".")
+        for p in (ROOT / "jaxhistory").rglob("__init__.py")
+    }
+    assert set(tool["setuptools"]["packages"]) == packages
