@@ -19,13 +19,12 @@ import math
 import operator
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 
 from jaxhistory import _trace_state
-from jaxhistory._compiled import speedups
 from jaxhistory._host_copies import to_host
 from jaxhistory._names import PROVENANCE, grouped, stat_names
 from jaxhistory._record import Batch
@@ -42,6 +41,7 @@ _POP_STEP, _POP_STAMP = (operator.methodcaller("pop", k) for k in (0, 1))
 _VALUES = RowKind.VALUES
 _ALL_FINITE = {RowKind.FINITE_FLOATS}
 _DICTS = {dict}
+_TRIPLES = {tuple}
 _UINT64 = np.dtype(np.uint64)
 
 
@@ -91,11 +91,11 @@ class FanOut:
         self._warned: set[Any] = set()
         self._held: Batch | None = None  # the latest step's record, not yet written
 
-    def write(self, rows: list[Row | dict], final: bool) -> None:
-        """Writes ``rows`` (after any held record: Rows, and the dicts of
-        :func:`~jaxhistory._row.queued`, which this empties of their step and
-        time); unless ``final``, holds back the latest step's record while it
-        is young."""
+    def write(self, rows: list[Row | dict | tuple], final: bool) -> None:
+        """Writes ``rows`` (after any held record: Rows, and the items of
+        :func:`~jaxhistory._row.queued`: its dicts, which this empties of their
+        step and time, or its compiled form's ``(dict, step, time)``); unless
+        ``final``, holds back the latest step's record while it is young."""
         held, self._held = self._held, None
         if not rows and held is None:
             return
@@ -105,22 +105,25 @@ class FanOut:
         if batch is not None:
             self._fan_out(batch)
 
-    def _resolve(self, rows: list[Row | dict]) -> Batch:
+    def _resolve(self, rows: list[Row | dict | tuple]) -> Batch:
         """The rows with their values on the host (this waits for device values)
         and their statistics as aggregated values."""
         types = set(map(type, rows))
+        if types == _TRIPLES:  # the compiled fast path's (dict, step, time)
+            metrics, steps, stamps = map(list, zip(*rows, strict=True))
+            batch = Batch(steps, stamps, metrics, None, None, self.process_index)
+            batch.finite = True
+            batch.run_id = self.run_id
+            return batch
         if types == _DICTS:  # the fast path's own dicts of finite floats
-            both = None if speedups is None else speedups.unqueued(rows)
-            if both is None:
-                steps = list(map(_POP_STEP, rows))
-                stamps = list(map(_POP_STAMP, rows))
-            else:  # the same, compiled
-                steps, stamps = both
+            steps = list(map(_POP_STEP, rows))
+            stamps = list(map(_POP_STAMP, rows))
             batch = Batch(steps, stamps, rows, None, None, self.process_index)
             batch.finite = True
             batch.run_id = self.run_id
             return batch
-        kinds = set(map(_KIND, rows)) if dict not in types else {_VALUES}
+        only_rows = dict not in types and tuple not in types  # (no queued items)
+        kinds = set(map(_KIND, rows)) if only_rows else {_VALUES}
         if _VALUES not in kinds:  # Python numbers only: built at C speed
             steps, stamps = list(map(_STEP, rows)), list(map(_STAMP, rows))
             names = _NAMES(rows[0])
@@ -138,12 +141,18 @@ class FanOut:
         steps, stamps, metrics = [], [], []
         aggregated: list[dict[str, Any]] | None = None
         finite = True
-        for i, row in enumerate(rows):
-            if isinstance(row, dict):
-                steps.append(row.pop(0))
-                stamps.append(row.pop(1))
-                metrics.append(row)
+        for i, item in enumerate(rows):
+            if isinstance(item, dict):
+                steps.append(item.pop(0))
+                stamps.append(item.pop(1))
+                metrics.append(item)
                 continue
+            if type(item) is tuple:  # (dict, step, time): _row.queued compiled
+                metrics.append(item[0])
+                steps.append(item[1])
+                stamps.append(item[2])
+                continue
+            row = cast(Row, item)
             step = row.step
             steps.append(step)
             stamps.append(row.timestamp)

@@ -169,9 +169,13 @@ none:
 }
 
 
-/* _row.queued: queued(metrics, k, step, timestamp) -> a copy of ``metrics``
- * without its "step" entry where it holds more than ``k`` entries, with
- * ``step`` under 0 and ``timestamp`` under 1. */
+/* _row.queued's compiled form: queued(metrics, k, step, timestamp) ->
+ * (a copy of ``metrics`` without its "step" entry where it holds more than
+ * ``k`` entries, step, timestamp). Where the copy is untracked by the garbage
+ * collector (a dict of numbers), so is the tuple: thousands of them may wait
+ * in the log's queue, and tracked ones would set off full collections. (The
+ * Python form puts step and time into the copy instead, under 0 and 1:
+ * adding them costs the copy a resize here.) */
 static PyObject *
 queued(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -187,15 +191,20 @@ queued(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (k == -1 && PyErr_Occurred()) {
         return NULL;
     }
-    PyObject *item = PyDict_Copy(args[0]);
-    if (item == NULL) {
+    PyObject *copy = PyDict_Copy(args[0]);
+    if (copy == NULL) {
         return NULL;
     }
-    if ((PyDict_GET_SIZE(item) != k && PyDict_DelItem(item, str_step) < 0) ||
-        PyDict_SetItem(item, int_zero, args[2]) < 0 ||
-        PyDict_SetItem(item, int_one, args[3]) < 0) {
-        Py_DECREF(item);
+    if (PyDict_GET_SIZE(copy) != k && PyDict_DelItem(copy, str_step) < 0) {
+        Py_DECREF(copy);
         return NULL;
+    }
+    PyObject *item = PyTuple_Pack(3, copy, args[2], args[3]);
+    int tracked = PyObject_GC_IsTracked(copy);
+    Py_DECREF(copy);
+    if (item != NULL && !tracked && PyLong_CheckExact(args[2]) &&
+        (PyFloat_CheckExact(args[3]) || args[3] == Py_None)) {
+        PyObject_GC_UnTrack(item);
     }
     return item;
 }
@@ -779,58 +788,6 @@ stage(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(staged + full);
 }
 
-/* _fan_out.FanOut._resolve's fast path: unqueued(rows) -> (steps, stamps),
- * popping each queued dict's 0 (step) and 1 (time) entries; None (nothing
- * changed) where a row is not a dict holding both. */
-static PyObject *
-unqueued(PyObject *self, PyObject *rows)
-{
-    if (!PyList_CheckExact(rows)) {
-        Py_RETURN_NONE;
-    }
-    Py_ssize_t k = PyList_GET_SIZE(rows);
-    for (Py_ssize_t i = 0; i < k; i++) {
-        PyObject *row = PyList_GET_ITEM(rows, i);
-        if (!PyDict_CheckExact(row) || !PyDict_Contains(row, int_zero) ||
-            !PyDict_Contains(row, int_one)) {
-            if (PyErr_Occurred()) {
-                return NULL;
-            }
-            Py_RETURN_NONE;
-        }
-    }
-    PyObject *steps = PyList_New(k), *stamps = PyList_New(k);
-    if (steps == NULL || stamps == NULL) {
-        goto failed;
-    }
-    for (Py_ssize_t i = 0; i < k; i++) {
-        PyObject *row = PyList_GET_ITEM(rows, i);
-        PyObject *step = PyDict_GetItemWithError(row, int_zero);
-        PyObject *stamp = step ? PyDict_GetItemWithError(row, int_one) : NULL;
-        if (stamp == NULL) {
-            if (!PyErr_Occurred()) { /* (changed meanwhile) */
-                PyErr_SetString(PyExc_RuntimeError, "a queued row changed");
-            }
-            goto failed;
-        }
-        Py_INCREF(step);
-        Py_INCREF(stamp);
-        PyList_SET_ITEM(steps, i, step);
-        PyList_SET_ITEM(stamps, i, stamp);
-        if (PyDict_DelItem(row, int_zero) < 0 || PyDict_DelItem(row, int_one) < 0) {
-            goto failed;
-        }
-    }
-    PyObject *both = PyTuple_Pack(2, steps, stamps);
-    Py_DECREF(steps);
-    Py_DECREF(stamps);
-    return both;
-failed:
-    Py_XDECREF(steps);
-    Py_XDECREF(stamps);
-    return NULL;
-}
-
 /* _codec.encode_records' assembly for one column of metrics:
  * lines(bodies, both, k, head0, head1, head2, end) -> bytes | None.
  *
@@ -1231,16 +1188,14 @@ static PyMethodDef methods[] = {
      "stage(table, n, step, row, limit) -> 0, 1 or 2 (see "
      "jaxhistory._table.Table.append_at)"},
     {"queued", (PyCFunction)(void (*)(void))queued, METH_FASTCALL,
-     "queued(metrics, k, step, timestamp) -> dict (see jaxhistory._row.queued)"},
+     "queued(metrics, k, step, timestamp) -> (dict, step, timestamp) (see "
+     "jaxhistory._row.queued)"},
     {"add", (PyCFunction)(void (*)(void))add, METH_FASTCALL,
      "add(writer, item, closed_error) -> None (see "
      "jaxhistory._writer.Writer.add)"},
     {"move_floats", (PyCFunction)move_floats_py, METH_O,
      "move_floats(table) -> bool: Table.move_stage for float64 scalar rows of "
      "Python floats; False: nothing done (see jaxhistory._table)"},
-    {"unqueued", (PyCFunction)unqueued, METH_O,
-     "unqueued(rows) -> (steps, stamps) | None (see "
-     "jaxhistory._fan_out.FanOut._resolve)"},
     {"lines", (PyCFunction)(void (*)(void))lines, METH_FASTCALL,
      "lines(bodies, both, k, head0, head1, head2, end) -> bytes | None (see "
      "jaxhistory._codec.encode_records)"},

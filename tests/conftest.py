@@ -98,7 +98,6 @@ def host_path(request, monkeypatch):
     from jaxhistory import (
         _codec,
         _compiled,
-        _fan_out,
         _history_state,
         _recorder,
         _summary,
@@ -109,6 +108,6 @@ def host_path(request, monkeypatch):
             pytest.skip("JAXHISTORY_PURE_PYTHON is set: the Python run only")
         pytest.fail("the compiled helpers (jaxhistory._speedups) are not built")
     chosen = _compiled.speedups if request.param == "compiled" else None
-    for module in (_codec, _fan_out, _history_state, _recorder, _summary):
+    for module in (_codec, _history_state, _recorder, _summary):
         monkeypatch.setattr(module, "speedups", chosen)
     return chosen

@@ -10,6 +10,7 @@ sit on a rounding tie. The ``host_path`` fixture (conftest) also runs the
 History tests of the fast path both ways.
 """
 
+import gc
 import math
 import os
 import string
@@ -186,27 +187,33 @@ def test_repeated_compiled_declines_keys_that_are_not_plain_str():
 @needs_c
 @SETTINGS
 @given(st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False))
-def test_queued_and_unqueued_compiled_match_python(with_step, step, stamp):
+def test_queued_compiled_holds_what_python_queues(with_step, step, stamp):
+    """The compiled form queues (dict, step, time) where the Python form puts
+    step and time into the dict; both resolve to the same record."""
     metrics = {"loss": 0.5, "lr": 1e-3}
     if with_step:
         metrics = {"step": step, **metrics}
     row = Row(step, ("loss", "lr"), (0.5, 1e-3), FINITE, stamp)
     want = queued(row, metrics)
     got = C.queued(metrics, 2, step, stamp)
-    assert got == want and list(got) == list(want)
+    assert got == ({"loss": 0.5, "lr": 1e-3}, step, stamp)
+    assert want == {"loss": 0.5, "lr": 1e-3, 0: step, 1: stamp}
     assert metrics.get("step", step) == step  # the caller's dict is kept
-    rows = [dict(got), dict(got)]
-    assert C.unqueued(rows) == ([step, step], [stamp, stamp])
-    assert rows == [{"loss": 0.5, "lr": 1e-3}] * 2
+    assert not gc.is_tracked(got)  # thousands may wait in the log's queue
+    fan = _fan_out.FanOut([])
+    for rows in ([got, got], [dict(want), dict(want)], [got, dict(want)]):
+        batch = fan._resolve(rows)
+        assert batch.steps == [step, step] and batch.stamps == [stamp, stamp]
+        assert batch.metrics == [{"loss": 0.5, "lr": 1e-3}] * 2
 
 
 @needs_c
-def test_unqueued_declines_rows_it_does_not_know_and_changes_nothing():
-    rows = [{0: 1, 1: 2.0, "a": 1.0}, {"a": 2.0}]
-    assert C.unqueued(rows) is None
-    assert rows[0] == {0: 1, 1: 2.0, "a": 1.0}
-    assert C.unqueued(({0: 1, 1: 2.0},)) is None  # not a list
-    assert C.unqueued([]) == ([], [])
+def test_queued_compiled_tracks_what_may_hold_a_cycle():
+    holder = {"a": 1.0}
+    holder["self"] = [holder]  # (not a fast-path dict: still queued safely)
+    item = C.queued(holder, 2, 3, 0.5)
+    assert gc.is_tracked(item)
+    assert gc.is_tracked(C.queued({"a": 1.0}, 1, 3, object()))
 
 
 name_chars = st.sampled_from(list(string.ascii_letters + '{},:"\\ é_/'))
@@ -445,7 +452,7 @@ updates = st.lists(
 
 
 def _run(tmp_path, sequence, use_c, tag):
-    modules = (_history_state, _recorder, _summary, _codec, _fan_out)
+    modules = (_history_state, _recorder, _summary, _codec)
     saved = {m: m.speedups for m in modules}
     for module in saved:
         module.speedups = C if use_c else None
