@@ -110,7 +110,13 @@ repeated(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *entry = NULL; /* the step entry's value (borrowed) */
     Py_ssize_t pos = 0, i = 0, j = 0;
     PyObject *key, *value;
+    /* sum(values, 0.0), as the Python form takes it: from 3.12 its float
+     * sum is compensated (Neumaier), and the compensation can carry a total
+     * whose plain running sum stays finite past float's range */
     double total = 0.0;
+#if PY_VERSION_HEX >= 0x030C0000
+    double compensation = 0.0;
+#endif
     while (i < k && PyDict_Next(metrics, &pos, &key, &value)) {
         PyObject *want = PyTuple_GET_ITEM(keys, i);
         /* exact str only: comparing them runs no Python code, which could
@@ -126,13 +132,30 @@ repeated(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (!PyFloat_CheckExact(value)) {
                 goto none;
             }
-            total += PyFloat_AS_DOUBLE(value);
+            double x = PyFloat_AS_DOUBLE(value);
+#if PY_VERSION_HEX >= 0x030C0000
+            double t = total + x;
+            if (fabs(total) >= fabs(x)) {
+                compensation += (total - t) + x;
+            }
+            else {
+                compensation += (x - t) + total;
+            }
+            total = t;
+#else
+            total += x;
+#endif
             Py_INCREF(value);
             PyTuple_SET_ITEM(values, j, value);
             j++;
         }
         i++;
     }
+#if PY_VERSION_HEX >= 0x030C0000
+    if (compensation != 0.0 && isfinite(compensation)) {
+        total += compensation;
+    }
+#endif
     /* inf or NaN anywhere makes total - total NaN */
     if (i != k || j == 0 || total - total != 0.0) {
         goto none;

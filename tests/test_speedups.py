@@ -139,6 +139,24 @@ def test_repeated_compiled_gives_the_python_row_or_none(case, next_step, step):
 
 
 @needs_c
+def test_repeated_compiled_judges_finite_as_python_sum_does():
+    """The row is of finite floats where ``sum(values, 0.0)`` is finite; from
+    Python 3.12 that sum is compensated, and a sum whose plain running total
+    stays finite may still end past float's range (then the Python form
+    declines, and parse_row makes a row of floats, not of finite floats)."""
+    big = 1.7976931348623157e308
+    for values in ((big, 9e291, 9e291), (big, 9e291), (-big, -9e291, -9e291)):
+        names = tuple("abc"[: len(values)])
+        repeat = Repeat(names, names, None)
+        metrics = dict(zip(names, values, strict=True))
+        want = repeated(repeat, metrics, 0, 1.5, None)
+        got = C.repeated(repeat, metrics, 0, 1.5, None, Row, FINITE)
+        assert got == want, values
+        total = sum(values, 0.0)
+        assert (got is not None) == (total - total == 0.0)
+
+
+@needs_c
 def test_repeated_compiled_declines_what_is_not_a_plain_dict():
     repeat = Repeat(("a",), ("a",), None)
 
