@@ -102,16 +102,20 @@ class Recorder:
             logged = out.writing or _trace_state.active() is not None
             # A dict like the last one, of finite floats, with nothing else due:
             # parsed and appended in one call, then queued for the log as a
-            # dict (see _row.queued: one the garbage collector does not track).
+            # copy (see _row.queued: one the garbage collector does not track).
+            # From the take on, a Ctrl-C may land after the row went into the
+            # history and before its line is queued: finalize then writes the
+            # log from the history.
             rec = self.rec
-            if speedups is None:
-                row = rec.take(metrics, now, step)
-            else:  # the same, compiled; NotImplemented: it left the case to take
-                row = speedups.take(rec, metrics, now, step, Row, _FINITE, STAGE)
-                if row is NotImplemented:
+            try:
+                if speedups is None:
                     row = rec.take(metrics, now, step)
-            if row is not None and not self.side.due and self.guard is None:
-                try:
+                else:  # the same, compiled; NotImplemented: left to take
+                    row = speedups.take(rec, metrics, now, step, Row, _FINITE, STAGE)
+                    if row is NotImplemented:
+                        row = rec.take(metrics, now, step)
+                fast = row is not None and not self.side.due and self.guard is None
+                if fast:
                     self.updates += 1
                     out.stamp_steps.append(row.step)
                     out.stamp_times.append(now)
@@ -131,9 +135,11 @@ class Recorder:
                                     speedups.add(writer, item, WriterClosed)
                             except WriterClosed:  # a close a Ctrl-C cut short:
                                 out.add(item)  # completed first
-                except BaseException:  # Ctrl-C: recorded, maybe not queued
-                    out.failed = True  # finalize writes the log from the state
-                    raise
+            except BaseException:  # Ctrl-C: maybe recorded, maybe not queued
+                out.failed = True  # finalize writes the log from the state
+                raise
+            if fast:
+                assert row is not None  # (fast says so)
                 if not summarize or row.step % self.log_every:
                     return ""
                 line = self.line.format_floats  # (out of the lock)
@@ -158,16 +164,20 @@ class Recorder:
         floats with nothing else due: records ``metrics`` (``row``: recorded
         already), its side values, logs it and runs the sentinels. Returns the
         row, the memory token and the sentinels' events."""
-        if row is None:
-            row = self._recorded(metrics, step, now, summarize)
+        recorded = row
         try:
-            token = self._logged(row, now)
-        except BaseException:
+            if recorded is None:
+                recorded = self._recorded(metrics, step, now, summarize)
+            token = self._logged(recorded, now)
+        except BaseException as err:
             # The row is in the history: where this stopped before it was
-            # queued (Ctrl-C; the log cannot be opened), the log lacks it, and
-            # finalize writes the log again from the history.
-            self.out.failed = True
+            # queued (Ctrl-C, which may also land just after the row went in;
+            # the log cannot be opened), the log lacks it, and finalize writes
+            # the log again from the history. (Bad input: nothing recorded.)
+            if recorded is not None or not isinstance(err, Exception):
+                self.out.failed = True
             raise
+        row = recorded
         found = self._checked(row) if self.guard is not None else None
         if self.pending_found:  # from earlier rows reduced in a batch
             found = [*self.pending_found, *(found or [])]

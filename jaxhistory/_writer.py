@@ -28,6 +28,7 @@ import atexit
 import contextlib
 import logging
 import os
+import queue
 import threading
 import time
 import warnings
@@ -120,8 +121,12 @@ class Writer:
         # write waiting on a lock nobody holds.
         self._drain_lock = threading.RLock()
         self._writing: int | None = None  # the thread in target.write
-        self._space = threading.Condition()
-        self._wake = threading.Event()
+        # Tokens, not an Event and a Condition: the training thread wakes the
+        # thread and waits for room through C calls alone, with no Python-level
+        # lock a Ctrl-C could leave held (one landing inside Event.set()'s
+        # `with` held its Condition's lock for good: the next close() hung)
+        self._space: queue.SimpleQueue = queue.SimpleQueue()  # room was made
+        self._wake: queue.SimpleQueue = queue.SimpleQueue()  # items to write
         self._closed = False
         self._closed_here = False  # close() was called on the thread itself
         self._done = False  # a close() has written what was queued
@@ -136,7 +141,7 @@ class Writer:
             # No one will hold this writer to close it: a thread that started
             # ends at its next wake, instead of living on with the process.
             self._closed = True
-            self._wake.set()
+            self._wake_thread()
             raise
 
     @property
@@ -155,7 +160,7 @@ class Writer:
             queue.append(item)
             n = len(queue)
         if n == self.WAKE_AT:  # (the thread then takes every item queued)
-            self._wake.set()
+            self._wake_thread()
         elif n >= self.MAX_PENDING:
             self._backpressure()
 
@@ -163,8 +168,22 @@ class Writer:
         """Items queued and not yet taken by the thread."""
         return len(self._queue)
 
+    def _wake_thread(self) -> None:
+        """Has the thread write what is queued now."""
+        self._wake.put(None)
+
+    @staticmethod
+    def _wait(tokens: queue.SimpleQueue, timeout: float) -> None:
+        """Waits at most ``timeout`` seconds for a token, then takes the others."""
+        try:
+            tokens.get(timeout=timeout)
+            while True:
+                tokens.get_nowait()
+        except queue.Empty:
+            pass
+
     def _backpressure(self) -> None:
-        self._wake.set()
+        self._wake_thread()
         if self._stalled:
             # The thread has taken nothing since a wait ran out (a write that
             # does not return): waiting again would stall the caller another
@@ -172,14 +191,13 @@ class Writer:
             self._drop(self.pending() - self.MAX_PENDING // 2)
             return
         deadline = time.monotonic() + self.MAX_WAIT
-        with self._space:
-            while self.pending() >= self.MAX_PENDING and not self._closed:
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._thread.is_alive():
-                    self._stalled = True  # until the thread takes items again
-                    self._drop(self.pending() - self.MAX_PENDING // 2)
-                    return
-                self._space.wait(min(left, 0.05))
+        while self.pending() >= self.MAX_PENDING and not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._thread.is_alive():
+                self._stalled = True  # until the thread takes items again
+                self._drop(self.pending() - self.MAX_PENDING // 2)
+                return
+            self._wait(self._space, min(left, 0.05))
 
     def _take(self, k: int | None = None) -> list:
         """Removes the first ``k`` (all) queued items and returns them."""
@@ -202,8 +220,7 @@ class Writer:
 
     def _run(self) -> None:
         while not self._closed:
-            self._wake.wait(self.INTERVAL)
-            self._wake.clear()
+            self._wait(self._wake, self.INTERVAL)
             try:
                 self.write_queued(final=False)
             except Exception as err:  # never let the thread die
@@ -245,8 +262,7 @@ class Writer:
             self._writing = me
             items = self._take()
             self._stalled = False
-            with self._space:
-                self._space.notify_all()
+            self._space.put(None)
             try:
                 self.target.write(items, final)
             except BaseException:  # (Ctrl-C on a flush's thread, too)
@@ -281,9 +297,8 @@ class Writer:
                 self._closed_here = self._thread is threading.current_thread()
                 self._closed = True
         if first:
-            self._wake.set()
-            with self._space:
-                self._space.notify_all()
+            self._wake_thread()
+            self._space.put(None)
         if self._closed_here:
             # On the thread itself (a finalizer the garbage collector ran there,
             # maybe in the middle of a write that holds the drain lock): the

@@ -1,6 +1,7 @@
 """Writer: one background thread writing queued items to any target."""
 
 import gc
+import queue
 import threading
 import time
 import weakref
@@ -69,7 +70,7 @@ def test_close_on_the_writers_own_thread_mid_write_writes_the_rest():
 
     target.write = write
     writer.add("first")
-    writer._wake.set()
+    writer._wake_thread()
     assert closed_inside.wait(5)
     writer._thread.join(5)
     assert not writer._thread.is_alive()  # not stuck on its own drain lock
@@ -136,7 +137,7 @@ def _stuck_writer(monkeypatch):
 
     writer = _writer.Writer(Hung(), what="the hung log")
     writer.add("a")
-    writer._wake.set()
+    writer._wake_thread()
     assert entered.wait(5)  # the thread is stuck inside a write
     return writer, release
 
@@ -319,15 +320,24 @@ def test_a_hung_target_is_waited_for_once_not_at_every_fill(monkeypatch):
 
     waits = []
 
-    class Counting(type(threading.Condition())):
-        def wait(self, timeout=None):
+    class Counting:  # the room tokens, counting the waits for them
+        def __init__(self):
+            self.tokens = queue.SimpleQueue()
+
+        def get(self, timeout=None):
             waits.append(timeout)
-            return super().wait(timeout)
+            return self.tokens.get(timeout=timeout)
+
+        def get_nowait(self):
+            return self.tokens.get_nowait()
+
+        def put(self, token):
+            self.tokens.put(token)
 
     writer = _writer.Writer(Hung(), what="the hung log")
     writer._space = Counting()
     writer.add(-1)
-    writer._wake.set()
+    writer._wake_thread()
     assert entered.wait(5)  # the thread is stuck inside a write
     with pytest.warns(RuntimeWarning, match="fell 0 s behind"):
         for k in range(8):
