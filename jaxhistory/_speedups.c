@@ -49,6 +49,44 @@ static PyObject *str_lock, *str_length, *str_rows, *str_row_steps;
 static PyObject *str_last_step, *str_acquire, *str_release, *str_step;
 static PyObject *int_zero, *int_one;
 
+/* Takes ``owner``'s lock (attribute ``name``) and acquires it: the lock (a
+ * new reference, for release()), or NULL with an error set. */
+static PyObject *
+acquire(PyObject *owner, PyObject *name)
+{
+    PyObject *lock = PyObject_GetAttr(owner, name);
+    if (lock == NULL) {
+        return NULL;
+    }
+    PyObject *got = PyObject_CallMethodNoArgs(lock, str_acquire);
+    if (got == NULL) {
+        Py_DECREF(lock);
+        return NULL;
+    }
+    Py_DECREF(got);
+    return lock;
+}
+
+/* Releases ``lock`` (and the reference acquire() gave) whatever happened:
+ * an error set before stays set. -1 where the release itself failed. */
+static int
+release(PyObject *lock)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *released = PyObject_CallMethodNoArgs(lock, str_release);
+    Py_DECREF(lock);
+    if (released == NULL) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        return -1;
+    }
+    Py_DECREF(released);
+    PyErr_Restore(type, value, tb);
+    return 0;
+}
+
 /* _row.repeated: repeated(repeat, metrics, next_step, timestamp, step,
  * row_type, finite_kind) -> Row | None.
  *
@@ -588,16 +626,10 @@ static int
 stage_row(PyObject *table, PyObject *n, PyObject *step, PyObject *row,
           Py_ssize_t limit, int move, int *full)
 {
-    PyObject *lock = PyObject_GetAttr(table, str_lock);
+    PyObject *lock = acquire(table, str_lock);
     if (lock == NULL) {
         return -1;
     }
-    PyObject *got = PyObject_CallMethodNoArgs(lock, str_acquire);
-    if (got == NULL) {
-        Py_DECREF(lock);
-        return -1;
-    }
-    Py_DECREF(got);
     int result = -1;
     PyObject *length = NULL, *rows = NULL, *steps = NULL, *next = NULL;
     length = PyObject_GetAttr(table, str_length);
@@ -654,20 +686,8 @@ done:
     Py_XDECREF(rows);
     Py_XDECREF(steps);
     Py_XDECREF(next);
-    {
-        /* released whatever happened (an error set above stays set) */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyObject *released = PyObject_CallMethodNoArgs(lock, str_release);
-        Py_DECREF(lock);
-        if (released == NULL) {
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-            return -1;
-        }
-        Py_DECREF(released);
-        PyErr_Restore(type, value, tb);
+    if (release(lock) < 0) {
+        return -1;
     }
     return result;
 }
@@ -910,16 +930,10 @@ add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *writer = args[0], *item = args[1];
-    PyObject *lock = PyObject_GetAttr(writer, str__lock);
+    PyObject *lock = acquire(writer, str__lock);
     if (lock == NULL) {
         return NULL;
     }
-    PyObject *got = PyObject_CallMethodNoArgs(lock, str_acquire);
-    if (got == NULL) {
-        Py_DECREF(lock);
-        return NULL;
-    }
-    Py_DECREF(got);
     Py_ssize_t n = -1;
     PyObject *closed = PyObject_GetAttr(writer, str__closed);
     int is_closed = closed == NULL ? -1 : PyObject_IsTrue(closed);
@@ -939,19 +953,8 @@ add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(queue);
         }
     }
-    {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyObject *released = PyObject_CallMethodNoArgs(lock, str_release);
-        Py_DECREF(lock);
-        if (released == NULL) {
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-            return NULL;
-        }
-        Py_DECREF(released);
-        PyErr_Restore(type, value, tb);
+    if (release(lock) < 0) {
+        return NULL;
     }
     if (n < 0) {
         return NULL;
@@ -1071,16 +1074,10 @@ update(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!PyDict_CheckExact(metrics)) {
         Py_RETURN_NOTIMPLEMENTED;
     }
-    PyObject *lock = PyObject_GetAttr(recorder, str_lock);
+    PyObject *lock = acquire(recorder, str_lock);
     if (lock == NULL) {
         return NULL;
     }
-    PyObject *got = PyObject_CallMethodNoArgs(lock, str_acquire);
-    if (got == NULL) {
-        Py_DECREF(lock);
-        return NULL;
-    }
-    Py_DECREF(got);
     PyObject *result = NULL, *side = NULL, *due = NULL, *guard = NULL;
     PyObject *out = NULL, *writing = NULL, *writer = NULL, *now = NULL;
     PyObject *rec = NULL, *row = NULL;
@@ -1158,20 +1155,9 @@ done:
     Py_XDECREF(now);
     Py_XDECREF(rec);
     Py_XDECREF(row);
-    {
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyObject *released = PyObject_CallMethodNoArgs(lock, str_release);
-        Py_DECREF(lock);
-        if (released == NULL) {
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-            Py_XDECREF(result);
-            return NULL;
-        }
-        Py_DECREF(released);
-        PyErr_Restore(type, value, tb);
+    if (release(lock) < 0) {
+        Py_XDECREF(result);
+        return NULL;
     }
     return result;
 }
