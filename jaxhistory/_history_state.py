@@ -20,7 +20,15 @@ from jaxhistory._dtypes import (
     STEP_KEYS,
     warmup_count,
 )
-from jaxhistory._row import Repeat, Row, RowKind, parse_row, repeat_of, repeated
+from jaxhistory._row import (
+    LAST_REPEAT,
+    Repeat,
+    Row,
+    RowKind,
+    parse_row,
+    repeat_of,
+    repeated,
+)
 from jaxhistory._run_stats import column_summary
 from jaxhistory._stats import Stats
 from jaxhistory._table import (
@@ -205,6 +213,12 @@ class HistoryState:
                 record of a key at the same step is refused (combine runs with
                 :meth:`merge`). The state is unchanged.
         """
+        if step is None and speedups is not None:
+            # A dict like the last one parsed, of finite floats, onto the end of
+            # its table (the common case), compiled; NotImplemented: nothing done
+            new = speedups.state_update(self, metrics, _STATE_COMPILED)
+            if new is not NotImplemented:
+                return new
         if type(metrics) is Stats:  # not isinstance: Mapping's ABC check is slow
             metrics = {"": metrics}
         return self.append(parse_row(metrics, step, self.next_step))
@@ -550,6 +564,16 @@ def _unpickled(tables: list, next_step: int, attrs: tuple) -> HistoryState:
 _new_state = functools.partial(object.__new__, HistoryState)
 _set = object.__setattr__  # how a frozen dataclass sets its fields
 _FLOATS, _FINITE = RowKind.FLOATS, RowKind.FINITE_FLOATS
+# What speedups.state_update reads and makes (see HistoryState.update)
+_STATE_COMPILED = (
+    LAST_REPEAT,
+    Row,
+    _FINITE,
+    ALL_FLOATS,
+    STAGE,
+    _new_state,
+    functools.partial(object.__new__, Tables),
+)
 
 
 class Appender:

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from jaxhistory._compiled import speedups
 from jaxhistory._dtypes import INT64_MAX, INT64_MIN, NESTED, as_step
 from jaxhistory._names import STEP_KEYS, check_text, flatten
 
@@ -151,9 +152,14 @@ def parse_row(
     label = "step"
     if type(metrics) is dict:
         if step is None:
-            repeat = _last[0]
+            repeat = LAST_REPEAT[0]
             if repeat is not None:
-                row = repeated(repeat, metrics, next_step, timestamp)
+                if speedups is None:
+                    row = repeated(repeat, metrics, next_step, timestamp)
+                else:  # the same, compiled
+                    row = speedups.repeated(
+                        repeat, metrics, next_step, timestamp, None, Row, _FINITE
+                    )
                 if row is not None:
                     return row
             given = metrics  # (the dict the next one is compared with)
@@ -184,7 +190,7 @@ def parse_row(
                 step = as_step("step", step)
             row = _new_row(Row, (step, names, values, kind, timestamp, label))
             if given is not None and kind is _FINITE:
-                _last[0] = repeat_of(given, row)
+                LAST_REPEAT[0] = repeat_of(given, row)
             return row
     # Nested dicts, other pytrees, names that are not str (1 and "1" would both
     # be "1" in every file: flatten names them and refuses that).
@@ -222,8 +228,9 @@ def owned(row: Row) -> Row:
 
 _checked: list[tuple] = [()]  # the names the last row had, all str
 # How the last dict of finite floats parsed with no explicit step looked (any
-# thread's: a Repeat is immutable, and a stale one only costs the cheap try).
-_last: list[Repeat | None] = [None]
+# thread's: a Repeat is immutable, and a stale one only costs the cheap try);
+# HistoryState.update's compiled form reads it too.
+LAST_REPEAT: list[Repeat | None] = [None]
 
 
 def _all_str(names: tuple) -> bool:

@@ -813,6 +813,160 @@ stage(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(staged + full);
 }
 
+static PyObject *str_data, *str_tables, *str_ptypes, *str_attrs, *str__inflight;
+static PyObject *str__index, *str__meta, *str_all_steps;
+
+/* _history_state.HistoryState.update for the common case: state_update(state,
+ * metrics, consts) -> the new HistoryState, or NotImplemented (nothing done:
+ * HistoryState.update runs). ``consts`` is (last, row_type, finite_kind,
+ * all_floats, limit, new_state, new_tables): ``last`` the one-item list
+ * holding parse_row's Repeat. The case: ``metrics`` parses through
+ * repeated() (a dict with the keys of the last one, finite floats, no step or
+ * a step entry past next_step), its names have a float64 table with rows
+ * (ptypes is all_floats) and this state owns the table's end; the row is
+ * staged in place, as _appending.appended does, and the state derived with
+ * the same index, as HistoryState._derive(..., same=True) does. */
+static PyObject *
+state_update(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) != 7) {
+        PyErr_SetString(PyExc_TypeError, "state_update() takes 3 arguments");
+        return NULL;
+    }
+    PyObject *state = args[0], *metrics = args[1], *consts = args[2];
+    PyObject *last = PyTuple_GET_ITEM(consts, 0);
+    Py_ssize_t limit = PyLong_AsSsize_t(PyTuple_GET_ITEM(consts, 4));
+    if (limit == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (!PyDict_CheckExact(metrics) || !PyList_CheckExact(last) ||
+        PyList_GET_SIZE(last) != 1) {
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    PyObject *repeat = Py_NewRef(PyList_GET_ITEM(last, 0));
+    PyObject *result = NULL, *data = NULL, *tables = NULL, *next_step = NULL;
+    PyObject *row = NULL, *ptypes = NULL, *copy = NULL, *entry = NULL;
+    PyObject *after = NULL, *n_after = NULL, *new_data = NULL, *new_state = NULL;
+    PyObject *index = NULL, *meta = NULL, *attrs = NULL, *inflight = NULL;
+    if (repeat == Py_None || !PyTuple_Check(repeat) || PyTuple_GET_SIZE(repeat) != 3) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    PyObject *names = PyTuple_GET_ITEM(repeat, 1);
+    if (!PyTuple_CheckExact(names) || PyTuple_GET_SIZE(names) == 0) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    data = PyObject_GetAttr(state, str_data);
+    tables = data ? PyObject_GetAttr(data, str_tables) : NULL;
+    next_step = tables ? PyObject_GetAttr(state, str_next_step) : NULL;
+    if (next_step == NULL) {
+        goto done;
+    }
+    if (!PyDict_CheckExact(tables) || !PyLong_CheckExact(next_step)) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    PyObject *found = PyDict_GetItemWithError(tables, names); /* borrowed */
+    if (found == NULL) {
+        result = PyErr_Occurred() ? NULL : Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    if (!PyTuple_CheckExact(found) || PyTuple_GET_SIZE(found) != 2) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    PyObject *table = PyTuple_GET_ITEM(found, 0), *n = PyTuple_GET_ITEM(found, 1);
+    entry = Py_NewRef(found); /* (keeps table and n alive) */
+    ptypes = PyObject_GetAttr(table, str_ptypes);
+    if (ptypes == NULL) {
+        goto done;
+    }
+    /* a table with rows: a first row derives the index (Tables.carry) */
+    int has_rows = PyObject_RichCompareBool(n, int_zero, Py_GT);
+    if (has_rows < 0) {
+        goto done;
+    }
+    if (ptypes != PyTuple_GET_ITEM(consts, 3) || !has_rows) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    PyObject *zero = PyFloat_FromDouble(0.0);
+    if (zero == NULL) {
+        goto done;
+    }
+    PyObject *parse_args[7] = {repeat,   metrics, next_step, zero, Py_None,
+                               PyTuple_GET_ITEM(consts, 1), PyTuple_GET_ITEM(consts, 2)};
+    row = repeated(NULL, parse_args, 7);
+    Py_DECREF(zero);
+    if (row == NULL) {
+        goto done;
+    }
+    if (row == Py_None) {
+        result = Py_NewRef(Py_NotImplemented);
+        goto done;
+    }
+    PyObject *step = PyTuple_GET_ITEM(row, 0);
+    int full = 0;
+    int staged = stage_row(table, n, step, PyTuple_GET_ITEM(row, 2), limit, 1, &full);
+    if (staged <= 0) { /* 0: another state appended first: copy (Python) */
+        result = staged == 0 ? Py_NewRef(Py_NotImplemented) : NULL;
+        goto done;
+    }
+    /* staged: from here on an error leaves a row no state sees, as an error
+     * after Table.append_at does in the Python form */
+    n_after = PyNumber_Add(n, int_one);
+    after = n_after ? PyNumber_Add(step, int_one) : NULL;
+    copy = after ? PyDict_Copy(tables) : NULL;
+    if (copy == NULL) {
+        goto done;
+    }
+    PyObject *pair = PyTuple_Pack(2, table, n_after);
+    if (pair == NULL) {
+        goto done;
+    }
+    int failed = PyDict_SetItem(copy, names, pair);
+    Py_DECREF(pair);
+    index = failed ? NULL : PyObject_GetAttr(data, str__index);
+    meta = index ? PyObject_GetAttr(data, str__meta) : NULL;
+    attrs = meta ? PyObject_GetAttr(state, str_attrs) : NULL;
+    inflight = attrs ? PyObject_GetAttr(state, str__inflight) : NULL;
+    new_data = inflight ? PyObject_CallNoArgs(PyTuple_GET_ITEM(consts, 6)) : NULL;
+    if (new_data == NULL || PyObject_SetAttr(new_data, str_tables, copy) < 0 ||
+        PyObject_SetAttr(new_data, str_all_steps, Py_None) < 0 ||
+        PyObject_SetAttr(new_data, str__index, index) < 0 ||
+        PyObject_SetAttr(new_data, str__meta, meta) < 0) {
+        goto done;
+    }
+    new_state = PyObject_CallNoArgs(PyTuple_GET_ITEM(consts, 5));
+    if (new_state == NULL || PyObject_GenericSetAttr(new_state, str_data, new_data) < 0 ||
+        PyObject_GenericSetAttr(new_state, str_next_step, after) < 0 ||
+        PyObject_GenericSetAttr(new_state, str_attrs, attrs) < 0 ||
+        PyObject_GenericSetAttr(new_state, str__inflight, inflight) < 0) {
+        goto done;
+    }
+    result = new_state;
+    new_state = NULL;
+done:
+    Py_XDECREF(repeat);
+    Py_XDECREF(data);
+    Py_XDECREF(tables);
+    Py_XDECREF(next_step);
+    Py_XDECREF(row);
+    Py_XDECREF(ptypes);
+    Py_XDECREF(copy);
+    Py_XDECREF(entry);
+    Py_XDECREF(after);
+    Py_XDECREF(n_after);
+    Py_XDECREF(new_data);
+    Py_XDECREF(new_state);
+    Py_XDECREF(index);
+    Py_XDECREF(meta);
+    Py_XDECREF(attrs);
+    Py_XDECREF(inflight);
+    return result;
+}
+
 /* _codec.encode_records' assembly for one column of metrics:
  * lines(bodies, both, k, head0, head1, head2, end) -> bytes | None.
  *
@@ -1176,6 +1330,9 @@ static PyMethodDef methods[] = {
     {"stage", (PyCFunction)(void (*)(void))stage, METH_FASTCALL,
      "stage(table, n, step, row, limit) -> 0, 1 or 2 (see "
      "jaxhistory._table.Table.append_at)"},
+    {"state_update", (PyCFunction)(void (*)(void))state_update, METH_FASTCALL,
+     "state_update(state, metrics, consts) -> HistoryState | NotImplemented "
+     "(see jaxhistory._history_state.HistoryState.update)"},
     {"queued", (PyCFunction)(void (*)(void))queued, METH_FASTCALL,
      "queued(metrics, k, step, timestamp) -> (dict, step, timestamp) (see "
      "jaxhistory._row.queued)"},
@@ -1245,6 +1402,18 @@ PyInit__speedups(void)
     str_itemsize = PyUnicode_InternFromString("itemsize");
     if (!str_device_rows || !str_scalar_dtype || !str_values || !str_steps ||
         !str_fill || !str__reserve || !str_kind || !str_itemsize) {
+        return NULL;
+    }
+    str_data = PyUnicode_InternFromString("data");
+    str_tables = PyUnicode_InternFromString("tables");
+    str_ptypes = PyUnicode_InternFromString("ptypes");
+    str_attrs = PyUnicode_InternFromString("attrs");
+    str__inflight = PyUnicode_InternFromString("_inflight");
+    str__index = PyUnicode_InternFromString("_index");
+    str__meta = PyUnicode_InternFromString("_meta");
+    str_all_steps = PyUnicode_InternFromString("all_steps");
+    if (!str_data || !str_tables || !str_ptypes || !str_attrs || !str__inflight ||
+        !str__index || !str__meta || !str_all_steps) {
         return NULL;
     }
     str_side = PyUnicode_InternFromString("side");

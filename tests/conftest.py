@@ -90,24 +90,33 @@ def mesh2d():
     return jax.make_mesh((4, 2), ("data", "model"))
 
 
+# The modules that call the compiled helpers (each holds ``speedups``), which
+# host_path switches; test_speedups checks the list against the sources.
+HOST_PATH_MODULES = (
+    "_appending",
+    "_codec",
+    "_history_state",
+    "_recorder",
+    "_row",
+    "_summary",
+)
+
+
 @pytest.fixture(params=["compiled", "python"])
 def host_path(request, monkeypatch):
     """Runs a test of the host path's common case twice: with the compiled
     helpers (``jaxhistory._speedups``) and with the Python they stand in for.
     Returns the compiled module, or None on the Python run."""
-    from jaxhistory import (
-        _codec,
-        _compiled,
-        _history_state,
-        _recorder,
-        _summary,
-    )
+    import importlib
+
+    from jaxhistory import _compiled
 
     if request.param == "compiled" and _compiled.speedups is None:
         if os.environ.get("JAXHISTORY_PURE_PYTHON", "").strip() not in ("", "0"):
             pytest.skip("JAXHISTORY_PURE_PYTHON is set: the Python run only")
         pytest.fail("the compiled helpers (jaxhistory._speedups) are not built")
     chosen = _compiled.speedups if request.param == "compiled" else None
-    for module in (_codec, _history_state, _recorder, _summary):
+    for name in HOST_PATH_MODULES:
+        module = importlib.import_module(f"jaxhistory.{name}")
         monkeypatch.setattr(module, "speedups", chosen)
     return chosen

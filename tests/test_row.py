@@ -145,12 +145,12 @@ def test_a_repeated_dict_parses_as_the_first_did(make):
 
 
 def _parsed_without_cache(metrics, row):
-    saved = row_module._last[0]
-    row_module._last[0] = None
+    saved = row_module.LAST_REPEAT[0]
+    row_module.LAST_REPEAT[0] = None
     try:
         return parse_row(metrics, None, row.step, row.timestamp)
     finally:
-        row_module._last[0] = saved
+        row_module.LAST_REPEAT[0] = saved
 
 
 @pytest.mark.parametrize(

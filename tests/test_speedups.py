@@ -60,8 +60,12 @@ def test_pure_python_can_be_chosen_in_the_environment():
     import subprocess
     import sys
 
+    import importlib.util
+
     code = "import jaxhistory._compiled as c; print(c.speedups is None)"
-    for value, pure in (("1", "True"), ("0", str(C is None)), ("", str(C is None))):
+    built = importlib.util.find_spec("jaxhistory._speedups") is not None
+    # (this process may run with the variable set: what is built decides)
+    for value, pure in (("1", "True"), ("0", str(not built)), ("", str(not built))):
         env = dict(os.environ, JAXHISTORY_PURE_PYTHON=value)
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True
@@ -483,8 +487,38 @@ updates = st.lists(
 )
 
 
+def _host_modules():
+    import importlib
+
+    from conftest import HOST_PATH_MODULES
+
+    return [importlib.import_module(f"jaxhistory.{n}") for n in HOST_PATH_MODULES]
+
+
+def test_the_fixtures_switch_every_module_that_calls_the_helpers():
+    """host_path, these tests and bench_history turn the helpers off module
+    by module: a module that calls them and is missing from the list would
+    keep its compiled path in the runs meant to be Python alone."""
+    import pathlib
+    import re
+
+    from conftest import HOST_PATH_MODULES
+
+    root = pathlib.Path(jh.__file__).parent
+    calling = sorted(
+        p.stem
+        for p in root.rglob("*.py")
+        if "from jaxhistory._compiled import speedups" in p.read_text()
+    )
+    assert calling == sorted(HOST_PATH_MODULES)
+    bench = (root.parent / "benchmarks" / "bench_history.py").read_text()
+    listed = re.search(r"modules = \(([^)]*)\)", bench)
+    assert listed is not None
+    assert sorted(n.strip() for n in listed[1].split(",") if n.strip()) == calling
+
+
 def _run(tmp_path, sequence, use_c, tag):
-    modules = (_history_state, _recorder, _summary, _codec)
+    modules = _host_modules()
     saved = {m: m.speedups for m in modules}
     for module in saved:
         module.speedups = C if use_c else None
@@ -578,3 +612,121 @@ def test_compiled_helpers_run_beside_threads_that_read_the_state():
         done.set()
         reader.join()
     assert h.state.values("a").tolist() == [float(i) for i in range(n)]
+
+
+# --- HistoryState.update ------------------------------------------------------
+
+state_dicts = st.one_of(
+    st.fixed_dictionaries({"a": st.floats(-1e6, 1e6), "b": st.floats(-1e6, 1e6)}),
+    st.fixed_dictionaries({"step": st.integers(-2, 40), "a": st.floats(-1e6, 1e6)}),
+    st.fixed_dictionaries({"a": st.floats(-1e6, 1e6), "step": st.integers(-2, 40)}),
+    st.fixed_dictionaries({"a": values, "b": st.floats()}),
+    st.fixed_dictionaries({"c": st.floats(-1e6, 1e6)}),
+)
+state_ops = st.lists(
+    st.tuples(st.integers(0, 3), state_dicts), min_size=1, max_size=120
+)
+
+
+def _states(ops, use_c):
+    """The states a run of ``state = states[-1 - back].update(m)`` makes, with
+    the compiled helpers or without (and each update's error, if any)."""
+    from jaxhistory import _row
+
+    modules = _host_modules()
+    saved = {m: m.speedups for m in modules}
+    saved_repeat = _row.LAST_REPEAT[0]
+    for module in modules:
+        module.speedups = C if use_c else None
+    _row.LAST_REPEAT[0] = None
+    states, errors = [jh.HistoryState()], []
+    try:
+        for back, m in ops:
+            base = states[max(0, len(states) - 1 - back)]
+            try:
+                states.append(base.update(dict(m)))
+            except (TypeError, ValueError) as err:
+                errors.append(str(err))
+    finally:
+        for module, value in saved.items():
+            module.speedups = value
+        _row.LAST_REPEAT[0] = saved_repeat
+    return states, errors
+
+
+def _assert_same_states(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys == y.keys and x.next_step == y.next_step
+        for key in x.keys:
+            np.testing.assert_array_equal(x.steps(key), y.steps(key))
+            np.testing.assert_array_equal(x.values(key), y.values(key))
+            assert x.dtype(key) == y.dtype(key)
+
+
+@needs_c
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(state_ops)
+def test_state_updates_compiled_record_what_python_records(ops):
+    """Every state of a run, older states updated again (branches) included,
+    holds the same steps and values with the compiled update or without, and
+    the same updates are refused with the same errors."""
+    a, errors_a = _states(ops, True)
+    b, errors_b = _states(ops, False)
+    assert errors_a == errors_b
+    _assert_same_states(a, b)
+
+
+@needs_c
+def test_state_updates_compiled_past_the_stage_and_across_branches():
+    """Hundreds of rows (the staged rows move into the arrays every 256),
+    with a branch taken from an old state now and then: its rows go into a
+    copy, and the state it came from keeps what it had."""
+    ops = []
+    for i in range(700):
+        back = 5 if i % 97 == 50 else 0
+        m = {"step": 2 * i, "a": i / 3, "b": -i} if i % 2 else {"a": i / 7, "b": 0.5}
+        ops.append((back, m))
+    a, errors_a = _states(ops, True)
+    b, errors_b = _states(ops, False)
+    assert errors_a == errors_b
+    _assert_same_states(a, b)
+    assert a[-1].count("a") > 600
+
+
+@needs_c
+def test_state_update_compiled_declines_with_nothing_done():
+    """Where the compiled update does not apply, NotImplemented and no
+    change: no remembered dict, another dict, a table with no rows yet, a
+    table of non-float values, an explicit step, another state's end."""
+    from jaxhistory import _row
+
+    consts = _history_state._STATE_COMPILED
+    saved = _row.LAST_REPEAT[0]
+    try:
+        s = jh.HistoryState().update({"a": 1.0})
+        _row.LAST_REPEAT[0] = None
+        assert C.state_update(s, {"a": 2.0}, consts) is NotImplemented
+        s = s.update({"a": 2.0})  # remembers {"a": float}
+        assert C.state_update(s, {"b": 2.0}, consts) is NotImplemented
+        assert C.state_update(s, {"a": 2}, consts) is NotImplemented
+        assert C.state_update(s, {"a": math.inf}, consts) is NotImplemented
+        assert C.state_update(s, [("a", 2.0)], consts) is NotImplemented
+        empty = Table(("a",), (np.float64,), ((),))
+        empty.ptypes = s.data.tables[("a",)][0].ptypes  # floats, but no rows
+        fresh = jh.HistoryState(data=s.data.__class__({("a",): (empty, 0)}))
+        assert C.state_update(fresh, {"a": 2.0}, consts) is NotImplemented
+        ints = jh.HistoryState().update({"a": 1}).update({"a": 2})
+        _row.LAST_REPEAT[0] = Repeat(("a",), ("a",), None)
+        assert C.state_update(ints, {"a": 3.0}, consts) is NotImplemented
+        older = s
+        newer = C.state_update(s, {"a": 3.0}, consts)
+        assert newer.values("a").tolist() == [1.0, 2.0, 3.0]
+        assert C.state_update(older, {"a": 4.0}, consts) is NotImplemented
+        assert older.values("a").tolist() == [1.0, 2.0]
+        assert older.update({"a": 4.0}).values("a").tolist() == [1.0, 2.0, 4.0]
+        assert newer.values("a").tolist() == [1.0, 2.0, 3.0]
+        with pytest.raises(TypeError, match="3 arguments"):
+            C.state_update(s, {"a": 1.0})
+    finally:
+        _row.LAST_REPEAT[0] = saved
