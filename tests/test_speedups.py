@@ -57,10 +57,9 @@ def test_the_compiled_helpers_are_built():
 
 
 def test_pure_python_can_be_chosen_in_the_environment():
+    import importlib.util
     import subprocess
     import sys
-
-    import importlib.util
 
     code = "import jaxhistory._compiled as c; print(c.speedups is None)"
     built = importlib.util.find_spec("jaxhistory._speedups") is not None
