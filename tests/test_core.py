@@ -813,7 +813,10 @@ inside = [False]  # interrupts only around the update (the loop's own code
 
 
 def interrupt(signum, frame):
+    # one interrupt per update at most: a second one landing in the except
+    # clause below would escape the loop (the script's fault, not History's)
     if inside[0]:
+        inside[0] = False
         raise KeyboardInterrupt
 
 
@@ -826,8 +829,13 @@ while time.monotonic() < deadline:
         n += 1
         h.update({"a": float(n), "b": 0.5}, summarize=n % 3 == 0)
         inside[0] = False
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, RuntimeError) as err:
+        # (RuntimeError: one landing inside threading's own Condition.wait
+        # as the log's thread starts, where CPython then releases an unlocked
+        # lock; the update is interrupted all the same)
         inside[0] = False
+        if type(err) is RuntimeError and "unlocked lock" not in str(err):
+            raise
         hits += 1
 signal.setitimer(signal.ITIMER_REAL, 0, 0)
 h.close()
@@ -843,7 +851,7 @@ def test_a_ctrl_c_anywhere_in_update_never_leaves_a_short_log_unmarked(tmp_path,
     the history): random interrupts in a process of its own, thousands of
     updates, compiled and as Python alone."""
     log = tmp_path / "m.jsonl"
-    finished = 0
+    finished, unfinished = 0, []
     for _ in range(3):
         # (timeout: a Ctrl-C that left a lock held hung the close at the end)
         out = subprocess.run(
@@ -855,6 +863,7 @@ def test_a_ctrl_c_anywhere_in_update_never_leaves_a_short_log_unmarked(tmp_path,
         )
         counts = out.stdout.split()
         if len(counts) != 3:  # an interrupt the script itself did not catch
+            unfinished.append(out.stderr[-600:])
             continue
         finished += 1
         hits, recorded, failed = map(int, counts)
@@ -863,4 +872,4 @@ def test_a_ctrl_c_anywhere_in_update_never_leaves_a_short_log_unmarked(tmp_path,
         assert lines <= recorded
         assert failed or lines == recorded, (lines, recorded)
         log.unlink()
-    assert finished >= 2
+    assert finished >= 2, unfinished
