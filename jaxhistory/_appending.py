@@ -378,6 +378,10 @@ def adds_as_float(values: tuple) -> bool:
     exact float only for Python floats and ints, or objects that act like
     them; NumPy and JAX values dispatch to their own arithmetic): a float64
     table takes them as it takes numbers."""
+    if any(isinstance(v, np.generic) for v in values):
+        # (never a Python float's sum; and summed, a float32 beside a float
+        # past its range warned of an overflow in a cast)
+        return False
     try:
         total = sum(values, 0.0)
     except Exception:  # strings, nested dicts, ints too large for a float

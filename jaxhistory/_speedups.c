@@ -1069,7 +1069,7 @@ none:
     Py_RETURN_NONE;
 }
 
-static PyObject *str__lock, *str__closed, *str__queue, *str__wake_thread;
+static PyObject *str__closed, *str__queue, *str__wake_thread;
 static PyObject *str_WAKE_AT, *str_MAX_PENDING, *str__backpressure;
 
 /* _writer.Writer.add: add(writer, item, closed_error) -> None. Queues
@@ -1084,10 +1084,12 @@ add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *writer = args[0], *item = args[1];
-    PyObject *lock = acquire(writer, str__lock);
-    if (lock == NULL) {
-        return NULL;
-    }
+    /* Without the writer's lock: from reading _closed to the append, nothing
+     * here runs Python code (plain instance attributes, a list append, no
+     * reference dropped to zero), so no other thread runs in between (the
+     * GIL, which this module never declares it can do without), and a
+     * close() or a _take() on another thread sees the item queued before it
+     * or the writer closed, as with the lock. */
     Py_ssize_t n = -1;
     PyObject *closed = PyObject_GetAttr(writer, str__closed);
     int is_closed = closed == NULL ? -1 : PyObject_IsTrue(closed);
@@ -1106,9 +1108,6 @@ add(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             }
             Py_DECREF(queue);
         }
-    }
-    if (release(lock) < 0) {
-        return NULL;
     }
     if (n < 0) {
         return NULL;
@@ -1381,14 +1380,13 @@ PyInit__speedups(void)
         !str_move_stage) {
         return NULL;
     }
-    str__lock = PyUnicode_InternFromString("_lock");
     str__closed = PyUnicode_InternFromString("_closed");
     str__queue = PyUnicode_InternFromString("_queue");
     str__wake_thread = PyUnicode_InternFromString("_wake_thread");
     str_WAKE_AT = PyUnicode_InternFromString("WAKE_AT");
     str_MAX_PENDING = PyUnicode_InternFromString("MAX_PENDING");
     str__backpressure = PyUnicode_InternFromString("_backpressure");
-    if (!str__lock || !str__closed || !str__queue || !str__wake_thread ||
+    if (!str__closed || !str__queue || !str__wake_thread ||
         !str_WAKE_AT || !str_MAX_PENDING || !str__backpressure) {
         return NULL;
     }

@@ -227,3 +227,20 @@ def test_a_repeated_row_is_queued_as_a_dict_the_garbage_collector_does_not_track
     metrics["loss"] = 9.0
     assert item["loss"] == 0.25
     assert not gc.is_tracked(item) and gc.is_tracked(row)
+
+
+def test_a_float32_beside_a_float_past_its_range_records_without_a_warning():
+    """A NumPy float32 and a Python float too large for float32 in one row of
+    a float table: recorded exactly, with no overflow warning from the check
+    of how the row adds up."""
+    import warnings
+
+    import jaxhistory as jh
+
+    s = jh.HistoryState().update({"a": 0.5, "b": 1.0})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = s.update({"a": np.float32(2.5), "b": 1e308})
+    assert [str(w.message) for w in caught] == []
+    assert s.values("a").tolist() == [0.5, 2.5]
+    assert s.values("b").tolist() == [1.0, 1e308]
