@@ -469,6 +469,51 @@ def test_add_compiled_queues_wakes_and_refuses_as_writer_add_does():
     assert len(w.target.items) == w.MAX_PENDING
 
 
+@needs_c
+def test_add_compiled_loses_nothing_beside_takes_and_a_close_on_other_threads():
+    """The compiled add() takes no lock: items added on one thread while
+    others flush (take the queue) and one closes the writer are each written
+    once, in order, or refused once it is closed."""
+    w = _writer.Writer(_Target())
+    added, refused = [], []
+    stop = threading.Event()
+
+    def flush():
+        while not stop.is_set():
+            w.flush()
+
+    flushers = [threading.Thread(target=flush) for _ in range(2)]
+    for t in flushers:
+        t.start()
+
+    def close_soon():
+        time.sleep(0.3)
+        w.close()
+
+    closer = threading.Thread(target=close_soon)
+    closer.start()
+    try:
+        deadline = time.monotonic() + 30
+        i = 0
+        while time.monotonic() < deadline:
+            try:
+                C.add(w, i, _writer.WriterClosed)
+                added.append(i)
+            except _writer.WriterClosed:
+                refused.append(i)
+                break
+            i += 1
+    finally:
+        stop.set()
+        closer.join()
+        for t in flushers:
+            t.join()
+    w.close()
+    assert refused and added
+    assert w.target.items == added  # each once, in order
+    assert refused[0] == added[-1] + 1
+
+
 # --- whole runs, both ways --------------------------------------------------------
 
 updates = st.lists(
