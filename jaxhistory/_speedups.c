@@ -878,8 +878,15 @@ state_update(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *table = PyTuple_GET_ITEM(found, 0), *n = PyTuple_GET_ITEM(found, 1);
     entry = Py_NewRef(found); /* (keeps table and n alive) */
-    ptypes = PyObject_GetAttr(table, str_ptypes);
+    ptypes = PyLong_CheckExact(n) ? PyObject_GetAttr(table, str_ptypes) : NULL;
     if (ptypes == NULL) {
+        /* not a Table (a tree transformation's placeholders): the Python
+         * path says what is wrong */
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            goto done;
+        }
+        PyErr_Clear();
+        result = Py_NewRef(Py_NotImplemented);
         goto done;
     }
     /* a table with rows: a first row derives the index (Tables.carry) */

@@ -760,6 +760,9 @@ def test_state_update_compiled_declines_with_nothing_done():
         empty.ptypes = s.data.tables[("a",)][0].ptypes  # floats, but no rows
         fresh = jh.HistoryState(data=s.data.__class__({("a",): (empty, 0)}))
         assert C.state_update(fresh, {"a": 2.0}, consts) is NotImplemented
+        for placeholder in (np.zeros(2), object()):  # not a Table
+            odd = jh.HistoryState(data=s.data.__class__({("a",): (placeholder, 2)}))
+            assert C.state_update(odd, {"a": 2.0}, consts) is NotImplemented
         ints = jh.HistoryState().update({"a": 1}).update({"a": 2})
         _row.LAST_REPEAT[0] = Repeat(("a",), ("a",), None)
         assert C.state_update(ints, {"a": 3.0}, consts) is NotImplemented
