@@ -61,13 +61,13 @@ from jax.sharding import PartitionSpec as P
 
 import jaxhistory
 from jaxhistory import (
-    _appending,
     _codec,
     _compiled,
     _history_state,
     _recorder,
     _row,
     _summary,
+    _table,
 )
 from jaxhistory.sentinels import NonFinite, Spike
 
@@ -212,7 +212,7 @@ def host_path(python: bool):
     """With ``python``: the host path's compiled helpers (``_speedups.c``)
     turned off for the block, as ``JAXHISTORY_PURE_PYTHON=1`` turns them off
     for a process (what a machine without a C compiler at install time runs)."""
-    modules = (_appending, _codec, _history_state, _recorder, _row, _summary)
+    modules = (_codec, _history_state, _recorder, _row, _summary, _table)
     saved = [m.speedups for m in modules]
     try:
         for m in modules:

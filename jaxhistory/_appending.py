@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any, cast
 import jax
 import numpy as np
 
-from jaxhistory._compiled import speedups
 from jaxhistory._dtypes import (
     ALL_FLOATS,
     INT64_MAX,
@@ -33,7 +32,7 @@ from jaxhistory._dtypes import (
 from jaxhistory._names import PROVENANCE, check_nul, empty_name, stat_names
 from jaxhistory._row import Row, RowKind
 from jaxhistory._stats import Stats
-from jaxhistory._table import STAGE, Table, device_signature, needs_host_copy
+from jaxhistory._table import Table, device_signature, needs_host_copy
 
 if TYPE_CHECKING:
     from jaxhistory._history_state import HistoryState
@@ -419,12 +418,7 @@ def appended(state: HistoryState, row: Row, owned: bool = False):
             # numbers into a float64 table that earlier all-float rows made: in
             # place where this state owns the table's end (not where an older
             # state appended again, or another thread first)
-            if speedups is None:
-                in_place = table.append_at(n, step, values)
-            else:  # the same, compiled (2: staged, and the stage is full)
-                in_place = speedups.stage(table, n, step, values, STAGE)
-                if in_place == 2:
-                    table.flush()
+            in_place = table.append_at(n, step, values)
             if not in_place:
                 table = append_row(table, n, step, values)
             new = tables.copy()

@@ -656,12 +656,7 @@ class Appender:
         if table is None:
             table = self._state.data.tables[names][0]
         # in place, unless another state appended to it first: then a copy
-        if speedups is None:
-            staged = table.append_at(self._n, step, values)
-        else:  # the same, compiled (2: staged, and the stage is full)
-            staged = speedups.stage(table, self._n, step, values, STAGE)
-            if staged == 2:
-                table.flush()
+        staged = table.append_at(self._n, step, values)
         if not staged:
             table = _appending.append_row(table, self._n, step, values)
         self._table, self._n, self.next_step = table, self._n + 1, step + 1
