@@ -73,6 +73,9 @@ BATCH_MAX = 64  # updates a batch of values to reduce holds at most
 # values (updates x names) a batch holds at most: each process posts 64 bytes
 # a value to the key-value store, so at most 1 MiB a batch
 BATCH_VALUES = 16_384
+# What Reducer.split makes of a value
+_PLAIN, _REDUCED, _CHECKED = object(), object(), object()
+_ARRAY_OR_STATS = (jax.Array, Stats)
 
 
 def distributed_default() -> bool:
@@ -139,6 +142,9 @@ class Reducer:
         self._fns: dict[tuple, Any] = {}  # jitted reductions per set of layouts
         self._id = next(_REDUCERS)
         self._agreed: set[tuple[str, ...]] = set()  # name sets all processes use
+        # name -> (the sharding and type of its latest JAX array, what split
+        # made of it)
+        self._kinds: dict[str, tuple[Any, type, object]] = {}
         # (rounds of names agreed, the names, the step) of the latest reduction:
         # read by the hang watch's thread to answer a process whose names changed
         self.latest: tuple[int, tuple[str, ...], int] | None = None
@@ -165,20 +171,50 @@ class Reducer:
     def split(self, items: list[tuple[str, Any]]) -> tuple[list, list]:
         """(recorded as they are, reduced across devices/processes)."""
         plain, reduce = [], []
+        kinds = self._kinds
         for name, value in items:
-            if name in COUNTER_KEYS:
-                plain.append((name, value))
-            elif is_per_device(value) or (
-                self.multi_process
-                and not isinstance(value, jax.Array | Stats)
-                and np.ndim(value) == 0
+            # A JAX array's kind depends on its sharding alone (a scalar is
+            # replicated): kept per name, for as long as the sharding is the
+            # same object (a jitted step returns the same one every call).
+            sharding = getattr(value, "sharding", None)
+            known = kinds.get(name)
+            if (
+                known is not None
+                and known[0] is sharding
+                and known[1] is type(value)
+                and sharding is not None
             ):
+                kind = known[2]
+            else:
+                kind = self._kind(name, value)
+                if sharding is not None and isinstance(value, jax.Array):
+                    if len(kinds) >= 4096:  # bounded: names that come and go
+                        kinds.clear()
+                    kinds[name] = (sharding, type(value), kind)
+            if kind is _REDUCED:
                 reduce.append((name, value))
             else:
                 plain.append((name, value))
-                if self.multi_process and _process_local(value):
+                if kind is _CHECKED:
                     reduce.append((SAME + name, _checksum(value)))
         return plain, reduce
+
+    def _kind(self, name: str, value: Any) -> object:
+        """Whether ``value`` is reduced, recorded as it is, or recorded as it
+        is with a checksum (a value of this process alone)."""
+        if name in COUNTER_KEYS:
+            return _PLAIN
+        if type(value) is float or type(value) is int:  # the common host scalar
+            return _REDUCED if self.multi_process else _PLAIN
+        if is_per_device(value) or (
+            self.multi_process
+            and not isinstance(value, _ARRAY_OR_STATS)
+            and np.ndim(value) == 0
+        ):
+            return _REDUCED
+        if self.multi_process and _process_local(value):
+            return _CHECKED
+        return _PLAIN
 
     def check_same(self, wait_all: bool = False) -> None:
         """Raises ValueError when a value recorded as it is differed across
@@ -332,7 +368,7 @@ class Reducer:
             return _placed(row, items, plain, reduce, stats, straggler), [], mesh
         if reduce:
             for name, value in reduce:  # now: a batch never fails at its end
-                if not isinstance(value, jax.Array):
+                if type(value) is not float and not isinstance(value, jax.Array):
                     _numeric(name, value)
             arrived, now = self._arrived(reduce, row.step)
             assert self.latest is not None  # _arrived set it
@@ -605,9 +641,11 @@ def _constants_stay(stats: Stats) -> Stats:
 
 
 @functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=16)
 def _processes(mesh: jax.sharding.Mesh) -> tuple[int, ...]:
     """The processes holding ``mesh``'s devices, ascending: the order of the
-    arrival lags."""
+    arrival lags (kept per mesh: one pass over its devices, not one an
+    update)."""
     return tuple(sorted({d.process_index for d in mesh.devices.flat}))
 
 

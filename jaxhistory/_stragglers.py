@@ -88,8 +88,9 @@ class StragglerScores:
 
     def _score(self, chunk: list) -> tuple[int, dict]:
         processes = chunk[-1][3]
-        same = [c for c in chunk if c[3] == processes]
-        lags = np.stack([np.asarray(c[2], np.float64) for c in same])  # (W, P)
+        same = [c[2] for c in chunk if c[3] is processes or c[3] == processes]
+        # one conversion of the whole window (a row of a batch's lags each)
+        lags = np.array(same, np.float64)  # (W, P)
         times = np.asarray([c[1] for c in chunk], np.float64)
         interval = float(np.median(np.diff(times))) if len(times) > 1 else 0.0
         median = np.median(lags, axis=0)

@@ -662,9 +662,15 @@ def batched_run(
         )
     history.close()
     state = history.state
+    # what the batches left in the store: the last one's keys only
+    client = _distributed.distributed_client()
+    left = [
+        k for k, _ in client.key_value_dir_get_bytes("jaxhistory/") if "/batch" in k
+    ]
     return {
         "programs": programs,
         "batches": batches,
+        "store": sorted(k.split("/", 2)[2] for k in left),
         "lines": lines,
         "records": {k: np.asarray(state.values(k)).tolist() for k in state.keys},
         "steps": {k: np.asarray(state.steps(k)).tolist() for k in state.keys},

@@ -229,8 +229,10 @@ class Store:
             return self.data[key]
 
     def key_value_delete(self, key):
+        """Deletes ``key`` and every key under it, as the runtime's store does."""
         self.deleted.append(key)
-        self.data.pop(key, None)
+        for k in [k for k in self.data if k == key or k.startswith(f"{key}/")]:
+            del self.data[k]
 
 
 def _batch(store, key, previous=None, mesh=None, updates=None, current=lambda: True):
@@ -248,7 +250,7 @@ def _batch(store, key, previous=None, mesh=None, updates=None, current=lambda: T
     )
 
 
-def test_the_leader_combines_posts_the_result_and_deletes_the_one_before(mesh):
+def test_the_leader_combines_posts_the_result_and_deletes_the_batch_before(mesh):
     store = Store()
     loss = jax.device_put(
         np.arange(8, dtype=np.float32), NamedSharding(mesh, P("data"))
@@ -262,14 +264,15 @@ def test_the_leader_combines_posts_the_result_and_deletes_the_one_before(mesh):
     assert dict(stats)["x/mean"] == 2.0 and dict(stats)["loss/max"] == 1.5
     posted = unpack(store.data["k/batch1/result"])
     assert posted["table"].shape == (1, 4, 2)  # one update, two values
-    assert store.deleted == ["k/batch0/result"] and "k/batch0/result" not in store.data
+    # batch0's keys, its result and every post, went in one call; batch1's stay
+    assert store.deleted == ["k/batch0"]
+    assert sorted(store.data) == ["k/batch1/result"]
 
 
-def test_another_process_posts_reads_the_leaders_result_and_deletes_its_post(
-    monkeypatch,
-):
+def test_another_process_posts_and_reads_the_leaders_result(monkeypatch):
     """Process 0 playing a process other than the leader: it posts its
-    partials, waits for the leader's result and deletes its post."""
+    partials and waits for the leader's result; its post stays (the leader
+    deletes the whole batch once every process has posted the next)."""
     monkeypatch.setattr(_host_batches, "LEADER", 1)
     store = Store()
     items = [("loss", 1.5), ("x", 2.0)]
@@ -284,7 +287,7 @@ def test_another_process_posts_reads_the_leaders_result_and_deletes_its_post(
     [(stats, _, _)] = batch.result()
     assert dict(stats)["loss/mean"] == 2.5 and dict(stats)["loss/argmax"] == 8
     assert dict(stats)["x/std"] == 0.0
-    assert store.deleted == ["k/batch0/0"]
+    assert store.deleted == [] and "k/batch0/0" in store.data
 
 
 def test_a_process_that_posts_other_steps_makes_every_process_raise(monkeypatch):
@@ -369,3 +372,54 @@ def test_a_result_goes_through_the_store_as_it_was():
             unpack(bad)
     with pytest.raises(TypeError, match="'names'"):
         pack({"names": np.array(["a"])})  # not numbers
+
+
+def test_partials_of_mixed_names_are_those_of_each_name_alone(mesh):
+    """Host scalars (their partials made in one pass) among JAX arrays, over
+    three updates: each name's partials are what it gives on its own."""
+    index = global_index()
+    rng = np.random.default_rng(3)
+    sharded = NamedSharding(mesh, P("data"))
+    updates = []
+    for u in range(3):
+        a = rng.normal(size=8).astype(np.float32)
+        updates.append(
+            [
+                ("a", jax.device_put(a, sharded)),
+                ("b", [0.5, float("nan"), float("inf")][u]),
+                ("c", jax.device_put(a * 2, sharded)),
+                ("d", float(u)),
+            ]
+        )
+    together = partials(updates, 4, 2, index)
+    for j, (name, _) in enumerate(updates[0]):
+        alone = partials([[items[j]] for items in updates], 4, 2, index)
+        np.testing.assert_array_equal(together[j], alone[0], err_msg=name)
+    assert together[1, _host_batches.NAN_DEVICE].tolist() == [-1, 2, -1]
+    outside = partials(updates, 0, -1, index)  # no device of the mesh here
+    for j in (1, 3):  # the host scalars count nothing; the arrays as before
+        assert outside[j, _host_batches.COUNT].tolist() == [0, 0, 0]
+        assert outside[j, _host_batches.NAN_DEVICE].tolist() == [-1, -1, -1]
+    np.testing.assert_array_equal(outside[[0, 2]], together[[0, 2]])
+
+
+def test_a_names_split_follows_its_sharding(mesh):
+    """What split makes of a name is kept per sharding: the same name as a
+    replicated array (recorded as it is), then per device (reduced), then
+    replicated again, then a host scalar (recorded as it is with one
+    process)."""
+    reducer = _distributed.Reducer()
+    replicated = jax.device_put(np.float32(1.0), NamedSharding(mesh, P()))
+    per_device = jax.device_put(np.arange(8.0), NamedSharding(mesh, P("data")))
+    for value, reduced in [
+        (replicated, False),
+        (replicated + 1, False),
+        (per_device, True),
+        (per_device * 2, True),
+        (replicated, False),
+        (2.5, False),
+        (per_device, True),
+    ]:
+        plain, reduce = reducer.split([("x", value), ("step", 3)])
+        assert [n for n, _ in reduce] == (["x"] if reduced else []), value
+        assert [n for n, _ in plain] == (["step"] if reduced else ["x", "step"])
