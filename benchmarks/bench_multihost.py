@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         table = bench([2], steps=16, warmup=8, repeats=3)
         launch = bench_launch(2, repeats=3)
     else:
-        table = bench([2, 4], steps=48, warmup=16, repeats=16)
+        table = bench([2, 4], steps=48, warmup=16, repeats=32)
         launch = bench_launch(2, repeats=15)
     import jax
     from _common import report
