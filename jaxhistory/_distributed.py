@@ -641,11 +641,9 @@ def _constants_stay(stats: Stats) -> Stats:
 
 
 @functools.lru_cache(maxsize=16)
-@functools.lru_cache(maxsize=16)
 def _processes(mesh: jax.sharding.Mesh) -> tuple[int, ...]:
     """The processes holding ``mesh``'s devices, ascending: the order of the
-    arrival lags (kept per mesh: one pass over its devices, not one an
-    update)."""
+    arrival lags."""
     return tuple(sorted({d.process_index for d in mesh.devices.flat}))
 
 

@@ -22,9 +22,10 @@ Batches are reduced one after another, on one thread per process: a process
 posts batch ``n`` only after reading the result of batch ``n - 1``, so process
 0, once it has read every post of batch ``n``, deletes batch ``n - 1``'s keys
 (every post and the result: one call to the store; the keys of at most two
-batches stay there). Each batch takes three calls to the store on each process
-(at two processes): a post and a read, and process 0's delete. The caller
-keeps at most two batches in flight.
+batches stay there). At two processes a batch takes two calls to the store on
+process 1 (its post, reading the result) and three on process 0 (reading that
+post, deleting the batch before, posting the result). The caller keeps at most
+two batches in flight.
 """
 
 from __future__ import annotations
