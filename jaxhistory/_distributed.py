@@ -25,6 +25,7 @@ from jaxhistory._env import env_flag
 from jaxhistory._host_batches import (
     Combined,
     HostBatch,
+    batch_key,
     combine,
     result_dtype,
     results,
@@ -159,7 +160,6 @@ class Reducer:
         self._batch_names: tuple[str, ...] = ()
         self._inflight: list[tuple] = []  # batches started, not yet fetched
         self._batches = itertools.count()  # numbers batches alike in every process
-        self._last: HostBatch | None = None  # the latest batch started
         self._open = False  # whether updates were batched since the last close
         self.batch_error: Exception | None = None  # of a batch fetched, not raised
         # reductions (one per update, or per batch) so far: when checksums are due
@@ -424,17 +424,17 @@ class Reducer:
         if not isinstance(mesh, jax.sharding.Mesh):
             mesh = _all_devices_mesh()
         client = _client()
+        key, drop = batch_key(f"jaxhistory/reducer{self._id}", next(self._batches))
         handle = HostBatch(
             updates,
-            f"jaxhistory/reducer{self._id}/batch{next(self._batches)}",
-            self._last,
+            key,
+            drop,
             client,
             functools.partial(client_is_current, client),
             _combine_batch,
             _split_batch,
             mesh,
         )
-        self._last = handle
         self._inflight.append(
             (batch, handle, mesh, bool(arrays), self._batch_names, self._clock + 1)
         )

@@ -19,13 +19,16 @@ float64 sums rounded to the result's dtype, not float32 sums, so they can
 differ from the device reduction's in the last bit.
 
 Batches are reduced one after another, on one thread per process: a process
-posts batch ``n`` only after reading the result of batch ``n - 1``, so process
-0, once it has read every post of batch ``n``, deletes batch ``n - 1``'s keys
-(every post and the result: one call to the store; the keys of at most two
-batches stay there). At two processes a batch takes two calls to the store on
-process 1 (its post, reading the result) and three on process 0 (reading that
-post, deleting the batch before, posting the result). The caller keeps at most
-two batches in flight.
+posts batch ``n`` only after reading the result of batch ``n - 1``. Batches
+are kept in the store in groups of :data:`GROUP` (under one key each,
+:func:`batch_key`): once process 0 has read every post of the first batch of
+a group, every process has read every result of the group before, and
+process 0 deletes that group's keys (every post and result of its batches)
+in one call. So the keys of at most ``GROUP + 1`` batches stay in the store,
+and a batch takes two calls to the store on every process at two processes
+(process 1: its post and reading the result; process 0: reading that post
+and posting the result), plus one call on process 0 every ``GROUP`` batches.
+The caller keeps at most two batches in flight.
 """
 
 from __future__ import annotations
@@ -49,9 +52,11 @@ from jaxhistory._tree import acc_dtype
 
 __all__ = [
     "FIELDS",
+    "GROUP",
     "Combined",
     "Exiting",
     "HostBatch",
+    "batch_key",
     "combine",
     "of_rows",
     "of_values",
@@ -66,6 +71,7 @@ __all__ = [
 YIELD_S = 5e-5  # the pause between pieces of work (see _let_others_run)
 POLL_S = 1.0  # how long one read of the store waits before checking for exit
 LEADER = 0  # the process that combines every batch
+GROUP = 8  # batches whose keys go in one delete (see the module's notes)
 
 # What one process holds of one value at each of a batch's U updates: a
 # float64 (8, U) array, in this order (device indices as floats, exact):
@@ -87,19 +93,28 @@ def _empty(updates: int) -> np.ndarray:
     return part
 
 
-def of_rows(x: np.ndarray, devices: np.ndarray) -> np.ndarray:
+def of_rows(x: np.ndarray, devices: np.ndarray, ordered: bool = False) -> np.ndarray:
     """The ``(8, U)`` partial of ``U`` rows of values ``x`` (``(U, m)``,
-    float64), the ``m`` values of each row held by ``devices`` (``(m,)``)."""
+    float64), the ``m`` values of each row held by ``devices`` (``(m,)``;
+    ``ordered``: in increasing order, which lets a row's first maximum and
+    minimum name the lowest device holding them)."""
     updates, m = x.shape
     if m == 0:
         return _empty(updates)
     part = np.empty((len(FIELDS), updates))
-    held = devices.astype(np.float64)[None]
     with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf pass on
         part[COUNT] = m
         part[MEAN] = mean = x.mean(axis=1)
         part[M2] = np.square(x - mean[:, None]).sum(axis=1)
         nan = np.isnan(x)
+        if ordered and not nan.any():  # the first extreme is at the lowest device
+            part[NAN_DEVICE] = -1
+            part[MAX] = x.max(axis=1)
+            part[ARGMAX] = devices[x.argmax(axis=1)]
+            part[MIN] = x.min(axis=1)
+            part[ARGMIN] = devices[x.argmin(axis=1)]
+            return part
+        held = devices.astype(np.float64)[None]
         part[NAN_DEVICE] = np.where(
             nan.any(axis=1), np.where(nan, held, NO_DEVICE).min(axis=1), -1
         )
@@ -118,9 +133,11 @@ def of_values(x: np.ndarray, devices: np.ndarray) -> np.ndarray:
 
 
 def _owned(value: jax.Array, index: dict[int, int]) -> list[tuple[Any, Any, int]]:
-    """For each of this process's shards of ``value``: which of its elements
-    count here (those whose lowest holding device is the shard's) and that
-    device. Kept for the latest layout (every update of a name has the same)."""
+    """For each of this process's shards of ``value`` that holds elements
+    counted here (those whose lowest holding device is the shard's): its
+    position among the addressable shards, which of its elements count (None:
+    all of them) and that device, in the order of the devices. Kept for the
+    latest layout (every update of a name has the same)."""
     sharding, shape = value.sharding, value.shape
     last = _OWNED[0]
     if (
@@ -136,7 +153,8 @@ def _owned(value: jax.Array, index: dict[int, int]) -> list[tuple[Any, Any, int]
         device = index[shard.device.id]
         owned = layout.holders[layout.rank[shard.index]] == device
         if owned.any():
-            out.append((k, owned, device))
+            out.append((k, None if owned.all() else owned, device))
+    out.sort(key=lambda entry: entry[2])
     _OWNED[0] = (sharding, shape, index, out)
     return out
 
@@ -149,20 +167,25 @@ def _of_arrays(values: list[jax.Array], index: dict[int, int]) -> np.ndarray:
     """The partial of a batch's arrays of one name (each waited for): the
     elements of each whose lowest holding device is one of this process's."""
     first = values[0]
+    sharding, shape = first.sharding, first.shape
     if all(
-        v.shape == first.shape and v.sharding == first.sharding for v in values[1:]
-    ):  # one layout: all rows at once
+        v.shape == shape and (v.sharding is sharding or v.sharding == sharding)
+        for v in values[1:]
+    ):  # one layout: all rows at once, a shard's rows in one block
         owned = _owned(first, index)
         if not owned:
             return _empty(len(values))
-        # addressable_data(k) is addressable_shards[k].data without making
-        # every Shard (their indices): a third of the reading's time
-        rows = [
-            np.concatenate([np.asarray(v.addressable_data(k))[m] for k, m, _ in owned])
-            for v in values
-        ]
-        devices = np.concatenate([np.full(int(m.sum()), d) for _, m, d in owned])
-        return of_rows(np.stack(rows).astype(np.float64), devices)
+        count, blocks = len(values), []
+        for k, mask, _ in owned:
+            # addressable_data(k) is addressable_shards[k].data without making
+            # every Shard (their indices): a third of the reading's time
+            block = np.stack([np.asarray(v.addressable_data(k)) for v in values])
+            blocks.append(block.reshape(count, -1) if mask is None else block[:, mask])
+        x = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=1)
+        devices = np.concatenate(
+            [np.full(b.shape[1], d) for b, (_, _, d) in zip(blocks, owned, strict=True)]
+        )
+        return of_rows(x.astype(np.float64), devices, ordered=True)
     return np.concatenate([_of_arrays([v], index) for v in values], axis=1)
 
 
@@ -207,21 +230,31 @@ def _combined(parts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The ``(K, 4, U)`` statistics (STATS order) and ``(K, 3, U)`` provenance
     (PROVENANCE order) from every process's partials, ``(P, K, 8, U)``."""
     n, means = parts[:, :, COUNT], parts[:, :, MEAN]
+    everyone_holds = bool((n > 0).all())
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         total = n.sum(axis=0)
-        mean = np.where(n > 0, n * means, 0).sum(axis=0) / total
-        spread = np.where(n > 0, n * np.square(means - mean), 0).sum(axis=0)
+        if everyone_holds:
+            mean = (n * means).sum(axis=0) / total
+            spread = (n * np.square(means - mean)).sum(axis=0)
+        else:
+            mean = np.where(n > 0, n * means, 0).sum(axis=0) / total
+            spread = np.where(n > 0, n * np.square(means - mean), 0).sum(axis=0)
         std = np.sqrt(np.maximum((parts[:, :, M2].sum(axis=0) + spread) / total, 0))
     top, bottom = parts[:, :, MAX].max(axis=0), parts[:, :, MIN].min(axis=0)
     argmax = np.where(parts[:, :, MAX] == top, parts[:, :, ARGMAX], NO_DEVICE)
     argmin = np.where(parts[:, :, MIN] == bottom, parts[:, :, ARGMIN], NO_DEVICE)
-    nans = parts[:, :, NAN_DEVICE]
-    nan_device = np.where(nans >= 0, nans, NO_DEVICE).min(axis=0)
-    has_nan = nan_device < NO_DEVICE
     same = top == bottom  # a constant stays a constant, exactly
     stats = np.stack(
         [np.where(same, top, mean), top, bottom, np.where(same, 0.0, std)], axis=1
     )
+    nans = parts[:, :, NAN_DEVICE]
+    if not (nans >= 0).any():  # no NaN anywhere
+        where = np.stack(
+            [argmax.min(axis=0), argmin.min(axis=0), np.full_like(top, -1)], axis=1
+        )
+        return stats, where.astype(np.int32)
+    nan_device = np.where(nans >= 0, nans, NO_DEVICE).min(axis=0)
+    has_nan = nan_device < NO_DEVICE
     stats[np.broadcast_to(has_nan[:, None], stats.shape)] = np.nan
     nan_device = np.where(has_nan, nan_device, -1)
     where = np.stack(
@@ -280,11 +313,23 @@ def combine(
         holds = hi[:, COUNT, 0] > 0  # the processes in the mesh
         hi, lo = hi[holds, MEAN], lo[holds, MEAN]  # (P', U)
         times = (hi - hi.min(axis=0)) * unit + lo
-        lags = times - np.median(times, axis=0)
+        lags = times - _median(times)
         out["lags"] = lags.T.astype(np.result_type(np.float32, *dtypes))
         out["ids"] = np.asarray(procs, np.int32)[holds]
         out["last"] = np.argmax(times, axis=0)
     return out
+
+
+def _median(x: np.ndarray) -> np.ndarray:
+    """``np.median(x, axis=0)``, the same numbers at a fraction of its
+    time on the few rows of a batch (NaN where a column has one)."""
+    if np.isnan(x).any():
+        return np.median(x, axis=0)
+    ordered = np.sort(x, axis=0)
+    half = len(x) // 2
+    if len(x) % 2:
+        return ordered[half]
+    return (ordered[half - 1] + ordered[half]) / 2
 
 
 def results(
@@ -371,6 +416,15 @@ def result_dtype(value: Any) -> Any:
     return np.dtype(np.float64 if jax.config.jax_enable_x64 else np.float32)  # type: ignore[attr-defined]
 
 
+def batch_key(prefix: str, n: int) -> tuple[str, str | None]:
+    """The key of batch ``n`` (from 0) under ``prefix``, and the keys
+    process 0 deletes once every process has posted it: the group before,
+    at the first batch of a group (None otherwise)."""
+    group, place = divmod(n, GROUP)
+    drop = f"{prefix}/group{group - 1}" if place == 0 and group > 0 else None
+    return f"{prefix}/group{group}/batch{n}", drop
+
+
 def _let_others_run() -> None:
     """Sleeps a moment, between pieces of work of a tenth of a millisecond or
     so. A thread waiting for the GIL otherwise waits for the interpreter's
@@ -385,9 +439,9 @@ class HostBatch:
     Args:
         updates: ``(step, time, items)`` per update, ``items`` sorted by name.
         key: the batch's key prefix in the store, the same on every process.
-        previous: the batch before (process 0 deletes its result once every
-            process has posted this one), or None. Batches run in order, on
-            one thread.
+        drop: the keys process 0 deletes (the group before:
+            :func:`batch_key`) once every process has posted this batch, or
+            None. Batches run in order, on one thread.
         client: the distributed runtime's client.
         current: whether ``client`` is still the runtime's (False once it
             was shut down: the thread stops waiting then).
@@ -408,7 +462,7 @@ class HostBatch:
         self,
         updates: list[tuple[int, float, list]],
         key: str,
-        previous: HostBatch | None,
+        drop: str | None,
         client: Any,
         current: Callable[[], bool],
         combine_batch: Callable[[list, dict], dict],
@@ -417,7 +471,7 @@ class HostBatch:
     ):
         self.updates = updates
         self.key = key
-        self._previous_key = None if previous is None else previous.key
+        self._drop = drop
         self._client = client
         self._current = current
         self._combine = combine_batch
@@ -478,12 +532,12 @@ class HostBatch:
                 _let_others_run()
                 theirs = unpack(self._read(f"{self.key}/{other}"))
                 everyone[other], their_steps[other] = theirs["parts"], theirs["steps"]
-        if self._previous_key is not None:
-            # Every process posted this batch, so has read the one before's
-            # result: that batch's keys (posts and result) go in one call. A
-            # store that refuses keeps them: harmless.
+        if self._drop is not None:
+            # Every process posted this batch, so has read every result of the
+            # group before: its keys (posts and results) go in one call. A store
+            # that refuses keeps them: harmless.
             with contextlib.suppress(Exception):
-                client.key_value_delete(self._previous_key)
+                client.key_value_delete(self._drop)
         _let_others_run()
         alike = all(
             np.array_equal(their_steps[p], steps) and everyone[p].shape == posted.shape

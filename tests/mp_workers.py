@@ -662,7 +662,7 @@ def batched_run(
         )
     history.close()
     state = history.state
-    # what the batches left in the store: the last one's keys only
+    # what the batches left in the store: the last group's keys only
     client = _distributed.distributed_client()
     left = [
         k for k, _ in client.key_value_dir_get_bytes("jaxhistory/") if "/batch" in k

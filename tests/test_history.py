@@ -1201,8 +1201,10 @@ def test_with_log_every_values_are_reduced_in_batches_and_recorded_at_their_step
     batched = jh.launch_local("mp_workers:batched_run", 2, 2, args=(4, 10), timeout=180)
     assert [(r["programs"], r["batches"]) for r in each] == [([1] * 10, [])] * 2
     assert [(r["programs"], r["batches"]) for r in batched] == [([], [1, 4, 4, 1])] * 2
-    # process 0 deleted each batch's keys at the next: the last batch's stay
-    assert batched[0]["store"] == ["batch3/1", "batch3/result"], batched[0]["store"]
+    # the four batches are one group (deleted at the next group's first): its
+    # keys stay, process 1's posts and the results
+    kept = [f"group0/batch{n}/{k}" for n in range(4) for k in ("1", "result")]
+    assert batched[0]["store"] == kept, batched[0]["store"]
     one, many = each[0], batched[0]
     for name in ("loss/mean", "loss/std", "loss/argmax", "host/mean", "host/max"):
         assert many["steps"][name] == list(range(10)), name

@@ -16,8 +16,11 @@ from jax.sharding import PartitionSpec as P
 import jaxhistory as jh
 from jaxhistory import _distributed, _host_batches
 from jaxhistory._host_batches import (
+    GROUP,
     HostBatch,
+    batch_key,
     combine,
+    of_rows,
     pack,
     partials,
     results,
@@ -154,6 +157,59 @@ def test_rows_of_a_batch_are_reduced_each_on_its_own():
     assert got[4][0].table[3, 0] == 0.0 and got[4][0].table[0, 0] == 1.5
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_rows_over_ordered_devices_give_what_any_order_gives(seed):
+    """of_rows(ordered=True), devices in increasing order: the partial of the
+    general path, bit for bit, ties (0.0 and -0.0 among them), infinities
+    and NaN rows included; the lowest device holding each extreme."""
+    rng = np.random.default_rng(seed)
+    x = np.round(rng.normal(size=(7, 12)), 0)  # many ties
+    x[1, [2, 9]] = [0.0, -0.0]
+    x[1, x[1] != 0] = -1.0
+    x[2, 5], x[3, [0, 11]] = np.inf, [-np.inf, np.inf]
+    x[4, 7] = np.nan
+    x[5] = 2.5
+    devices = np.sort(rng.integers(0, 6, size=12))
+    for rows in (x, np.delete(x, 4, axis=0)):  # with a NaN row, and without
+        fast, general = of_rows(rows, devices, ordered=True), of_rows(rows, devices)
+        np.testing.assert_array_equal(fast, general)
+        assert np.signbit(fast).tolist() == np.signbit(general).tolist()
+        assert fast[_host_batches.ARGMAX, 2] == devices[5]
+        assert fast[_host_batches.ARGMIN, 3] == devices[0]
+        assert fast[_host_batches.ARGMAX, -2] == devices[0]  # the constant row
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+def test_the_median_of_a_batchs_arrival_times_is_numpys(p):
+    rng = np.random.default_rng(p)
+    x = rng.normal(size=(p, 9))
+    x[:, 1] = 4.0
+    x[0, 2] = np.inf
+    np.testing.assert_array_equal(_host_batches._median(x), np.median(x, axis=0))
+    x[-1, 3] = np.nan
+    np.testing.assert_array_equal(_host_batches._median(x), np.median(x, axis=0))
+
+
+def test_combined_without_nan_matches_the_general_path():
+    """Partials with no NaN (the fast path) give what they give with one NaN
+    elsewhere, on every name the NaN does not touch."""
+    rng = np.random.default_rng(3)
+    x = np.round(rng.normal(size=(3, 20)), 1)
+    devices = np.arange(20)
+    cuts = {0: slice(0, 7), 1: slice(7, 8), 2: slice(8, 20)}
+    clean = np.stack([of_rows(x[:, c], devices[c])[None] for c in cuts.values()])
+    y = np.concatenate([x, [[np.nan] * 20]])
+    dirty = np.stack([of_rows(y[:, c], devices[c])[None] for c in cuts.values()])
+    stats, where = _host_batches._combined(clean)
+    stats2, where2 = _host_batches._combined(dirty)
+    np.testing.assert_array_equal(stats, stats2[..., :3])
+    np.testing.assert_array_equal(where, where2[..., :3])
+    assert (where[:, 2] == -1).all() and (where2[:, 2, 3] == 0).all()
+    for u in range(3):
+        assert stats[0, 0, u] == pytest.approx(x[u].mean(), rel=1e-13)
+        assert where[0, 0, u] == devices[x[u] == x[u].max()].min()
+
+
 def test_host_scalars_count_each_process_by_its_devices():
     """Process 0 holds 3 devices of the mesh (from device 0), process 1 one
     (device 3): the mean weighs them so, as one value per device does."""
@@ -235,13 +291,13 @@ class Store:
             del self.data[k]
 
 
-def _batch(store, key, previous=None, mesh=None, updates=None, current=lambda: True):
+def _batch(store, key, drop=None, mesh=None, updates=None, current=lambda: True):
     if updates is None:
         updates = [(0, 0.0, [("loss", 1.5), ("x", 2.0)])]
     return HostBatch(
         updates,
         key,
-        previous,
+        drop,
         store,
         current,
         _distributed._combine_batch,
@@ -250,23 +306,46 @@ def _batch(store, key, previous=None, mesh=None, updates=None, current=lambda: T
     )
 
 
-def test_the_leader_combines_posts_the_result_and_deletes_the_batch_before(mesh):
+def test_the_leader_combines_posts_the_result_and_deletes_the_group_before(mesh):
     store = Store()
     loss = jax.device_put(
         np.arange(8, dtype=np.float32), NamedSharding(mesh, P("data"))
     )
-    first = _batch(store, "k/batch0", updates=[(3, 0.0, [("loss", loss)])])
-    second = _batch(store, "k/batch1", previous=first)
+    first = _batch(store, "k/group0/batch0", updates=[(3, 0.0, [("loss", loss)])])
+    second = _batch(store, "k/group1/batch8", drop="k/group0")
     [(stats, straggler, differs)] = first.result()
     assert dict(stats)["loss/mean"] == 3.5 and dict(stats)["loss/argmax"] == 7
     assert straggler == {} and differs is None
     [(stats, _, _)] = second.result()
     assert dict(stats)["x/mean"] == 2.0 and dict(stats)["loss/max"] == 1.5
-    posted = unpack(store.data["k/batch1/result"])
+    posted = unpack(store.data["k/group1/batch8/result"])
     assert posted["table"].shape == (1, 4, 2)  # one update, two values
-    # batch0's keys, its result and every post, went in one call; batch1's stay
-    assert store.deleted == ["k/batch0"]
-    assert sorted(store.data) == ["k/batch1/result"]
+    # group0's keys, every result and post of its batches, went in one call
+    assert store.deleted == ["k/group0"]
+    assert sorted(store.data) == ["k/group1/batch8/result"]
+
+
+@pytest.mark.parametrize(
+    ("n", "key", "drop"),
+    [
+        (0, "p/group0/batch0", None),
+        (1, "p/group0/batch1", None),
+        (GROUP - 1, f"p/group0/batch{GROUP - 1}", None),
+        (GROUP, f"p/group1/batch{GROUP}", "p/group0"),
+        (GROUP + 1, f"p/group1/batch{GROUP + 1}", None),
+        (3 * GROUP, f"p/group3/batch{3 * GROUP}", "p/group2"),
+    ],
+)
+def test_batches_are_kept_and_deleted_in_groups(n, key, drop):
+    """A group's batches share one key, deleted at the first batch of the
+    next group (one call to the store every GROUP batches). A group's key is
+    not a prefix of another's: the store deletes "p/group1" and everything
+    under "p/group1/", never "p/group10/"."""
+    assert batch_key("p", n) == (key, drop)
+    store = Store()
+    store.data = {"p/group1/batch8/result": b"", "p/group10/batch80/result": b""}
+    store.key_value_delete("p/group1")
+    assert list(store.data) == ["p/group10/batch80/result"]
 
 
 def test_another_process_posts_and_reads_the_leaders_result(monkeypatch):
