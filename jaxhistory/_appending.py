@@ -492,7 +492,7 @@ def _layout(row: Row) -> tuple | None:
 
 
 def rows_extended(state: HistoryState, rows: list[Row]) -> HistoryState | None:
-    """``state`` with ``rows`` appended in one :meth:`HistoryState.extend` per
+    """``state`` with ``rows`` appended in one append of host columns per
     table (the tables, dtypes and records that appending them one by one
     gives); None (nothing done) unless they share one :func:`_layout` and
     their steps increase."""
@@ -503,20 +503,55 @@ def rows_extended(state: HistoryState, rows: list[Row]) -> HistoryState | None:
     if any(_layout(r) != layout for r in rows[1:]):
         return None
     names, metrics, stat_rows, provenance = layout
-    out = state
+    at = np.asarray(steps, np.int64)
+    blocks = []
     if len(names) > 1:  # first, as with_stats records them
-        plain = {
-            name: np.asarray([r.values[i] for r in rows])
-            for i, name in enumerate(names[1:], 1)
-        }
-        out = out.extend(steps, plain)
-    blocks = [(stat_names(metrics, "", stat_rows), [r.values[0].table for r in rows])]
+        plain = [np.asarray([r.values[i] for r in rows]) for i in range(1, len(names))]
+        blocks.append((names[1:], plain))
+    tables = [r.values[0].table for r in rows]
+    blocks.append((stat_names(metrics, "", stat_rows), _columns(tables, len(rows))))
     if provenance:
+        wheres = [r.values[0].where for r in rows]
         blocks.append(
-            (stat_names(metrics, "", PROVENANCE), [r.values[0].where for r in rows])
+            (stat_names(metrics, "", PROVENANCE), _columns(wheres, len(rows)))
         )
-    for keys, tables in blocks:
-        columns = np.stack(tables).astype(np.result_type(*tables), copy=False)
-        columns = columns.reshape(len(rows), -1)
-        out = out.extend(steps, dict(zip(keys, columns.T, strict=True)))
+    out = state
+    for keys, columns in blocks:
+        out = _columns_appended(out, at, tuple(keys), columns)
     return out
+
+
+def _columns(tables: list[np.ndarray], count: int) -> list[np.ndarray]:
+    """Each row's ``(a, b)`` table, stacked: ``a * b`` columns of ``count``."""
+    stacked = np.stack(tables).astype(np.result_type(*tables), copy=False)
+    return list(stacked.reshape(count, -1).T)
+
+
+def _columns_appended(
+    state: HistoryState, steps: np.ndarray, keys: tuple[str, ...], columns: list
+) -> HistoryState:
+    """:meth:`HistoryState.extend` for columns made here (numeric NumPy
+    arrays, one record per step, steps int64 and increasing): the same checks
+    of the names and steps, none of the values'. Where a column is not such an
+    array, :meth:`HistoryState.extend` itself."""
+    dtypes = []
+    for name, column in zip(keys, columns, strict=True):
+        kind = getattr(column, "dtype", None)
+        try:  # what a host array of it is stored as, where it is kept as is
+            dtype = None if kind is None else device_storage_dtype(name, kind, 4)
+        except TypeError:
+            dtype = None
+        if (
+            type(column) is not np.ndarray
+            or dtype != kind
+            or column.shape != steps.shape
+        ):
+            return state.extend(steps, dict(zip(keys, columns, strict=True)))
+        dtypes.append(dtype)
+    check_append(state, keys, ((),) * len(keys), int(steps[0]))
+    table, n = writable(state, keys, tuple(dtypes), ((),) * len(keys), len(steps))
+    with table.lock:
+        if table.length != n:  # a branch, or another thread got there first
+            table = table.prefix_locked(n)
+        table.extend(steps, columns)
+    return state.extended_with(keys, table, n + len(steps), int(steps[-1]))

@@ -262,7 +262,13 @@ class HistoryState:
         change = _appending.extended(self, steps, values)
         if change is None:
             return self
-        keys, table, n, last = change
+        return self.extended_with(*change)
+
+    def extended_with(
+        self, keys: tuple[str, ...], table: Table, n: int, last: int
+    ) -> HistoryState:
+        """This state with ``keys``' table now ``table``, of ``n`` rows, the
+        last at step ``last`` (appended by :mod:`~jaxhistory._appending`)."""
         new = self.data.tables.copy()
         new[keys] = (table, n)
         return self._derive(new, max(self.next_step, last + 1), appended=keys)

@@ -1230,6 +1230,50 @@ def test_the_appender_takes_a_batch_of_reduced_rows_in_one_call():
     assert bulk.state.values("loss/argmax").dtype == np.int32
 
 
+@pytest.mark.parametrize("case", ["f16", "int64", "recorded"])
+def test_a_batch_of_rows_takes_the_checks_of_extend(case):
+    """Statistics in float16 (stored as float32) or int64 in a float column
+    (widened) take extend's own conversions; steps at or before a record
+    raise as extend does, and nothing of the batch is recorded."""
+    rng = np.random.default_rng(2)
+    rows = _reduced_rows(range(10, 14), rng)
+    one, bulk = Appender(), Appender()
+    if case == "f16":
+        rows = [
+            r._replace(
+                values=(
+                    jh.Stats(
+                        r.values[0].names,
+                        r.values[0].table.astype(np.float16),
+                        r.values[0].where,
+                    ),
+                    *r.values[1:],
+                )
+            )
+            for r in rows
+        ]
+    elif case == "int64":
+        for rec in (one, bulk):
+            rec.append(parse_row({"straggler/lag": 0.5}, 2))
+        rows = [r._replace(values=(*r.values[:2], np.int64(r.step))) for r in rows]
+    else:
+        for rec in (one, bulk):
+            rec.append(parse_row({"loss/mean": 0.5}, 12))
+        before = bulk.state
+        with pytest.raises(ValueError, match="already recorded"):
+            bulk.append_rows(rows)
+        assert bulk.state is before and bulk.state.count("loss/mean") == 1
+        return
+    for r in rows:
+        one.append(r)
+    bulk.append_rows(rows)
+    _same_states(one.state, bulk.state)
+    if case == "f16":
+        assert bulk.state.values("loss/mean").dtype == np.float32
+    else:
+        assert bulk.state.values("straggler/lag").dtype == np.float64
+
+
 @pytest.mark.parametrize("case", ["steps", "layouts", "device", "plain", "no-where"])
 def test_rows_that_do_not_share_a_layout_are_appended_one_by_one(case):
     rng = np.random.default_rng(1)
