@@ -160,6 +160,7 @@ class Reducer:
         self._batch_names: tuple[str, ...] = ()
         self._inflight: list[tuple] = []  # batches started, not yet fetched
         self._batches = itertools.count()  # numbers batches alike in every process
+        self._last: HostBatch | None = None  # the latest batch started
         self._open = False  # whether updates were batched since the last close
         self.batch_error: Exception | None = None  # of a batch fetched, not raised
         # reductions (one per update, or per batch) so far: when checksums are due
@@ -434,7 +435,9 @@ class Reducer:
             _combine_batch,
             _split_batch,
             mesh,
+            self._last,
         )
+        self._last = handle
         self._inflight.append(
             (batch, handle, mesh, bool(arrays), self._batch_names, self._clock + 1)
         )

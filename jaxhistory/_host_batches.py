@@ -24,11 +24,13 @@ are kept in the store in groups of :data:`GROUP` (under one key each,
 :func:`batch_key`): once process 0 has read every post of the first batch of
 a group, every process has read every result of the group before, and
 process 0 deletes that group's keys (every post and result of its batches)
-in one call. So the keys of at most ``GROUP + 1`` batches stay in the store,
-and a batch takes two calls to the store on every process at two processes
-(process 1: its post and reading the result; process 0: reading that post
-and posting the result), plus one call on process 0 every ``GROUP`` batches.
-The caller keeps at most two batches in flight.
+in one call. A batch whose posts and result came to more than
+:data:`KEEP_BYTES` is deleted on its own at the next batch, so the store
+holds at most two such batches, as well as the small ones of two groups. At
+two processes a batch takes two calls to the store on every process (process
+1: its post and reading the result; process 0: reading that post and posting
+the result), plus one call on process 0 every ``GROUP`` batches (or the next
+batch, for a large one). The caller keeps at most two batches in flight.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from jaxhistory._tree import acc_dtype
 __all__ = [
     "FIELDS",
     "GROUP",
+    "KEEP_BYTES",
     "Combined",
     "Exiting",
     "HostBatch",
@@ -72,6 +75,8 @@ YIELD_S = 5e-5  # the pause between pieces of work (see _let_others_run)
 POLL_S = 1.0  # how long one read of the store waits before checking for exit
 LEADER = 0  # the process that combines every batch
 GROUP = 8  # batches whose keys go in one delete (see the module's notes)
+KEEP_BYTES = 256 << 10  # a batch larger than this (every post and the result)
+# is deleted on its own at the next batch, not with its group
 
 # What one process holds of one value at each of a batch's U updates: a
 # float64 (8, U) array, in this order (device indices as floats, exact):
@@ -451,6 +456,9 @@ class HostBatch:
         split_batch: ``split_batch(items, arrays)`` -> each update's
             :data:`Combined` (:func:`results`).
         mesh: the mesh whose devices count a host scalar.
+        previous: the batch before, or None: process 0 deletes its keys once
+            every process has posted this batch where they came to more than
+            :data:`KEEP_BYTES` (and it is not in the group ``drop`` names).
 
     Batches go to one thread per process, which starts with the first and
     ends when it has had nothing to do for :data:`IDLE_S`: starting a thread
@@ -468,10 +476,13 @@ class HostBatch:
         combine_batch: Callable[[list, dict], dict],
         split_batch: Callable[[list, dict], list[Combined]],
         mesh: jax.sharding.Mesh,
+        previous: HostBatch | None = None,
     ):
         self.updates = updates
         self.key = key
         self._drop = drop
+        self.size = 0  # (process 0) the bytes of every post and the result
+        self._previous = previous  # read (and let go) when this batch runs
         self._client = client
         self._current = current
         self._combine = combine_batch
@@ -509,6 +520,8 @@ class HostBatch:
         posts the result; the others post theirs and read it: the store
         carries O(P) bytes a batch, not every process's posts to every
         process."""
+        # the batch before ran earlier on this thread: its size is known
+        previous, self._previous = self._previous, None
         me, index = jax.process_index(), global_index()
         mine = [d for d in self._mesh.devices.flat if d.process_index == me]
         holder = min((index[d.id] for d in mine), default=-1)
@@ -526,18 +539,26 @@ class HostBatch:
             arrays = unpack(self._read(result))
             _check_alike(arrays)
             return self._results(items[0], arrays) if items else []
-        everyone, their_steps = {me: posted}, {me: steps}
+        everyone, their_steps, size = {me: posted}, {me: steps}, 0
         for other in range(jax.process_count()):
             if other != me:
                 _let_others_run()
-                theirs = unpack(self._read(f"{self.key}/{other}"))
+                raw = self._read(f"{self.key}/{other}")
+                size += len(raw)
+                theirs = unpack(raw)
                 everyone[other], their_steps[other] = theirs["parts"], theirs["steps"]
-        if self._drop is not None:
-            # Every process posted this batch, so has read every result of the
-            # group before: its keys (posts and results) go in one call. A store
-            # that refuses keeps them: harmless.
-            with contextlib.suppress(Exception):
-                client.key_value_delete(self._drop)
+        # Every process posted this batch, so has read every result before
+        # it: the batch before's keys where they are large, and the group
+        # before's (posts and results), each in one call. A store that
+        # refuses keeps them: harmless.
+        drop, drop_before = self._drop, None
+        if previous is not None and previous.size > KEEP_BYTES:
+            in_drop = drop is not None and previous.key.startswith(f"{drop}/")
+            drop_before = None if in_drop else previous.key  # (else: its group's)
+        for key in (drop_before, drop):
+            if key is not None:
+                with contextlib.suppress(Exception):
+                    client.key_value_delete(key)
         _let_others_run()
         alike = all(
             np.array_equal(their_steps[p], steps) and everyone[p].shape == posted.shape
@@ -549,7 +570,9 @@ class HostBatch:
             arrays = {}
         else:
             arrays = self._combine(items[0], everyone)
-        client.key_value_set_bytes(result, pack(arrays))
+        raw = pack(arrays)
+        client.key_value_set_bytes(result, raw)
+        self.size = size + len(raw)
         _check_alike(arrays)
         return self._results(items[0], arrays) if items else []
 

@@ -291,7 +291,15 @@ class Store:
             del self.data[k]
 
 
-def _batch(store, key, drop=None, mesh=None, updates=None, current=lambda: True):
+def _batch(
+    store,
+    key,
+    drop=None,
+    mesh=None,
+    updates=None,
+    current=lambda: True,
+    previous=None,
+):
     if updates is None:
         updates = [(0, 0.0, [("loss", 1.5), ("x", 2.0)])]
     return HostBatch(
@@ -303,6 +311,7 @@ def _batch(store, key, drop=None, mesh=None, updates=None, current=lambda: True)
         _distributed._combine_batch,
         _distributed._split_batch,
         mesh if mesh is not None else jax.sharding.Mesh(jax.devices(), ("d",)),
+        previous,
     )
 
 
@@ -346,6 +355,30 @@ def test_batches_are_kept_and_deleted_in_groups(n, key, drop):
     store.data = {"p/group1/batch8/result": b"", "p/group10/batch80/result": b""}
     store.key_value_delete("p/group1")
     assert list(store.data) == ["p/group10/batch80/result"]
+
+
+@pytest.mark.parametrize("keep", [0, _host_batches.KEEP_BYTES])
+def test_a_large_batch_is_deleted_at_the_next_not_with_its_group(monkeypatch, keep):
+    """Where a batch's posts and result came to more than KEEP_BYTES, the
+    leader deletes its keys at the next batch (the store holds at most two
+    such); a small one waits for its group. A batch of the group deleted
+    with the next is not deleted twice."""
+    monkeypatch.setattr(_host_batches, "KEEP_BYTES", keep)
+    store = Store()
+    first = _batch(store, "k/group0/batch0")
+    first.result()
+    assert first.size == len(store.data["k/group0/batch0/result"]) > 0
+    second = _batch(store, "k/group0/batch1", previous=first)
+    second.result()
+    large = first.size > keep
+    assert large == (keep == 0)
+    assert store.deleted == (["k/group0/batch0"] if large else [])
+    third = _batch(store, "k/group1/batch8", drop="k/group0", previous=second)
+    third.result()
+    assert store.deleted[-1:] == ["k/group0"] and store.deleted.count("k/group0") == 1
+    assert "k/group0/batch1" not in store.deleted
+    assert second._previous is None and third._previous is None  # let go
+    assert sorted(store.data) == ["k/group1/batch8/result"]
 
 
 def test_another_process_posts_and_reads_the_leaders_result(monkeypatch):
