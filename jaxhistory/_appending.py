@@ -312,8 +312,15 @@ def extended(state: HistoryState, steps: Any, values: Mapping[str, Any]):
         columns.append(np.asarray(arr, dtype))
         dtypes.append(dtype)
         shapes.append(shape[1:])
+    return _columns_in(state, steps, keys, columns, tuple(dtypes), tuple(shapes))
+
+
+def _columns_in(state: HistoryState, steps, keys, columns, dtypes, shapes):
+    """Appends checked host ``columns`` of ``keys`` (stored as ``dtypes``,
+    records of ``shapes``) at ``steps`` (int64, increasing): the key set, its
+    table, its row count and the latest step, as :func:`extended` returns."""
     check_append(state, keys, shapes, int(steps[0]))
-    table, n = writable(state, keys, tuple(dtypes), tuple(shapes), len(steps))
+    table, n = writable(state, keys, dtypes, shapes, len(steps))
     with table.lock:
         if table.length != n:  # a branch, or another thread got there first
             table = table.prefix_locked(n)
@@ -548,10 +555,6 @@ def _columns_appended(
         ):
             return state.extend(steps, dict(zip(keys, columns, strict=True)))
         dtypes.append(dtype)
-    check_append(state, keys, ((),) * len(keys), int(steps[0]))
-    table, n = writable(state, keys, tuple(dtypes), ((),) * len(keys), len(steps))
-    with table.lock:
-        if table.length != n:  # a branch, or another thread got there first
-            table = table.prefix_locked(n)
-        table.extend(steps, columns)
-    return state.extended_with(keys, table, n + len(steps), int(steps[-1]))
+    scalars = ((),) * len(keys)
+    change = _columns_in(state, steps, keys, columns, tuple(dtypes), scalars)
+    return state.extended_with(*change)
